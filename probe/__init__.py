@@ -1,0 +1,18 @@
+"""probe: precision debugging for PyTorch training.
+
+One TorchDispatchMode sees every aten op, forward and backward, and runs
+pluggable modes per op. The public interface is this module:
+
+- :func:`mode` starts a session (a context manager) over one or more modes;
+- :func:`load` opens a run directory it wrote;
+- :class:`ProbeError` is raised for bad options and unreadable input.
+"""
+
+__version__ = "0.1.0"
+
+from probe.errors import ProbeError  # noqa: E402
+from probe.rundir.reader import OpRecord, Run, TensorRecord, load  # noqa: E402
+from probe.session import Session, mode  # noqa: E402
+from probe import modes as _modes  # noqa: E402, F401  (registers the built-in modes)
+
+__all__ = ["OpRecord", "ProbeError", "Run", "Session", "TensorRecord", "__version__", "load", "mode"]

@@ -1,0 +1,1 @@
+"""Questions asked of loaded runs: op graphs, first non-finite op, step summaries."""

@@ -1,0 +1,72 @@
+"""What ``probe summary`` reports for each (step, rank) of a run."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from probe.analysis.nonfinite import first_nonfinite_in
+from probe.rundir.reader import OpRecord, Run
+
+
+@dataclass
+class Extreme:
+    op: OpRecord
+    value: float
+
+
+@dataclass
+class StepSummary:
+    step: int
+    rank: int
+    complete: bool
+    reason: str | None
+    phase_counts: dict[str, int]
+    first_nonfinite: OpRecord | None
+    largest_abs_max: list[Extreme]
+    largest_norm: list[Extreme]
+
+
+def _largest(ops: list[OpRecord], key: str, top: int) -> list[Extreme]:
+    found = []
+    for op in ops:
+        values = []
+        for t in op.outputs:
+            if t.stats is None:
+                continue
+            if key == "abs_max":
+                lo, hi = t.stats["min"], t.stats["max"]
+                if lo is None or hi is None:
+                    continue
+                values.append(max(abs(lo), abs(hi)))
+            else:
+                values.append(t.stats["norm"])
+        values = [v for v in values if v is not None and not math.isnan(v)]
+        if values:
+            found.append(Extreme(op, max(values)))
+    found.sort(key=lambda e: e.value, reverse=True)
+    return found[:top]
+
+
+def summarize_step(run: Run, step: int, rank: int, top: int = 5) -> StepSummary:
+    ops = run.ops(step, rank)
+    info = run.step_info(step, rank)
+    return StepSummary(
+        step=step,
+        rank=rank,
+        complete=info.complete,
+        reason=info.reason,
+        phase_counts=dict(Counter(op.phase for op in ops)),
+        first_nonfinite=first_nonfinite_in(ops),
+        largest_abs_max=_largest(ops, "abs_max", top),
+        largest_norm=_largest(ops, "norm", top),
+    )
+
+
+def summarize(run: Run, top: int = 5) -> list[StepSummary]:
+    return [
+        summarize_step(run, step, rank, top)
+        for rank in run.ranks
+        for step in run.steps_of(rank)
+    ]

@@ -1,0 +1,104 @@
+"""The ``probe`` command.
+
+Exit codes: 0 success; 1 a check the command was asked to make failed; 2 bad
+usage or unreadable input, with a one-line reason on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from probe.errors import ProbeError
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse exits 2 too; keep its one line
+        self.exit(EXIT_USAGE, f"probe: error: {message}\n")
+
+
+def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
+    import probe
+    from probe.analysis.summary import summarize
+    from probe.demo.train import DemoTraining, train
+    from probe.exporters.console import render_run
+
+    out = Path(args.out) if args.out else Path("probe_runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+    modes = [m.strip() for m in args.mode.split(",") if m.strip()]
+    training = DemoTraining()
+    session = probe.mode(
+        modes, out=out, overwrite=args.overwrite, stack=args.stack, model=training.model
+    )
+    console.print(f"training the built-in tiny LLaMA for {args.steps} steps under {modes} -> {out}")
+    with Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("steps", total=args.steps)
+
+        def on_step(step: int, loss: float) -> None:
+            progress.update(task, advance=1, description=f"loss {loss:.4f}")
+
+        losses = train(training, args.steps, session=session, on_step=on_step)
+    console.print("losses: " + ", ".join(f"{loss:.4f}" for loss in losses))
+    run = probe.load(out)
+    render_run(console, run, summarize(run, top=args.top))
+    return EXIT_OK
+
+
+def _cmd_summary(args: argparse.Namespace, console: Console) -> int:
+    import probe
+    from probe.analysis.summary import summarize
+    from probe.exporters.console import render_run
+
+    run = probe.load(args.run)
+    render_run(console, run, summarize(run, top=args.top))
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="probe", description="Precision debugging for PyTorch training.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    demo = sub.add_parser("demo", help="train the built-in tiny LLaMA-style model under a mode")
+    demo.add_argument("--out", help="run directory (default: probe_runs/demo-<time>)")
+    demo.add_argument("--mode", default="stats", help="mode name, or several joined by commas")
+    demo.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
+    demo.add_argument("--stack", action="store_true", help="record Python call sites")
+    demo.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    demo.add_argument("--top", type=int, default=5, help="rows in the largest-value tables")
+    demo.set_defaults(func=_cmd_demo)
+
+    summary = sub.add_parser("summary", help="per-step summary of a run directory")
+    summary.add_argument("run", help="run directory")
+    summary.add_argument("--top", type=int, default=5, help="rows in the largest-value tables")
+    summary.set_defaults(func=_cmd_summary)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    if getattr(args, "steps", 1) < 1:
+        print("probe: error: --steps must be at least 1", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.func(args, console)
+    except ProbeError as e:
+        print(f"probe: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""A built-in tiny LLaMA-style model and a training loop for ``probe demo`` and the benchmarks."""

@@ -1,0 +1,1 @@
+"""Runs turned into things people and other tools read (terminal tables, files)."""

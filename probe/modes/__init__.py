@@ -1,0 +1,7 @@
+"""Pluggable per-op work. Importing this package registers the built-in modes."""
+
+from probe.modes import stats  # noqa: F401  (registers "stats")
+from probe.modes.base import Mode
+from probe.modes.registry import MODES, register_mode
+
+__all__ = ["MODES", "Mode", "register_mode"]

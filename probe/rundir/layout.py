@@ -1,0 +1,63 @@
+"""Where things live in a run directory. The one place that knows file names.
+
+See docs/format.md for the full description; bump FORMAT_VERSION on any change
+a reader of an older version could misread.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+FORMAT_NAME = "probe-run"
+FORMAT_VERSION = 1
+
+RUN_FILE = "run.json"
+MANIFEST_FILE = "manifest.json"
+OPS_FILE = "ops.jsonl"
+CALLSITES_FILE = "callsites.json"
+STATS_FILE = "stats.npy"
+STATS_INDEX_FILE = "stats_index.npy"
+
+_RANK_RE = re.compile(r"rank(\d+)")
+_STEP_RE = re.compile(r"step(\d+)")
+_PARTIAL_RE = re.compile(r"\.step(\d+)\.partial")
+
+
+def rank_dir(out: Path, rank: int) -> Path:
+    return out / f"rank{rank}"
+
+
+def step_dir(out: Path, rank: int, step: int) -> Path:
+    return rank_dir(out, rank) / f"step{step}"
+
+
+def partial_step_dir(out: Path, rank: int, step: int) -> Path:
+    """Where a step is written before the rename that makes it visible."""
+    return rank_dir(out, rank) / f".step{step}.partial"
+
+
+def list_ranks(out: Path) -> list[int]:
+    found = []
+    for entry in out.iterdir():
+        m = _RANK_RE.fullmatch(entry.name)
+        if m and entry.is_dir():
+            found.append(int(m.group(1)))
+    return sorted(found)
+
+
+def list_steps(out: Path, rank: int) -> tuple[list[int], list[int]]:
+    """(flushed steps, steps whose flush never finished) of one rank."""
+    flushed, unfinished = [], []
+    directory = rank_dir(out, rank)
+    for entry in directory.iterdir():
+        if m := _STEP_RE.fullmatch(entry.name):
+            flushed.append(int(m.group(1)))
+        elif m := _PARTIAL_RE.fullmatch(entry.name):
+            unfinished.append(int(m.group(1)))
+    return sorted(flushed), sorted(unfinished)
+
+
+def is_probe_entry(name: str) -> bool:
+    """Entries a run directory may hold (what ``overwrite=True`` may replace)."""
+    return name == RUN_FILE or _RANK_RE.fullmatch(name) is not None

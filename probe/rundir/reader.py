@@ -1,0 +1,288 @@
+"""Reading a run directory: ``probe.load(path)`` returns a :class:`Run`.
+
+Steps are loaded lazily and cached per (step, rank). Statistics rows written by
+the stats mode are attached to the tensor records; an input that was produced
+by a traced op in the same step shares that op's output statistics even when
+input statistics were not collected.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from probe.errors import ProbeError
+from probe.rundir import layout
+
+if TYPE_CHECKING:
+    import networkx as nx
+
+_STAT_NAMES = ("min", "max", "mean", "norm", "nan", "inf")
+
+
+@dataclass(slots=True)
+class TensorRecord:
+    """A tensor argument or result of a recorded op."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    stats: dict[str, float | int | None] | None = None
+    """min, max, mean, norm (floats; None for empty tensors), nan, inf (counts)."""
+    source: tuple[int, int] | None = None
+    """For inputs: (index of the producing op in this step, its output position)."""
+    mutated: bool = False
+    """For outputs: an argument the op wrote in place."""
+
+    @property
+    def finite(self) -> bool | None:
+        """False if the tensor held a NaN or Inf; None without statistics."""
+        if self.stats is None:
+            return None
+        return self.stats["nan"] == 0 and self.stats["inf"] == 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(slots=True)
+class OpRecord:
+    """One traced op call, as loaded from a run."""
+
+    index: int
+    id: str
+    name: str
+    phase: str
+    module: str
+    module_call: int
+    module_stack: list[str]
+    step: int
+    rank: int
+    inputs: list[TensorRecord]
+    outputs: list[TensorRecord]
+    stack: list[str] | None = None
+    """Python call site, outermost frame first (when recorded with ``stack=True``)."""
+
+    @property
+    def inputs_finite(self) -> bool | None:
+        """Whether every input with known statistics was finite; None if none are known."""
+        known = [t.finite for t in self.inputs if t.finite is not None]
+        if not known:
+            return None
+        return all(known)
+
+    @property
+    def outputs_finite(self) -> bool | None:
+        known = [t.finite for t in self.outputs if t.finite is not None]
+        if not known:
+            return None
+        return all(known)
+
+    def __repr__(self) -> str:
+        return f"OpRecord({self.id!r}, step={self.step}, rank={self.rank})"
+
+
+@dataclass
+class StepInfo:
+    """The manifest of one flushed step."""
+
+    step: int
+    rank: int
+    complete: bool
+    reason: str | None
+    manifest: dict[str, Any] = field(repr=False)
+
+
+_EMPTY_STATS = {"min": None, "max": None, "mean": None, "norm": 0.0, "nan": 0, "inf": 0}
+
+
+def _stats_dict(row: list[float]) -> dict[str, float | int | None]:
+    return {
+        name: int(value) if name in ("nan", "inf") else float(value)
+        for name, value in zip(_STAT_NAMES, row)
+    }
+
+
+class Run:
+    """A run directory: its steps, ranks, op records, graphs and findings."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        run_file = self.path / layout.RUN_FILE
+        if not run_file.is_file():
+            raise ProbeError(f"{str(self.path)!r} is not a probe run directory (no {layout.RUN_FILE})")
+        try:
+            self.info: dict[str, Any] = json.loads(run_file.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ProbeError(f"cannot read {str(run_file)!r}: {e}") from None
+        version = self.info.get("format_version")
+        if not isinstance(version, int) or version > layout.FORMAT_VERSION:
+            raise ProbeError(
+                f"{str(run_file)!r} has format version {version!r}; this probe reads versions "
+                f"up to {layout.FORMAT_VERSION}: upgrade probe to read it"
+            )
+        self._ops: dict[tuple[int, int], list[OpRecord]] = {}
+        self._step_info: dict[tuple[int, int], StepInfo] = {}
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r}, steps={self.steps}, ranks={self.ranks})"
+
+    # -- what is there -----------------------------------------------------------
+
+    @cached_property
+    def ranks(self) -> list[int]:
+        return layout.list_ranks(self.path)
+
+    @cached_property
+    def _steps_by_rank(self) -> dict[int, tuple[list[int], list[int]]]:
+        return {rank: layout.list_steps(self.path, rank) for rank in self.ranks}
+
+    @property
+    def steps(self) -> list[int]:
+        """Every step flushed on at least one rank."""
+        return sorted({s for flushed, _ in self._steps_by_rank.values() for s in flushed})
+
+    def steps_of(self, rank: int) -> list[int]:
+        """The steps flushed on one rank."""
+        return list(self._steps_by_rank.get(rank, ([], []))[0])
+
+    @property
+    def unfinished_steps(self) -> list[tuple[int, int]]:
+        """(step, rank) pairs whose flush never finished (the process died while writing)."""
+        return sorted(
+            (s, r) for r, (_, unfinished) in self._steps_by_rank.items() for s in unfinished
+        )
+
+    def step_info(self, step: int, rank: int = 0) -> StepInfo:
+        key = (step, rank)
+        if key not in self._step_info:
+            path = self._step_path(step, rank) / layout.MANIFEST_FILE
+            manifest = self._read_json(path)
+            self._step_info[key] = StepInfo(
+                step, rank, bool(manifest.get("complete")), manifest.get("reason"), manifest
+            )
+        return self._step_info[key]
+
+    # -- records -----------------------------------------------------------------
+
+    def ops(self, step: int | None = None, rank: int | None = None) -> list[OpRecord]:
+        """Op records of one step and rank in execution order (default: first step, rank 0)."""
+        step, rank = self._resolve(step, rank)
+        key = (step, rank)
+        if key not in self._ops:
+            self._ops[key] = self._load_ops(step, rank)
+        return self._ops[key]
+
+    def op(self, op_id: str, step: int | None = None, rank: int | None = None) -> OpRecord:
+        for record in self.ops(step, rank):
+            if record.id == op_id:
+                return record
+        raise ProbeError(f"no op {op_id!r} in step {step} rank {rank} of {str(self.path)!r}")
+
+    def graph(self, step: int | None = None, rank: int | None = None) -> nx.DiGraph:
+        """The step's op graph: nodes keyed by op id, edges producer -> consumer."""
+        from probe.analysis.op_graph import build_graph
+
+        return build_graph(self.ops(step, rank))
+
+    def first_nonfinite(self, step: int | None = None, rank: int | None = None) -> OpRecord | None:
+        """The earliest op whose output holds a NaN or Inf (see analysis.nonfinite)."""
+        from probe.analysis.nonfinite import first_nonfinite
+
+        return first_nonfinite(self, step=step, rank=rank)
+
+    # -- loading -------------------------------------------------------------------
+
+    def _resolve(self, step: int | None, rank: int | None) -> tuple[int, int]:
+        if rank is None:
+            if not self.ranks:
+                raise ProbeError(f"{str(self.path)!r} holds no rank directories")
+            rank = self.ranks[0]
+        flushed = self._steps_by_rank.get(rank)
+        if flushed is None:
+            raise ProbeError(f"rank {rank} is not in {str(self.path)!r}; ranks: {self.ranks}")
+        if step is None:
+            if not flushed[0]:
+                raise ProbeError(f"rank {rank} of {str(self.path)!r} holds no flushed step")
+            step = flushed[0][0]
+        if step not in flushed[0]:
+            raise ProbeError(
+                f"step {step} of rank {rank} is not in {str(self.path)!r}; steps: {flushed[0]}"
+            )
+        return step, rank
+
+    def _step_path(self, step: int, rank: int) -> Path:
+        return layout.step_dir(self.path, rank, step)
+
+    def _read_json(self, path: Path) -> Any:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ProbeError(f"cannot read {str(path)!r}: {e}") from None
+
+    def _load_ops(self, step: int, rank: int) -> list[OpRecord]:
+        directory = self._step_path(step, rank)
+        ops_path = directory / layout.OPS_FILE
+        sites_path = directory / layout.CALLSITES_FILE
+        sites = self._read_json(sites_path) if sites_path.exists() else {}
+        records: list[OpRecord] = []
+        try:
+            with open(ops_path) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+        except (OSError, json.JSONDecodeError) as e:
+            raise ProbeError(f"cannot read {str(ops_path)!r}: {e}") from None
+        for row in rows:
+            records.append(
+                OpRecord(
+                    index=row["i"],
+                    id=row["id"],
+                    name=row["name"],
+                    phase=row["phase"],
+                    module=row["module"],
+                    module_call=row["call"],
+                    module_stack=row["stack"],
+                    step=step,
+                    rank=rank,
+                    inputs=[
+                        TensorRecord(d, tuple(s), source=(src[0], src[1]) if src else None)
+                        for d, s, src in row["in"]
+                    ],
+                    outputs=[TensorRecord(d, tuple(s), mutated=bool(m)) for d, s, m in row["out"]],
+                    stack=sites.get(str(row["site"])) if "site" in row else None,
+                )
+            )
+        self._attach_stats(directory, records, [row["in"] for row in rows])
+        return records
+
+    def _attach_stats(
+        self, directory: Path, records: list[OpRecord], raw_inputs: list[list[Any]]
+    ) -> None:
+        stats_path = directory / layout.STATS_FILE
+        if not stats_path.exists():
+            return
+        try:
+            stats = np.load(stats_path, allow_pickle=False)
+            index = np.load(directory / layout.STATS_INDEX_FILE, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise ProbeError(f"cannot read statistics in {str(directory)!r}: {e}") from None
+        rows = [_stats_dict(r) for r in stats.tolist()]
+        for op_index, io, position, row in index.tolist():
+            record = records[op_index]
+            tensor = (record.inputs if io == 0 else record.outputs)[position]
+            tensor.stats = dict(_EMPTY_STATS) if tensor.numel == 0 else rows[row]
+        # Inputs without their own row share their exact producer's output row.
+        for record, inputs in zip(records, raw_inputs):
+            for tensor, (_, _, src) in zip(record.inputs, inputs):
+                if tensor.stats is None and src and src[2]:
+                    tensor.stats = records[src[0]].outputs[src[1]].stats
+
+
+def load(path: str | Path) -> Run:
+    """Open a run directory written by ``probe.mode(..., out=path)``."""
+    return Run(path)

@@ -1,0 +1,111 @@
+"""Writing a run directory: every file lands complete or not at all.
+
+A step is written into a hidden ``.stepN.partial`` directory, each file fsynced,
+then renamed to ``stepN``: a reader sees a whole step or none of it, and a crash
+mid-flush leaves only the partial directory, which the reader reports as
+unfinished. Every step flushed before a crash stays readable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from probe.rundir import layout
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    _write_file(tmp, json.dumps(obj, indent=1, sort_keys=True).encode())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class StepWriter:
+    """Collects the files of one (rank, step) and commits them with one rename."""
+
+    def __init__(self, out: Path, rank: int, step: int) -> None:
+        self.out, self.rank, self.step = out, rank, step
+        self.directory = layout.partial_step_dir(out, rank, step)
+        if self.directory.exists():
+            shutil.rmtree(self.directory)
+        self.directory.mkdir(parents=True)
+
+    def write_json(self, name: str, obj: Any) -> None:
+        _write_file(self.directory / name, json.dumps(obj, separators=(",", ":")).encode())
+
+    def write_jsonl(self, name: str, rows: Iterable[Any]) -> None:
+        lines = "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows)
+        _write_file(self.directory / name, lines.encode())
+
+    def write_array(self, name: str, array: np.ndarray) -> None:
+        path = self.directory / name
+        with open(path, "wb") as f:
+            np.save(f, array, allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def commit(self, manifest: dict[str, Any]) -> Path:
+        """Write the manifest last, then make the step visible."""
+        manifest = {"format_version": layout.FORMAT_VERSION, "step": self.step, "rank": self.rank,
+                    **manifest}
+        self.write_json(layout.MANIFEST_FILE, manifest)
+        _fsync_dir(self.directory)
+        final = layout.step_dir(self.out, self.rank, self.step)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(self.directory, final)
+        _fsync_dir(final.parent)
+        return final
+
+
+class RunWriter:
+    """Creates the run directory and hands out one :class:`StepWriter` per step."""
+
+    def __init__(self, out: Path, rank: int, overwrite: bool, run_info: dict[str, Any]) -> None:
+        self.out = out
+        self.rank = rank
+        out.mkdir(parents=True, exist_ok=True)
+        rank_path = layout.rank_dir(out, rank)
+        if overwrite and rank_path.exists():
+            shutil.rmtree(rank_path)
+        rank_path.mkdir(exist_ok=True)
+        info = {
+            "format": layout.FORMAT_NAME,
+            "format_version": layout.FORMAT_VERSION,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "torch_version": torch.__version__,
+            **run_info,
+        }
+        write_json_atomic(out / layout.RUN_FILE, info)
+
+    def step(self, step: int) -> StepWriter:
+        return StepWriter(self.out, self.rank, step)

@@ -1,0 +1,175 @@
+"""A probe session: the context manager ``probe.mode(...)`` returns.
+
+It owns the tracer, the modes and the run writer, and drives the step cycle:
+``step()`` ends the current step (modes flush, the step directory is committed)
+and starts the next. Leaving the ``with`` block flushes what the last step
+recorded; if the block raised, that step is written too, marked incomplete, so
+the ops leading up to a crash are not lost.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from contextlib import ExitStack
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from probe import __version__
+from probe.errors import ProbeError
+from probe.modes.base import Mode
+from probe.modes.registry import MODES, mode_option_names
+from probe.options import Options, parse_options
+from probe.rundir import layout
+from probe.rundir.op_records import encode
+from probe.rundir.writer import RunWriter
+from probe.tracer.compat import check_dispatch_features, compiled_regions_eager
+from probe.tracer.dispatch_mode import ProbeDispatchMode, Tracer
+from probe.tracer.rank import current_rank
+
+_active: Session | None = None
+
+
+def default_out_dir() -> Path:
+    return Path("probe_runs") / time.strftime(f"run-%Y%m%d-%H%M%S-{os.getpid()}")
+
+
+def _build_modes(options: Options) -> list[Mode]:
+    modes = []
+    for name in options.modes:
+        cls = MODES[name]
+        kwargs = {k: v for k, v in options.mode_options.items() if k in cls.option_names}
+        modes.append(cls(**kwargs))
+    return modes
+
+
+def _options_summary(options: Options) -> dict[str, Any]:
+    def listed(values: Any) -> Any:
+        return None if values is None else sorted(values)
+
+    return {
+        "ops": listed(options.ops.globs),
+        "modules": listed(options.modules.globs),
+        "steps": listed(options.steps.values),
+        "ranks": listed(options.ranks.values),
+        "phases": sorted(options.phases),
+        "stack": options.stack,
+        "compiled": options.compiled,
+        "mode_options": {k: repr(v) for k, v in options.mode_options.items()},
+    }
+
+
+class Session:
+    """Returned by :func:`probe.mode`; use it as a context manager and call :meth:`step`."""
+
+    def __init__(self, modes: Any = None, **kwargs: Any) -> None:
+        self.options = parse_options(modes, kwargs, mode_option_names())
+        self.modes = _build_modes(self.options)
+        self.out = self.options.out if self.options.out is not None else default_out_dir()
+        self.step_index = 0
+        self._tracer: Tracer | None = None
+        self._writer: RunWriter | None = None
+        self._exit_stack: ExitStack | None = None
+
+    # -- context ---------------------------------------------------------------
+
+    def __enter__(self) -> Session:
+        global _active
+        if _active is not None:
+            raise ProbeError("a probe session is already active; nest none inside another")
+        check_dispatch_features(ProbeDispatchMode)
+        rank = current_rank()
+        tracer = Tracer(self.options, self.modes, rank)
+        if rank in self.options.ranks:
+            self._writer = RunWriter(
+                self.out,
+                rank,
+                self.options.overwrite,
+                {
+                    "probe_version": __version__,
+                    "modes": list(self.options.modes),
+                    "options": _options_summary(self.options),
+                },
+            )
+        stack = ExitStack()
+        tracer.modules.install()
+        stack.callback(tracer.modules.uninstall)
+        stack.enter_context(compiled_regions_eager(self.options.compiled))
+        stack.enter_context(ProbeDispatchMode(tracer))
+        self._tracer, self._exit_stack = tracer, stack
+        _active = self
+        tracer.begin_step(self.step_index, rank)
+        self._step_started = time.perf_counter()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        global _active
+        tracer, stack = self._tracer, self._exit_stack
+        assert tracer is not None and stack is not None
+        try:
+            if tracer.calls or exc is not None:
+                reason = None if exc is None else f"{type(exc).__name__}: {exc}"
+                self._flush(complete=exc is None, reason=reason)
+        finally:
+            stack.close()
+            for mode in self.modes:
+                mode.close()
+            _active = None
+            self._tracer = self._exit_stack = None
+
+    # -- steps -----------------------------------------------------------------
+
+    def step(self) -> None:
+        """End the current step: flush it to the run directory and start the next."""
+        if self._tracer is None:
+            raise ProbeError("session.step() called outside the session's with block")
+        self._flush(complete=True, reason=None)
+        self.step_index += 1
+        self._tracer.begin_step(self.step_index, current_rank())
+        self._step_started = time.perf_counter()
+
+    def _flush(self, complete: bool, reason: str | None) -> None:
+        tracer = self._tracer
+        assert tracer is not None
+        step = tracer.step
+        with tracer.paused():
+            calls = tracer.end_step()
+            if self._writer is None or not (calls or not complete):
+                return
+            writer = self._writer.step(step)
+            writer.write_jsonl(layout.OPS_FILE, (encode(c) for c in calls))
+            sites = tracer.call_sites
+            if sites is not None:
+                used = sorted({c.callsite for c in calls if c.callsite is not None})
+                writer.write_json(layout.CALLSITES_FILE, {str(i): sites.stacks[i] for i in used})
+            mode_summaries = {mode.name: mode.flush(step, writer) for mode in self.modes}
+            writer.commit(
+                {
+                    "complete": complete,
+                    "reason": reason,
+                    "ops": len(calls),
+                    "phases": dict(Counter(c.phase for c in calls)),
+                    "modes": mode_summaries,
+                    "seconds": round(time.perf_counter() - self._step_started, 6),
+                    "torch_version": torch.__version__,
+                }
+            )
+
+
+def mode(modes: Any = None, **options: Any) -> Session:
+    """Trace every aten op under one or more modes; see API.md for the options.
+
+    >>> with probe.mode("stats", out="runs/a") as session:
+    ...     loss = model(batch); loss.backward(); opt.step()
+    ...     session.step()
+    """
+    return Session(modes, **options)

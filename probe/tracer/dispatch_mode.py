@@ -1,0 +1,260 @@
+"""The tracer: one TorchDispatchMode that sees every aten op, forward and backward.
+
+Per op it answers, from caches, "is this op selected here?" (an unselected op
+costs a few dict lookups), and for selected ops builds an :class:`OpCall`
+(stable id, phase, module frame, tensor metadata, provenance) and hands it to
+the modes before and after the op runs. Work the tracer or the modes do inside
+``__torch_dispatch__`` is never traced: the mode is popped while its handler
+runs. Work done outside it (step flushes) runs under :meth:`Tracer.paused`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from probe.modes.base import Mode
+from probe.options import Options
+from probe.tracer.call_sites import CallSites
+from probe.tracer.frames import Frame
+from probe.tracer.module_tracker import ModuleTracker
+from probe.tracer.op_call import OpCall, TensorMeta
+from probe.tracer.op_class import OpClass, OpClassCache, op_name
+from probe.tracer.value_ids import ValueIndex
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)
+_NODE_CREATING_PHASES = ("forward", "recompute")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensors_in(args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """Tensor arguments in schema order (aten schemas nest tensors one list deep)."""
+    found: list[torch.Tensor] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
+
+
+def tensors_out(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        found: list[torch.Tensor] = []
+        for value in out:
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, (list, tuple)):
+                found.extend(v for v in value if isinstance(v, torch.Tensor))
+        return found
+    return []
+
+
+def _meta(t: torch.Tensor, _names: dict[torch.dtype, str] = {}) -> TensorMeta:  # noqa: B006
+    name = _names.get(t.dtype)
+    if name is None:
+        name = _names[t.dtype] = dtype_name(t.dtype)
+    return TensorMeta(name, tuple(t.shape))
+
+
+def _classify_hop(func: Any) -> OpClass:
+    name = op_name(func)
+    return OpClass(
+        name=name, short=name.removeprefix("hop."), namespace="hop", passthrough=False,
+        mutated_args=(), mutated_kwargs=(), is_view=False, is_inplace=False, is_out=False,
+        is_factory=False, is_random=False, is_collective=False, is_host_sync=False,
+    )
+
+
+class Tracer:
+    """Routing and bookkeeping for one session; the dispatch mode calls :meth:`dispatch`."""
+
+    def __init__(self, options: Options, modes: list[Mode], rank: int) -> None:
+        self.options = options
+        self.modes = modes
+        self._replacer = next((m for m in modes if m.replaces_execution), None)
+        self.modules = ModuleTracker(options.model)
+        self.call_sites = CallSites() if options.stack else None
+        self.rank = rank
+        self.step = 0
+        self.recording = False
+        self.calls: list[OpCall] = []
+        self.values = ValueIndex()
+        self._classes = OpClassCache()
+        self._selected: dict[tuple[Any, str, str], bool] = {}
+        self._ops_re = options.ops.regex
+        self._modules_re = options.modules.regex
+
+    # -- step lifecycle --------------------------------------------------------
+
+    def begin_step(self, step: int, rank: int) -> None:
+        self.step = step
+        self.rank = rank
+        self.calls = []
+        self.values.clear()
+        self.modules.reset_step()
+        active = step in self.options.steps and rank in self.options.ranks
+        self.recording = active
+        self.modules.enabled = active
+
+    def end_step(self) -> list[OpCall]:
+        calls = self.calls
+        self.recording = False
+        self.modules.enabled = False
+        self.calls = []
+        self.values.clear()
+        return calls
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Run the probe's own torch work without recording it."""
+        recording, self.recording = self.recording, False
+        try:
+            yield
+        finally:
+            self.recording = recording
+
+    # -- per op ------------------------------------------------------------------
+
+    def _is_selected(self, info: OpClass, fqn: str, phase: str) -> bool:
+        if phase not in self.options.phases:
+            return False
+        ops_re = self._ops_re
+        if ops_re is not None and not (ops_re.fullmatch(info.name) or ops_re.fullmatch(info.short)):
+            return False
+        return self._modules_re is None or self._modules_re.fullmatch(fqn) is not None
+
+    def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if not self.recording:
+            return func(*args, **kwargs)
+        if isinstance(func, torch._ops.OpOverload):
+            info = self._classes[func]
+            if info.passthrough:
+                return func(*args, **kwargs)
+        else:  # a higher-order op (torch.cond, ...): recorded as one op, run as is
+            info = self._classes.get(func) or self._classes.setdefault(func, _classify_hop(func))
+        phase, frame = self.modules.locate()
+        fqn = frame.origin.fqn
+        route = (func, fqn, phase)
+        selected = self._selected.get(route)
+        if selected is None:
+            selected = self._selected[route] = self._is_selected(info, fqn, phase)
+        if not selected:
+            out = func(*args, **kwargs)
+            if phase in _NODE_CREATING_PHASES:
+                self.modules.note_autograd_node(frame)
+            return out
+        return self._record(func, info, phase, frame, args, kwargs)
+
+    def _record(
+        self, func: Any, info: OpClass, phase: str, frame: Frame, args: tuple, kwargs: dict
+    ) -> Any:
+        origin = frame.origin
+        count_key = (phase, info.name)
+        n = origin.op_counts.get(count_key, 0)
+        origin.op_counts[count_key] = n + 1
+        index = len(self.calls)
+        in_tensors = tensors_in(args, kwargs)
+        values = self.values
+        inputs = []
+        for t in in_tensors:
+            meta = _meta(t)
+            meta.source = values.source(t)
+            inputs.append(meta)
+        call = OpCall(
+            index=index,
+            op_id=f"{phase}:{origin.key}:{info.name}:{n}",
+            info=info,
+            phase=phase,
+            frame=frame,
+            step=self.step,
+            rank=self.rank,
+            inputs=inputs,
+            outputs=[],
+            callsite=self.call_sites.capture(origin.fqn) if self.call_sites is not None else None,
+            input_tensors=in_tensors,
+            args=args,
+            kwargs=kwargs,
+        )
+        for mode in self.modes:
+            mode.before(call)
+        if self._replacer is not None:
+            out = self._replacer.run(call, func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if phase in _NODE_CREATING_PHASES:
+            self.modules.note_autograd_node(frame)
+
+        out_tensors = tensors_out(out)
+        outputs = [_meta(t) for t in out_tensors]
+        if info.mutates:
+            self._add_written_args(info, args, kwargs, out_tensors, outputs)
+        wrote = not info.is_view
+        for position, t in enumerate(out_tensors):
+            values.produced(t, index, position, wrote)
+        call.outputs = outputs
+        call.output_tensors = out_tensors
+        for mode in self.modes:
+            mode.after(call)
+        call.release()
+        self.calls.append(call)
+        return out
+
+    @staticmethod
+    def _add_written_args(
+        info: OpClass,
+        args: tuple,
+        kwargs: dict,
+        out_tensors: list[torch.Tensor],
+        outputs: list[TensorMeta],
+    ) -> None:
+        """Written arguments are results too: mark returned ones, append the others."""
+        written = [args[i] for i in info.mutated_args if i < len(args)]
+        written += [kwargs[k] for k in info.mutated_kwargs if k in kwargs]
+        for value in written:
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                for position, returned in enumerate(out_tensors):
+                    if returned is t:
+                        outputs[position].mutated = True
+                        break
+                else:
+                    meta = _meta(t)
+                    meta.mutated = True
+                    outputs.append(meta)
+                    out_tensors.append(t)
+
+
+class ProbeDispatchMode(TorchDispatchMode):
+    """The one dispatch mode; everything it does is delegated to a :class:`Tracer`."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Otherwise one traced call of a compiled function makes dynamo skip it
+        # for the rest of the process.
+        return True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        for t in types:
+            if t not in _PLAIN_TENSOR_TYPES:
+                # Tensor subclasses (DTensor, FakeTensor) unwrap themselves; the
+                # plain local ops they issue come back through this mode.
+                return NotImplemented
+        return self.tracer.dispatch(func, args, kwargs or {})

@@ -1,0 +1,234 @@
+"""Which module (and which call of it) an op belongs to, in every phase.
+
+Global module forward hooks keep a stack of open :class:`Frame` s. For backward,
+the frame is found through the autograd node the engine is running: right after
+a forward op, ``_get_sequence_nr() - 1`` is the sequence number of the node that
+op created, so ``seq -> frame`` is remembered in forward and looked up with
+``_current_autograd_node()._sequence_nr()`` in backward. Gradient accumulation
+nodes carry no sequence number of their own; their ``.variable`` is the
+parameter, attributed to the module that owns it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from probe.tracer.frames import Frame
+
+_ACCUMULATE_GRAD_SEQ = 2**64 - 1
+
+_get_sequence_nr = torch._C._autograd._get_sequence_nr
+_current_graph_task_id = torch._C._current_graph_task_id
+_current_autograd_node = torch._C._current_autograd_node
+_top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _in_checkpoint_recompute() -> bool:
+    """True while torch.utils.checkpoint re-runs a forward inside backward."""
+    if _top_saved_tensors_hooks is None:
+        return False
+    hooks = _top_saved_tensors_hooks(False)
+    return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
+
+
+class ModuleNames:
+    """``module -> FQN`` from the configured roots, or from the first module called."""
+
+    def __init__(self, roots: nn.Module | dict[str, nn.Module] | None) -> None:
+        self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        self._param_owners: dict[int, str] = {}
+        self._auto_root = roots is None
+        self._roots = 0
+        if isinstance(roots, nn.Module):
+            self.add_root(roots, "")
+        elif isinstance(roots, dict):
+            for prefix, module in roots.items():
+                self.add_root(module, prefix)
+
+    def add_root(self, root: nn.Module, prefix: str) -> None:
+        self._roots += 1
+        for name, module in root.named_modules(remove_duplicate=False):
+            fqn = f"{prefix}.{name}" if prefix and name else (prefix or name)
+            self._names.setdefault(module, fqn)
+        for name, param in root.named_parameters(remove_duplicate=False):
+            owner = name.rpartition(".")[0]
+            fqn = f"{prefix}.{owner}" if prefix and owner else (prefix or owner)
+            self._param_owners.setdefault(id(param), fqn)
+
+    def name(self, module: nn.Module, parent: Frame | None) -> str | None:
+        """The FQN of ``module``; ``None`` for modules that are not the user's (FX subgraphs)."""
+        fqn = self._names.get(module)
+        if fqn is not None:
+            return fqn
+        if isinstance(module, torch.fx.GraphModule):
+            return None
+        if parent is None and self._auto_root:
+            # The outermost module called is taken as the root; later outermost
+            # modules outside its tree (a loss module, say) are named by class.
+            self.add_root(module, "" if self._roots == 0 else type(module).__name__)
+            return self._names[module]
+        base = parent.fqn if parent is not None else ""
+        return f"{base}.{type(module).__name__}" if base else type(module).__name__
+
+    def param_owner(self, param: torch.Tensor) -> str | None:
+        return self._param_owners.get(id(param))
+
+
+class ModuleTracker:
+    """Keeps the stack of open frames and answers "which phase, which frame" per op."""
+
+    def __init__(self, roots: nn.Module | dict[str, nn.Module] | None) -> None:
+        self.names = ModuleNames(roots)
+        self.enabled = False
+        self._handles: list[Any] = []
+        self.reset_step()
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def install(self) -> None:
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+
+        self._handles.append(register_module_forward_pre_hook(self._enter_module))
+        self._handles.append(register_module_forward_hook(self._exit_module, always_call=True))
+        try:
+            from torch.optim.optimizer import (
+                register_optimizer_step_post_hook,
+                register_optimizer_step_pre_hook,
+            )
+        except ImportError:  # pragma: no cover - very old torch
+            return
+        self._handles.append(register_optimizer_step_pre_hook(self._enter_optimizer))
+        self._handles.append(register_optimizer_step_post_hook(self._exit_optimizer))
+
+    def uninstall(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def reset_step(self) -> None:
+        """Forget the frames of the step that ended; call indices restart at 0."""
+        self.outside = Frame("", -1, None)
+        self.stack: list[Frame] = []
+        self._frame_modules: list[Callable[[], nn.Module | None]] = []
+        self._calls: dict[str, int] = {}
+        self._last_call: dict[str, Frame] = {}
+        self._seq_frames: dict[int, Frame] = {}
+        self._optimizer: Frame | None = None
+        self._optimizer_depth = 0
+
+    # -- hooks -----------------------------------------------------------------
+
+    def _next_call(self, name: str) -> int:
+        call = self._calls.get(name, 0)
+        self._calls[name] = call + 1
+        return call
+
+    def _enter_module(self, module: nn.Module, args: Any) -> None:
+        if not self.enabled:
+            return
+        parent = self.stack[-1] if self.stack else self.outside
+        fqn = self.names.name(module, parent if self.stack else None)
+        if fqn is None:
+            return
+        if _current_graph_task_id() != -1:
+            frame = self._recompute_frame(fqn, parent)
+        else:
+            frame = Frame(fqn, self._next_call(fqn), parent)
+            parent.children.setdefault(fqn, []).append(frame)
+            self._last_call[fqn] = frame
+        frame_module = weakref.ref(module)
+        self.stack.append(frame)
+        self._frame_modules.append(frame_module)
+
+    def _exit_module(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.enabled or not self.stack:
+            return None
+        # Pop down to this module's frame: with always_call the exit hook also
+        # runs when forward raised, possibly after inner frames were left open.
+        for depth in range(len(self.stack) - 1, -1, -1):
+            if self._frame_modules[depth]() is module:
+                del self.stack[depth:]
+                del self._frame_modules[depth:]
+                break
+        return None
+
+    def _recompute_frame(self, fqn: str, parent: Frame) -> Frame:
+        origin: Frame | None = None
+        if parent.recompute:
+            # The j-th recomputed child `fqn` of a recompute frame repeats the
+            # j-th forward child `fqn` of the frame its parent repeats.
+            j = parent.recompute_children.get(fqn, 0)
+            parent.recompute_children[fqn] = j + 1
+            if parent.recompute_of is not None:
+                siblings = parent.recompute_of.children.get(fqn, [])
+                origin = siblings[j] if j < len(siblings) else None
+        else:
+            # Outermost recomputed module: the node whose saved tensor triggered
+            # the recompute was created inside the forward call being repeated.
+            node = _current_autograd_node()
+            created_in = self._seq_frames.get(node._sequence_nr()) if node is not None else None
+            if created_in is not None:
+                origin = created_in.find_enclosing(fqn)
+        if origin is None:
+            origin = self._last_call.get(fqn)
+        call = origin.call if origin is not None else self._next_call(fqn)
+        return Frame(fqn, call, parent, recompute=True, recompute_of=origin)
+
+    def _enter_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.enabled:
+            return
+        self._optimizer_depth += 1
+        if self._optimizer_depth == 1:
+            label = f"optimizer.{type(optimizer).__name__}"
+            self._optimizer = Frame("", self._next_call(label), None, label=label)
+
+    def _exit_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.enabled or self._optimizer_depth == 0:
+            return
+        self._optimizer_depth -= 1
+        if self._optimizer_depth == 0:
+            self._optimizer = None
+
+    # -- per-op queries --------------------------------------------------------
+
+    def locate(self) -> tuple[str, Frame]:
+        """The phase of the op about to run and the frame it belongs to."""
+        if self._optimizer is not None:
+            return "optimizer", self._optimizer
+        if _current_graph_task_id() == -1:
+            return "forward", self.stack[-1] if self.stack else self.outside
+        if self.stack and self.stack[-1].recompute:
+            return "recompute", self.stack[-1]
+        node = _current_autograd_node()
+        if node is None:
+            return "backward", self.outside
+        seq = node._sequence_nr()
+        frame = self._seq_frames.get(seq)
+        if _in_checkpoint_recompute():
+            return "recompute", frame or self.outside
+        if frame is None and seq == _ACCUMULATE_GRAD_SEQ:
+            frame = self._param_frame(node)
+        return "backward", frame or self.outside
+
+    def note_autograd_node(self, frame: Frame) -> None:
+        """After a forward op: remember which frame created the newest autograd node.
+
+        ``setdefault`` keeps the first claimant: an op that created no node sees
+        the number of an earlier op's node, which that op already claimed.
+        """
+        self._seq_frames.setdefault(_get_sequence_nr() - 1, frame.origin)
+
+    def _param_frame(self, node: Any) -> Frame | None:
+        variable = getattr(node, "variable", None)
+        if variable is None:
+            return None
+        owner = self.names.param_owner(variable)
+        return self._last_call.get(owner) if owner is not None else None

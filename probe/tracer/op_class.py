@@ -1,0 +1,130 @@
+"""What kind of op an OpOverload is, decided once per overload and cached.
+
+Every question the tracer and the modes ask about an op's schema (does it write
+an argument, is it a view, does it allocate from nothing, is it random, is it a
+collective) is answered here from the schema and tags, never per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Ops whose only effect is metadata or profiling: recording them adds noise and
+# cost but no numerical information.
+_METADATA_ONLY = frozenset(
+    {
+        "aten.sym_size.int",
+        "aten.sym_stride.int",
+        "aten.sym_numel.default",
+        "aten.sym_storage_offset.default",
+        "aten.is_contiguous.default",
+        "aten.is_contiguous.memory_format",
+        "aten.is_strides_like_format.default",
+        "aten.is_non_overlapping_and_dense.default",
+        "aten.size.default",
+        "aten.stride.default",
+        "aten.dim.default",
+        "aten.numel.default",
+        "aten.storage_offset.default",
+        "aten.is_same_size.default",
+        "aten.record_stream.default",
+    }
+)
+_SKIPPED_NAMESPACES = frozenset({"profiler"})
+# Ops that return memory without defined contents: their outputs have no values to inspect.
+_UNINITIALIZED = frozenset(
+    {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
+)
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"})
+
+
+@dataclass(frozen=True, slots=True)
+class OpClass:
+    """Schema facts about one op overload."""
+
+    name: str
+    """Full dotted overload name, e.g. ``aten.mm.default``."""
+    short: str
+    """The packet name without namespace or overload, e.g. ``mm``."""
+    namespace: str
+    passthrough: bool
+    """Run without recording: metadata-only or profiler ops."""
+    mutated_args: tuple[int, ...]
+    """Positional indices of arguments the schema marks as written (``Tensor(a!)``)."""
+    mutated_kwargs: tuple[str, ...]
+    """Keyword-only arguments marked as written (``out=``)."""
+    is_view: bool
+    is_inplace: bool
+    is_out: bool
+    is_factory: bool
+    is_random: bool
+    is_collective: bool
+    is_host_sync: bool
+    uninitialized_output: bool = False
+    """The op allocates without writing (``empty*``): its outputs hold garbage."""
+
+    @property
+    def mutates(self) -> bool:
+        return bool(self.mutated_args or self.mutated_kwargs)
+
+
+def op_name(func: object) -> str:
+    """The full dotted name of an op overload or higher-order op."""
+    if isinstance(func, torch._ops.OpOverload):
+        ns = func.namespace
+        return f"{ns}.{func._opname}.{func._overloadname}"
+    name = getattr(func, "name", None)
+    if callable(name):
+        name = name()
+    return f"hop.{name or type(func).__name__}"
+
+
+def classify(func: torch._ops.OpOverload) -> OpClass:
+    """Read everything the tracer needs to know from the overload's schema."""
+    schema = func._schema
+    name = op_name(func)
+    ns = func.namespace
+    mutated_args: list[int] = []
+    mutated_kwargs: list[str] = []
+    any_tensor_arg = False
+    for i, arg in enumerate(schema.arguments):
+        typ = str(arg.type)
+        if "Tensor" in typ:
+            any_tensor_arg = True
+        alias = arg.alias_info
+        if alias is not None and alias.is_write:
+            if arg.kwarg_only:
+                mutated_kwargs.append(arg.name)
+            else:
+                mutated_args.append(i)
+    is_view = any(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+    ) and not mutated_args
+    tags = set(getattr(func, "tags", ()))
+    return OpClass(
+        name=name,
+        short=func._opname,
+        namespace=ns,
+        passthrough=name in _METADATA_ONLY or ns in _SKIPPED_NAMESPACES,
+        mutated_args=tuple(mutated_args),
+        mutated_kwargs=tuple(mutated_kwargs),
+        is_view=is_view,
+        is_inplace=bool(mutated_args) and func._opname.endswith("_"),
+        is_out=bool(mutated_kwargs) and func._overloadname.startswith("out"),
+        is_factory=not any_tensor_arg,
+        is_random=torch.Tag.nondeterministic_seeded in tags,
+        is_collective=ns in _COLLECTIVE_NAMESPACES,
+        is_host_sync=name == "aten._local_scalar_dense.default",
+        uninitialized_output=ns == "aten" and func._opname in _UNINITIALIZED,
+    )
+
+
+class OpClassCache(dict):
+    """``func -> OpClass``; a miss classifies the overload once."""
+
+    def __missing__(self, func: torch._ops.OpOverload) -> OpClass:
+        info = classify(func)
+        self[func] = info
+        return info

@@ -1,0 +1,89 @@
+"""Shared fixtures: small real models and a bare dispatch mode to compare against."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from probe.tracer.compat import ProbeWarning
+
+
+@pytest.fixture(autouse=True)
+def _quiet_probe_notices():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ProbeWarning)
+        yield
+
+
+class OpLog(TorchDispatchMode):
+    """A bare passthrough mode that logs op names (what any dispatch mode would see)."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x))
+
+
+class SharedBlockNet(nn.Module):
+    """Calls the same block twice, with dropout, so RNG and repeated calls are exercised."""
+
+    def __init__(self, width: int = 16, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.block = Block(width)
+        self.drop = nn.Dropout(0.25)
+        self.head = nn.Linear(width, 3)
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for _ in range(2):
+            if self.checkpointed:
+                x = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+            else:
+                x = self.block(x)
+        return self.head(self.drop(x))
+
+
+def train_steps(model: nn.Module, steps: int, session=None, seed: int = 0, optimizer: str = "adamw"):
+    """Train ``model`` on fixed synthetic data, calling ``session.step()`` after each step.
+
+    Returns the losses and the gradients of the last step.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    losses, grads = [], {}
+    for _ in range(steps):
+        x = torch.randn(4, 8, generator=gen)
+        y = torch.randint(0, 3, (4,), generator=gen)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        if session is not None:
+            session.step()
+    return losses, grads
