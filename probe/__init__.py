@@ -10,9 +10,9 @@ pluggable modes per op. The public interface is this module:
 
 __version__ = "0.1.0"
 
-from probe.errors import ProbeError  # noqa: E402
-from probe.rundir.reader import OpRecord, Run, TensorRecord, load  # noqa: E402
-from probe.session import Session, mode  # noqa: E402
-from probe import modes as _modes  # noqa: E402, F401  (registers the built-in modes)
+from probe import modes as _modes  # noqa: F401  (registers the built-in modes)
+from probe.errors import ProbeError
+from probe.rundir.reader import OpRecord, Run, TensorRecord, load
+from probe.session import Session, mode
 
 __all__ = ["OpRecord", "ProbeError", "Run", "Session", "TensorRecord", "__version__", "load", "mode"]

@@ -81,7 +81,7 @@ class Session:
         global _active
         if _active is not None:
             raise ProbeError("a probe session is already active; nest none inside another")
-        check_dispatch_features(ProbeDispatchMode)
+        check_dispatch_features()
         rank = current_rank()
         tracer = Tracer(self.options, self.modes, rank)
         if rank in self.options.ranks:

@@ -46,7 +46,8 @@ def test_stats_mode_is_bitwise_transparent(tmp_path, backend, checkpointed):
     _assert_bitwise_equal(baseline, traced)
     run = probe.load(tmp_path / "run")
     assert run.steps == [0, 1]
-    assert all(op.outputs[0].stats is not None for op in run.ops(0) if op.outputs and op.name == "aten.addmm.default")
+    addmm = [op for op in run.ops(0) if op.name == "aten.addmm.default"]
+    assert addmm and all(op.outputs[0].stats is not None for op in addmm)
 
 
 def test_demo_training_is_bitwise_transparent(tmp_path):

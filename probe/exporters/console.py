@@ -24,7 +24,7 @@ def _extremes_table(title: str, rows: list[Extreme]) -> Table:
     table.add_column("#", justify="right")
     table.add_column("op id")
     table.add_column("value", justify="right")
-    for i, row in enumerate(rows):
+    for row in rows:
         table.add_row(str(row.op.index), row.op.id, _fmt(row.value))
     return table
 
@@ -37,21 +37,24 @@ def render_step(console: Console, summary: StepSummary) -> None:
     for phase in phases:
         counts.add_column(phase, justify="right")
     counts.add_column("total", justify="right")
-    counts.add_row(*(str(summary.phase_counts[p]) for p in phases), str(sum(summary.phase_counts.values())))
+    total = sum(summary.phase_counts.values())
+    counts.add_row(*(str(summary.phase_counts[p]) for p in phases), str(total))
     console.print(counts)
     bad = summary.first_nonfinite
     if bad is None:
         console.print("first non-finite op: [green]none[/green]")
     else:
         finite = {True: "finite", False: "non-finite", None: "unknown"}[bad.inputs_finite]
-        console.print(f"first non-finite op: [red]{_op_label(bad)}[/red]  id {bad.id}  inputs {finite}")
+        console.print(f"first non-finite op: [red]{_op_label(bad)}[/red]  id {bad.id}")
+        console.print(f"  its inputs were {finite}")
     console.print(_extremes_table("largest |max|", summary.largest_abs_max))
     console.print(_extremes_table("largest norm", summary.largest_norm))
 
 
 def render_run(console: Console, run: Run, summaries: list[StepSummary]) -> None:
-    console.print(f"[bold]{run.path}[/bold]  modes {run.info.get('modes')}  ranks {run.ranks}  steps {run.steps}")
+    modes = run.info.get("modes")
+    console.print(f"[bold]{run.path}[/bold]  modes {modes}  ranks {run.ranks}  steps {run.steps}")
     for summary in summaries:
         render_step(console, summary)
     for step, rank in run.unfinished_steps:
-        console.print(f"[red]step {step} rank {rank}: flush never finished (process died while writing)[/red]")
+        console.print(f"[red]step {step} rank {rank}: flush never finished (the process died)[/red]")

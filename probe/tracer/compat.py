@@ -7,8 +7,8 @@ piece turns off one capability with a single warning, never a crash.
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -75,7 +75,7 @@ def default_compile_stance() -> Iterator[None]:
         eval_frame._set_stance(prior)
 
 
-def check_dispatch_features(mode_cls: type) -> None:
+def check_dispatch_features() -> None:
     """Warn (once) about dispatch-mode features this torch lacks."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -85,3 +85,6 @@ def check_dispatch_features(mode_cls: type) -> None:
     if not hasattr(torch._C, "_current_graph_task_id"):
         warn_once("graph_task", "this torch cannot tell backward from forward; every op "
                   "is labelled forward")
+    if not hasattr(torch._C._autograd, "_get_sequence_nr"):
+        warn_once("sequence_nr", "this torch cannot link backward ops to the module whose "
+                  "forward created them; backward ops are attributed to no module")

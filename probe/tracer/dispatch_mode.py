@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from probe.modes.base import Mode
@@ -28,6 +29,14 @@ from probe.tracer.op_class import OpClass, OpClassCache, op_name
 from probe.tracer.value_ids import ValueIndex
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)
+_get_infra_mode = torch._C._get_dispatch_mode
+# Fake and proxy (make_fx) modes run below every user mode: while either is
+# active, the ops we see compute nothing real.
+_TRACING_MODE_KEYS = tuple(
+    getattr(torch._C._TorchDispatchModeKey, name)
+    for name in ("FAKE", "PROXY")
+    if hasattr(torch._C._TorchDispatchModeKey, name)
+)
 _NODE_CREATING_PHASES = ("forward", "recompute")
 
 
@@ -199,9 +208,9 @@ class Tracer:
         outputs = [_meta(t) for t in out_tensors]
         if info.mutates:
             self._add_written_args(info, args, kwargs, out_tensors, outputs)
-        wrote = not info.is_view
+        base_kind = "view" if info.is_view else "fresh"
         for position, t in enumerate(out_tensors):
-            values.produced(t, index, position, wrote)
+            values.produced(t, index, position, "written" if outputs[position].mutated else base_kind)
         call.outputs = outputs
         call.output_tensors = out_tensors
         for mode in self.modes:
@@ -252,9 +261,15 @@ class ProbeDispatchMode(TorchDispatchMode):
         return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
         for t in types:
             if t not in _PLAIN_TENSOR_TYPES:
-                # Tensor subclasses (DTensor, FakeTensor) unwrap themselves; the
-                # plain local ops they issue come back through this mode.
+                if issubclass(t, FakeTensor):
+                    return func(*args, **kwargs)
+                # Other subclasses (DTensor) unwrap themselves; the plain local
+                # ops they issue come back through this mode.
                 return NotImplemented
-        return self.tracer.dispatch(func, args, kwargs or {})
+        for key in _TRACING_MODE_KEYS:
+            if _get_infra_mode(key) is not None:
+                return func(*args, **kwargs)
+        return self.tracer.dispatch(func, args, kwargs)

@@ -22,9 +22,11 @@ from probe.tracer.frames import Frame
 
 _ACCUMULATE_GRAD_SEQ = 2**64 - 1
 
-_get_sequence_nr = torch._C._autograd._get_sequence_nr
-_current_graph_task_id = torch._C._current_graph_task_id
-_current_autograd_node = torch._C._current_autograd_node
+# Missing on old torch releases: compat.check_dispatch_features warns once, and
+# every op is then attributed as forward outside any backward node.
+_get_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", lambda: 0)
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 _top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 

@@ -1,0 +1,78 @@
+"""The models the overhead benchmark trains, and one trainer (model, optimizer, data) per run.
+
+Both are ``probe.demo.model.TinyLlama``: the demo's default size, and one
+decoder layer at LLaMA2-7B width with a small vocabulary, sized so that a
+training step takes seconds on a CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from probe.demo.model import LlamaConfig, TinyLlama, synthetic_batch
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model shape and the batch it is trained on."""
+
+    name: str
+    config: LlamaConfig
+    batch: int
+    seq: int
+    foreach: bool | None = None
+    """AdamW's ``foreach``; ``None`` is torch's default choice."""
+
+    def num_params(self) -> int:
+        with torch.device("meta"):
+            return sum(p.numel() for p in TinyLlama(self.config).parameters())
+
+    def describe(self) -> str:
+        c = self.config
+        return (
+            f"hidden {c.hidden_size}, heads {c.num_heads}, intermediate {c.intermediate_size}, "
+            f"layers {c.num_layers}, vocab {c.vocab_size}; batch {self.batch}, seq {self.seq}; "
+            f"AdamW foreach={self.foreach}"
+        )
+
+
+DEMO = ModelSpec("demo", LlamaConfig(), batch=4, seq=32)
+
+LLAMA7B_SEQ = 64
+LLAMA7B_SHAPED = ModelSpec(
+    "llama7b-shaped",
+    LlamaConfig(
+        vocab_size=1024,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_layers=1,
+        num_heads=32,
+        max_seq_len=LLAMA7B_SEQ,
+    ),
+    batch=1,
+    seq=LLAMA7B_SEQ,
+    foreach=False,
+)
+
+MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (DEMO, LLAMA7B_SHAPED)}
+
+
+class Trainer:
+    """One model, its optimizer and its data stream, all built from ``seed``."""
+
+    def __init__(self, spec: ModelSpec, seed: int = 0) -> None:
+        self.spec = spec
+        torch.manual_seed(seed)
+        self.model = TinyLlama(spec.config)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, foreach=spec.foreach)
+        self.data = torch.Generator().manual_seed(seed + 1)
+
+    def step(self) -> None:
+        """One training step: forward, backward, optimizer step, gradients dropped."""
+        tokens = synthetic_batch(self.spec.config, self.spec.batch, self.spec.seq, self.data)
+        loss = self.model.loss(tokens)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,362 @@
+"""What the probe adds to a training step, against no probe and a bare dispatch mode.
+
+Run from the repository root::
+
+    python -m benchmarks.overhead [--quick] [--model demo|llama7b-shaped|all]
+                                  [--steps N] [--warmup N] [--threads N] [--markdown]
+
+Configurations (each trains its own model and optimizer, built from the same seed):
+
+- ``baseline``: the training step, no dispatch mode;
+- ``passthrough``: inside a bare ``TorchDispatchMode`` that runs and counts each
+  op, the cost floor of any dispatch mode;
+- ``probe-notrace``: inside ``probe.mode("stats", ops=["__nothing__"])``, the
+  probe's routing with no op selected;
+- ``probe-stats``: inside ``probe.mode("stats")`` (compiled statistics kernel);
+- ``probe-stats-eager``: the same with ``stats_backend="eager"``.
+
+All run in one process, alternating step by step (one step of each configuration
+per round), so that drift of a shared machine reaches them alike. A probe
+session is entered around each single step, in a fresh directory; only the
+step and its flush (``session.step()``) are timed, not entering or leaving the
+session. Warm-up rounds (the first compiles the probe's statistics kernel) are
+not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import probe
+from benchmarks.models import MODELS, ModelSpec, Trainer
+
+# -- configurations -------------------------------------------------------------
+
+
+class CountingMode(TorchDispatchMode):
+    """The cost floor of any dispatch mode: run each op as it is, and count it."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One timed step, and how many ops the configuration saw in it (None: not counted)."""
+
+    seconds: float
+    ops: int | None
+
+
+class Config(Protocol):
+    name: str
+
+    def run_step(self, trainer: Trainer) -> Sample: ...
+
+
+@dataclass(frozen=True)
+class Baseline:
+    name: str = "baseline"
+
+    def run_step(self, trainer: Trainer) -> Sample:
+        start = time.perf_counter()
+        trainer.step()
+        return Sample(time.perf_counter() - start, None)
+
+
+@dataclass(frozen=True)
+class Passthrough:
+    name: str = "passthrough"
+
+    def run_step(self, trainer: Trainer) -> Sample:
+        with CountingMode() as counter:
+            start = time.perf_counter()
+            trainer.step()
+            seconds = time.perf_counter() - start
+        return Sample(seconds, counter.ops)
+
+
+def recorded_ops(out: Path) -> int:
+    """Ops the probe recorded in step 0 of a run; a step with none is not written."""
+    run = probe.load(out)
+    return len(run.ops(step=0, rank=0)) if 0 in run.steps_of(0) else 0
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """A ``stats`` session with extra ``options``, entered around each step in a fresh directory."""
+
+    name: str
+    scratch: Path
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def run_step(self, trainer: Trainer) -> Sample:
+        out = Path(tempfile.mkdtemp(prefix=f"{self.name}-", dir=self.scratch))
+        try:
+            with probe.mode(
+                "stats", out=out, overwrite=True, model=trainer.model, **self.options
+            ) as session:
+                start = time.perf_counter()
+                trainer.step()
+                session.step()
+                seconds = time.perf_counter() - start
+            return Sample(seconds, recorded_ops(out))
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def configurations(scratch: Path) -> list[Config]:
+    return [
+        Baseline(),
+        Passthrough(),
+        ProbeConfig("probe-notrace", scratch, {"ops": ["__nothing__"]}),
+        ProbeConfig("probe-stats", scratch),
+        ProbeConfig("probe-stats-eager", scratch, {"stats_backend": "eager"}),
+    ]
+
+
+# -- measuring ------------------------------------------------------------------
+
+
+def run_rounds(
+    configs: Sequence[Config],
+    trainers: Sequence[Trainer],
+    warmup: int,
+    steps: int,
+    on_round: Callable[[int], None],
+) -> dict[str, list[Sample]]:
+    """Round-robin: each round runs one step of every configuration, in order."""
+    samples: dict[str, list[Sample]] = {config.name: [] for config in configs}
+    for round_index in range(warmup + steps):
+        for config, trainer in zip(configs, trainers):
+            gc.collect()  # start each step from the same heap, outside the timing
+            sample = config.run_step(trainer)
+            if round_index >= warmup:
+                samples[config.name].append(sample)
+        on_round(round_index + 1)
+    return samples
+
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration's line of the results table (times in ms)."""
+
+    name: str
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    ratio: float
+    ops: int | None
+    us_per_op: float | None = None
+    per_routed_op: bool = False
+    """``us_per_op`` is per op passed through, as this configuration recorded none."""
+
+
+def summarize(samples: Mapping[str, list[Sample]]) -> list[Row]:
+    medians = {name: statistics.median(s.seconds for s in runs) for name, runs in samples.items()}
+    passthrough_ops = samples[Passthrough.name][-1].ops
+    return [
+        summary_row(name, runs, medians, passthrough_ops) for name, runs in samples.items()
+    ]
+
+
+def summary_row(
+    name: str, runs: list[Sample], medians: Mapping[str, float], passthrough_ops: int | None
+) -> Row:
+    """Times against baseline; for probe rows, the cost per op above the passthrough floor."""
+    seconds = [s.seconds for s in runs]
+    median, ops = medians[name], runs[-1].ops
+    us_per_op, per_routed = None, False
+    if name.startswith("probe-"):
+        per_routed = not ops
+        divisor = passthrough_ops if per_routed else ops
+        if divisor:
+            us_per_op = 1e6 * (median - medians[Passthrough.name]) / divisor
+    return Row(
+        name, 1e3 * median, 1e3 * min(seconds), 1e3 * max(seconds),
+        median / medians[Baseline.name], ops, us_per_op, per_routed,
+    )
+
+
+def measure(spec: ModelSpec, warmup: int, steps: int, console: Console) -> list[Row]:
+    with tempfile.TemporaryDirectory(prefix="probe-overhead-") as scratch:
+        configs = configurations(Path(scratch))
+        with console.status(f"{spec.name}: building {len(configs)} models"):
+            trainers = [Trainer(spec) for _ in configs]
+        rounds = warmup + steps
+        with console.status(f"{spec.name}: round 1/{rounds}") as status:
+
+            def on_round(done: int) -> None:
+                status.update(f"{spec.name}: round {min(done + 1, rounds)}/{rounds}")
+
+            samples = run_rounds(configs, trainers, warmup, steps, on_round)
+        del trainers
+        gc.collect()
+    return summarize(samples)
+
+
+# -- reporting ------------------------------------------------------------------
+
+COLUMNS = (
+    "config", "median ms", "min ms", "max ms", "x baseline", "ops/step", "us/op over passthrough"
+)
+ROUTED_MARK = "*"
+ROUTED_NOTE = (
+    f"{ROUTED_MARK} no op recorded: per op passed through the mode (the passthrough count)"
+)
+
+
+def row_cells(row: Row) -> list[str]:
+    if row.us_per_op is None:
+        per_op = ""
+    else:
+        per_op = f"{row.us_per_op:.1f}{ROUTED_MARK if row.per_routed_op else ''}"
+    return [
+        row.name,
+        f"{row.median_ms:.1f}",
+        f"{row.min_ms:.1f}",
+        f"{row.max_ms:.1f}",
+        f"{row.ratio:.2f}",
+        "" if row.ops is None else str(row.ops),
+        per_op,
+    ]
+
+
+def caption(spec: ModelSpec, warmup: int, steps: int) -> str:
+    return (
+        f"{spec.name}: {spec.num_params() / 1e6:.1f}M params; {spec.describe()}; "
+        f"{steps} timed step(s) per config after {warmup} warm-up"
+    )
+
+
+def rich_table(title: str, rows: Sequence[Row]) -> Table:
+    table = Table(title=title, title_justify="left")
+    for i, column in enumerate(COLUMNS):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row_cells(row))
+    return table
+
+
+def markdown_table(rows: Sequence[Row]) -> str:
+    lines = [
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|",
+    ]
+    lines += ["| " + " | ".join(row_cells(row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine() -> dict[str, str]:
+    return {
+        "cpu": cpu_model(),
+        "cores": str(os.cpu_count()),
+        "torch": torch.__version__,
+        "torch threads": str(torch.get_num_threads()),
+        "python": platform.python_version(),
+    }
+
+
+def machine_line() -> str:
+    return "; ".join(f"{key}: {value}" for key, value in machine().items())
+
+
+# -- command line -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    models: list[ModelSpec]
+    warmup: int
+    steps: int
+    markdown: bool
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[Plan, int | None]:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.overhead",
+        description="Step-time overhead of the probe, against no probe and a bare dispatch mode.",
+    )
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 1 warm-up, 1 timed step, demo model unless --model")
+    parser.add_argument("--model", choices=[*MODELS, "all"], default=None,
+                        help="model to time (default: all; demo with --quick)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per config (10)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed warm-up steps per config (2)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N)")
+    parser.add_argument("--markdown", action="store_true",
+                        help="also print each table as GitHub markdown")
+    args = parser.parse_args(argv)
+    steps = args.steps if args.steps is not None else (1 if args.quick else 10)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    if steps < 1 or warmup < 0:
+        parser.error("--steps must be at least 1 and --warmup at least 0")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be at least 1")
+    model = args.model or ("demo" if args.quick else "all")
+    models = list(MODELS.values()) if model == "all" else [MODELS[model]]
+    return Plan(models, warmup, steps, args.markdown), args.threads
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    plan, threads = parse_args(argv)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    # The models have no compiled regions; the notice that they would run eagerly is noise here.
+    warnings.filterwarnings("ignore", message="probe: compiled regions run eagerly")
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    console.print(f"[bold]probe overhead[/bold]  {machine_line()}")
+    if plan.warmup == 0:
+        console.print("[yellow]--warmup 0: the first probe-stats step includes torch.compile[/]")
+    for spec in plan.models:
+        rows = measure(spec, plan.warmup, plan.steps, console)
+        title = caption(spec, plan.warmup, plan.steps)
+        console.print(rich_table(title, rows))
+        note = ROUTED_NOTE if any(row.per_routed_op for row in rows) else ""
+        if note:
+            console.print(note)
+        if plan.markdown:
+            print(f"\n{title}\n\n{machine_line()}\n\n{markdown_table(rows)}\n\n{note}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
