@@ -76,7 +76,10 @@ class Sample:
 
 
 class Config(Protocol):
-    name: str
+    """One way of running a training step; ``run_step`` times it."""
+
+    @property
+    def name(self) -> str: ...
 
     def run_step(self, trainer: Trainer) -> Sample: ...
 
@@ -233,11 +236,13 @@ ROUTED_NOTE = (
 )
 
 
-def row_cells(row: Row) -> list[str]:
+def per_op_cell(row: Row) -> str:
     if row.us_per_op is None:
-        per_op = ""
-    else:
-        per_op = f"{row.us_per_op:.1f}{ROUTED_MARK if row.per_routed_op else ''}"
+        return ""
+    return f"{row.us_per_op:.1f}{ROUTED_MARK if row.per_routed_op else ''}"
+
+
+def row_cells(row: Row) -> list[str]:
     return [
         row.name,
         f"{row.median_ms:.1f}",
@@ -245,7 +250,7 @@ def row_cells(row: Row) -> list[str]:
         f"{row.max_ms:.1f}",
         f"{row.ratio:.2f}",
         "" if row.ops is None else str(row.ops),
-        per_op,
+        per_op_cell(row),
     ]
 
 

@@ -122,3 +122,18 @@ def test_module_called_outside_the_root_and_ops_outside_modules(tmp_path):
     mul = [op for op in ops if op.name == "aten.mul.Tensor" and op.phase == "forward"]
     assert mul and mul[0].module == "" and mul[0].module_stack == []
     assert {op.module for op in ops if op.name == "aten.threshold_backward.default"} == {"1"}
+
+
+def test_structure_mode_records_the_same_ops_without_statistics(tmp_path):
+    torch.manual_seed(0)
+    model = SharedBlockNet()
+    with probe.mode("structure", out=tmp_path / "s", model=model) as session:
+        train_steps(model, 1, session=session)
+    torch.manual_seed(0)
+    model = SharedBlockNet()
+    with probe.mode("stats", out=tmp_path / "t", model=model) as session:
+        train_steps(model, 1, session=session)
+    structure, stats = probe.load(tmp_path / "s").ops(0), probe.load(tmp_path / "t").ops(0)
+    assert [op.id for op in structure] == [op.id for op in stats]
+    assert all(t.stats is None for op in structure for t in op.outputs)
+    assert not (tmp_path / "s" / "rank0" / "step0" / "stats.npy").exists()

@@ -4,19 +4,19 @@ A tensor's statistics are reduced to one raw row (:data:`RAW_COLUMNS`) on its
 device; ``finalize`` turns raw rows into min/max/mean/norm/nan/inf on the host
 after the step's single transfer.
 
-Accumulation is in fp32 (fp64 for fp64 tensors): an fp16 sum of squares
-overflows on perfectly finite data. fp32 itself overflows for values near its
-range (a ``finfo.min`` attention mask), so the same pass also accumulates the
-sum and the sum of squares of down-scaled values; the host uses those where
-the plain ones overflowed on finite data. The raw row is stored in fp64 where
-the device supports it, so counts stay exact. Before reducing, a tensor is reduced
+Values are upcast before they are reduced, never reduced in their own dtype:
+an fp16 sum of squares overflows on perfectly finite data. Sums accumulate in
+fp64 on CPU and CUDA (where the squares of values at the top of fp32's range,
+such as a ``finfo.min`` attention mask, still fit, and counts stay exact) and in
+fp32 on other devices. Before reducing, a tensor is reduced
 to a compact view of the same multiset of values: broadcast (stride-0) dims are
 dropped and counted as a multiplicity, and a permuted tensor is read in storage
 order, so transposed and expanded tensors are never copied.
 
 Two interchangeable kernels compute the raw row: a single-pass ``torch.compile``d
-kernel (one fused loop on CPU, one Triton kernel on GPU) and an eager fallback of
-a few reductions, used where compilation is unavailable or fails.
+kernel (one fused loop on CPU, one Triton kernel on GPU) for large tensors, and a
+few eager reductions for small ones (cheaper than a compiled call there) and
+wherever compilation is unavailable or fails.
 """
 
 from __future__ import annotations
@@ -29,19 +29,20 @@ import torch
 
 from probe.tracer.compat import default_compile_stance, warn_once
 
-RAW_COLUMNS = ("min", "max", "sum", "sumsq", "nan", "inf", "sum_scaled", "sumsq_scaled")
-# Powers of two, so scaling is exact; chosen so that fp32 values at the top of
-# the range neither overflow the scaled sums nor lose what dominates them.
-SUM_SCALE_LOG2 = -64
-SUMSQ_SCALE_LOG2 = -100
+RAW_COLUMNS = ("min", "max", "sum", "sumsq", "nan", "inf")
 STAT_COLUMNS = ("min", "max", "mean", "norm", "nan", "inf")
 BACKENDS = ("auto", "compiled", "eager")
 
-_LOW_PRECISION_FLOATS = {torch.float16, torch.bfloat16, torch.float32}
+# Below this many elements a few eager reductions cost less than one call of the
+# compiled kernel (guards and buffer set-up); above it one fused pass wins.
+COMPILED_MIN_NUMEL = 1 << 15
+_INF = float("inf")
 
 
-def row_dtype(device: torch.device) -> torch.dtype:
-    """fp64 rows keep counts exact; devices without fp64 arithmetic use fp32."""
+def accumulation_dtype(device: torch.device) -> torch.dtype:
+    """fp64 where the device has fast fp64 (sums of fp32 squares cannot overflow it
+    and counts stay exact, and on CPU the fused fp64 pass is as fast as fp32);
+    fp32 elsewhere."""
     return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
 
 
@@ -78,61 +79,47 @@ def _as_real(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _eager_raw(x: torch.Tensor, acc: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor:
-    if x.dtype != acc:
-        x = x.to(acc)
-    # Reductions read strided tensors in place; only the squares need a temporary.
-    mn, mx = torch.aminmax(x)
-    nan = torch.isnan(x).sum().to(acc)
-    inf = torch.isinf(x).sum().to(acc)
-    scaled = x * 2.0**SUM_SCALE_LOG2
-    scaled_sq = x * 2.0**SUMSQ_SCALE_LOG2
-    row = [mn, mx, x.sum(), x.square().sum(), nan, inf, scaled.sum(), scaled_sq.square().sum()]
-    return torch.stack(row).to(out_dtype)
+def _eager_raw(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """A handful of small kernels; reads strided tensors in place."""
+    xa = x.to(acc)
+    mn, mx = torch.aminmax(xa)
+    if xa.is_contiguous():
+        flat = xa.view(-1)
+        sumsq = torch.dot(flat, flat)
+    else:
+        sumsq = xa.square().sum()
+    nan = torch.isnan(xa).sum().to(acc)
+    inf = torch.isinf(xa).sum().to(acc)
+    return torch.stack([mn, mx, xa.sum(), sumsq, nan, inf])
 
 
-def _fused_row(xf: torch.Tensor) -> torch.Tensor:
-    # The compiler fuses every reduction below into one pass over xf.
-    # NaN/Inf are counted through x != x and (x - x) != (x - x) (NaN for any
-    # non-finite x), which lower to plain comparisons, unlike isnan/isinf.
-    diff = xf - xf
-    nan = (xf != xf).sum().to(xf.dtype)
-    nonfinite = (diff != diff).sum().to(xf.dtype)
-    scaled = xf * 2.0**SUM_SCALE_LOG2
-    scaled_sq = xf * 2.0**SUMSQ_SCALE_LOG2
-    return torch.stack(
-        [
-            xf.amin(), xf.amax(), xf.sum(), (xf * xf).sum(), nan, nonfinite - nan,
-            scaled.sum(), (scaled_sq * scaled_sq).sum(),
-        ]
-    )
+def _fused_raw(flat: torch.Tensor) -> torch.Tensor:
+    """One pass over a 1-D tensor once compiled: every reduction fuses into one loop.
+
+    NaN and Inf are counted through ``x != x`` and ``|x| == inf``, which lower to
+    plain comparisons, unlike isnan/isinf.
+    """
+    xa = flat.to(torch.float64)
+    nan = (xa != xa).sum().to(torch.float64)
+    inf = (xa.abs() == _INF).sum().to(torch.float64)
+    return torch.stack([xa.amin(), xa.amax(), xa.sum(), (xa * xa).sum(), nan, inf])
 
 
-def _fused_raw_fp32(flat: torch.Tensor) -> torch.Tensor:
-    return _fused_row(flat.to(torch.float32)).to(torch.float64)
-
-
-def _fused_raw_fp64(flat: torch.Tensor) -> torch.Tensor:
-    # A separate function from the fp32 one so that each has its own compile cache.
-    return _fused_row(flat.to(torch.float64))
-
-
-class _CompiledKernels:
-    """Process-wide compiled kernels; a device type whose compile fails falls back to eager."""
+class _CompiledKernel:
+    """The process-wide compiled kernel; a device type whose compile fails uses eager."""
 
     def __init__(self) -> None:
-        self._fns: dict[torch.dtype, Any] = {}
+        self._fn: Any = None
         self.failed_devices: set[str] = set()
 
-    def get(self, acc: torch.dtype) -> Any:
-        fn = self._fns.get(acc)
-        if fn is None:
-            body = _fused_raw_fp64 if acc == torch.float64 else _fused_raw_fp32
-            fn = self._fns[acc] = torch.compile(body, dynamic=True, fullgraph=True)
-        return fn
+    def __call__(self, flat: torch.Tensor) -> torch.Tensor:
+        if self._fn is None:
+            self._fn = torch.compile(_fused_raw, dynamic=True, fullgraph=True)
+        with default_compile_stance():
+            return self._fn(flat)
 
 
-_COMPILED = _CompiledKernels()
+_COMPILED = _CompiledKernel()
 
 
 class RawStat(NamedTuple):
@@ -151,12 +138,14 @@ class TensorStats:
     def __init__(self, backend: str = "auto") -> None:
         self.backend = backend
 
-    def _use_compiled(self, device: torch.device) -> bool:
-        if self.backend == "eager" or device.type in _COMPILED.failed_devices:
+    def _use_compiled(self, x: torch.Tensor) -> bool:
+        if self.backend == "eager" or x.device.type in _COMPILED.failed_devices:
             return False
-        # Compiling for an accelerator without a compiler backend (Triton for
-        # CUDA) cannot work; "auto" only tries where inductor supports the device.
-        return self.backend == "compiled" or device.type in ("cpu", "cuda")
+        if self.backend == "compiled":
+            return True
+        # "auto": large tensors, on devices inductor compiles for (a C++ loop on
+        # CPU, Triton on CUDA) and whose fp64 the fused kernel accumulates in.
+        return x.numel() >= COMPILED_MIN_NUMEL and x.device.type in ("cpu", "cuda")
 
     def raw(self, t: torch.Tensor) -> RawStat | None:
         """The raw row of ``t`` on its device; None for tensors without values (meta, sparse)."""
@@ -166,49 +155,34 @@ class TensorStats:
         numel = x.numel()
         if numel == 0:
             return RawStat(None, 0, multiplicity)
-        device = x.device
-        out_dtype = row_dtype(device)
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        if self._use_compiled(device):
-            flat = x if x.is_contiguous() else x.contiguous()
-            flat = flat.view(-1)
-            if flat.dtype not in _LOW_PRECISION_FLOATS and flat.dtype != torch.float64:
-                flat = flat.to(acc)  # ints, bool, fp8: one eager cast, one compiled signature
+        acc = accumulation_dtype(x.device)
+        if self._use_compiled(x):
+            flat = (x if x.is_contiguous() else x.contiguous()).view(-1)
             try:
-                with default_compile_stance():
-                    row = _COMPILED.get(acc)(flat)
-                return RawStat(row if row.dtype == out_dtype else row.to(out_dtype), numel, multiplicity)
-            except Exception as e:
-                _COMPILED.failed_devices.add(device.type)
-                warn_once(f"compile-stats-{device.type}", f"compiled statistics kernel unavailable on "
-                          f"{device.type} ({type(e).__name__}: {e}); using the eager kernel")
-        return RawStat(_eager_raw(x, acc, out_dtype), numel, multiplicity)
+                return RawStat(_COMPILED(flat).to(acc), numel, multiplicity)
+            except Exception as e:  # any compile failure means "use eager"
+                _COMPILED.failed_devices.add(x.device.type)
+                warn_once(f"compile-stats-{x.device.type}", f"compiled statistics kernel unavailable "
+                          f"on {x.device.type} ({type(e).__name__}: {e}); using the eager kernel")
+        return RawStat(_eager_raw(x, acc), numel, multiplicity)
 
 
 def finalize(raw: np.ndarray, numel: np.ndarray, multiplicity: np.ndarray) -> np.ndarray:
-    """Raw rows (:data:`RAW_COLUMNS`) -> ``[min, max, mean, norm, nan, inf]``.
+    """Raw rows (:data:`RAW_COLUMNS`) -> ``[min, max, mean, norm, nan, inf]`` in fp64.
 
-    Where the plain sums overflowed although the tensor was finite, the
-    down-scaled sums are scaled back in fp64. Rows of empty tensors (numel 0)
-    get min/max/mean NaN (read back as None), norm 0 and no NaN/Inf.
+    Rows of empty tensors (numel 0) get min/max/mean NaN (read back as None),
+    norm 0 and no NaN/Inf.
     """
     out = np.empty((raw.shape[0], len(STAT_COLUMNS)), dtype=np.float64)
     if raw.shape[0] == 0:
         return out
     empty = numel == 0
     safe_numel = np.where(empty, 1, numel).astype(np.float64)
-    finite_input = (raw[:, 4] == 0) & (raw[:, 5] == 0)
-    total = np.where(
-        finite_input & ~np.isfinite(raw[:, 2]), np.ldexp(raw[:, 6], -SUM_SCALE_LOG2), raw[:, 2]
-    )
-    sumsq = np.where(
-        finite_input & ~np.isfinite(raw[:, 3]), np.ldexp(raw[:, 7], -2 * SUMSQ_SCALE_LOG2), raw[:, 3]
-    )
     with np.errstate(invalid="ignore", over="ignore"):
         out[:, 0] = raw[:, 0]
         out[:, 1] = raw[:, 1]
-        out[:, 2] = total / safe_numel
-        out[:, 3] = np.sqrt(sumsq * multiplicity)
+        out[:, 2] = raw[:, 2] / safe_numel
+        out[:, 3] = np.sqrt(raw[:, 3] * multiplicity)
         out[:, 4] = raw[:, 4] * multiplicity
         out[:, 5] = raw[:, 5] * multiplicity
     out[empty] = (math.nan, math.nan, math.nan, 0.0, 0.0, 0.0)

@@ -1,0 +1,60 @@
+"""End to end on a model nobody here wrote: HF transformers' Llama with random weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import probe
+
+transformers = pytest.importorskip("transformers", reason="transformers is an optional test dependency")
+
+
+def _model():
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _train(model, session=None):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(2):
+        ids = torch.randint(0, 128, (2, 16), generator=gen)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        if session is not None:
+            session.step()
+    return losses
+
+
+def test_hf_llama_two_steps_bitwise_transparent_and_attributed(tmp_path):
+    plain_model = _model()
+    plain = _train(plain_model)
+    rng = torch.get_rng_state()
+
+    model = _model()
+    with probe.mode("stats", out=tmp_path / "r", model=model) as session:
+        traced = _train(model, session)
+    assert all(torch.equal(a, b) for a, b in zip(plain, traced))
+    assert torch.equal(rng, torch.get_rng_state())
+    for (name, p), q in zip(plain_model.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name
+
+    run = probe.load(tmp_path / "r")
+    assert run.steps == [0, 1]
+    ops = run.ops(1)
+    modules = {op.module for op in ops}
+    assert {"model.layers.0.mlp.act_fn", "model.layers.1.self_attn.q_proj", "lm_head"} <= modules
+    silu_bwd = [op for op in ops if op.name == "aten.silu_backward.default"]
+    assert [op.module for op in silu_bwd] == ["model.layers.1.mlp.act_fn", "model.layers.0.mlp.act_fn"]
+    # HF masks with finfo.min, not -inf: a healthy run has no non-finite value.
+    assert run.first_nonfinite() is None
