@@ -1,4 +1,4 @@
-"""The models the overhead benchmark trains, and one trainer (model, optimizer, data) per run.
+"""The models the overhead benchmark trains.
 
 Both are ``probe.demo.model.TinyLlama``: the demo's default size, and one
 decoder layer at LLaMA2-7B width with a small vocabulary, sized so that a
@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from probe.demo.model import LlamaConfig, TinyLlama, synthetic_batch
+from probe.demo.model import LlamaConfig, TinyLlama
+from probe.demo.train import DemoTraining
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,10 @@ class ModelSpec:
     seq: int
     foreach: bool | None = None
     """AdamW's ``foreach``; ``None`` is torch's default choice."""
+
+    def trainer(self, seed: int = 0) -> DemoTraining:
+        """A fresh model, optimizer and data stream, all built from ``seed``."""
+        return DemoTraining(self.config, self.batch, self.seq, seed, foreach=self.foreach)
 
     def num_params(self) -> int:
         with torch.device("meta"):
@@ -57,22 +62,3 @@ LLAMA7B_SHAPED = ModelSpec(
 )
 
 MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (DEMO, LLAMA7B_SHAPED)}
-
-
-class Trainer:
-    """One model, its optimizer and its data stream, all built from ``seed``."""
-
-    def __init__(self, spec: ModelSpec, seed: int = 0) -> None:
-        self.spec = spec
-        torch.manual_seed(seed)
-        self.model = TinyLlama(spec.config)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, foreach=spec.foreach)
-        self.data = torch.Generator().manual_seed(seed + 1)
-
-    def step(self) -> None:
-        """One training step: forward, backward, optimizer step, gradients dropped."""
-        tokens = synthetic_batch(self.spec.config, self.spec.batch, self.spec.seq, self.data)
-        loss = self.model.loss(tokens)
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)

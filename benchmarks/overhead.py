@@ -12,11 +12,14 @@ Configurations (each trains its own model and optimizer, built from the same see
   op, the cost floor of any dispatch mode;
 - ``probe-notrace``: inside ``probe.mode("stats", ops=["__nothing__"])``, the
   probe's routing with no op selected;
-- ``probe-stats``: inside ``probe.mode("stats")`` (compiled statistics kernel);
-- ``probe-stats-eager``: the same with ``stats_backend="eager"``.
+- ``probe-structure``: inside ``probe.mode("structure")``, every op recorded
+  with no per-op work: the tracer's bookkeeping;
+- ``probe-stats``: inside ``probe.mode("stats")``;
+- ``probe-stats-eager`` (with ``--eager``): the same with ``stats_backend="eager"``.
 
 All run in one process, alternating step by step (one step of each configuration
-per round), so that drift of a shared machine reaches them alike. A probe
+per round, the starting configuration rotating from round to round), so that
+drift of a shared machine reaches them alike. A probe
 session is entered around each single step, in a fresh directory; only the
 step and its flush (``session.step()``) are timed, not entering or leaving the
 session. Warm-up rounds (the first compiles the probe's statistics kernel) are
@@ -46,7 +49,8 @@ from rich.table import Table
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import probe
-from benchmarks.models import MODELS, ModelSpec, Trainer
+from benchmarks.models import MODELS, ModelSpec
+from probe.demo.train import DemoTraining
 
 # -- configurations -------------------------------------------------------------
 
@@ -81,14 +85,14 @@ class Config(Protocol):
     @property
     def name(self) -> str: ...
 
-    def run_step(self, trainer: Trainer) -> Sample: ...
+    def run_step(self, trainer: DemoTraining) -> Sample: ...
 
 
 @dataclass(frozen=True)
 class Baseline:
     name: str = "baseline"
 
-    def run_step(self, trainer: Trainer) -> Sample:
+    def run_step(self, trainer: DemoTraining) -> Sample:
         start = time.perf_counter()
         trainer.step()
         return Sample(time.perf_counter() - start, None)
@@ -98,7 +102,7 @@ class Baseline:
 class Passthrough:
     name: str = "passthrough"
 
-    def run_step(self, trainer: Trainer) -> Sample:
+    def run_step(self, trainer: DemoTraining) -> Sample:
         with CountingMode() as counter:
             start = time.perf_counter()
             trainer.step()
@@ -114,17 +118,18 @@ def recorded_ops(out: Path) -> int:
 
 @dataclass(frozen=True)
 class ProbeConfig:
-    """A ``stats`` session with extra ``options``, entered around each step in a fresh directory."""
+    """A session of ``mode`` with extra ``options``, entered around each step in a fresh directory."""
 
     name: str
     scratch: Path
+    mode: str = "stats"
     options: Mapping[str, Any] = field(default_factory=dict)
 
-    def run_step(self, trainer: Trainer) -> Sample:
+    def run_step(self, trainer: DemoTraining) -> Sample:
         out = Path(tempfile.mkdtemp(prefix=f"{self.name}-", dir=self.scratch))
         try:
             with probe.mode(
-                "stats", out=out, overwrite=True, model=trainer.model, **self.options
+                self.mode, out=out, overwrite=True, model=trainer.model, **self.options
             ) as session:
                 start = time.perf_counter()
                 trainer.step()
@@ -135,14 +140,17 @@ class ProbeConfig:
             shutil.rmtree(out, ignore_errors=True)
 
 
-def configurations(scratch: Path) -> list[Config]:
-    return [
+def configurations(scratch: Path, eager: bool) -> list[Config]:
+    configs: list[Config] = [
         Baseline(),
         Passthrough(),
-        ProbeConfig("probe-notrace", scratch, {"ops": ["__nothing__"]}),
+        ProbeConfig("probe-notrace", scratch, options={"ops": ["__nothing__"]}),
+        ProbeConfig("probe-structure", scratch, mode="structure"),
         ProbeConfig("probe-stats", scratch),
-        ProbeConfig("probe-stats-eager", scratch, {"stats_backend": "eager"}),
     ]
+    if eager:
+        configs.append(ProbeConfig("probe-stats-eager", scratch, options={"stats_backend": "eager"}))
+    return configs
 
 
 # -- measuring ------------------------------------------------------------------
@@ -150,15 +158,17 @@ def configurations(scratch: Path) -> list[Config]:
 
 def run_rounds(
     configs: Sequence[Config],
-    trainers: Sequence[Trainer],
+    trainers: Sequence[DemoTraining],
     warmup: int,
     steps: int,
     on_round: Callable[[int], None],
 ) -> dict[str, list[Sample]]:
-    """Round-robin: each round runs one step of every configuration, in order."""
+    """Round-robin: each round runs one step of every configuration, starting one later each round."""
     samples: dict[str, list[Sample]] = {config.name: [] for config in configs}
+    pairs = list(zip(configs, trainers))
     for round_index in range(warmup + steps):
-        for config, trainer in zip(configs, trainers):
+        shift = round_index % len(pairs)
+        for config, trainer in pairs[shift:] + pairs[:shift]:
             gc.collect()  # start each step from the same heap, outside the timing
             sample = config.run_step(trainer)
             if round_index >= warmup:
@@ -208,11 +218,11 @@ def summary_row(
     )
 
 
-def measure(spec: ModelSpec, warmup: int, steps: int, console: Console) -> list[Row]:
+def measure(spec: ModelSpec, warmup: int, steps: int, eager: bool, console: Console) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="probe-overhead-") as scratch:
-        configs = configurations(Path(scratch))
+        configs = configurations(Path(scratch), eager)
         with console.status(f"{spec.name}: building {len(configs)} models"):
-            trainers = [Trainer(spec) for _ in configs]
+            trainers = [spec.trainer() for _ in configs]
         rounds = warmup + steps
         with console.status(f"{spec.name}: round 1/{rounds}") as status:
 
@@ -312,6 +322,7 @@ class Plan:
     warmup: int
     steps: int
     markdown: bool
+    eager: bool
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Plan, int | None]:
@@ -329,6 +340,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Plan, int | None]:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N)")
     parser.add_argument("--markdown", action="store_true",
                         help="also print each table as GitHub markdown")
+    parser.add_argument("--eager", action="store_true",
+                        help="also time stats_backend='eager' (slow on large tensors)")
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (1 if args.quick else 10)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
@@ -338,7 +351,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Plan, int | None]:
         parser.error("--threads must be at least 1")
     model = args.model or ("demo" if args.quick else "all")
     models = list(MODELS.values()) if model == "all" else [MODELS[model]]
-    return Plan(models, warmup, steps, args.markdown), args.threads
+    return Plan(models, warmup, steps, args.markdown, args.eager), args.threads
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -352,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if plan.warmup == 0:
         console.print("[yellow]--warmup 0: the first probe-stats step includes torch.compile[/]")
     for spec in plan.models:
-        rows = measure(spec, plan.warmup, plan.steps, console)
+        rows = measure(spec, plan.warmup, plan.steps, plan.eager, console)
         title = caption(spec, plan.warmup, plan.steps)
         console.print(rich_table(title, rows))
         note = ROUTED_NOTE if any(row.per_routed_op for row in rows) else ""

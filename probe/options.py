@@ -114,11 +114,13 @@ class Options:
     phases: frozenset[str] = frozenset(PHASES)
     stack: bool = False
     compiled: str = "eager"
+    async_flush: bool = True
     mode_options: dict[str, Any] = field(default_factory=dict)
 
 
 _COMMON_KEYS = {
     "out", "overwrite", "model", "ops", "modules", "steps", "ranks", "phases", "stack", "compiled",
+    "async_flush",
 }
 
 
@@ -156,8 +158,8 @@ def parse_options(modes: Any, kwargs: dict[str, Any], mode_option_names: dict[st
             setattr(opts, key, IntSet.parse(key, value))
         elif key == "phases":
             opts.phases = _parse_phases(value)
-        elif key == "stack":
-            opts.stack = _parse_bool(key, value)
+        elif key in ("stack", "async_flush"):
+            setattr(opts, key, _parse_bool(key, value))
         elif key == "compiled":
             if value not in COMPILED_POLICIES:
                 raise ProbeError(f"option 'compiled': {value!r} is not one of {list(COMPILED_POLICIES)}")

@@ -1,10 +1,13 @@
 """A probe session: the context manager ``probe.mode(...)`` returns.
 
 It owns the tracer, the modes and the run writer, and drives the step cycle:
-``step()`` ends the current step (modes flush, the step directory is committed)
-and starts the next. Leaving the ``with`` block flushes what the last step
-recorded; if the block raised, that step is written too, marked incomplete, so
-the ops leading up to a crash are not lost.
+``step()`` ends the current step and starts the next. The ended step's records
+are handed to a writer thread (``async_flush=True``, the default), which
+encodes them, moves statistics to the host and commits the step directory
+while the next step runs; at most one step is in flight, so when ``step()``
+returns every earlier step is on disk. Leaving the ``with`` block flushes what
+the last step recorded and waits for the writer; if the block raised, that step
+is written too, marked incomplete, so the ops leading up to a crash are kept.
 """
 
 from __future__ import annotations
@@ -21,14 +24,16 @@ import torch
 
 from probe import __version__
 from probe.errors import ProbeError
-from probe.modes.base import Mode
+from probe.modes.base import Mode, StepResult
 from probe.modes.registry import MODES, mode_option_names
 from probe.options import Options, parse_options
 from probe.rundir import layout
+from probe.rundir.background import BackgroundWriter
 from probe.rundir.op_records import encode
 from probe.rundir.writer import RunWriter
 from probe.tracer.compat import check_dispatch_features, compiled_regions_eager
 from probe.tracer.dispatch_mode import ProbeDispatchMode, Tracer
+from probe.tracer.op_call import OpCall
 from probe.tracer.rank import current_rank
 
 _active: Session | None = None
@@ -73,6 +78,7 @@ class Session:
         self.step_index = 0
         self._tracer: Tracer | None = None
         self._writer: RunWriter | None = None
+        self._background: BackgroundWriter | None = None
         self._exit_stack: ExitStack | None = None
 
     # -- context ---------------------------------------------------------------
@@ -96,6 +102,9 @@ class Session:
                 },
             )
         stack = ExitStack()
+        if self._writer is not None and self.options.async_flush:
+            self._background = BackgroundWriter(max_pending=1)
+            stack.callback(self._background.close)
         tracer.modules.install()
         stack.callback(tracer.modules.uninstall)
         stack.enter_context(compiled_regions_eager(self.options.compiled))
@@ -120,7 +129,8 @@ class Session:
                 reason = None if exc is None else f"{type(exc).__name__}: {exc}"
                 self._flush(complete=exc is None, reason=reason)
         finally:
-            stack.close()
+            stack.close()  # waits for the writer thread
+            self._background = None
             for mode in self.modes:
                 mode.close()
             _active = None
@@ -138,31 +148,55 @@ class Session:
         self._step_started = time.perf_counter()
 
     def _flush(self, complete: bool, reason: str | None) -> None:
+        """End the tracer's step and have it written (on the writer thread if any)."""
         tracer = self._tracer
         assert tracer is not None
         step = tracer.step
         with tracer.paused():
             calls = tracer.end_step()
+            results = [(mode.name, mode.end_step(step)) for mode in self.modes]
             if self._writer is None or not (calls or not complete):
                 return
-            writer = self._writer.step(step)
-            writer.write_jsonl(layout.OPS_FILE, (encode(c) for c in calls))
             sites = tracer.call_sites
-            if sites is not None:
-                used = sorted({c.callsite for c in calls if c.callsite is not None})
-                writer.write_json(layout.CALLSITES_FILE, {str(i): sites.stacks[i] for i in used})
-            mode_summaries = {mode.name: mode.flush(step, writer) for mode in self.modes}
-            writer.commit(
-                {
-                    "complete": complete,
-                    "reason": reason,
-                    "ops": len(calls),
-                    "phases": dict(Counter(c.phase for c in calls)),
-                    "modes": mode_summaries,
-                    "seconds": round(time.perf_counter() - self._step_started, 6),
-                    "torch_version": torch.__version__,
-                }
+            used_sites = (
+                {i: sites.stacks[i] for i in {c.callsite for c in calls if c.callsite is not None}}
+                if sites is not None
+                else None
             )
+            manifest = {
+                "complete": complete,
+                "reason": reason,
+                "ops": len(calls),
+                "phases": dict(Counter(c.phase for c in calls)),
+                "seconds": round(time.perf_counter() - self._step_started, 6),
+                "torch_version": torch.__version__,
+            }
+
+            def write() -> None:
+                self._write_step(step, calls, results, used_sites, manifest)
+
+            if self._background is not None:
+                self._background.submit(write)
+                if not complete:  # the block is raising: be on disk before it propagates
+                    self._background.drain()
+            else:
+                write()
+
+    def _write_step(
+        self,
+        step: int,
+        calls: list[OpCall],
+        results: list[tuple[str, StepResult | None]],
+        sites: dict[int, list[str]] | None,
+        manifest: dict[str, Any],
+    ) -> None:
+        assert self._writer is not None
+        writer = self._writer.step(step)
+        writer.write_jsonl(layout.OPS_FILE, (encode(c) for c in calls))
+        if sites is not None:
+            writer.write_json(layout.CALLSITES_FILE, {str(i): stack for i, stack in sorted(sites.items())})
+        modes = {name: result.write(writer) for name, result in results if result is not None}
+        writer.commit({**manifest, "modes": modes})
 
 
 def mode(modes: Any = None, **options: Any) -> Session:

@@ -35,7 +35,7 @@ class SyncSentinel(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@pytest.mark.parametrize("backend", ["compiled", "eager"])
+@pytest.mark.parametrize("backend", ["auto", "compiled", "eager"])
 def test_stats_mode_issues_no_host_sync_inside_a_step(tmp_path, backend):
     torch.manual_seed(0)
     model = SharedBlockNet()

@@ -61,7 +61,7 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("backend", ["compiled", "eager"])
+@pytest.mark.parametrize("backend", ["auto", "compiled", "eager"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_stats_match_fp64_reference(tmp_path, backend, dtype):
     gen = torch.Generator().manual_seed(0)
@@ -79,7 +79,7 @@ def test_stats_match_fp64_reference(tmp_path, backend, dtype):
         _check(record, tensor, rel=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["compiled", "eager"])
+@pytest.mark.parametrize("backend", ["auto", "compiled", "eager"])
 def test_views_and_expanded_outputs_reduce_without_copying_their_values(tmp_path, backend):
     base = torch.randn(8, 1, 6, generator=torch.Generator().manual_seed(1))
     out = tmp_path / backend
@@ -92,7 +92,7 @@ def test_views_and_expanded_outputs_reduce_without_copying_their_values(tmp_path
         _check(op.outputs[0], tensor, rel=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["compiled", "eager"])
+@pytest.mark.parametrize("backend", ["auto", "compiled", "eager"])
 def test_nonfinite_counts_and_fp16_norm_that_would_overflow(tmp_path, backend):
     big = torch.full((4096,), 60000.0, dtype=torch.float16)  # finite; fp16 sum of squares overflows
     assert torch.isinf(torch.linalg.vector_norm(big))  # ... as computed in fp16

@@ -35,7 +35,7 @@ def _assert_bitwise_equal(a, b):
     assert torch.equal(rng_a, rng_b)
 
 
-@pytest.mark.parametrize("backend", ["compiled", "eager"])
+@pytest.mark.parametrize("backend", ["auto", "compiled", "eager"])
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_stats_mode_is_bitwise_transparent(tmp_path, backend, checkpointed):
     baseline = _run(lambda m: None, checkpointed)

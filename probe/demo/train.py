@@ -20,11 +20,13 @@ class DemoTraining:
     seq: int = 32
     seed: int = 0
     dtype: torch.dtype = torch.float32
+    foreach: bool | None = None
+    """AdamW's ``foreach``; None is torch's default choice for the device."""
 
     def __post_init__(self) -> None:
         torch.manual_seed(self.seed)
         self.model = TinyLlama(self.config).to(self.dtype)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, foreach=self.foreach)
         self.data = torch.Generator().manual_seed(self.seed + 1)
 
     def step(self) -> torch.Tensor:

@@ -2,17 +2,27 @@
 
 The tracer calls, for each selected op: ``before`` (inputs live, op not yet
 run), then the op itself (or ``run`` of the one mode that replaces execution),
-then ``after`` (inputs and outputs live). At the end of a step it calls
-``flush`` with the step's writer. Modes never talk to each other; a mode never
-holds a tensor past ``after``.
+then ``after`` (inputs and outputs live). At the end of a step the session
+calls ``end_step`` on the training thread, which hands over what the step
+collected and starts afresh, and later calls ``write`` on what it returned, on
+the writer thread. Modes never talk to each other; a mode never holds a tensor
+of the model past ``after`` (its own result buffers are its business).
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from probe.rundir.writer import StepWriter
 from probe.tracer.op_call import OpCall
+
+
+class StepResult(Protocol):
+    """What a mode collected in one step, written on the writer thread."""
+
+    def write(self, writer: StepWriter) -> dict[str, Any]:
+        """Write the step's files; return a small summary for the step manifest."""
+        ...
 
 
 class Mode:
@@ -34,9 +44,12 @@ class Mode:
     def after(self, call: OpCall) -> None:
         """The op ran; ``call.output_tensors`` holds its results."""
 
-    def flush(self, step: int, writer: StepWriter) -> dict[str, Any]:
-        """Write the step's results; return a small summary for the step manifest."""
-        return {}
+    def end_step(self, step: int) -> StepResult | None:
+        """Hand over the step's results and start the next step afresh.
+
+        Runs on the training thread between steps: cheap, no file I/O, no sync.
+        """
+        return None
 
     def close(self) -> None:
         """Release resources at session end."""

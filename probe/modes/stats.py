@@ -1,11 +1,10 @@
 """Mode "stats": min, max, mean, L2 norm, NaN and Inf counts of op outputs (inputs optional).
 
-Rows stay on the tensor's device until the step ends; then one stack and one
-device-to-host copy per device move the whole step, and the host turns raw
-moments into statistics. A value is reduced once per step: an input produced
-by a traced op reuses that op's output row, and a view that covers exactly the
-elements of its base (``view``, ``t``, ``permute``, ``detach``, ...) reuses the
-base's row.
+Raw rows stay on the tensor's device until the step ends (see ``stat_rows``);
+the writer thread moves them to the host and turns raw moments into
+statistics. A value is reduced once per step: an input produced by a traced
+op reuses that op's output row, and a view that covers exactly the elements of
+its base (``view``, ``t``, ``permute``, ``detach``, ...) reuses the base's row.
 """
 
 from __future__ import annotations
@@ -18,7 +17,8 @@ import torch
 from probe.errors import ProbeError
 from probe.modes.base import Mode
 from probe.modes.registry import register_mode
-from probe.modes.tensor_stats import BACKENDS, RAW_COLUMNS, TensorStats, finalize
+from probe.modes.stat_rows import PendingRows, StepRows
+from probe.modes.tensor_stats import BACKENDS, TensorStats, finalize
 from probe.rundir import layout
 from probe.rundir.writer import StepWriter
 from probe.tracer.op_call import OpCall
@@ -51,36 +51,19 @@ class StatsMode(Mode):
         if stats_backend not in BACKENDS:
             raise ProbeError(f"option 'stats_backend': {stats_backend!r} is not one of {list(BACKENDS)}")
         self.inputs = inputs
-        self.kernel = TensorStats(stats_backend)
+        self._rows = StepRows(TensorStats(stats_backend), stage=stats_backend == "auto")
         self._reset()
 
     def _reset(self) -> None:
-        self._device_rows: dict[torch.device, list[torch.Tensor]] = {}
-        # Unique rows: (device or None for empty tensors, position on device, numel, multiplicity)
-        self._rows: list[tuple[torch.device | None, int, int, int]] = []
         self._index: list[tuple[int, int, int, int]] = []  # (op index, INPUT/OUTPUT, position, row)
         self._output_rows: dict[tuple[int, int], int] = {}
         self._input_rows: dict[int, int] = {}  # current op: input position -> row
-
-    def _new_row(self, t: torch.Tensor) -> int | None:
-        raw = self.kernel.raw(t)
-        if raw is None:
-            return None
-        if raw.row is None:
-            device, position = None, -1
-        else:
-            device = raw.row.device
-            rows = self._device_rows.setdefault(device, [])
-            position = len(rows)
-            rows.append(raw.row)
-        self._rows.append((device, position, raw.numel, raw.multiplicity))
-        return len(self._rows) - 1
 
     def _input_row(self, call: OpCall, position: int) -> int | None:
         row = self._input_rows.get(position)
         if row is not None:
             return row
-        source = call.inputs[position].source
+        source = call.inputs[position][2]
         if source is not None and source[2]:
             return self._output_rows.get((source[0], source[1]))
         return None
@@ -92,7 +75,7 @@ class StatsMode(Mode):
         for position, t in enumerate(call.input_tensors or ()):
             row = self._input_row(call, position)
             if row is None:
-                row = self._new_row(t)
+                row = self._rows.add(t)
             if row is not None:
                 self._input_rows[position] = row
                 self._index.append((call.index, INPUT, position, row))
@@ -110,31 +93,28 @@ class StatsMode(Mode):
             if reuse_base and _same_elements(t, inputs[0]):
                 row = self._input_row(call, 0)
             if row is None:
-                row = self._new_row(t)
+                row = self._rows.add(t)
             if row is None:
                 continue
             self._output_rows[(call.index, position)] = row
             self._index.append((call.index, OUTPUT, position, row))
 
-    def flush(self, step: int, writer: StepWriter) -> dict[str, Any]:
-        n = len(self._rows)
-        raw = np.full((n, len(RAW_COLUMNS)), np.nan, dtype=np.float64)
-        numel = np.zeros(n, dtype=np.int64)
-        multiplicity = np.ones(n, dtype=np.int64)
-        if n:
-            devices = [r[0] for r in self._rows]
-            positions = np.array([r[1] for r in self._rows], dtype=np.int64)
-            numel[:] = [r[2] for r in self._rows]
-            multiplicity[:] = [r[3] for r in self._rows]
-            for device, rows in self._device_rows.items():
-                # The step's one device-to-host transfer for this device.
-                host = torch.stack(rows).to("cpu", torch.float64).numpy()
-                mask = np.fromiter((d == device for d in devices), dtype=bool, count=n)
-                raw[mask] = host[positions[mask]]
-        stats = finalize(raw, numel, multiplicity)
-        index = np.array(self._index, dtype=np.int64).reshape(-1, 4)
+    def end_step(self, step: int) -> StatsStep:
+        result = StatsStep(self._rows.end_step(), self._index)
+        self._reset()
+        return result
+
+
+class StatsStep:
+    """One step's statistics: rows still on their devices, and which tensor uses which row."""
+
+    def __init__(self, rows: PendingRows, index: list[tuple[int, int, int, int]]) -> None:
+        self.rows, self.index = rows, index
+
+    def write(self, writer: StepWriter) -> dict[str, Any]:
+        stats = finalize(*self.rows.to_host())
+        index = np.array(self.index, dtype=np.int64).reshape(-1, 4)
         writer.write_array(layout.STATS_FILE, stats)
         writer.write_array(layout.STATS_INDEX_FILE, index)
-        nonfinite = int(np.count_nonzero((stats[:, 4] + stats[:, 5]) > 0)) if n else 0
-        self._reset()
-        return {"rows": n, "tensors": len(index), "nonfinite_rows": nonfinite}
+        nonfinite = int(np.count_nonzero((stats[:, 4] + stats[:, 5]) > 0))
+        return {"rows": len(stats), "tensors": len(index), "nonfinite_rows": nonfinite}

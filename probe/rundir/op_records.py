@@ -1,8 +1,8 @@
 """The JSON form of one op record (a line of ``ops.jsonl``), both directions.
 
-Tensor lists are compact arrays: an input is ``[dtype, shape, source]`` where
-source is ``[producer index, output position, exact]`` or null; an output is
-``[dtype, shape, mutated]``.
+Tensor lists are compact arrays (the tracer's tuples, see ``probe.tracer.op_call``):
+an input is ``[dtype, shape, source]`` where source is ``[producer index, output
+position, exact]`` or null; an output is ``[dtype, shape, mutated]``.
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ def encode(call: OpCall) -> dict[str, Any]:
         "module": frame.fqn,
         "call": frame.call,
         "stack": frame.stack(),
-        "in": [
-            [m.dtype, m.shape, list(m.source) if m.source is not None else None] for m in call.inputs
-        ],
-        "out": [[m.dtype, m.shape, int(m.mutated)] for m in call.outputs],
+        "in": call.inputs,
+        "out": call.outputs,
     }
     if call.callsite is not None:
         row["site"] = call.callsite

@@ -21,6 +21,9 @@ import torch
 
 from probe.rundir import layout
 
+# One encoder for every row: json.dumps with options builds a new encoder per call.
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
+
 
 def _fsync_dir(path: Path) -> None:
     try:
@@ -60,10 +63,11 @@ class StepWriter:
         self.directory.mkdir(parents=True)
 
     def write_json(self, name: str, obj: Any) -> None:
-        _write_file(self.directory / name, json.dumps(obj, separators=(",", ":")).encode())
+        _write_file(self.directory / name, _COMPACT_JSON.encode(obj).encode())
 
     def write_jsonl(self, name: str, rows: Iterable[Any]) -> None:
-        lines = "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows)
+        encode = _COMPACT_JSON.encode
+        lines = "".join([encode(row) + "\n" for row in rows])
         _write_file(self.directory / name, lines.encode())
 
     def write_array(self, name: str, array: np.ndarray) -> None:

@@ -24,7 +24,7 @@ from probe.options import Options
 from probe.tracer.call_sites import CallSites
 from probe.tracer.frames import Frame
 from probe.tracer.module_tracker import ModuleTracker
-from probe.tracer.op_call import OpCall, TensorMeta
+from probe.tracer.op_call import OpCall
 from probe.tracer.op_class import OpClass, OpClassCache, op_name
 from probe.tracer.value_ids import ValueIndex
 
@@ -44,10 +44,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_DTYPE_NAMES = {
+    dtype: dtype_name(dtype) for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)
+}
+
+
 def tensors_in(args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """Tensor arguments in schema order (aten schemas nest tensors one list deep)."""
     found: list[torch.Tensor] = []
-    for value in (*args, *kwargs.values()):
+    for value in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(value, torch.Tensor):
             found.append(value)
         elif isinstance(value, (list, tuple)):
@@ -59,21 +64,8 @@ def tensors_out(out: Any) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out]
     if isinstance(out, (list, tuple)):
-        found: list[torch.Tensor] = []
-        for value in out:
-            if isinstance(value, torch.Tensor):
-                found.append(value)
-            elif isinstance(value, (list, tuple)):
-                found.extend(v for v in value if isinstance(v, torch.Tensor))
-        return found
+        return tensors_in(out, {})
     return []
-
-
-def _meta(t: torch.Tensor, _names: dict[torch.dtype, str] = {}) -> TensorMeta:  # noqa: B006
-    name = _names.get(t.dtype)
-    if name is None:
-        name = _names[t.dtype] = dtype_name(t.dtype)
-    return TensorMeta(name, tuple(t.shape))
 
 
 def _classify_hop(func: Any) -> OpClass:
@@ -92,6 +84,9 @@ class Tracer:
         self.options = options
         self.modes = modes
         self._replacer = next((m for m in modes if m.replaces_execution), None)
+        # Only modes that override a hook are called for it.
+        self._before_modes = [m for m in modes if type(m).before is not Mode.before]
+        self._after_modes = [m for m in modes if type(m).after is not Mode.after]
         self.modules = ModuleTracker(options.model)
         self.call_sites = CallSites() if options.stack else None
         self.rank = rank
@@ -168,34 +163,28 @@ class Tracer:
     def _record(
         self, func: Any, info: OpClass, phase: str, frame: Frame, args: tuple, kwargs: dict
     ) -> Any:
+        # The hot path of every selected op: plain tuples, no per-tensor objects.
         origin = frame.origin
         count_key = (phase, info.name)
         n = origin.op_counts.get(count_key, 0)
         origin.op_counts[count_key] = n + 1
         index = len(self.calls)
         in_tensors = tensors_in(args, kwargs)
-        values = self.values
-        inputs = []
-        for t in in_tensors:
-            meta = _meta(t)
-            meta.source = values.source(t)
-            inputs.append(meta)
+        source = self.values.source
+        inputs = [(_DTYPE_NAMES[t.dtype], tuple(t.shape), source(t)) for t in in_tensors]
         call = OpCall(
-            index=index,
-            op_id=f"{phase}:{origin.key}:{info.name}:{n}",
-            info=info,
-            phase=phase,
-            frame=frame,
-            step=self.step,
-            rank=self.rank,
-            inputs=inputs,
-            outputs=[],
-            callsite=self.call_sites.capture(origin.fqn) if self.call_sites is not None else None,
-            input_tensors=in_tensors,
-            args=args,
-            kwargs=kwargs,
+            index,
+            f"{phase}:{origin.key}:{info.name}:{n}",
+            info,
+            phase,
+            frame,
+            inputs,
+            in_tensors,
+            args,
+            kwargs,
+            self.call_sites.capture(origin.fqn) if self.call_sites is not None else None,
         )
-        for mode in self.modes:
+        for mode in self._before_modes:
             mode.before(call)
         if self._replacer is not None:
             out = self._replacer.run(call, func, args, kwargs)
@@ -205,44 +194,35 @@ class Tracer:
             self.modules.note_autograd_node(frame)
 
         out_tensors = tensors_out(out)
-        outputs = [_meta(t) for t in out_tensors]
-        if info.mutates:
-            self._add_written_args(info, args, kwargs, out_tensors, outputs)
-        base_kind = "view" if info.is_view else "fresh"
+        written = self._written_args(info, args, kwargs) if info.mutates else ()
+        produced = self.values.produced
+        fresh_kind = "view" if info.is_view else "fresh"
+        outputs = []
         for position, t in enumerate(out_tensors):
-            values.produced(t, index, position, "written" if outputs[position].mutated else base_kind)
+            mutated = bool(written) and any(t is w for w in written)
+            outputs.append((_DTYPE_NAMES[t.dtype], tuple(t.shape), mutated))
+            produced(t, index, position, "written" if mutated else fresh_kind)
+        # Written arguments the op does not return (running statistics, foreach
+        # updates) are results too.
+        for t in written:
+            if not any(t is r for r in out_tensors):
+                produced(t, index, len(out_tensors), "written")
+                outputs.append((_DTYPE_NAMES[t.dtype], tuple(t.shape), True))
+                out_tensors.append(t)
         call.outputs = outputs
         call.output_tensors = out_tensors
-        for mode in self.modes:
+        for mode in self._after_modes:
             mode.after(call)
         call.release()
         self.calls.append(call)
         return out
 
     @staticmethod
-    def _add_written_args(
-        info: OpClass,
-        args: tuple,
-        kwargs: dict,
-        out_tensors: list[torch.Tensor],
-        outputs: list[TensorMeta],
-    ) -> None:
-        """Written arguments are results too: mark returned ones, append the others."""
-        written = [args[i] for i in info.mutated_args if i < len(args)]
-        written += [kwargs[k] for k in info.mutated_kwargs if k in kwargs]
-        for value in written:
-            for t in value if isinstance(value, (list, tuple)) else (value,):
-                if not isinstance(t, torch.Tensor):
-                    continue
-                for position, returned in enumerate(out_tensors):
-                    if returned is t:
-                        outputs[position].mutated = True
-                        break
-                else:
-                    meta = _meta(t)
-                    meta.mutated = True
-                    outputs.append(meta)
-                    out_tensors.append(t)
+    def _written_args(info: OpClass, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The tensors the schema marks as written (``Tensor(a!)``, ``Tensor(a!)[]``, ``out=``)."""
+        values = [args[i] for i in info.mutated_args if i < len(args)]
+        values += [kwargs[k] for k in info.mutated_kwargs if k in kwargs]
+        return tensors_in(values, {})
 
 
 class ProbeDispatchMode(TorchDispatchMode):

@@ -35,25 +35,30 @@ class Frame:
     """How many ops of each (phase, op name) were recorded against this frame."""
     key: str = ""
     """``fqn[call]``: the frame's part of an op id; ``""`` outside modules."""
+    origin: Frame = None  # type: ignore[assignment]
+    """The frame whose ops this one repeats: itself, or for a mapped recompute frame
+    the forward frame (a plain attribute: it is read for every op)."""
+    _stack: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.call >= 0:
             self.key = f"{self.label if self.label is not None else self.fqn}[{self.call}]"
+        self.origin = self.recompute_of or self
 
-    @property
-    def origin(self) -> Frame:
-        """The frame whose ops this one repeats (itself unless a mapped recompute frame)."""
-        return self.recompute_of or self
 
     def stack(self) -> list[str]:
-        """Frame keys from the outermost module call down to this one."""
-        keys: list[str] = []
-        frame: Frame | None = self.origin
-        while frame is not None and frame.call >= 0:
-            keys.append(frame.key)
-            frame = frame.parent
-        keys.reverse()
-        return keys
+        """Frame keys from the outermost module call down to this one (computed once)."""
+        if self.origin is not self:
+            return self.origin.stack()
+        if self._stack is None:
+            keys: list[str] = []
+            frame: Frame | None = self
+            while frame is not None and frame.call >= 0:
+                keys.append(frame.key)
+                frame = frame.parent
+            keys.reverse()
+            self._stack = keys
+        return self._stack
 
     def find_enclosing(self, fqn: str) -> Frame | None:
         """This frame or the nearest enclosing one that is a call of ``fqn``."""

@@ -1,8 +1,19 @@
-"""The record of one traced op call, as the tracer keeps it during a step."""
+"""The record of one traced op call, as the tracer keeps it during a step.
+
+Tensor metadata are plain tuples, built once per tensor on the hot path:
+
+- an input is ``(dtype, shape, source)``: ``source`` is where the value came
+  from, ``(producer op index, its output position, exact)``, or None;
+- an output is ``(dtype, shape, mutated)``: ``mutated`` is True for an
+  argument the op wrote in place rather than a fresh result.
+
+``exact`` is False when only the storage matched (a read after an in-place
+write through another view): the producer wrote these bytes, but its output
+was another view of them.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,44 +22,44 @@ from probe.tracer.frames import Frame
 from probe.tracer.op_class import OpClass
 
 Source = tuple[int, int, bool]
-"""Where an input value came from: (producer op index, its output position, exact).
-
-``exact`` is False when only the storage matched (a view of a buffer an in-place
-op wrote): the producer wrote these bytes, but its output was another view.
-"""
+InputMeta = tuple[str, tuple[int, ...], Source | None]
+OutputMeta = tuple[str, tuple[int, ...], bool]
 
 
-@dataclass(eq=False, slots=True)
-class TensorMeta:
-    """dtype, shape and provenance of one tensor argument or result."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    source: Source | None = None
-    """For inputs: the op that produced this value in the step, if traced."""
-    mutated: bool = False
-    """For outputs: the tensor is an argument the op wrote, not a fresh result."""
-
-
-@dataclass(eq=False, slots=True)
 class OpCall:
-    """One traced op call. Tensors are only reachable while the op runs."""
+    """One traced op call. Tensors and arguments are reachable only while the op runs."""
 
-    index: int
-    """Position in the step's execution order (per rank)."""
-    op_id: str
-    info: OpClass
-    phase: str
-    frame: Frame
-    step: int
-    rank: int
-    inputs: list[TensorMeta]
-    outputs: list[TensorMeta]
-    callsite: int | None = None
-    input_tensors: list[torch.Tensor] | None = None
-    output_tensors: list[torch.Tensor] | None = None
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] | None = None
+    __slots__ = (
+        "args", "callsite", "frame", "index", "info", "input_tensors", "inputs", "kwargs",
+        "op_id", "output_tensors", "outputs", "phase",
+    )
+
+    def __init__(
+        self,
+        index: int,
+        op_id: str,
+        info: OpClass,
+        phase: str,
+        frame: Frame,
+        inputs: list[InputMeta],
+        input_tensors: list[torch.Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        callsite: int | None,
+    ) -> None:
+        self.index = index
+        """Position in the step's execution order (per rank)."""
+        self.op_id = op_id
+        self.info = info
+        self.phase = phase
+        self.frame = frame
+        self.inputs = inputs
+        self.outputs: list[OutputMeta] = []
+        self.callsite = callsite
+        self.input_tensors: list[torch.Tensor] | None = input_tensors
+        self.output_tensors: list[torch.Tensor] | None = None
+        self.args: tuple[Any, ...] = args
+        self.kwargs: dict[str, Any] | None = kwargs
 
     @property
     def name(self) -> str:
