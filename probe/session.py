@@ -33,7 +33,7 @@ from probe.rundir.op_records import encode
 from probe.rundir.writer import RunWriter
 from probe.tracer.compat import check_dispatch_features, compiled_regions_eager
 from probe.tracer.dispatch_mode import ProbeDispatchMode, Tracer
-from probe.tracer.op_call import OpCall
+from probe.tracer.op_call import RECORD_CALLSITE, RECORD_PHASE, OpRecordTuple
 from probe.tracer.rank import current_rank
 
 _active: Session | None = None
@@ -125,7 +125,7 @@ class Session:
         tracer, stack = self._tracer, self._exit_stack
         assert tracer is not None and stack is not None
         try:
-            if tracer.calls or exc is not None:
+            if tracer.records or exc is not None:
                 reason = None if exc is None else f"{type(exc).__name__}: {exc}"
                 self._flush(complete=exc is None, reason=reason)
         finally:
@@ -153,27 +153,27 @@ class Session:
         assert tracer is not None
         step = tracer.step
         with tracer.paused():
-            calls = tracer.end_step()
+            records = tracer.end_step()
             results = [(mode.name, mode.end_step(step)) for mode in self.modes]
-            if self._writer is None or not (calls or not complete):
+            if self._writer is None or not (records or not complete):
                 return
             sites = tracer.call_sites
             used_sites = (
-                {i: sites.stacks[i] for i in {c.callsite for c in calls if c.callsite is not None}}
+                {i: sites.stacks[i] for i in {r[RECORD_CALLSITE] for r in records} if i is not None}
                 if sites is not None
                 else None
             )
             manifest = {
                 "complete": complete,
                 "reason": reason,
-                "ops": len(calls),
-                "phases": dict(Counter(c.phase for c in calls)),
+                "ops": len(records),
+                "phases": dict(Counter(r[RECORD_PHASE] for r in records)),
                 "seconds": round(time.perf_counter() - self._step_started, 6),
                 "torch_version": torch.__version__,
             }
 
             def write() -> None:
-                self._write_step(step, calls, results, used_sites, manifest)
+                self._write_step(step, records, results, used_sites, manifest)
 
             if self._background is not None:
                 self._background.submit(write)
@@ -185,14 +185,14 @@ class Session:
     def _write_step(
         self,
         step: int,
-        calls: list[OpCall],
+        records: list[OpRecordTuple],
         results: list[tuple[str, StepResult | None]],
         sites: dict[int, list[str]] | None,
         manifest: dict[str, Any],
     ) -> None:
         assert self._writer is not None
         writer = self._writer.step(step)
-        writer.write_jsonl(layout.OPS_FILE, (encode(c) for c in calls))
+        writer.write_jsonl(layout.OPS_FILE, (encode(r) for r in records))
         if sites is not None:
             writer.write_json(layout.CALLSITES_FILE, {str(i): stack for i, stack in sorted(sites.items())})
         modes = {name: result.write(writer) for name, result in results if result is not None}

@@ -9,22 +9,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from probe.tracer.op_call import OpCall
+from probe.tracer.op_call import OpRecordTuple
 
 
-def encode(call: OpCall) -> dict[str, Any]:
-    frame = call.frame.origin
+def encode(record: OpRecordTuple) -> dict[str, Any]:
+    index, op_id, name, phase, module, call, stack, inputs, outputs, callsite = record
     row: dict[str, Any] = {
-        "i": call.index,
-        "id": call.op_id,
-        "name": call.info.name,
-        "phase": call.phase,
-        "module": frame.fqn,
-        "call": frame.call,
-        "stack": frame.stack(),
-        "in": call.inputs,
-        "out": call.outputs,
+        "i": index,
+        "id": op_id,
+        "name": name,
+        "phase": phase,
+        "module": module,
+        "call": call,
+        "stack": stack,
+        "in": inputs,
+        "out": outputs,
     }
-    if call.callsite is not None:
-        row["site"] = call.callsite
+    if callsite is not None:
+        row["site"] = callsite
     return row

@@ -24,7 +24,7 @@ from probe.options import Options
 from probe.tracer.call_sites import CallSites
 from probe.tracer.frames import Frame
 from probe.tracer.module_tracker import ModuleTracker
-from probe.tracer.op_call import OpCall
+from probe.tracer.op_call import OpCall, OpRecordTuple
 from probe.tracer.op_class import OpClass, OpClassCache, op_name
 from probe.tracer.value_ids import ValueIndex
 
@@ -61,7 +61,7 @@ def tensors_in(args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor
 
 
 def tensors_out(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
+    if type(out) is torch.Tensor or isinstance(out, torch.Tensor):
         return [out]
     if isinstance(out, (list, tuple)):
         return tensors_in(out, {})
@@ -92,7 +92,7 @@ class Tracer:
         self.rank = rank
         self.step = 0
         self.recording = False
-        self.calls: list[OpCall] = []
+        self.records: list[OpRecordTuple] = []
         self.values = ValueIndex()
         self._classes = OpClassCache()
         self._selected: dict[tuple[Any, str, str], bool] = {}
@@ -104,20 +104,20 @@ class Tracer:
     def begin_step(self, step: int, rank: int) -> None:
         self.step = step
         self.rank = rank
-        self.calls = []
+        self.records = []
         self.values.clear()
         self.modules.reset_step()
         active = step in self.options.steps and rank in self.options.ranks
         self.recording = active
         self.modules.enabled = active
 
-    def end_step(self) -> list[OpCall]:
-        calls = self.calls
+    def end_step(self) -> list[OpRecordTuple]:
+        records = self.records
         self.recording = False
         self.modules.enabled = False
-        self.calls = []
+        self.records = []
         self.values.clear()
-        return calls
+        return records
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -168,22 +168,13 @@ class Tracer:
         count_key = (phase, info.name)
         n = origin.op_counts.get(count_key, 0)
         origin.op_counts[count_key] = n + 1
-        index = len(self.calls)
+        index = len(self.records)
         in_tensors = tensors_in(args, kwargs)
         source = self.values.source
         inputs = [(_DTYPE_NAMES[t.dtype], tuple(t.shape), source(t)) for t in in_tensors]
-        call = OpCall(
-            index,
-            f"{phase}:{origin.key}:{info.name}:{n}",
-            info,
-            phase,
-            frame,
-            inputs,
-            in_tensors,
-            args,
-            kwargs,
-            self.call_sites.capture(origin.fqn) if self.call_sites is not None else None,
-        )
+        op_id = f"{phase}:{origin.key}:{info.name}:{n}"
+        callsite = self.call_sites.capture(origin.fqn) if self.call_sites is not None else None
+        call = OpCall(index, op_id, info, phase, frame, inputs, in_tensors, args, kwargs, callsite)
         for mode in self._before_modes:
             mode.before(call)
         if self._replacer is not None:
@@ -214,7 +205,10 @@ class Tracer:
         for mode in self._after_modes:
             mode.after(call)
         call.release()
-        self.calls.append(call)
+        self.records.append(
+            (index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack(),
+             tuple(inputs), tuple(outputs), callsite)
+        )
         return out
 
     @staticmethod

@@ -38,7 +38,7 @@ class Frame:
     origin: Frame = None  # type: ignore[assignment]
     """The frame whose ops this one repeats: itself, or for a mapped recompute frame
     the forward frame (a plain attribute: it is read for every op)."""
-    _stack: list[str] | None = None
+    _stack: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.call >= 0:
@@ -46,7 +46,7 @@ class Frame:
         self.origin = self.recompute_of or self
 
 
-    def stack(self) -> list[str]:
+    def stack(self) -> tuple[str, ...]:
         """Frame keys from the outermost module call down to this one (computed once)."""
         if self.origin is not self:
             return self.origin.stack()
@@ -57,7 +57,7 @@ class Frame:
                 keys.append(frame.key)
                 frame = frame.parent
             keys.reverse()
-            self._stack = keys
+            self._stack = tuple(keys)
         return self._stack
 
     def find_enclosing(self, fqn: str) -> Frame | None:

@@ -27,6 +27,7 @@ _ACCUMULATE_GRAD_SEQ = 2**64 - 1
 _get_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", lambda: 0)
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+_is_grad_enabled = torch.is_grad_enabled
 _top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
@@ -224,9 +225,11 @@ class ModuleTracker:
         """After a forward op: remember which frame created the newest autograd node.
 
         ``setdefault`` keeps the first claimant: an op that created no node sees
-        the number of an earlier op's node, which that op already claimed.
+        the number of an earlier op's node, which that op already claimed. With
+        grad mode off no op creates a node.
         """
-        self._seq_frames.setdefault(_get_sequence_nr() - 1, frame.origin)
+        if _is_grad_enabled():
+            self._seq_frames.setdefault(_get_sequence_nr() - 1, frame.origin)
 
     def _param_frame(self, node: Any) -> Frame | None:
         variable = getattr(node, "variable", None)

@@ -25,9 +25,19 @@ Source = tuple[int, int, bool]
 InputMeta = tuple[str, tuple[int, ...], Source | None]
 OutputMeta = tuple[str, tuple[int, ...], bool]
 
+OpRecordTuple = tuple[
+    int, str, str, str, str, int, tuple[str, ...], tuple[InputMeta, ...], tuple[OutputMeta, ...],
+    int | None,
+]
+"""What the tracer keeps of an op until the step is written:
+``(index, op id, name, phase, module, module call, module stack, inputs, outputs,
+call site)``. Only strings, numbers and tuples of them: the garbage collector
+stops tracking such tuples, so a long step's records add little to its scans."""
+RECORD_PHASE, RECORD_CALLSITE = 3, 9
+
 
 class OpCall:
-    """One traced op call. Tensors and arguments are reachable only while the op runs."""
+    """One traced op call, handed to the modes while it runs; kept as an :data:`OpRecordTuple`."""
 
     __slots__ = (
         "args", "callsite", "frame", "index", "info", "input_tensors", "inputs", "kwargs",
