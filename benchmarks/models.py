@@ -7,7 +7,7 @@ training step takes seconds on a CPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,6 +25,11 @@ class ModelSpec:
     seq: int
     foreach: bool | None = None
     """AdamW's ``foreach``; ``None`` is torch's default choice."""
+
+    def with_seq(self, seq: int) -> ModelSpec:
+        """The same model trained on sequences of ``seq`` tokens."""
+        config = replace(self.config, max_seq_len=max(self.config.max_seq_len, seq))
+        return replace(self, config=config, seq=seq)
 
     def trainer(self, seed: int = 0) -> DemoTraining:
         """A fresh model, optimizer and data stream, all built from ``seed``."""

@@ -140,6 +140,10 @@ class ProbeConfig:
             shutil.rmtree(out, ignore_errors=True)
 
 
+# Every ratio is taken against these two, so a --configs selection always keeps them.
+REQUIRED_CONFIGS = ("baseline", "passthrough")
+
+
 def configurations(scratch: Path, eager: bool) -> list[Config]:
     configs: list[Config] = [
         Baseline(),
@@ -218,9 +222,13 @@ def summary_row(
     )
 
 
-def measure(spec: ModelSpec, warmup: int, steps: int, eager: bool, console: Console) -> list[Row]:
+def measure(
+    spec: ModelSpec, warmup: int, steps: int, eager: bool, only: set[str] | None, console: Console
+) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="probe-overhead-") as scratch:
         configs = configurations(Path(scratch), eager)
+        if only is not None:
+            configs = [c for c in configs if c.name in only or c.name in REQUIRED_CONFIGS]
         with console.status(f"{spec.name}: building {len(configs)} models"):
             trainers = [spec.trainer() for _ in configs]
         rounds = warmup + steps
@@ -323,6 +331,7 @@ class Plan:
     steps: int
     markdown: bool
     eager: bool
+    only: set[str] | None
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Plan, int | None]:
@@ -342,6 +351,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Plan, int | None]:
                         help="also print each table as GitHub markdown")
     parser.add_argument("--eager", action="store_true",
                         help="also time stats_backend='eager' (slow on large tensors)")
+    parser.add_argument("--seq", type=int, default=None,
+                        help="train on sequences of N tokens instead of the model's default")
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated configurations to time (baseline and passthrough always)")
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (1 if args.quick else 10)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
@@ -351,7 +364,15 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Plan, int | None]:
         parser.error("--threads must be at least 1")
     model = args.model or ("demo" if args.quick else "all")
     models = list(MODELS.values()) if model == "all" else [MODELS[model]]
-    return Plan(models, warmup, steps, args.markdown, args.eager), args.threads
+    if args.seq is not None:
+        if args.seq < 1:
+            parser.error("--seq must be at least 1")
+        models = [spec.with_seq(args.seq) for spec in models]
+    only = {c.strip() for c in args.configs.split(",")} if args.configs else None
+    known = {c.name for c in configurations(Path("."), eager=True)}
+    if only is not None and not only <= known:
+        parser.error(f"--configs: unknown {sorted(only - known)}; known: {sorted(known)}")
+    return Plan(models, warmup, steps, args.markdown, args.eager, only), args.threads
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -365,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if plan.warmup == 0:
         console.print("[yellow]--warmup 0: the first probe-stats step includes torch.compile[/]")
     for spec in plan.models:
-        rows = measure(spec, plan.warmup, plan.steps, plan.eager, console)
+        rows = measure(spec, plan.warmup, plan.steps, plan.eager, plan.only, console)
         title = caption(spec, plan.warmup, plan.steps)
         console.print(rich_table(title, rows))
         note = ROUTED_NOTE if any(row.per_routed_op for row in rows) else ""

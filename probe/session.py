@@ -64,6 +64,7 @@ def _options_summary(options: Options) -> dict[str, Any]:
         "phases": sorted(options.phases),
         "stack": options.stack,
         "compiled": options.compiled,
+        "async_flush": options.async_flush,
         "mode_options": {k: repr(v) for k, v in options.mode_options.items()},
     }
 

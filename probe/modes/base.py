@@ -30,8 +30,6 @@ class Mode:
 
     name: ClassVar[str]
     option_names: ClassVar[frozenset[str]] = frozenset()
-    needs_inputs: ClassVar[bool] = False
-    """Whether ``before``/``after`` need the live input tensors."""
     replaces_execution: ClassVar[bool] = False
 
     def before(self, call: OpCall) -> None:

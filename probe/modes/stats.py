@@ -43,7 +43,6 @@ class StatsMode(Mode):
 
     name = "stats"
     option_names = frozenset({"inputs", "stats_backend"})
-    needs_inputs = True
 
     def __init__(self, inputs: bool = False, stats_backend: str = "auto") -> None:
         if not isinstance(inputs, bool):

@@ -36,6 +36,7 @@ BACKENDS = ("auto", "compiled", "eager")
 # Below this many elements a few eager reductions cost less than one call of the
 # compiled kernel (guards and buffer set-up); above it one fused pass wins.
 COMPILED_MIN_NUMEL = 1 << 15
+COMPILED_MAX_NUMEL = 1 << 31  # its int32 counters could overflow beyond
 
 
 def accumulation_dtype(device: torch.device) -> torch.dtype:
@@ -99,13 +100,15 @@ def _fused_raw(flat: torch.Tensor) -> torch.Tensor:
     fp64 only inside the sums (measured: faster than widening everything to fp64,
     and a plain fp32 sum makes the compiler emit a slower cascaded reduction).
     NaN and Inf are counted through ``x != x`` and ``(x - x) != (x - x)`` (NaN for
-    any non-finite x), which lower to plain comparisons, unlike isnan/isinf.
+    any non-finite x), which lower to plain comparisons, unlike isnan/isinf, in
+    int32 lanes (faster than int64; callers keep tensors of 2^31 elements or more
+    away from this kernel).
     """
     x = flat if flat.dtype == torch.float64 else flat.to(torch.float32)
     wide = x.to(torch.float64)
     diff = x - x
-    nan = (x != x).sum().to(torch.float64)
-    nonfinite = (diff != diff).sum().to(torch.float64)
+    nan = (x != x).to(torch.int32).sum(dtype=torch.int32).to(torch.float64)
+    nonfinite = (diff != diff).to(torch.int32).sum(dtype=torch.int32).to(torch.float64)
     return torch.stack(
         [x.amin().to(torch.float64), x.amax().to(torch.float64), wide.sum(), (wide * wide).sum(),
          nan, nonfinite - nan]
@@ -141,6 +144,8 @@ class TensorStats:
 
     def _use_compiled(self, x: torch.Tensor) -> bool:
         if self.backend == "eager" or x.device.type in _COMPILED.failed_devices:
+            return False
+        if x.numel() >= COMPILED_MAX_NUMEL:
             return False
         if self.backend == "compiled":
             return True
