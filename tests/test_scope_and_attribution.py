@@ -16,6 +16,15 @@ def _one_step_names(session_or_mode) -> None:
         train_steps(model, 1, session=session_or_mode if isinstance(session_or_mode, probe.Session) else None)
 
 
+def _one_traced_step(tmp_path, checkpointed: bool = False) -> list[probe.OpRecord]:
+    """Ops of one training step of the shared-block net under the stats mode."""
+    torch.manual_seed(0)
+    model = SharedBlockNet(checkpointed=checkpointed)
+    with probe.mode("stats", out=tmp_path / "r", model=model) as session:
+        train_steps(model, 1, session=session)
+    return probe.load(tmp_path / "r").ops(0)
+
+
 def test_backward_and_optimizer_ops_recorded_and_probe_ops_never_logged(tmp_path):
     bare = OpLog()
     _one_step_names(bare)
@@ -33,11 +42,7 @@ def test_backward_and_optimizer_ops_recorded_and_probe_ops_never_logged(tmp_path
 
 
 def test_backward_ops_attributed_to_the_forward_module_call(tmp_path):
-    torch.manual_seed(0)
-    model = SharedBlockNet()
-    with probe.mode("stats", out=tmp_path / "r", model=model) as session:
-        train_steps(model, 1, session=session)
-    ops = probe.load(tmp_path / "r").ops(0)
+    ops = _one_traced_step(tmp_path)
     gelu_fwd = [op for op in ops if op.name == "aten.gelu.default"]
     gelu_bwd = [op for op in ops if op.name == "aten.gelu_backward.default"]
     # The shared block is called twice: two distinct calls, in forward and backward.
@@ -57,11 +62,7 @@ def test_backward_ops_attributed_to_the_forward_module_call(tmp_path):
 
 
 def test_checkpoint_recompute_is_labelled_and_mapped_to_its_forward_call(tmp_path):
-    torch.manual_seed(0)
-    model = SharedBlockNet(checkpointed=True)
-    with probe.mode("stats", out=tmp_path / "r", model=model) as session:
-        train_steps(model, 1, session=session)
-    ops = probe.load(tmp_path / "r").ops(0)
+    ops = _one_traced_step(tmp_path, checkpointed=True)
     recompute = [op for op in ops if op.phase == "recompute"]
     assert recompute, "checkpoint recompute ops were not recorded"
     assert {op.module for op in recompute} <= {"block", "block.fc", "block.act"}
@@ -74,11 +75,7 @@ def test_checkpoint_recompute_is_labelled_and_mapped_to_its_forward_call(tmp_pat
 
 
 def test_optimizer_ops_are_recognisable(tmp_path):
-    torch.manual_seed(0)
-    model = SharedBlockNet()
-    with probe.mode("stats", out=tmp_path / "r", model=model) as session:
-        train_steps(model, 1, session=session)
-    ops = probe.load(tmp_path / "r").ops(0)
+    ops = _one_traced_step(tmp_path)
     opt_ops = [op for op in ops if op.phase == "optimizer"]
     assert opt_ops and all(op.id.startswith("optimizer:optimizer.AdamW[0]:") for op in opt_ops)
     # The parameter updates (in-place ops on the weights) are among them, marked as written.

@@ -25,7 +25,7 @@ from probe.tracer.call_sites import CallSites
 from probe.tracer.frames import Frame
 from probe.tracer.module_tracker import ModuleTracker
 from probe.tracer.op_call import OpCall, OpRecordTuple
-from probe.tracer.op_class import OpClass, OpClassCache, op_name
+from probe.tracer.op_class import OpClass, OpClassCache
 from probe.tracer.value_ids import ValueIndex
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)
@@ -61,20 +61,11 @@ def tensors_in(args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor
 
 
 def tensors_out(out: Any) -> list[torch.Tensor]:
-    if type(out) is torch.Tensor or isinstance(out, torch.Tensor):
+    if isinstance(out, torch.Tensor):
         return [out]
     if isinstance(out, (list, tuple)):
         return tensors_in(out, {})
     return []
-
-
-def _classify_hop(func: Any) -> OpClass:
-    name = op_name(func)
-    return OpClass(
-        name=name, short=name.removeprefix("hop."), namespace="hop", passthrough=False,
-        mutated_args=(), mutated_kwargs=(), is_view=False, is_inplace=False, is_out=False,
-        is_factory=False, is_random=False, is_collective=False, is_host_sync=False,
-    )
 
 
 class Tracer:
@@ -141,12 +132,9 @@ class Tracer:
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if not self.recording:
             return func(*args, **kwargs)
-        if isinstance(func, torch._ops.OpOverload):
-            info = self._classes[func]
-            if info.passthrough:
-                return func(*args, **kwargs)
-        else:  # a higher-order op (torch.cond, ...): recorded as one op, run as is
-            info = self._classes.get(func) or self._classes.setdefault(func, _classify_hop(func))
+        info = self._classes[func]
+        if info.passthrough:
+            return func(*args, **kwargs)
         phase, frame = self.modules.locate()
         fqn = frame.origin.fqn
         route = (func, fqn, phase)

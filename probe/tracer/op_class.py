@@ -121,10 +121,21 @@ def classify(func: torch._ops.OpOverload) -> OpClass:
     )
 
 
-class OpClassCache(dict):
-    """``func -> OpClass``; a miss classifies the overload once."""
+def classify_higher_order(func: object) -> OpClass:
+    """A higher-order op (``torch.cond``, ...): recorded as one op and run as it is."""
+    name = op_name(func)
+    return OpClass(
+        name=name, short=name.removeprefix("hop."), namespace="hop", passthrough=False,
+        mutated_args=(), mutated_kwargs=(), is_view=False, is_inplace=False, is_out=False,
+        is_factory=False, is_random=False, is_collective=False, is_host_sync=False,
+    )
 
-    def __missing__(self, func: torch._ops.OpOverload) -> OpClass:
-        info = classify(func)
+
+class OpClassCache(dict):
+    """``func -> OpClass``; a miss classifies the op once."""
+
+    def __missing__(self, func: object) -> OpClass:
+        overload = isinstance(func, torch._ops.OpOverload)
+        info = classify(func) if overload else classify_higher_order(func)
         self[func] = info
         return info
