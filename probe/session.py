@@ -49,6 +49,9 @@ def _build_modes(options: Options) -> list[Mode]:
         cls = MODES[name]
         kwargs = {k: v for k, v in options.mode_options.items() if k in cls.option_names}
         modes.append(cls(**kwargs))
+    replacing = [m.name for m in modes if m.replaces_execution]
+    if len(replacing) > 1:
+        raise ProbeError(f"modes {replacing} each replace op execution; combine at most one of them")
     return modes
 
 
