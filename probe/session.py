@@ -106,6 +106,9 @@ class Session:
                 },
             )
         stack = ExitStack()
+        if self._writer is not None:
+            for mode in self.modes:
+                mode.start(self.out, rank)
         if self._writer is not None and self.options.async_flush:
             self._background = BackgroundWriter(max_pending=1)
             stack.callback(self._background.close)
@@ -115,8 +118,7 @@ class Session:
         stack.enter_context(ProbeDispatchMode(tracer))
         self._tracer, self._exit_stack = tracer, stack
         _active = self
-        tracer.begin_step(self.step_index, rank)
-        self._step_started = time.perf_counter()
+        self._begin_step(rank)
         return self
 
     def __exit__(
@@ -133,12 +135,14 @@ class Session:
                 reason = None if exc is None else f"{type(exc).__name__}: {exc}"
                 self._flush(complete=exc is None, reason=reason)
         finally:
-            stack.close()  # waits for the writer thread
-            self._background = None
-            for mode in self.modes:
-                mode.close()
-            _active = None
-            self._tracer = self._exit_stack = None
+            try:
+                stack.close()  # waits for the writer thread
+            finally:
+                self._background = None
+                for mode in self.modes:
+                    mode.close()
+                _active = None
+                self._tracer = self._exit_stack = None
 
     # -- steps -----------------------------------------------------------------
 
@@ -148,7 +152,13 @@ class Session:
             raise ProbeError("session.step() called outside the session's with block")
         self._flush(complete=True, reason=None)
         self.step_index += 1
-        self._tracer.begin_step(self.step_index, current_rank())
+        self._begin_step(current_rank())
+
+    def _begin_step(self, rank: int) -> None:
+        assert self._tracer is not None
+        self._tracer.begin_step(self.step_index, rank)
+        for mode in self.modes:
+            mode.begin_step(self.step_index)
         self._step_started = time.perf_counter()
 
     def _flush(self, complete: bool, reason: str | None) -> None:

@@ -11,6 +11,7 @@ of the model past ``after`` (its own result buffers are its business).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from probe.rundir.writer import StepWriter
@@ -31,6 +32,12 @@ class Mode:
     name: ClassVar[str]
     option_names: ClassVar[frozenset[str]] = frozenset()
     replaces_execution: ClassVar[bool] = False
+
+    def start(self, out: Path, rank: int) -> None:
+        """The session starts writing this rank's files under ``out``."""
+
+    def begin_step(self, step: int) -> None:
+        """A step starts (called on every rank, recorded or not)."""
 
     def before(self, call: OpCall) -> None:
         """Inputs are live and unmodified; the op has not run."""

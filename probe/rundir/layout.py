@@ -18,6 +18,9 @@ OPS_FILE = "ops.jsonl"
 CALLSITES_FILE = "callsites.json"
 STATS_FILE = "stats.npy"
 STATS_INDEX_FILE = "stats_index.npy"
+TENSOR_INDEX_FILE = "tensors.json"
+CALLS_FILE = "calls.jsonl"
+TENSORS_DIR = "tensors"
 
 _RANK_RE = re.compile(r"rank(\d+)")
 _STEP_RE = re.compile(r"step(\d+)")
@@ -30,6 +33,11 @@ def rank_dir(out: Path, rank: int) -> Path:
 
 def step_dir(out: Path, rank: int, step: int) -> Path:
     return rank_dir(out, rank) / f"step{step}"
+
+
+def tensors_dir(out: Path, rank: int, step: int) -> Path:
+    """Where the dump's shards of one step go (written while the step runs)."""
+    return rank_dir(out, rank) / TENSORS_DIR / f"step{step}"
 
 
 def partial_step_dir(out: Path, rank: int, step: int) -> Path:

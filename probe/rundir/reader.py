@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from probe.errors import ProbeError
 from probe.rundir import layout
+from probe.rundir.dump_index import DumpIndex
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -129,6 +131,7 @@ class Run:
             )
         self._ops: dict[tuple[int, int], list[OpRecord]] = {}
         self._step_info: dict[tuple[int, int], StepInfo] = {}
+        self._dumps: dict[tuple[int, int], DumpIndex] = {}
 
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r}, steps={self.steps}, ranks={self.ranks})"
@@ -180,6 +183,8 @@ class Run:
         return self._ops[key]
 
     def op(self, op_id: str, step: int | None = None, rank: int | None = None) -> OpRecord:
+        """The record of ``op_id`` (default: the first step and rank)."""
+        step, rank = self._resolve(step, rank)
         for record in self.ops(step, rank):
             if record.id == op_id:
                 return record
@@ -190,6 +195,23 @@ class Run:
         from probe.analysis.op_graph import build_graph
 
         return build_graph(self.ops(step, rank))
+
+    def dump(self, step: int | None = None, rank: int | None = None) -> DumpIndex:
+        """The dump index of one step (dump mode)."""
+        step, rank = self._resolve(step, rank)
+        if (step, rank) not in self._dumps:
+            self._dumps[(step, rank)] = DumpIndex(self.path, rank, step)
+        return self._dumps[(step, rank)]
+
+    def tensor(
+        self, op_id: str, io: str = "output", index: int = 0,
+        step: int | None = None, rank: int | None = None,
+    ) -> torch.Tensor:
+        """A dumped tensor, memory-mapped: ``io`` is "input" or "output", ``index`` its position."""
+        if io not in ("input", "output"):
+            raise ProbeError(f"io must be 'input' or 'output', got {io!r}")
+        op = self.op(op_id, step, rank)
+        return self.dump(op.step, op.rank).tensor(op.index, io, index)
 
     def first_nonfinite(self, step: int | None = None, rank: int | None = None) -> OpRecord | None:
         """The earliest op whose output holds a NaN or Inf (see analysis.nonfinite)."""

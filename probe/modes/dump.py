@@ -1,0 +1,284 @@
+"""Mode "dump": the tensors of selected ops to safetensors shards, and each op's full call.
+
+For every selected op the mode captures the inputs (before the op runs, so
+in-place ops are seen as they were) and/or the outputs, and records the call's
+non-tensor arguments (``probe.rundir.call_args``) so the op can be re-executed.
+
+A storage is copied once per version per step: a tensor is the byte span of its
+storage that it reaches (views, broadcasts and repeated uses of weights become
+references into the same blob, with offset, shape and stride), and the copy goes
+to a host buffer (pinned, asynchronous from devices) that the shard writer
+thread packs into safetensors files. Optional checksums are computed on the
+device and moved with the step, so two runs can be compared bit for bit
+without dumping everything.
+"""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from probe.errors import ProbeError
+from probe.modes.base import Mode
+from probe.modes.registry import register_mode
+from probe.rundir import layout
+from probe.rundir.call_args import encode_args
+from probe.rundir.shards import BLOB_ALIGN, Blob, ShardWriter, StepShards
+from probe.rundir.writer import StepWriter
+from probe.tracer.dispatch_mode import dtype_name
+from probe.tracer.op_call import OpCall
+
+INPUT, OUTPUT = 0, 1
+TENSOR_CHOICES = ("all", "inputs", "outputs")
+BUDGET_POLICIES = ("wait", "skip")
+ERROR_POLICIES = ("warn", "raise")
+# A view's span is widened to its whole storage when that costs at most this
+# factor more bytes: later views of the same storage then need no copy.
+_WHOLE_STORAGE_FACTOR = 2
+
+
+def _positive_int(option: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ProbeError(f"option {option!r}: expected a positive number of bytes, got {value!r}")
+    return value
+
+
+def _choice(option: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ProbeError(f"option {option!r}: {value!r} is not one of {list(choices)}")
+    return value
+
+
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[lo, hi)``: the bytes of its storage a (dense, strided) tensor reaches."""
+    itemsize = t.element_size()
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 1)
+    lo = t.storage_offset() * itemsize
+    return lo, lo + extent * itemsize
+
+
+def checksum(t: torch.Tensor) -> torch.Tensor:
+    """A position-weighted wrapping sum of the tensor's bytes in logical order, on its device.
+
+    Equal for bitwise-equal tensors; a change of any one word changes it (the
+    weights are odd). Not cryptographic.
+    """
+    data = t.detach().contiguous().view(-1).view(torch.uint8)
+    if data.numel() % 4 == 0:
+        data = data.view(torch.int32)
+    words = data.to(torch.int64)
+    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) * 2654435761 + 1
+    return (words * (weights | 1)).sum()
+
+
+@register_mode
+class DumpMode(Mode):
+    """Tensors of the selected ops to sharded safetensors, with the calls that made them."""
+
+    name = "dump"
+    option_names = frozenset(
+        {"tensors", "shard_size", "memory_budget", "on_budget", "on_error", "checksum"}
+    )
+
+    def __init__(
+        self,
+        tensors: str = "all",
+        shard_size: int = 1 << 30,
+        memory_budget: int = 4 << 30,
+        on_budget: str = "wait",
+        on_error: str = "warn",
+        checksum: bool = False,
+    ) -> None:
+        self.tensors = _choice("tensors", tensors, TENSOR_CHOICES)
+        self.shard_size = _positive_int("shard_size", shard_size)
+        self.memory_budget = _positive_int("memory_budget", memory_budget)
+        self.on_budget = _choice("on_budget", on_budget, BUDGET_POLICIES)
+        self.on_error = _choice("on_error", on_error, ERROR_POLICIES)
+        if not isinstance(checksum, bool):
+            raise ProbeError(f"option 'checksum': expected True or False, got {checksum!r}")
+        self.checksum = checksum
+        self._dump_inputs = tensors in ("all", "inputs")
+        self._dump_outputs = tensors in ("all", "outputs")
+        self._writer: ShardWriter | None = None
+        self._next_blob = 0
+        self._reset()
+
+    def start(self, out: Path, rank: int) -> None:
+        self._writer = ShardWriter(
+            lambda step: layout.tensors_dir(out, rank, step),
+            self.shard_size,
+            self.memory_budget,
+            self.on_budget,
+            self.on_error,
+            {"format": "probe-dump", "rank": str(rank)},
+        )
+
+    def begin_step(self, step: int) -> None:
+        self._reset()
+        if self._writer is not None:
+            self._writer.begin_step(step)
+
+    def _reset(self) -> None:
+        # storage address -> (weak ref to the storage, version, written by the op that made the
+        # blobs, [(lo, hi, blob id)]). An in-place op bumps the version only after its dispatch
+        # returns, so blobs of a written value are valid at the version seen then and the next.
+        self._blobs: dict[int, tuple[weakref.ref, int, bool, list[tuple[int, int, int]]]] = {}
+        # (op index, INPUT/OUTPUT, position, blob id or -1, byte offset in blob, dtype, shape,
+        #  stride, checksum index or -1, status or None)
+        self._entries: list[tuple[Any, ...]] = []
+        self._calls: list[tuple[int, dict[str, Any]]] = []
+        self._checksums: list[torch.Tensor] = []
+
+    # -- per op -----------------------------------------------------------------
+
+    def before(self, call: OpCall) -> None:
+        inputs = call.input_tensors or []
+        tensor_ids = {id(t): position for position, t in enumerate(inputs)}
+        self._calls.append((call.index, encode_args(call.args, call.kwargs or {}, tensor_ids)))
+        if self._dump_inputs:
+            for position, t in enumerate(inputs):
+                self._entries.append((call.index, INPUT, position, *self._capture(t)))
+
+    def after(self, call: OpCall) -> None:
+        if not self._dump_outputs or call.info.uninitialized_output:
+            return
+        for position, t in enumerate(call.output_tensors or ()):
+            written = call.outputs[position][2]
+            self._entries.append((call.index, OUTPUT, position, *self._capture(t, written)))
+
+    def _capture(self, t: torch.Tensor, written: bool = False) -> tuple[Any, ...]:
+        """Copy (or find already copied) the bytes of ``t``; its index entry fields.
+
+        ``written``: ``t`` is an argument the op just wrote in place, a new value
+        whatever its (not yet bumped) version says.
+        """
+        meta = (dtype_name(t.dtype), tuple(t.shape), t.stride())
+        if t.device.type == "meta" or t.is_sparse or t.is_nested or t.is_quantized:
+            return (-1, 0, *meta, -1, "not dumpable")
+        if t.numel() == 0:
+            return (-1, 0, *meta, -1, None)
+        check = -1
+        if self.checksum:
+            self._checksums.append(checksum(t))
+            check = len(self._checksums) - 1
+        storage = t.untyped_storage()
+        lo, hi = byte_span(t)
+        version = t._version
+        known = self._blobs.get(storage.data_ptr())
+        valid = (
+            known is not None
+            and not written
+            and known[0]() is storage
+            and (known[1] == version or (known[2] and known[1] + 1 == version))
+        )
+        if not valid:
+            known = (weakref.ref(storage), version, written, [])
+            self._blobs[storage.data_ptr()] = known
+        assert known is not None
+        for blob_lo, blob_hi, blob_id in known[3]:
+            if blob_lo <= lo and hi <= blob_hi:
+                return (blob_id, lo - blob_lo, *meta, check, None)
+        blob_lo, blob_hi = lo, hi
+        if storage.nbytes() <= _WHOLE_STORAGE_FACTOR * (hi - lo):
+            blob_lo, blob_hi = 0, storage.nbytes()
+        blob_id = self._copy_out(t, storage, blob_lo, blob_hi)
+        if blob_id is None:
+            return (-1, 0, *meta, check, "skipped: memory budget")
+        known[3].append((blob_lo, blob_hi, blob_id))
+        return (blob_id, lo - blob_lo, *meta, check, None)
+
+    def _copy_out(self, t: torch.Tensor, storage: torch.UntypedStorage, lo: int, hi: int) -> int | None:
+        assert self._writer is not None
+        n = hi - lo
+        padded = n + (-n % BLOB_ALIGN)
+        if not self._writer.reserve(padded):
+            return None
+        on_device = t.device.type != "cpu"
+        host = torch.empty(padded, dtype=torch.uint8, pin_memory=on_device and torch.cuda.is_available())
+        source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage).narrow(0, lo, n)
+        host[:n].copy_(source, non_blocking=on_device)
+        ready = None
+        if t.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        blob_id = self._next_blob
+        self._next_blob += 1
+        self._writer.put(Blob(blob_id, host, ready))
+        return blob_id
+
+    # -- step end -----------------------------------------------------------------
+
+    def end_step(self, step: int) -> DumpStep | None:
+        if self._writer is None:
+            return None
+        result = DumpStep(
+            self._writer.end_step(step), self._entries, self._calls, self._checksums, self.on_error
+        )
+        self._reset()
+        return result
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+class DumpStep:
+    """One step's dump: tensor entries and calls now, shard locations once written."""
+
+    def __init__(
+        self,
+        shards: Any,
+        entries: list[tuple[Any, ...]],
+        calls: list[tuple[int, dict[str, Any]]],
+        checksums: list[torch.Tensor],
+        on_error: str,
+    ) -> None:
+        self.shards, self.entries, self.calls, self.checksums = shards, entries, calls, checksums
+        self.on_error = on_error
+
+    def write(self, writer: StepWriter) -> dict[str, Any]:
+        written: StepShards = self.shards()
+        sums = torch.stack(self.checksums).cpu().tolist() if self.checksums else []
+        tensors = []
+        skipped = 0
+        for op, io, position, blob, offset, dtype, shape, stride, check, status in self.entries:
+            if blob in written.lost:
+                status = f"lost: {written.lost[blob]}"
+            if status is not None and status.startswith("skipped"):
+                skipped += 1
+            tensors.append(
+                {
+                    "op": op, "io": "input" if io == INPUT else "output", "position": position,
+                    "dtype": dtype, "shape": shape, "stride": stride,
+                    "blob": blob if blob >= 0 and status is None else None,
+                    "offset": offset, "checksum": sums[check] if check >= 0 else None,
+                    "status": status,
+                }
+            )
+        complete = not written.lost
+        writer.write_json(
+            layout.TENSOR_INDEX_FILE,
+            {
+                "complete": complete,
+                "shards": written.shards,
+                "blobs": {str(b): list(where) for b, where in written.located.items()},
+                "tensors": tensors,
+            },
+        )
+        writer.write_jsonl(layout.CALLS_FILE, ({"i": i, **enc} for i, enc in self.calls))
+        if written.lost and self.on_error == "raise":
+            first = next(iter(written.lost.values()))
+            raise ProbeError(f"dump: {len(written.lost)} tensor blobs could not be written ({first})")
+        return {
+            "complete": complete,
+            "tensors": len(tensors),
+            "blobs": len(written.located),
+            "lost": len(written.lost),
+            "skipped": skipped,
+            "shards": len(written.shards),
+            "bytes": written.bytes_written,
+        }
