@@ -144,7 +144,7 @@ def test_shards_are_plain_safetensors_files_of_bounded_size(tmp_path):
     total = 0
     for path in files:
         with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 total += f.get_tensor(key).numel()
     assert total >= 40 * 32 * 32 * 4
 
@@ -242,7 +242,10 @@ def test_a_dumped_op_reexecutes_exactly_from_its_recorded_call(tmp_path):
         if op.name not in ("aten.addmm.default", "aten.gelu_backward.default", "aten.sum.dim_IntList",
                            "aten._log_softmax.default", "aten.addcdiv_.default"):
             continue
-        args, kwargs = decode_args(dump.call(op.index), lambda i, op=op: run.tensor(op.id, "input", i).clone())
+        def dumped_input(i, op=op):
+            return run.tensor(op.id, "input", i).clone()
+
+        args, kwargs = decode_args(dump.call(op.index), dumped_input)
         func = torch.ops.aten
         for part in op.name.split(".")[1:]:
             func = getattr(func, part)
