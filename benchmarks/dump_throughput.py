@@ -1,0 +1,209 @@
+"""Dump throughput against the disk's own sequential write speed.
+
+Run from the repository root::
+
+    python -m benchmarks.dump_throughput [--steps N] [--dir DIR] [--quick] [--markdown]
+
+In one run, on one disk: (1) a training step without the probe, for the
+baseline step time; (2) the same training under ``probe.mode("dump")``, timing
+each step and the wall time until the last shard is on disk (leaving the
+session waits for the writer threads); (3) a plain sequential write of the same
+number of bytes (64 MiB writes, then fsync): the disk's raw figure; (4) random
+access: ``run.tensor()`` of randomly chosen dumped tensors. Each measurement
+runs in a fresh child process, so peak host memory (max RSS) is its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.overhead import machine_line
+
+CHUNK = 64 << 20
+
+
+def _training(quick: bool) -> Any:
+    from probe.demo.model import LlamaConfig
+    from probe.demo.train import DemoTraining
+
+    if quick:
+        return DemoTraining(LlamaConfig(), batch=4, seq=32)
+    config = LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2752, num_layers=4,
+                         num_heads=16, max_seq_len=256)
+    return DemoTraining(config, batch=4, seq=256)
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child_baseline(args: argparse.Namespace) -> dict[str, Any]:
+    training = _training(args.quick)
+    times = []
+    for _ in range(args.steps + 1):
+        start = time.perf_counter()
+        training.step()
+        times.append(time.perf_counter() - start)
+    return {"step_s": statistics.median(times[1:]), "peak_rss_mb": _peak_rss_mb()}
+
+
+def child_dump(args: argparse.Namespace) -> dict[str, Any]:
+    import probe
+
+    training = _training(args.quick)
+    training.step()  # warm-up outside the session, as for the baseline
+    out = Path(args.dir) / "run"
+    times = []
+    start = time.perf_counter()
+    with probe.mode("dump", out=out, model=training.model) as session:
+        for _ in range(args.steps):
+            step_start = time.perf_counter()
+            training.step()
+            session.step()
+            times.append(time.perf_counter() - step_start)
+    wall = time.perf_counter() - start
+    run = probe.load(out)
+    summaries = [run.step_info(s).manifest["modes"]["dump"] for s in run.steps]
+    files = sum(1 for _ in (out / "rank0").rglob("*") if _.is_file())
+    return {
+        "step_s": statistics.median(times),
+        "wall_s": wall,
+        "bytes": sum(s["bytes"] for s in summaries),
+        "shards": sum(s["shards"] for s in summaries),
+        "tensors": sum(s["tensors"] for s in summaries),
+        "files": files,
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+
+
+def child_raw(args: argparse.Namespace) -> dict[str, Any]:
+    path = Path(args.dir) / "raw.bin"
+    block = os.urandom(CHUNK)
+    remaining = args.bytes
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        while remaining > 0:
+            n = min(CHUNK, remaining)
+            f.write(block[:n])
+            remaining -= n
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return {"wall_s": seconds, "bytes": args.bytes}
+
+
+def child_access(args: argparse.Namespace) -> dict[str, Any]:
+    import probe
+
+    run = probe.load(Path(args.dir) / "run")
+    step = run.steps[-1]
+    ops = run.ops(step)
+    entries = [e for e in run.dump(step).entries.values() if e.status is None and e.blob is not None]
+    rng = random.Random(0)
+    picks = rng.sample(entries, min(200, len(entries)))
+    times, nbytes = [], 0
+    for e in picks:
+        start = time.perf_counter()
+        t = run.tensor(ops[e.op].id, e.io, e.position, step=step)
+        t.sum()  # touch every element: the read happens here
+        times.append(time.perf_counter() - start)
+        nbytes += t.numel() * t.element_size()
+    return {"median_ms": 1e3 * statistics.median(times), "mb_per_s": nbytes / sum(times) / 1e6,
+            "samples": len(picks)}
+
+
+CHILDREN = {"baseline": child_baseline, "dump": child_dump, "raw": child_raw, "access": child_access}
+
+
+def run_child(kind: str, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "benchmarks.dump_throughput", "--child", kind, "--dir", args.dir,
+           "--steps", str(args.steps)]
+    if args.quick:
+        cmd.append("--quick")
+    for key, value in extra.items():
+        cmd += [f"--{key}", str(value)]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise SystemExit(f"child {kind} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.dump_throughput")
+    parser.add_argument("--steps", type=int, default=2, help="dumped training steps (2)")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--quick", action="store_true", help="the demo model: a smoke run")
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
+    parser.add_argument("--bytes", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    if args.child:
+        print(json.dumps(CHILDREN[args.child](args)))
+        return 0
+
+    scratch = tempfile.mkdtemp(prefix="probe-dump-bench-", dir=args.dir)
+    args.dir = scratch
+    console = Console()
+    console.print(f"[bold]dump throughput[/bold]  {machine_line()}  dir {scratch}")
+    try:
+        with console.status("baseline steps"):
+            base = run_child("baseline", args)
+        with console.status("dumping"):
+            dump = run_child("dump", args)
+        with console.status(f"raw write of {dump['bytes'] / 1e9:.2f} GB"):
+            raw = run_child("raw", args, bytes=dump["bytes"])
+        with console.status("random access"):
+            access = run_child("access", args)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    dump_gbs = dump["bytes"] / dump["wall_s"] / 1e9
+    raw_gbs = raw["bytes"] / raw["wall_s"] / 1e9
+    rows = [
+        ("dumped steps", str(args.steps)),
+        ("data written", f"{dump['bytes'] / 1e9:.2f} GB in {dump['tensors']} tensors"),
+        ("files", f"{dump['files']} ({dump['shards']} shards)"),
+        ("dump wall time (until on disk)", f"{dump['wall_s']:.1f} s"),
+        ("dump throughput", f"{dump_gbs:.2f} GB/s"),
+        ("raw sequential write, same bytes", f"{raw_gbs:.2f} GB/s"),
+        ("dump / raw", f"{dump_gbs / raw_gbs:.0%}"),
+        ("step time: baseline -> dump", f"{base['step_s']:.2f} s -> {dump['step_s']:.2f} s "
+                                         f"(x{dump['step_s'] / base['step_s']:.2f})"),
+        ("peak host memory: baseline -> dump", f"{base['peak_rss_mb']:.0f} MB -> "
+                                                f"{dump['peak_rss_mb']:.0f} MB"),
+        ("run.tensor() random access", f"{access['median_ms']:.2f} ms median, "
+                                       f"{access['mb_per_s']:.0f} MB/s ({access['samples']} tensors)"),
+    ]
+    table = Table(title="dump throughput", title_justify="left")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    if args.markdown:
+        print("\n| measure | value |\n|---|---:|")
+        for name, value in rows:
+            print(f"| {name} | {value} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
