@@ -26,7 +26,7 @@ from probe.modes.base import Mode
 from probe.modes.registry import register_mode
 from probe.rundir import layout
 from probe.rundir.call_args import encode_args
-from probe.rundir.shards import BLOB_ALIGN, Blob, ShardWriter, StepShards
+from probe.rundir.shards import ShardWriter, StepShards
 from probe.rundir.writer import StepWriter
 from probe.tracer.dispatch_mode import dtype_name
 from probe.tracer.op_call import OpCall
@@ -87,7 +87,7 @@ class DumpMode(Mode):
         self,
         tensors: str = "all",
         shard_size: int = 1 << 30,
-        memory_budget: int = 4 << 30,
+        memory_budget: int = 2 << 30,
         on_budget: str = "wait",
         on_error: str = "warn",
         checksum: bool = False,
@@ -192,21 +192,20 @@ class DumpMode(Mode):
 
     def _copy_out(self, t: torch.Tensor, storage: torch.UntypedStorage, lo: int, hi: int) -> int | None:
         assert self._writer is not None
-        n = hi - lo
-        padded = n + (-n % BLOB_ALIGN)
-        if not self._writer.reserve(padded):
-            return None
         on_device = t.device.type != "cpu"
-        host = torch.empty(padded, dtype=torch.uint8, pin_memory=on_device and torch.cuda.is_available())
-        source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage).narrow(0, lo, n)
-        host[:n].copy_(source, non_blocking=on_device)
-        ready = None
+        pinned = on_device and torch.cuda.is_available()
+        blob_id = self._next_blob
+        taken = self._writer.take(blob_id, hi - lo, pinned)
+        if taken is None:
+            return None
+        self._next_blob += 1
+        host, arena = taken
+        source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage).narrow(0, lo, hi - lo)
+        host.copy_(source, non_blocking=on_device)
         if t.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        blob_id = self._next_blob
-        self._next_blob += 1
-        self._writer.put(Blob(blob_id, host, ready))
+            arena.events.append(ready)
         return blob_id
 
     # -- step end -----------------------------------------------------------------
