@@ -133,7 +133,12 @@ def parse_options(modes: Any, kwargs: dict[str, Any], mode_option_names: dict[st
     kwargs = dict(kwargs)
     config = kwargs.pop("config", None)
     if config is not None:
-        for key, value in _read_config(config).items():
+        from probe.msprobe_config import from_msprobe, is_msprobe_config
+
+        data = _read_config(config)
+        if is_msprobe_config(data):
+            data = from_msprobe(data)
+        for key, value in data.items():
             kwargs.setdefault(key, value)
         if modes is None:
             modes = kwargs.pop("mode", None)

@@ -1,0 +1,187 @@
+"""msprobe's ``config.json`` read as probe options.
+
+Users arrive with a config written for msprobe (``task``, ``dump_path``,
+``rank``, ``step``, ``level`` and a block per task). ``probe.mode(config=...)``
+accepts it: each key maps to our options, a key whose meaning we cannot honour
+is a :class:`ProbeError` naming it, and a key that changes nothing we do (or
+that msprobe itself ignores) is a one-time warning. See docs/msprobe.md for the
+table. Keys of blocks that belong to other tasks are ignored, as msprobe does.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from probe.errors import ProbeError
+from probe.tracer.compat import warn_once
+
+# msprobe task -> probe modes (and options the task implies)
+_TASKS: dict[str, tuple[list[str], dict[str, Any]]] = {
+    "statistics": (["stats"], {"inputs": True}),
+    "tensor": (["stats", "dump"], {"inputs": True}),
+    "structure": (["structure"], {}),
+}
+_UNSUPPORTED_TASKS = {
+    "free_benchmark": "the free-benchmark mode is not in this version of probe",
+    "overflow_check": "use task 'statistics' and run.first_nonfinite() instead",
+    "run_ut": "single-op replay is a separate command (probe replay)",
+    "acc_check": "single-op replay is a separate command (probe replay)",
+    "grad_probe": "use the monitor mode for gradient statistics",
+    "nan_check": "use task 'statistics' and run.first_nonfinite() instead",
+    "diff_check": "use probe compare on two runs",
+    "exception_dump": "it needs Ascend hardware",
+}
+_IGNORED_WITH_WARNING = {
+    "precision": "statistics are always accumulated in fp32 or wider",
+    "risk_level": "every op is recorded whatever its risk level",
+    "enable_dataloader": "sessions are delimited by probe.mode and session.step()",
+    "seed": "not a config key in msprobe either (seed_all() takes it)",
+    "is_deterministic": "not a config key in msprobe either (seed_all() takes it)",
+    "custom_op_namespaces": "ops of every namespace are seen",
+    "file_format": "tensors are always written as safetensors (probe export msprobe writes .pt)",
+    "framework": "only PyTorch is supported",
+}
+_UNSUPPORTED_KEYS = {
+    "dump_enable": "hot reloading of the config file",
+    "load": "feeding dumped inputs back into modules",
+    "tensor_list": "dumping the tensors of some ops inside a statistics task (use modes ['stats', 'dump'] "
+                   "with ops=...)",
+    "slice": "slicing tensors before they are dumped",
+    "request_id": "per-request slicing",
+    "online_run_ut": "online single-op checks",
+    "nfs_path": "online single-op checks",
+}
+_LEVELS = {"L0", "L1", "mix"}
+_API_NAME = re.compile(
+    r"^(?:Distributed|Functional|Torch|Tensor|Mint|MintFunctional|Primitive|Aten|VF|NPU|Jit)\.(.+)\.\d+\.(forward|backward)$"
+)
+_MODULE_NAME = re.compile(r"^(?:Module|Cell)\.(.+)\.[A-Za-z_]\w*\.(forward|backward)\.\d+$")
+
+
+def _warn_ignored(key: str) -> None:
+    warn_once(f"msprobe-{key}", f"msprobe config key {key!r} is ignored: {_IGNORED_WITH_WARNING[key]}")
+
+
+def is_msprobe_config(config: dict[str, Any]) -> bool:
+    return "task" in config or "dump_path" in config
+
+
+def _int_list(key: str, value: Any) -> Any:
+    if value in (None, []):
+        return None
+    if not isinstance(value, list):
+        raise ProbeError(f"msprobe config key {key!r}: expected a list like [0, '4-6'], got {value!r}")
+    return value
+
+
+def _selectors(key: str, entries: list[Any]) -> tuple[list[str], list[str]]:
+    """``scope``/``list`` entries -> (op globs, module globs)."""
+    ops: list[str] = []
+    modules: list[str] = []
+    for entry in entries:
+        if not isinstance(entry, str) or not entry:
+            raise ProbeError(f"msprobe config key {key!r}: {entry!r} is not an API or module name")
+        if m := _MODULE_NAME.match(entry):
+            modules += [m.group(1), f"{m.group(1)}.*"]
+        elif m := _API_NAME.match(entry):
+            api = m.group(1).split(".")[-1]
+            ops.append(f"*{api}*")
+            warn_once(f"msprobe-{key}-api", f"msprobe {key!r} entry {entry!r} selects every call of "
+                      f"'{api}' (aten ops are recorded; call indices and directions are not kept)")
+        elif key == "scope":
+            raise ProbeError(
+                f"msprobe config key 'scope': {entry!r} is neither an API name "
+                "('Functional.relu.0.forward') nor a module name ('Module.fc1.Linear.forward.0')"
+            )
+        else:  # "list" is a substring match in msprobe
+            ops.append(f"*{entry}*")
+    if key == "scope" and (ops or modules):
+        warn_once("msprobe-scope-range", "msprobe 'scope' is a range in execution order; probe selects "
+                  "the named APIs and modules themselves")
+    return ops, modules
+
+
+def from_msprobe(config: dict[str, Any]) -> dict[str, Any]:
+    """Our ``probe.mode`` keyword options (``mode`` included) for an msprobe config."""
+    task = config.get("task", "statistics")
+    if task in _UNSUPPORTED_TASKS:
+        raise ProbeError(f"msprobe task {task!r} is not supported: {_UNSUPPORTED_TASKS[task]}")
+    if task not in _TASKS:
+        raise ProbeError(f"msprobe task {task!r} is unknown; accepted: {sorted(_TASKS)}")
+    modes, implied = _TASKS[task]
+    options: dict[str, Any] = {"mode": list(modes), **implied}
+    for key, value in config.items():
+        if key == "task" or (isinstance(value, dict) and key != task):
+            continue  # other tasks' blocks: msprobe ignores them too
+        if key == "dump_path":
+            options["out"] = value
+        elif key == "rank":
+            options["ranks"] = _int_list(key, value)
+        elif key == "step":
+            options["steps"] = _int_list(key, value)
+        elif key == "level":
+            if value not in _LEVELS:
+                raise ProbeError(f"msprobe level {value!r} is not supported; accepted: {sorted(_LEVELS)} "
+                                 "(every level records every aten op, attributed to its modules)")
+        elif key == "async_dump":
+            options["async_flush"] = bool(value)
+        elif key == "extra_info":
+            options["stack"] = bool(value)
+        elif key == task:
+            _task_block(task, value, options)
+        elif key in _IGNORED_WITH_WARNING:
+            _warn_ignored(key)
+        elif key in _UNSUPPORTED_KEYS:
+            raise ProbeError(f"msprobe config key {key!r} ({_UNSUPPORTED_KEYS[key]}) is not supported")
+        else:
+            raise ProbeError(f"msprobe config key {key!r} is unknown")
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def _task_block(task: str, block: dict[str, Any], options: dict[str, Any]) -> None:
+    ops: list[str] = []
+    modules: list[str] = []
+    for key, value in block.items():
+        if key in ("scope", "list"):
+            entries = [value] if isinstance(value, str) else list(value or [])
+            found_ops, found_modules = _selectors(key, entries)
+            ops += found_ops
+            modules += found_modules
+        elif key == "data_mode":
+            _data_mode(value, options)
+        elif key == "summary_mode":
+            if value != "statistics":
+                raise ProbeError(f"msprobe summary_mode {value!r} is not supported; use the dump mode "
+                                 "with checksum=True for bitwise comparison")
+        elif key in _IGNORED_WITH_WARNING:
+            _warn_ignored(key)
+        elif key in _UNSUPPORTED_KEYS:
+            raise ProbeError(f"msprobe config key {task}.{key} ({_UNSUPPORTED_KEYS[key]}) is not supported")
+        else:
+            raise ProbeError(f"msprobe config key {task}.{key} is unknown")
+    if ops:
+        options["ops"] = ops
+    if modules:
+        options["modules"] = modules
+
+
+def _data_mode(value: Any, options: dict[str, Any]) -> None:
+    modes = [value] if isinstance(value, str) else list(value or ["all"])
+    allowed = {"all", "forward", "backward", "input", "output"}
+    bad = [m for m in modes if m not in allowed]
+    if bad:
+        raise ProbeError(f"msprobe data_mode {bad!r} is not one of {sorted(allowed)}")
+    if "all" in modes:
+        return
+    directions = [m for m in modes if m in ("forward", "backward")]
+    io = [m for m in modes if m in ("input", "output")]
+    if directions:
+        phases = set(directions)
+        if "forward" in phases:
+            phases |= {"recompute", "optimizer"}
+        options["phases"] = sorted(phases)
+    if len(io) == 1:
+        if "dump" in options["mode"]:
+            options["tensors"] = f"{io[0]}s"
+        options["inputs"] = io == ["input"]

@@ -1,0 +1,84 @@
+"""msprobe config.json files map onto probe options; what cannot be honoured is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import probe
+from probe import ProbeError
+from probe.msprobe_config import from_msprobe
+from probe.tracer.compat import ProbeWarning
+
+# msprobe 26.x's packaged default config
+DEFAULT = {
+    "task": "statistics", "dump_path": "./dump_path", "rank": [], "step": [], "level": "L1",
+    "extra_info": True, "async_dump": False,
+    "statistics": {"scope": [], "list": [], "data_mode": ["all"], "summary_mode": "statistics"},
+    "tensor": {"scope": [], "list": [], "data_mode": ["all"]},
+    "acc_check": {"white_list": [], "black_list": [], "error_data_path": "./"},
+}
+
+
+def test_default_config_maps_to_stats_with_inputs_and_stacks():
+    assert from_msprobe(DEFAULT) == {
+        "mode": ["stats"], "inputs": True, "out": "./dump_path", "stack": True, "async_flush": False,
+    }
+
+
+def test_tensor_task_with_ranges_selection_and_data_mode():
+    config = {
+        "task": "tensor", "dump_path": "/tmp/x", "rank": [0, "2-3"], "step": ["4-6"], "level": "mix",
+        "tensor": {"list": ["relu", "Module.layers.0.Linear.forward.0"], "data_mode": ["forward", "output"]},
+    }
+    options = from_msprobe(config)
+    assert options["mode"] == ["stats", "dump"]
+    assert options["steps"] == ["4-6"] and options["ranks"] == [0, "2-3"]
+    assert options["ops"] == ["*relu*"] and options["modules"] == ["layers.0", "layers.0.*"]
+    assert options["phases"] == ["forward", "optimizer", "recompute"]
+    assert options["tensors"] == "outputs" and options["inputs"] is False
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"task": "free_benchmark"}, "task 'free_benchmark' is not supported"),
+        ({"task": "overflow_check"}, "first_nonfinite"),
+        ({"task": "statistics", "level": "L2"}, "level 'L2' is not supported"),
+        ({"task": "statistics", "dump_enable": True}, "'dump_enable' (hot reloading"),
+        ({"task": "statistics", "statistics": {"summary_mode": "md5"}}, "summary_mode 'md5'"),
+        ({"task": "statistics", "statistics": {"scope": ["linear", "relu"]}}, "'linear' is neither"),
+        ({"task": "statistics", "statistics": {"data_mode": ["sideways"]}}, "data_mode ['sideways']"),
+        ({"task": "statistics", "statistics": {"slice": []}}, "statistics.slice"),
+        ({"task": "statistics", "dumppath": "/x"}, "key 'dumppath' is unknown"),
+    ],
+)
+def test_unsupported_keys_are_errors_naming_them(config, message):
+    with pytest.raises(ProbeError) as info:
+        from_msprobe(config)
+    assert message in str(info.value)
+
+
+def test_keys_safe_to_ignore_warn_once():
+    with pytest.warns(ProbeWarning, match="'risk_level' is ignored"):
+        options = from_msprobe({"task": "statistics", "dump_path": "d", "risk_level": "FOCUS"})
+    assert options["mode"] == ["stats"]
+
+
+def test_probe_mode_runs_from_an_msprobe_config_file(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "task": "tensor", "dump_path": str(tmp_path / "dump"), "rank": [], "step": [1], "level": "L1",
+        "tensor": {"list": ["exp"], "data_mode": ["all"]},
+    }))
+    with probe.mode(config=config) as session:
+        for _ in range(2):
+            torch.randn(4).exp().neg()
+            session.step()
+    run = probe.load(tmp_path / "dump")
+    assert run.steps == [1] and run.info["modes"] == ["stats", "dump"]
+    (op,) = run.ops(1)
+    assert op.name == "aten.exp.default" and op.inputs[0].stats is not None
+    assert torch.equal(run.tensor(op.id, "output", 0, step=1), run.tensor(op.id, "input", 0, step=1).exp())
