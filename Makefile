@@ -1,8 +1,12 @@
 # Quick start: `make demo` runs the demo, `make test` runs the tests. Both set up
 # .venv first (the package, its test extras, and torch 2.13.0 when the venv has none).
+# `make test` also sets up .venv-msprobe with the real msprobe (mindstudio-probe), in
+# its own venv, for the tests that check our exports against it.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.probe-installed
+MSPROBE_VENV ?= .venv-msprobe
+MSPROBE_STAMP := $(MSPROBE_VENV)/.installed
 
 .PHONY: demo test lint bench-quick clean
 
@@ -12,17 +16,24 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
+$(MSPROBE_STAMP):
+	test -x $(MSPROBE_VENV)/bin/python || python3 -m venv $(MSPROBE_VENV)
+	$(MSPROBE_VENV)/bin/python -c "import torch" 2>/dev/null || $(MSPROBE_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(MSPROBE_VENV)/bin/python -m pip install -q "mindstudio-probe>=26,<27"
+	touch $(MSPROBE_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/probe demo
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+test: $(STAMP) $(MSPROBE_STAMP)
+	PROBE_MSPROBE=$(MSPROBE_VENV)/bin/msprobe $(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check probe tests benchmarks
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.overhead --quick
+	$(PY) -m benchmarks.dump_throughput --quick
 
 clean:
-	rm -rf $(VENV) probe_runs
+	rm -rf $(VENV) $(MSPROBE_VENV) probe_runs

@@ -30,6 +30,8 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     from probe.demo.train import DemoTraining, train
     from probe.exporters.console import render_run
 
+    if args.steps < 1:
+        raise ProbeError(f"--steps must be at least 1, got {args.steps}")
     out = Path(args.out) if args.out else Path("probe_runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     modes = [m.strip() for m in args.mode.split(",") if m.strip()]
     training = DemoTraining()
@@ -67,6 +69,26 @@ def _cmd_summary(args: argparse.Namespace, console: Console) -> int:
     return EXIT_OK
 
 
+def _int_list(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ProbeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _cmd_export(args: argparse.Namespace, console: Console) -> int:
+    import probe
+    from probe.exporters.msprobe import export_msprobe
+
+    run = probe.load(args.run)
+    paths = export_msprobe(run, args.out, steps=_int_list(args.steps), ranks=_int_list(args.ranks))
+    console.print(f"wrote {len(paths)} msprobe dump(s) under {args.out}; compare two exports with")
+    console.print("  msprobe compare -tp <target>/step<N> -gp <golden>/step<N> -o <dir>")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="probe", description="Precision debugging for PyTorch training.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -84,15 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
     summary.add_argument("run", help="run directory")
     summary.add_argument("--top", type=int, default=5, help="rows in the largest-value tables")
     summary.set_defaults(func=_cmd_summary)
+
+    export = sub.add_parser("export", help="write a run in another tool's format")
+    export_kind = export.add_subparsers(dest="format", required=True, parser_class=_Parser)
+    msprobe = export_kind.add_parser("msprobe", help="msprobe's dump layout (dump.json, .pt tensors)")
+    msprobe.add_argument("run", help="run directory")
+    msprobe.add_argument("out", help="empty output directory")
+    msprobe.add_argument("--steps", help="comma-separated steps (default: all)")
+    msprobe.add_argument("--ranks", help="comma-separated ranks (default: all)")
+    msprobe.set_defaults(func=_cmd_export)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
-    if getattr(args, "steps", 1) < 1:
-        print("probe: error: --steps must be at least 1", file=sys.stderr)
-        return EXIT_USAGE
     try:
         return args.func(args, console)
     except ProbeError as e:

@@ -171,6 +171,8 @@ class Session:
             results = [(mode.name, mode.end_step(step)) for mode in self.modes]
             if self._writer is None or not (records or not complete):
                 return
+            types = tracer.modules.names.types
+            module_types = {fqn: types[fqn] for fqn in {r[4] for r in records} if fqn in types}
             sites = tracer.call_sites
             used_sites = (
                 {i: sites.stacks[i] for i in {r[RECORD_CALLSITE] for r in records} if i is not None}
@@ -187,7 +189,7 @@ class Session:
             }
 
             def write() -> None:
-                self._write_step(step, records, results, used_sites, manifest)
+                self._write_step(step, records, results, used_sites, module_types, manifest)
 
             if self._background is not None:
                 self._background.submit(write)
@@ -202,11 +204,13 @@ class Session:
         records: list[OpRecordTuple],
         results: list[tuple[str, StepResult | None]],
         sites: dict[int, list[str]] | None,
+        module_types: dict[str, str],
         manifest: dict[str, Any],
     ) -> None:
         assert self._writer is not None
         writer = self._writer.step(step)
         writer.write_jsonl(layout.OPS_FILE, (encode(r) for r in records))
+        writer.write_json(layout.MODULES_FILE, module_types)
         if sites is not None:
             writer.write_json(layout.CALLSITES_FILE, {str(i): stack for i, stack in sorted(sites.items())})
         modes = {name: result.write(writer) for name, result in results if result is not None}

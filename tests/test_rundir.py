@@ -30,8 +30,10 @@ def test_layout_manifest_and_format_version(tmp_path):
     step = run.step_info(1)
     assert step.complete and step.manifest["ops"] == len(run.ops(1))
     assert step.manifest["phases"]["backward"] > 0
+    assert run.module_types(1)["block.fc"] == "Linear" and run.module_types(1)[""] == "SharedBlockNet"
     assert sorted(os.listdir(tmp_path / "r" / "rank0" / "step1")) == sorted(
-        [layout.MANIFEST_FILE, layout.OPS_FILE, layout.STATS_FILE, layout.STATS_INDEX_FILE]
+        [layout.MANIFEST_FILE, layout.OPS_FILE, layout.STATS_FILE, layout.STATS_INDEX_FILE,
+         layout.MODULES_FILE]
     )
 
 

@@ -196,6 +196,16 @@ class Run:
 
         return build_graph(self.ops(step, rank))
 
+    def module_types(self, step: int | None = None, rank: int | None = None) -> dict[str, str]:
+        """Module FQN -> class name for the modules of one step."""
+        step, rank = self._resolve(step, rank)
+        path = self._step_path(step, rank) / layout.MODULES_FILE
+        return self._read_json(path) if path.exists() else {}
+
+    def has_dump(self, step: int | None = None, rank: int | None = None) -> bool:
+        step, rank = self._resolve(step, rank)
+        return (self._step_path(step, rank) / layout.TENSOR_INDEX_FILE).exists()
+
     def dump(self, step: int | None = None, rank: int | None = None) -> DumpIndex:
         """The dump index of one step (dump mode)."""
         step, rank = self._resolve(step, rank)

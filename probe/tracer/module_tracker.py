@@ -45,6 +45,8 @@ class ModuleNames:
     def __init__(self, roots: nn.Module | dict[str, nn.Module] | None) -> None:
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self._param_owners: dict[int, str] = {}
+        self.types: dict[str, str] = {}
+        """FQN -> module class name (for exports that name modules by class)."""
         self._auto_root = roots is None
         self._roots = 0
         if isinstance(roots, nn.Module):
@@ -58,6 +60,7 @@ class ModuleNames:
         for name, module in root.named_modules(remove_duplicate=False):
             fqn = f"{prefix}.{name}" if prefix and name else (prefix or name)
             self._names.setdefault(module, fqn)
+            self.types.setdefault(fqn, type(module).__name__)
         for name, param in root.named_parameters(remove_duplicate=False):
             owner = name.rpartition(".")[0]
             fqn = f"{prefix}.{owner}" if prefix and owner else (prefix or owner)
@@ -76,7 +79,9 @@ class ModuleNames:
             self.add_root(module, "" if self._roots == 0 else type(module).__name__)
             return self._names[module]
         base = parent.fqn if parent is not None else ""
-        return f"{base}.{type(module).__name__}" if base else type(module).__name__
+        fqn = f"{base}.{type(module).__name__}" if base else type(module).__name__
+        self.types.setdefault(fqn, type(module).__name__)
+        return fqn
 
     def param_owner(self, param: torch.Tensor) -> str | None:
         return self._param_owners.get(id(param))
