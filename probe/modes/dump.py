@@ -60,18 +60,25 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
     return lo, lo + extent * itemsize
 
 
+_CHECKSUM_CHUNK = 1 << 22  # words per kernel call: bounds the temporaries (32 MiB of int64)
+
+
 def checksum(t: torch.Tensor) -> torch.Tensor:
     """A position-weighted wrapping sum of the tensor's bytes in logical order, on its device.
 
     Equal for bitwise-equal tensors; a change of any one word changes it (the
-    weights are odd). Not cryptographic.
+    weights are odd). Not cryptographic. Large tensors are summed in chunks so
+    the int64 temporaries stay small.
     """
     data = t.detach().contiguous().view(-1).view(torch.uint8)
     if data.numel() % 4 == 0:
         data = data.view(torch.int32)
-    words = data.to(torch.int64)
-    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) * 2654435761 + 1
-    return (words * (weights | 1)).sum()
+    total = torch.zeros((), dtype=torch.int64, device=data.device)
+    for start in range(0, data.numel(), _CHECKSUM_CHUNK):
+        words = data[start : start + _CHECKSUM_CHUNK].to(torch.int64)
+        positions = torch.arange(start, start + words.numel(), device=data.device, dtype=torch.int64)
+        total += (words * ((positions * 2654435761 + 1) | 1)).sum()
+    return total
 
 
 @register_mode
