@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from rich.console import Console
@@ -34,6 +35,8 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
         raise ProbeError(f"--steps must be at least 1, got {args.steps}")
     out = Path(args.out) if args.out else Path("probe_runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     modes = [m.strip() for m in args.mode.split(",") if m.strip()]
+    # The demo model has no compiled regions: the notice that they would run eagerly is noise here.
+    warnings.filterwarnings("ignore", message="probe: compiled regions run eagerly")
     training = DemoTraining()
     session = probe.mode(
         modes, out=out, overwrite=args.overwrite, stack=args.stack, model=training.model
