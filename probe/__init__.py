@@ -11,8 +11,13 @@ pluggable modes per op. The public interface is this module:
 __version__ = "0.1.0"
 
 from probe import modes as _modes  # noqa: F401  (registers the built-in modes)
+from probe.analysis.compare import Report, compare
+from probe.analysis.replay import replay, replay_step
 from probe.errors import ProbeError
 from probe.rundir.reader import OpRecord, Run, TensorRecord, load
 from probe.session import Session, mode
 
-__all__ = ["OpRecord", "ProbeError", "Run", "Session", "TensorRecord", "__version__", "load", "mode"]
+__all__ = [
+    "OpRecord", "ProbeError", "Report", "Run", "Session", "TensorRecord", "__version__", "compare", "load",
+    "mode", "replay", "replay_step",
+]

@@ -7,6 +7,7 @@ usage or unreadable input, with a one-line reason on stderr.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import warnings
@@ -92,6 +93,72 @@ def _cmd_export(args: argparse.Namespace, console: Console) -> int:
     return EXIT_OK
 
 
+def _module_map(text: str | None) -> dict[str, str] | None:
+    if not text:
+        return None
+    pairs = [item.split("=", 1) for item in text.split(",") if item.strip()]
+    if any(len(pair) != 2 or not pair[0] for pair in pairs):
+        raise ProbeError(f"--module-map: expected b_name=a_name pairs separated by commas, got {text!r}")
+    return {b.strip(): a.strip() for b, a in pairs}
+
+
+def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
+    import probe
+    from probe.exporters.console import render_compare
+
+    with console.status("comparing"):
+        report = probe.compare(args.run_a, args.run_b, steps=_int_list(args.steps),
+                               ranks=_int_list(args.ranks), module_map=_module_map(args.module_map))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        report.to_csv(out / "report.csv")
+        report.to_json(out / "report.json")
+        report.to_html(out / "report.html")
+        (out / "overlay.json").write_text(json.dumps(report.overlay(), default=str))
+    render_compare(console, report, args.out)
+    if args.fail_on_divergence and report.divergence is not None:
+        return EXIT_CHECK_FAILED
+    return EXIT_OK
+
+
+_DTYPES = {"float64": "float64", "fp64": "float64", "float32": "float32", "fp32": "float32",
+           "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+
+
+def _cmd_replay(args: argparse.Namespace, console: Console) -> int:
+    import torch
+
+    import probe
+    from probe.exporters.console import render_replay
+
+    dtype = None
+    if args.dtype is not None:
+        if args.dtype not in _DTYPES:
+            raise ProbeError(f"--dtype {args.dtype!r} is not one of {sorted(_DTYPES)}")
+        dtype = getattr(torch, _DTYPES[args.dtype])
+    step, rank = _one_int(args.step), _one_int(args.rank)
+    if args.op_id is None:
+        run = probe.load(args.run)
+        total = len(run.ops(step, rank))
+        with Progress(TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as progress:
+            task = progress.add_task("replay", total=total)
+            results = probe.replay_step(run, step, rank, device=args.device, dtype=dtype,
+                                        progress=lambda: progress.advance(task))
+        ranked = [r for r in results if "skipped" not in r]
+        render_replay(console, ranked[: args.top], skipped=len(results) - len(ranked))
+        return EXIT_OK
+    result = probe.replay(args.run, args.op_id, device=args.device, dtype=dtype, step=step, rank=rank)
+    render_replay(console, [result])
+    return EXIT_OK
+
+
+def _one_int(text: str | None) -> int | None:
+    values = _int_list(text)
+    return None if values is None else values[0]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="probe", description="Precision debugging for PyTorch training.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -118,6 +185,26 @@ def build_parser() -> argparse.ArgumentParser:
     msprobe.add_argument("--steps", help="comma-separated steps (default: all)")
     msprobe.add_argument("--ranks", help="comma-separated ranks (default: all)")
     msprobe.set_defaults(func=_cmd_export)
+
+    compare = sub.add_parser("compare", help="compare run B against the reference run A")
+    compare.add_argument("run_a", help="reference run directory")
+    compare.add_argument("run_b", help="run directory under test")
+    compare.add_argument("-o", "--out", help="write report.csv, report.json, report.html, overlay.json here")
+    compare.add_argument("--steps", help="comma-separated steps (default: all in common)")
+    compare.add_argument("--ranks", help="comma-separated ranks (default: all in common)")
+    compare.add_argument("--module-map", help="rename run B's modules: b_name=a_name,...")
+    compare.add_argument("--fail-on-divergence", action="store_true", help="exit 1 if a divergence is found")
+    compare.set_defaults(func=_cmd_compare)
+
+    replay = sub.add_parser("replay", help="re-run dumped ops from their dumped inputs and compare")
+    replay.add_argument("run", help="run directory (dump mode)")
+    replay.add_argument("op_id", nargs="?", help="the op to replay (default: every dumped op of the step)")
+    replay.add_argument("--device", default="cpu", help="device to replay on (default cpu)")
+    replay.add_argument("--dtype", help="compute in this precision (float64, float32, bf16, fp16)")
+    replay.add_argument("--step", help="step (default: the first)")
+    replay.add_argument("--rank", help="rank (default: the first)")
+    replay.add_argument("--top", type=int, default=20, help="rows of the ranking (default 20)")
+    replay.set_defaults(func=_cmd_replay)
     return parser
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from probe.analysis.compare import Report
 from probe.analysis.summary import Extreme, StepSummary
 from probe.rundir.reader import OpRecord, Run
 
@@ -58,3 +59,37 @@ def render_run(console: Console, run: Run, summaries: list[StepSummary]) -> None
         render_step(console, summary)
     for step, rank in run.unfinished_steps:
         console.print(f"[red]step {step} rank {rank}: flush never finished (the process died)[/red]")
+
+
+def render_compare(console: Console, report: Report, out: str | None) -> None:
+    counts = report.counts()
+    console.print(f"[bold]compare[/bold] {report.path_a} (reference) vs {report.path_b}")
+    console.print("  ".join(f"{k} {v}" for k, v in counts.items()))
+    for line in report.missing:
+        console.print(f"[yellow]not compared: {line}[/yellow]")
+    d = report.divergence
+    if d is None:
+        console.print("first divergence: [green]none[/green]")
+    else:
+        console.print(f"first divergence: [red]{_op_label(d.op_a)}[/red] step {d.step} rank {d.rank}")
+        console.print(f"  id {d.op_a.id}")
+        console.print(f"  {d.comparison.message}")
+        if d.inputs_assumed:
+            console.print("  [yellow]the producer of an input was not matched: assumed to agree[/yellow]")
+        if len(d.chain) > 1:
+            console.print(f"  propagates through {len(d.chain) - 1} ops: " + ", ".join(d.chain[1:6])
+                          + (" ..." if len(d.chain) > 6 else ""))
+    if out:
+        console.print(f"reports in {out}: report.csv, report.json, report.html, overlay.json")
+
+
+def render_replay(console: Console, results: list[dict], skipped: int = 0) -> None:
+    table = Table(title="replay (worst first)", title_justify="left", show_edge=False, pad_edge=False)
+    for column in ("op id", "max ULP", "max abs err", "max rel err", "cosine"):
+        table.add_column(column, justify="left" if column == "op id" else "right", overflow="fold")
+    for r in results:
+        table.add_row(r["op_id"], _fmt(r["max_ulp"]), _fmt(r["max_abs_err"]), _fmt(r["max_rel_err"]),
+                      _fmt(r["cosine"]))
+    console.print(table)
+    if skipped:
+        console.print(f"{skipped} ops could not be replayed (random, or not fully dumped)")

@@ -1,0 +1,117 @@
+"""Which op of run B corresponds to which op of run A.
+
+First by stable id: the same program gives the same ids, and since an id
+counts ops per (module call, phase, op name), an extra op (a cast under
+autocast) shifts only the ids of its own kind. What is left is aligned within
+each module call by sequence alignment over ``(op name, output shapes)`` and
+then over op names alone, so a fused op on one side or a different
+decomposition leaves the rest of its module matched. The remainder is listed
+as unmatched on its side; nothing is dropped. ``module_map`` renames modules
+of run B (``{"encoder": "model.encoder"}``) before matching.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections import defaultdict
+from dataclasses import dataclass
+
+from probe.rundir.reader import OpRecord
+
+
+@dataclass
+class Match:
+    a: OpRecord | None
+    b: OpRecord | None
+    how: str
+    """"id", "aligned" or "unmatched"."""
+
+
+def _rename(module: str, module_map: dict[str, str]) -> str:
+    for old in sorted(module_map, key=len, reverse=True):
+        if module == old or module.startswith(old + "."):
+            return module_map[old] + module[len(old):]
+    return module
+
+
+def _mapped_id(op: OpRecord, module_map: dict[str, str]) -> str:
+    """B's op id with its module renamed into A's names (ids are ``phase:fqn[call]:name:n``)."""
+    if not module_map or not op.module:
+        return op.id
+    phase, rest = op.id.split(":", 1)
+    frame, name, n = rest.rsplit(":", 2)
+    renamed = _rename(op.module, module_map) + frame[len(op.module):]
+    return f"{phase}:{renamed}:{name}:{n}"
+
+
+def _token(op: OpRecord, with_shapes: bool) -> str:
+    if not with_shapes:
+        return op.name
+    return op.name + "|" + ";".join(",".join(map(str, t.shape)) for t in op.outputs)
+
+
+def _group_key(op: OpRecord, module_map: dict[str, str] | None = None) -> tuple[str, str, int]:
+    module = _rename(op.module, module_map) if module_map else op.module
+    return op.phase, module, op.module_call
+
+
+def _align(ops_a: list[OpRecord], ops_b: list[OpRecord], with_shapes: bool) -> list[tuple[int, int]]:
+    matcher = difflib.SequenceMatcher(
+        a=[_token(op, with_shapes) for op in ops_a], b=[_token(op, with_shapes) for op in ops_b],
+        autojunk=False,
+    )
+    pairs = []
+    for block in matcher.get_matching_blocks():
+        pairs += [(block.a + k, block.b + k) for k in range(block.size)]
+    return pairs
+
+
+def match_ops(
+    ops_a: list[OpRecord], ops_b: list[OpRecord], module_map: dict[str, str] | None = None
+) -> list[Match]:
+    """Matches in run A's execution order; B-only ops follow the A op their predecessor matched."""
+    module_map = module_map or {}
+    by_id = {_mapped_id(op, module_map): op for op in ops_b}
+    partner: dict[int, OpRecord] = {}
+    how: dict[int, str] = {}
+    taken: set[int] = set()
+    for op in ops_a:
+        other = by_id.get(op.id)
+        if other is not None:
+            partner[op.index], how[op.index] = other, "id"
+            taken.add(other.index)
+
+    groups_a: dict[tuple, list[OpRecord]] = defaultdict(list)
+    groups_b: dict[tuple, list[OpRecord]] = defaultdict(list)
+    for op in ops_a:
+        if op.index not in partner:
+            groups_a[_group_key(op)].append(op)
+    for op in ops_b:
+        if op.index not in taken:
+            groups_b[_group_key(op, module_map)].append(op)
+    for key, left in groups_a.items():
+        right = groups_b.get(key, [])
+        for with_shapes in (True, False):
+            remaining_a = [op for op in left if op.index not in partner]
+            remaining_b = [op for op in right if op.index not in taken]
+            if not remaining_a or not remaining_b:
+                break
+            for i, j in _align(remaining_a, remaining_b, with_shapes):
+                partner[remaining_a[i].index], how[remaining_a[i].index] = remaining_b[j], "aligned"
+                taken.add(remaining_b[j].index)
+
+    # B-only ops are placed after the A op matched to their nearest earlier B op.
+    a_of_b = {other.index: a_index for a_index, other in partner.items()}
+    b_only: dict[int, list[OpRecord]] = defaultdict(list)
+    anchor = -1
+    for op in ops_b:
+        if op.index in a_of_b:
+            anchor = a_of_b[op.index]
+        else:
+            b_only[anchor].append(op)
+    matches = [Match(None, op, "unmatched") for op in b_only.get(-1, [])]
+    for op in ops_a:
+        other = partner.get(op.index)
+        matches.append(Match(op, other, how[op.index]) if other else Match(op, None, "unmatched"))
+        matches += [Match(None, b, "unmatched") for b in b_only.get(op.index, [])]
+    return matches

@@ -1,0 +1,138 @@
+"""Re-executing dumped ops from their dumped inputs, to test one kernel at a time.
+
+msprobe's API accuracy checker needs a GPU or NPU; this needs only the dump.
+``replay`` runs one op again (the exact overload, with its recorded arguments)
+on another device and/or in another precision and compares the result with the
+dumped output, in the output dtype's ULPs; ``replay_step`` does it for every
+dumped op of a step and ranks the ops by error, so a faulty kernel stands out
+without a second training run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from probe.analysis.metrics import tensor_metrics
+from probe.errors import ProbeError
+from probe.rundir.call_args import decode_args
+from probe.rundir.reader import OpRecord, Run
+from probe.tracer.dispatch_mode import tensors_in, tensors_out
+from probe.tracer.op_class import classify
+
+
+def resolve_op(name: str) -> torch._ops.OpOverload:
+    """``aten.mm.default`` -> ``torch.ops.aten.mm.default`` (any registered namespace)."""
+    namespace, _, rest = name.partition(".")
+    packet, _, overload = rest.rpartition(".")
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+    except (AttributeError, RuntimeError):
+        raise ProbeError(f"op {name!r} is not registered in this process (import the library "
+                         "that defines it before replaying)") from None
+
+
+@dataclass
+class ReplayResult:
+    op_id: str
+    name: str
+    max_abs_err: float
+    max_rel_err: float
+    cosine: float
+    max_ulp: float
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    """Per compared output: its position and metrics."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _prepare(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+    t = t.clone().to(device)
+    if dtype is not None and t.is_floating_point():
+        t = t.to(dtype)
+    return t
+
+
+def replay(
+    run: Run | str, op_id: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+    step: int | None = None, rank: int | None = None,
+) -> dict[str, Any]:
+    """Re-run ``op_id`` from its dumped inputs; metrics of the result against the dumped output.
+
+    ``dtype`` (e.g. ``torch.float64``) computes in that precision: floating inputs
+    are converted, and the result is compared with the dumped output in the
+    output's own dtype's ULPs.
+    """
+    run = run if isinstance(run, Run) else Run(run)
+    op = run.op(op_id, step, rank)
+    return _replay(run, op, torch.device(device), dtype).as_dict()
+
+
+def _replay(run: Run, op: OpRecord, device: torch.device, dtype: torch.dtype | None) -> ReplayResult:
+    func = resolve_op(op.name)
+    info = classify(func)
+    if info.is_random:
+        raise ProbeError(f"op {op.id} draws random numbers; its result cannot be reproduced")
+    dump = run.dump(op.step, op.rank)
+    inputs = [_prepare(run.tensor(op.id, "input", i, op.step, op.rank), device, dtype)
+              for i in range(len(op.inputs))]
+    args, kwargs = decode_args(dump.call(op.index), inputs.__getitem__, device=device)
+    out = func(*args, **kwargs)
+    results = tensors_out(out)
+    if info.mutates:  # written arguments the op does not return are results too
+        written = tensors_in([args[i] for i in info.mutated_args if i < len(args)], {})
+        results += [t for t in written if not any(t is r for r in results)]
+    compared = []
+    for position, result in enumerate(results[: len(op.outputs)]):
+        expected = run.tensor(op.id, "output", position, op.step, op.rank)
+        if tuple(result.shape) != tuple(expected.shape):
+            raise ProbeError(f"replay of {op.id} gave output {position} of shape {list(result.shape)}, "
+                             f"the dump holds {list(expected.shape)}")
+        # The replay is the reference (a), the dumped output the value under test
+        # (b); errors are counted in ULPs of the less precise of the two dtypes.
+        m = tensor_metrics(result.detach().to("cpu"), expected)
+        compared.append({"position": position, **m.as_dict()})
+    if not compared:
+        raise ProbeError(f"op {op.id} has no output to compare")
+    return ReplayResult(
+        op_id=op.id, name=op.name,
+        max_abs_err=max(c["max_abs_err"] for c in compared),
+        max_rel_err=max(c["max_rel_err"] for c in compared),
+        cosine=min(c["cosine"] for c in compared),
+        max_ulp=max(c["max_ulp"] for c in compared),
+        outputs=compared,
+    )
+
+
+def replay_step(
+    run: Run | str, step: int | None = None, rank: int | None = None, device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None, progress: Any = None,
+) -> list[dict[str, Any]]:
+    """Replay every op of a step whose inputs and outputs were dumped; worst first.
+
+    Ops that cannot be replayed (random, views of nothing dumped, unknown ops)
+    are listed last with the reason.
+    """
+    run = run if isinstance(run, Run) else Run(run)
+    ops = run.ops(step, rank)
+    dump = run.dump(ops[0].step, ops[0].rank) if ops and run.has_dump(ops[0].step, ops[0].rank) else None
+    ranked, skipped = [], []
+    for op in ops:
+        if progress is not None:
+            progress()
+        needed = [(op.index, "input", i) for i in range(len(op.inputs))]
+        needed += [(op.index, "output", i) for i in range(len(op.outputs))]
+        if dump is None or not op.outputs or any(
+            dump.entries.get(key) is None or dump.entries[key].status is not None for key in needed
+        ):
+            continue
+        try:
+            ranked.append(_replay(run, op, torch.device(device), dtype).as_dict())
+        except (ProbeError, RuntimeError, TypeError, ValueError) as e:
+            skipped.append({"op_id": op.id, "name": op.name, "skipped": f"{type(e).__name__}: {e}"})
+    ranked.sort(key=lambda r: (-(r["max_ulp"] if math.isfinite(r["max_ulp"]) else math.inf), r["op_id"]))
+    return ranked + skipped

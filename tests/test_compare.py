@@ -1,0 +1,167 @@
+"""probe.compare: matching, metrics, verdicts and the first divergence, on real runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import probe
+from probe import ProbeError
+from probe.analysis.verdicts import THRESHOLDS, thresholds_for
+from probe.cli import main
+from probe.rundir import layout
+
+
+class Rounding(nn.Module):
+    """Copies its input through ``dtype`` and back: a no-op in fp32, a bf16 round trip otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtype = torch.float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._to_copy.default(x, dtype=self.dtype)
+        return torch.ops.aten._to_copy.default(y, dtype=torch.float32)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.mid = nn.Linear(16, 16)
+        self.act = nn.GELU()
+        self.rounding = Rounding()
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rounding(self.act(self.mid(self.act(self.inp(x))))))
+
+
+def _record(out, modes=("stats", "dump"), bias_shift=0.0, round_bf16=False, autocast=False, steps=1):
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():
+        model.mid.bias += bias_shift
+    if round_bf16:
+        model.rounding.dtype = torch.bfloat16
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    with probe.mode(list(modes), out=out, model=model) as session:
+        for _ in range(steps):
+            x, y = torch.randn(8, 8, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = model(x)
+            nn.functional.cross_entropy(logits.float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+            session.step()
+
+
+@pytest.mark.parametrize("modes", [("stats", "dump"), ("stats",)])
+def test_two_runs_of_one_program_compare_clean(tmp_path, modes):
+    _record(tmp_path / "a", modes, steps=2)
+    _record(tmp_path / "b", modes, steps=2)
+    report = probe.compare(tmp_path / "a", tmp_path / "b")
+    assert report.counts()["pass"] == len(report.rows) > 100
+    assert report.first_divergence is None and not report.missing
+    assert {row["compared"] for row in report.rows} <= ({"data", "stats", "shape"} if "dump" in modes
+                                                        else {"stats", "shape"})
+
+
+@pytest.mark.parametrize("modes", [("stats", "dump"), ("stats",)])
+def test_a_bias_shift_is_found_at_its_module_not_downstream(tmp_path, modes):
+    _record(tmp_path / "a", modes)
+    _record(tmp_path / "b", modes, bias_shift=1e-3)
+    report = probe.compare(tmp_path / "a", tmp_path / "b")
+    op_a, op_b = report.first_divergence
+    assert (op_a.module, op_a.name, op_a.phase) == ("mid", "aten.addmm.default", "forward")
+    assert op_b.id == op_a.id
+    d = report.divergence
+    if "dump" in modes:  # the shifted bias itself was dumped, and is named
+        assert "input 0 (from outside the step) differs" in d.comparison.message  # addmm(bias, ...)
+    assert d.chain[0] == op_a.id and len(d.chain) > 3
+    # Everything before it compared clean.
+    before = [c for c in report.comparisons if c.a is not None and c.a.index < op_a.index]
+    assert before and all(c.verdict == "pass" for c in before)
+
+
+def test_a_bf16_round_trip_of_one_layer_is_found_at_that_layer(tmp_path):
+    _record(tmp_path / "a")
+    _record(tmp_path / "b", round_bf16=True)
+    report = probe.compare(tmp_path / "a", tmp_path / "b")
+    op_a, _ = report.first_divergence
+    assert op_a.module == "rounding" and op_a.name == "aten._to_copy.default"
+    # The first copy, to bf16, is within bf16's own rounding: a pass at bf16 thresholds.
+    first_copy = next(c for c in report.comparisons if c.a is not None and c.a.module == "rounding")
+    assert first_copy.verdict == "pass" and first_copy.a.index < op_a.index
+
+
+def test_autocast_against_fp32_still_matches_and_follows_the_thresholds(tmp_path):
+    _record(tmp_path / "a")
+    _record(tmp_path / "b", autocast=True)
+    report = probe.compare(tmp_path / "a", tmp_path / "b")
+    rows = report.rows
+    addmm = [r for r in rows if r["name"] == "aten.addmm.default" and r["phase"] == "forward"]
+    assert len(addmm) == 3 and all(r["op_b"] is not None for r in addmm)
+    assert {r["dtype_b"] for r in addmm} == {"bfloat16"}
+    unmatched = [r for r in rows if r["verdict"] == "unmatched"]
+    assert unmatched and all(r["name"] == "aten._to_copy.default" for r in unmatched)
+    checked = 0
+    for row in rows:
+        if row["compared"] != "data" or row["verdict"] == "unmatched" or row["shape_a"] != row["shape_b"]:
+            continue
+        lower = "bfloat16" if "bfloat16" in (row["dtype_a"], row["dtype_b"]) else row["dtype_a"]
+        t = thresholds_for(getattr(torch, lower))
+        if row["max_ulp"] <= t.pass_ulp:
+            expected = "pass"
+        elif row["cosine"] >= t.warn_cosine and row["five_thousandth_ratio"] >= t.warn_ratio:
+            expected = "warning"
+        else:
+            expected = "error"
+        if "NaN/Inf" not in (row["message"] or ""):
+            assert row["verdict"] == expected, row
+            checked += 1
+    assert checked > 20
+    assert THRESHOLDS[torch.bfloat16].warn_cosine < THRESHOLDS[torch.float32].warn_cosine
+
+
+def test_reports_cli_exit_codes_and_bad_input(tmp_path):
+    _record(tmp_path / "a", steps=2)
+    _record(tmp_path / "b", bias_shift=1e-2)
+    out = tmp_path / "report"
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(out)]) == 0
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--fail-on-divergence"]) == 1
+    summary = json.loads((out / "report.json").read_text())
+    assert summary["first_divergence"]["module"] == "mid"
+    assert summary["missing"] == ["step 1 of rank 0 is only in run A"]
+    header = (out / "report.csv").read_text().splitlines()[0].split(",")
+    assert {"Cosine", "MaxAbsErr", "MaxRelativeErr", "One Thousandth Err Ratio", "Result"} <= set(header)
+    page = (out / "report.html").read_text()
+    assert "First divergence" in page and "<table>" in page
+    overlay = json.loads((out / "overlay.json").read_text())
+    assert overlay["step0/rank0"][summary["first_divergence"]["op_a"]]["verdict"] == "error"
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "nope")]) == 2
+
+
+def test_a_corrupted_shard_is_named_and_statistics_take_over(tmp_path):
+    _record(tmp_path / "a")
+    _record(tmp_path / "b")
+    shard = next(layout.tensors_dir(tmp_path / "b", 0, 0).glob("shard-*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated
+    report = probe.compare(tmp_path / "a", tmp_path / "b")
+    rows = report.rows
+    assert all(row["compared"] in ("stats", "shape") for row in rows if row["verdict"] != "unmatched")
+    assert report.first_divergence is None
+
+
+def test_runs_without_a_common_step_are_refused_by_name(tmp_path):
+    _record(tmp_path / "a")
+    with probe.mode("stats", out=tmp_path / "b", steps=[5]) as session:
+        for _ in range(6):
+            torch.ones(2).exp()
+            session.step()
+    with pytest.raises(ProbeError, match="no step and rank in common"):
+        probe.compare(tmp_path / "a", tmp_path / "b")
