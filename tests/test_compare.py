@@ -110,19 +110,23 @@ def test_autocast_against_fp32_still_matches_and_follows_the_thresholds(tmp_path
     unmatched = [r for r in rows if r["verdict"] == "unmatched"]
     assert unmatched and all(r["name"] == "aten._to_copy.default" for r in unmatched)
     checked = 0
-    for row in rows:
-        if row["compared"] != "data" or row["verdict"] == "unmatched" or row["shape_a"] != row["shape_b"]:
+    for c in report.comparisons:
+        if c.verdict == "unmatched":
             continue
-        lower = "bfloat16" if "bfloat16" in (row["dtype_a"], row["dtype_b"]) else row["dtype_a"]
-        t = thresholds_for(getattr(torch, lower))
-        if row["max_ulp"] <= t.pass_ulp:
-            expected = "pass"
-        elif row["cosine"] >= t.warn_cosine and row["five_thousandth_ratio"] >= t.warn_ratio:
-            expected = "warning"
-        else:
-            expected = "error"
-        if "NaN/Inf" not in (row["message"] or ""):
-            assert row["verdict"] == expected, row
+        for t in c.outputs:
+            if t.kind != "data" or "NaN/Inf" in t.message:
+                continue
+            dtypes = (c.a.outputs[t.position].dtype, c.b.outputs[t.position].dtype)
+            lower = thresholds_for(getattr(torch, "bfloat16" if "bfloat16" in dtypes else dtypes[0]))
+            m = t.metrics
+            if m["max_ulp"] <= lower.pass_ulp:
+                expected = "pass"
+            elif (m["cosine"] >= lower.warn_cosine and m["five_thousandth_ratio"] >= lower.warn_ratio
+                  and m["max_abs_err"] <= lower.warn_scaled_err * m["ref_rms"]):
+                expected = "warning"
+            else:
+                expected = "error"
+            assert t.verdict == expected, (c.a.id, t)
             checked += 1
     assert checked > 20
     assert THRESHOLDS[torch.bfloat16].warn_cosine < THRESHOLDS[torch.float32].warn_cosine

@@ -43,7 +43,7 @@ from probe.rundir.dump_index import DumpIndex
 from probe.rundir.reader import OpRecord, Run, TensorRecord
 
 METRIC_KEYS = ("cosine", "max_abs_err", "max_rel_err", "one_thousandth_ratio",
-               "five_thousandth_ratio", "rmse", "max_ulp")
+               "five_thousandth_ratio", "rmse", "max_ulp", "ref_rms")
 STATS_KEYS = ("max_rel", "min_rel", "mean_rel", "norm_rel", "nan_diff", "inf_diff")
 _WORSE_IS_LOWER = {"cosine", "one_thousandth_ratio", "five_thousandth_ratio"}
 

@@ -22,12 +22,11 @@ wherever compilation is unavailable or fails.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 import torch
 
-from probe.tracer.compat import default_compile_stance, warn_once
+from probe.compiled import CompiledKernel
 
 RAW_COLUMNS = ("min", "max", "sum", "sumsq", "nan", "inf")
 STAT_COLUMNS = ("min", "max", "mean", "norm", "nan", "inf")
@@ -115,21 +114,7 @@ def _fused_raw(flat: torch.Tensor) -> torch.Tensor:
     )
 
 
-class _CompiledKernel:
-    """The process-wide compiled kernel; a device type whose compile fails uses eager."""
-
-    def __init__(self) -> None:
-        self._fn: Any = None
-        self.failed_devices: set[str] = set()
-
-    def __call__(self, flat: torch.Tensor) -> torch.Tensor:
-        if self._fn is None:
-            self._fn = torch.compile(_fused_raw, dynamic=True, fullgraph=True)
-        with default_compile_stance():
-            return self._fn(flat)
-
-
-_COMPILED = _CompiledKernel()
+_COMPILED = CompiledKernel(_fused_raw)
 
 
 class TensorStats:
@@ -143,25 +128,18 @@ class TensorStats:
         self.backend = backend
 
     def _use_compiled(self, x: torch.Tensor) -> bool:
-        if self.backend == "eager" or x.device.type in _COMPILED.failed_devices:
+        if self.backend == "eager" or not _COMPILED.usable(x.device):
             return False
         if x.numel() >= COMPILED_MAX_NUMEL:
             return False
-        if self.backend == "compiled":
-            return True
-        return x.numel() >= COMPILED_MIN_NUMEL and x.device.type in ("cpu", "cuda")
+        return self.backend == "compiled" or x.numel() >= COMPILED_MIN_NUMEL
 
     def row(self, x: torch.Tensor) -> torch.Tensor:
         """The raw row of a non-empty compact tensor (see :func:`compact_view`), on its device."""
         acc = accumulation_dtype(x.device)
         if self._use_compiled(x):
             flat = (x if x.is_contiguous() else x.contiguous()).view(-1)
-            try:
-                return _COMPILED(flat).to(acc)
-            except Exception as e:  # any compile failure means "use eager"
-                _COMPILED.failed_devices.add(x.device.type)
-                warn_once(f"compile-stats-{x.device.type}", f"compiled statistics kernel unavailable "
-                          f"on {x.device.type} ({type(e).__name__}: {e}); using the eager kernel")
+            return _COMPILED(flat).to(acc)
         return _eager_raw(x, acc)
 
 

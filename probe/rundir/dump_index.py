@@ -10,6 +10,7 @@ nothing is read from disk until it is used.
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 
 from probe.errors import ProbeError
 from probe.rundir import layout
-from probe.rundir.shards import read_blob
+from probe.rundir.shards import map_blob, read_header
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class DumpIndex:
             )
             self.entries[(entry.op, entry.io, entry.position)] = entry
         self._calls: dict[int, dict[str, Any]] | None = None
+        self._headers: dict[str, tuple[int, dict[str, dict]]] = {}  # shard -> parsed header
 
     def tensor(self, op: int, io: str, position: int) -> torch.Tensor:
         entry = self.entries.get((op, io, position))
@@ -74,8 +76,11 @@ class DumpIndex:
         shard, name = self._blobs[entry.blob]
         path = self._tensor_dir / shard
         try:
-            raw = read_blob(path, name)
-        except (OSError, KeyError, ValueError, json.JSONDecodeError) as e:
+            if shard not in self._headers:
+                self._headers[shard] = read_header(path)
+            data_start, header = self._headers[shard]
+            raw = map_blob(path, data_start, header[name])
+        except (OSError, KeyError, ValueError, json.JSONDecodeError, struct.error) as e:
             raise ProbeError(f"cannot read blob {name} of {str(path)!r}: {e}") from None
         itemsize = torch.empty((), dtype=dtype).element_size()
         if entry.offset % itemsize:  # a view at an odd byte offset: realign by copying

@@ -13,7 +13,7 @@ is left alone. A second thread then
 fsyncs the file and renames it, so a shard file is whole or absent while the
 disk flushes one shard and the writer copies the next. Each blob is one ``uint8`` tensor
 ``b<id>`` of its shard, so safetensors' own readers open the files;
-``read_blob`` maps one without copying.
+``read_header`` and ``map_blob`` map one without copying.
 
 Memory is bounded by ``memory_budget``: at most ``budget // arena size``
 arenas exist. When none is free the training thread waits for the writer
@@ -186,14 +186,17 @@ def commit_shard(tmp: Path, path: Path) -> None:
         raise
 
 
-def read_blob(path: Path, name: str, nbytes: int | None = None) -> torch.Tensor:
-    """A uint8 tensor over one blob of a shard, memory-mapped copy-on-write (no read, no copy)."""
+def read_header(path: Path) -> tuple[int, dict[str, dict]]:
+    """(offset of the data section, the safetensors header) of a shard."""
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    begin, end = header[name]["data_offsets"]
-    length = end - begin if nbytes is None else nbytes
-    mapped = np.memmap(path, dtype=np.uint8, mode="c", offset=8 + header_len + begin, shape=(length,))
+        return 8 + header_len, json.loads(f.read(header_len))
+
+
+def map_blob(path: Path, data_start: int, entry: dict) -> torch.Tensor:
+    """A uint8 tensor over one blob, memory-mapped copy-on-write (nothing read until used)."""
+    begin, end = entry["data_offsets"]
+    mapped = np.memmap(path, dtype=np.uint8, mode="c", offset=data_start + begin, shape=(end - begin,))
     return torch.from_numpy(mapped)
 
 

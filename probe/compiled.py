@@ -1,0 +1,49 @@
+"""The probe's own ``torch.compile``d kernels: compiled once per process, never fatal.
+
+A fused kernel (statistics, comparison metrics) is one pass over memory where
+the same work in eager torch is a dozen. It is compiled lazily with dynamic
+shapes, called with dynamo's default stance (the probe sets ``force_eager`` for
+the user's code while it traces), and where compilation is unavailable or fails
+for a device type (no C++ compiler, no Triton, an accelerator inductor does not
+know) the eager fallback runs instead, after one warning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from probe.tracer.compat import default_compile_stance, warn_once
+
+COMPILABLE_DEVICES = ("cpu", "cuda")
+
+
+class CompiledKernel:
+    """``fn`` compiled on first use; ``fallback`` (same signature) where that cannot work."""
+
+    def __init__(self, fn: Callable[..., Any], fallback: Callable[..., Any] | None = None) -> None:
+        self._fn = fn
+        self._fallback = fallback or fn
+        self._compiled: Callable[..., Any] | None = None
+        self.failed_devices: set[str] = set()
+
+    def usable(self, device: torch.device) -> bool:
+        return device.type in COMPILABLE_DEVICES and device.type not in self.failed_devices
+
+    def __call__(self, *args: torch.Tensor) -> Any:
+        device = args[0].device
+        if not self.usable(device):
+            return self._fallback(*args)
+        if self._compiled is None:
+            self._compiled = torch.compile(self._fn, dynamic=True, fullgraph=True)
+        try:
+            with default_compile_stance():
+                return self._compiled(*args)
+        except Exception as e:  # any compile failure means "use the fallback"
+            self.failed_devices.add(device.type)
+            warn_once(f"compile-{self._fn.__name__}-{device.type}",
+                      f"compiled kernel {self._fn.__name__} unavailable on {device.type} "
+                      f"({type(e).__name__}: {e}); using its eager form")
+            return self._fallback(*args)
