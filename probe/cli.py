@@ -106,9 +106,14 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     import probe
     from probe.exporters.console import render_compare
 
-    with console.status("comparing"):
-        report = probe.compare(args.run_a, args.run_b, steps=_int_list(args.steps),
-                               ranks=_int_list(args.ranks), module_map=_module_map(args.module_map))
+    with Progress(TextColumn("comparing"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("compare", total=None)
+        report = probe.compare(
+            args.run_a, args.run_b, steps=_int_list(args.steps), ranks=_int_list(args.ranks),
+            module_map=_module_map(args.module_map),
+            progress=lambda done, total: bar.update(task, completed=done, total=total),
+        )
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 import math
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -229,10 +230,15 @@ def _chain(run: Run, step: int, rank: int, start: OpRecord, by_index: dict[int, 
 
 
 def compare_step(run_a: Run, run_b: Run, step: int, rank: int,
-                 module_map: dict[str, str] | None = None) -> StepComparison:
+                 module_map: dict[str, str] | None = None,
+                 on_op: Callable[[], None] | None = None) -> StepComparison:
     side_a, side_b = _Side(run_a, step, rank), _Side(run_b, step, rank)
     matches = match_ops(side_a.ops, side_b.ops, module_map)
-    comparisons = [_compare_pair(side_a, side_b, m, step, rank) for m in matches]
+    comparisons = []
+    for m in matches:
+        comparisons.append(_compare_pair(side_a, side_b, m, step, rank))
+        if on_op is not None and m.a is not None:
+            on_op()
     by_index = {c.a.index: c for c in comparisons if c.a is not None}
     divergence = None
     for c in comparisons:
@@ -339,9 +345,12 @@ def _json_default(value: Any) -> Any:
 def compare(
     a: str | Path | Run, b: str | Path | Run, steps: list[int] | None = None,
     ranks: list[int] | None = None, module_map: dict[str, str] | None = None,
-    processes: int | None = None,
+    processes: int | None = None, progress: Callable[[int, int], None] | None = None,
 ) -> Report:
-    """Compare run ``b`` against the reference run ``a``; see the module docstring."""
+    """Compare run ``b`` against the reference run ``a``; see the module docstring.
+
+    ``progress(done, total)`` is called as ops of run A are compared.
+    """
     run_a = a if isinstance(a, Run) else Run(a)
     run_b = b if isinstance(b, Run) else Run(b)
     missing: list[str] = []
@@ -361,12 +370,25 @@ def compare(
     if not any(plan.values()):
         raise ProbeError(f"{str(run_a.path)!r} and {str(run_b.path)!r} have no step and rank in common"
                          + (f" ({'; '.join(missing)})" if missing else ""))
+    sizes = {(s, r): len(run_a.ops(s, r)) for r, ss in plan.items() for s in ss}
+    total, done = sum(sizes.values()), 0
+
+    def advance(n: int = 1) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, total)
+
     workers = min(len(plan), processes or len(plan))
     if workers > 1:
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            futures = [pool.submit(_compare_rank, str(run_a.path), str(run_b.path), s, r, module_map)
-                       for r, s in plan.items()]
-            results = [step for f in futures for step in f.result()]
+            futures = {pool.submit(_compare_rank, str(run_a.path), str(run_b.path), s, r, module_map): r
+                       for r, s in plan.items()}
+            results = []
+            for future in as_completed(futures):
+                results += future.result()
+                advance(sum(n for (_, r), n in sizes.items() if r == futures[future]))
     else:
-        results = [compare_step(run_a, run_b, s, r, module_map) for r, ss in plan.items() for s in ss]
+        results = [compare_step(run_a, run_b, s, r, module_map, advance)
+                   for r, ss in plan.items() for s in ss]
     return Report(run_a.path, run_b.path, sorted(results, key=lambda s: (s.step, s.rank)), missing)
