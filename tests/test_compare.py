@@ -169,3 +169,25 @@ def test_runs_without_a_common_step_are_refused_by_name(tmp_path):
             session.step()
     with pytest.raises(ProbeError, match="no step and rank in common"):
         probe.compare(tmp_path / "a", tmp_path / "b")
+
+
+def test_ranks_are_compared_in_parallel_and_reported_per_rank(tmp_path, monkeypatch):
+    for run, shifted_rank in (("a", None), ("b", 1)):
+        for rank in (0, 1):
+            monkeypatch.setenv("RANK", str(rank))
+            _record_rank(tmp_path / run, bias_shift=1e-3 if rank == shifted_rank else 0.0)
+    report = probe.compare(tmp_path / "a", tmp_path / "b")
+    assert {(s.step, s.rank) for s in report.steps} == {(0, 0), (0, 1)}
+    by_rank = {s.rank: s for s in report.steps}
+    assert by_rank[0].divergence is None
+    assert by_rank[1].divergence is not None and by_rank[1].divergence.op_a.module == "mid"
+    assert report.divergence.rank == 1
+
+
+def _record_rank(out, bias_shift):
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():
+        model.mid.bias += bias_shift
+    with probe.mode(["stats", "dump"], out=out, model=model, overwrite=True):
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).sum().backward()
