@@ -35,11 +35,14 @@ class CompiledKernel:
     def __call__(self, *args: torch.Tensor) -> Any:
         device = args[0].device
         if not self.usable(device):
-            return self._fallback(*args)
+            with torch.no_grad():
+                return self._fallback(*args)
         if self._compiled is None:
             self._compiled = torch.compile(self._fn, dynamic=True, fullgraph=True)
         try:
-            with default_compile_stance():
+            # Always without grad: grad mode is part of dynamo's guards, and the
+            # kernels run in forward, backward and optimizer alike.
+            with default_compile_stance(), torch.no_grad():
                 return self._compiled(*args)
         except Exception as e:  # any compile failure means "use the fallback"
             self.failed_devices.add(device.type)

@@ -21,18 +21,7 @@ from probe.errors import ProbeError
 from probe.rundir.call_args import decode_args
 from probe.rundir.reader import OpRecord, Run
 from probe.tracer.dispatch_mode import tensors_in, tensors_out
-from probe.tracer.op_class import classify
-
-
-def resolve_op(name: str) -> torch._ops.OpOverload:
-    """``aten.mm.default`` -> ``torch.ops.aten.mm.default`` (any registered namespace)."""
-    namespace, _, rest = name.partition(".")
-    packet, _, overload = rest.rpartition(".")
-    try:
-        return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
-    except (AttributeError, RuntimeError):
-        raise ProbeError(f"op {name!r} is not registered in this process (import the library "
-                         "that defines it before replaying)") from None
+from probe.tracer.op_class import classify, resolve_op
 
 
 @dataclass

@@ -21,6 +21,7 @@ STATS_FILE = "stats.npy"
 STATS_INDEX_FILE = "stats_index.npy"
 TENSOR_INDEX_FILE = "tensors.json"
 CALLS_FILE = "calls.jsonl"
+CHECKS_FILE = "checks.jsonl"
 TENSORS_DIR = "tensors"
 
 _RANK_RE = re.compile(r"rank(\d+)")

@@ -90,6 +90,33 @@ class OpRecord:
         return f"OpRecord({self.id!r}, step={self.step}, rank={self.rank})"
 
 
+@dataclass(slots=True)
+class CheckRecord:
+    """One free-benchmark check of one op output (``run.checks()``)."""
+
+    step: int
+    rank: int
+    op_index: int
+    op_id: str
+    name: str
+    module: str
+    phase: str
+    perturb: str
+    verdict: str
+    """"pass", "fail" or "skip"."""
+    output: int | None = None
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    ratio: float | None = None
+    """Largest output deviation, relative to ``max(|original|, rms(original))``."""
+    threshold: float | None = None
+    input_change: float | None = None
+    nonfinite_mismatch: int = 0
+    sign_flips: int = 0
+    reason: str | None = None
+    """Why a check was skipped."""
+
+
 @dataclass
 class StepInfo:
     """The manifest of one flushed step."""
@@ -195,6 +222,32 @@ class Run:
         from probe.analysis.op_graph import build_graph
 
         return build_graph(self.ops(step, rank))
+
+    def checks(self, step: int | None = None, rank: int | None = None) -> list[CheckRecord]:
+        """Free-benchmark checks, in execution order (every step and rank when not given)."""
+        if step is None and rank is None:
+            return [c for r in self.ranks for s in self.steps_of(r) for c in self.checks(s, r)]
+        step, rank = self._resolve(step, rank)
+        path = self._step_path(step, rank) / layout.CHECKS_FILE
+        if not path.exists():
+            return []
+        try:
+            with open(path) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+        except (OSError, json.JSONDecodeError) as e:
+            raise ProbeError(f"cannot read {str(path)!r}: {e}") from None
+        return [
+            CheckRecord(
+                step=step, rank=rank, op_index=row["op"], op_id=row["op_id"], name=row["name"],
+                module=row["module"], phase=row["phase"], perturb=row["perturb"], verdict=row["verdict"],
+                output=row.get("output"), dtype=row.get("dtype"),
+                shape=tuple(row["shape"]) if row.get("shape") is not None else None,
+                ratio=row.get("ratio"), threshold=row.get("threshold"), input_change=row.get("input_change"),
+                nonfinite_mismatch=row.get("nonfinite_mismatch", 0), sign_flips=row.get("sign_flips", 0),
+                reason=row.get("reason"),
+            )
+            for row in rows
+        ]
 
     def module_types(self, step: int | None = None, rank: int | None = None) -> dict[str, str]:
         """Module FQN -> class name for the modules of one step."""

@@ -162,7 +162,7 @@ class Tracer:
         inputs = [(_DTYPE_NAMES[t.dtype], tuple(t.shape), source(t)) for t in in_tensors]
         op_id = f"{phase}:{origin.key}:{info.name}:{n}"
         callsite = self.call_sites.capture(origin.fqn) if self.call_sites is not None else None
-        call = OpCall(index, op_id, info, phase, frame, inputs, in_tensors, args, kwargs, callsite)
+        call = OpCall(index, op_id, info, phase, frame, inputs, in_tensors, args, kwargs, callsite, func)
         for mode in self._before_modes:
             mode.before(call)
         if self._replacer is not None:

@@ -40,7 +40,7 @@ class OpCall:
     """One traced op call, handed to the modes while it runs; kept as an :data:`OpRecordTuple`."""
 
     __slots__ = (
-        "args", "callsite", "frame", "index", "info", "input_tensors", "inputs", "kwargs",
+        "args", "callsite", "frame", "func", "index", "info", "input_tensors", "inputs", "kwargs",
         "op_id", "output_tensors", "outputs", "phase",
     )
 
@@ -56,7 +56,10 @@ class OpCall:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         callsite: int | None,
+        func: Any = None,
     ) -> None:
+        self.func = func
+        """The op overload itself (for modes that run it again)."""
         self.index = index
         """Position in the step's execution order (per rank)."""
         self.op_id = op_id

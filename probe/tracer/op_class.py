@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from probe.errors import ProbeError
+
 # Ops whose only effect is metadata or profiling: recording them adds noise and
 # cost but no numerical information.
 _METADATA_ONLY = frozenset(
@@ -129,6 +131,17 @@ def classify_higher_order(func: object) -> OpClass:
         mutated_args=(), mutated_kwargs=(), is_view=False, is_inplace=False, is_out=False,
         is_factory=False, is_random=False, is_collective=False, is_host_sync=False,
     )
+
+
+def resolve_op(name: str) -> torch._ops.OpOverload:
+    """``aten.mm.default`` -> ``torch.ops.aten.mm.default`` (any registered namespace)."""
+    namespace, _, rest = name.partition(".")
+    packet, _, overload = rest.rpartition(".")
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+    except (AttributeError, RuntimeError):
+        raise ProbeError(f"op {name!r} is not registered in this process (import the library "
+                         "that defines it before replaying)") from None
 
 
 class OpClassCache(dict):

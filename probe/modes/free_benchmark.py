@@ -1,0 +1,304 @@
+"""Mode "free_benchmark": re-run each selected op perturbed and see whether it is fragile.
+
+Without a reference run: each selected op is run a second time with a small
+perturbation (``perturbations``) and its output compared with the original one.
+An op that amplifies its input change far beyond its conditioning, or whose
+low-precision result differs from a higher-precision one by more than
+rounding, is reported as ``fail``. With ``handler="check"`` the original
+output always flows on, so training is bit-identical to a run without the probe;
+with ``handler="fix"`` the output is replaced by the higher-precision
+(``improve_precision``) or CPU (``to_cpu``) result, cast back into the original
+tensor (dtype, shape, strides and in-place semantics kept).
+
+Safety: arguments the schema marks as written are copied before the real op
+runs, and the perturbed run works on copies; factory ops, views, random ops,
+collectives, host syncs and pure data movement are never re-run; running out
+of memory during a check skips that check, with a record. Deviations are
+computed on the device and read with the step's results, without host syncs
+(except ``to_cpu`` on a device, which copies to the CPU by definition).
+
+Preheat (``preheat=True``): for the first ``preheat_steps`` steps at most
+``max_sample`` calls per op are measured and not judged; afterwards an op's
+bound is the larger of the default and twice the largest deviation it showed.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+
+from probe.compiled import CompiledKernel
+from probe.errors import ProbeError
+from probe.modes.base import Mode
+from probe.modes.cpu_reference import cpu_reference
+from probe.modes.perturbations import PERTURBATIONS, Perturbation, higher_precision, threshold
+from probe.modes.registry import register_mode
+from probe.rundir import layout
+from probe.rundir.writer import StepWriter
+from probe.tracer.dispatch_mode import dtype_name, tensors_out
+from probe.tracer.op_call import OpCall
+from probe.tracer.op_class import OpClass
+
+HANDLERS = ("check", "fix")
+PASS, FAIL, SKIP = "pass", "fail", "skip"
+# Ops whose outputs do not depend on their inputs' values (or copy them): re-running
+# them perturbed tells nothing.
+_DATA_MOVEMENT = frozenset({
+    "clone", "_to_copy", "copy_", "copy", "contiguous", "detach", "lift_fresh", "alias", "_unsafe_view",
+    "fill_", "zero_", "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros", "new_ones",
+    "new_full", "new_empty", "new_empty_strided", "_local_scalar_dense", "set_", "resize_",
+})
+
+
+def eligible(info: OpClass) -> bool:
+    return not (
+        info.passthrough or info.is_view or info.is_factory or info.is_random or info.is_collective
+        or info.is_host_sync or info.uninitialized_output or info.short in _DATA_MOVEMENT
+    )
+
+
+def _deviation(original: torch.Tensor, perturbed: torch.Tensor) -> torch.Tensor:
+    """``[max |p - o| / max(|o|, rms(o)), NaN/Inf mismatches, sign flips]``, fused once compiled."""
+    o, p = original.to(torch.float64), perturbed.to(torch.float64)  # sums and ratios in fp64
+    fo, fp = (o - o) == 0, (p - p) == 0
+    same = (o == p) | ((o != o) & (p != p))
+    mismatch = ((fo != fp) | (~fo & ~fp & ~same)).to(torch.int64).sum()
+    both = fo & fp
+    zero = torch.zeros((), dtype=torch.float64, device=o.device)
+    zo, zp = torch.where(both, o, zero), torch.where(both, p, zero)
+    rms = torch.sqrt((zo * zo).sum() / both.to(torch.int64).sum().clamp(min=1))
+    scale = torch.maximum(zo.abs(), rms)
+    ratio = torch.where(scale > 0, (zp - zo).abs() / torch.where(scale > 0, scale, 1.0), zero)
+    flips = ((zo * zp) < 0).to(torch.int64).sum()
+    return torch.stack([ratio.max(), mismatch.to(torch.float64), flips.to(torch.float64)])
+
+
+_DEVIATION = CompiledKernel(_deviation)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(-1) if t.numel() else t.detach().reshape(-1)
+
+
+@register_mode
+class FreeBenchmarkMode(Mode):
+    """Perturb-and-compare checks (and fixes) of selected ops."""
+
+    name = "free_benchmark"
+    option_names = frozenset(
+        {"perturb", "handler", "preheat", "preheat_steps", "max_sample", "max_checks_per_op"}
+    )
+
+    def __init__(
+        self,
+        perturb: str = "improve_precision",
+        handler: str = "check",
+        preheat: bool = False,
+        preheat_steps: int = 15,
+        max_sample: int = 20,
+        max_checks_per_op: int | None = None,
+    ) -> None:
+        if perturb not in PERTURBATIONS:
+            raise ProbeError(f"option 'perturb': {perturb!r} is not one of {list(PERTURBATIONS)}")
+        if handler not in HANDLERS:
+            raise ProbeError(f"option 'handler': {handler!r} is not one of {list(HANDLERS)}")
+        if handler == "fix" and perturb not in ("improve_precision", "to_cpu"):
+            raise ProbeError(f"option 'handler': 'fix' needs perturb 'improve_precision' or 'to_cpu', "
+                             f"not {perturb!r}")
+        if handler == "fix" and preheat:
+            raise ProbeError("option 'preheat' works with handler 'check' only")
+        for option, value in (("preheat_steps", preheat_steps), ("max_sample", max_sample)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ProbeError(f"option {option!r}: expected a positive int, got {value!r}")
+        if max_checks_per_op is not None and (
+            isinstance(max_checks_per_op, bool) or not isinstance(max_checks_per_op, int)
+            or max_checks_per_op < 1
+        ):
+            raise ProbeError(f"option 'max_checks_per_op': expected a positive int or None, "
+                             f"got {max_checks_per_op!r}")
+        self.perturbation = Perturbation(perturb)
+        self.handler = handler
+        self.preheat = preheat
+        self.preheat_steps = preheat_steps
+        self.max_sample = max_sample
+        self.max_checks_per_op = max_checks_per_op
+        self._step = 0
+        # Preheat: per op name, the largest deviation seen (the writer thread keeps it).
+        self._preheat_max: dict[str, float] = defaultdict(float)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._snapshots: dict[int, dict[int, torch.Tensor]] = {}
+        self._counts: dict[str, int] = defaultdict(int)
+        self._pending: list[dict[str, Any]] = []
+        self._results: list[torch.Tensor] = []
+
+    def begin_step(self, step: int) -> None:
+        self._step = step
+        self._reset()
+
+    def _limit(self) -> int | None:
+        if self.preheat and self._step < self.preheat_steps:
+            return self.max_sample
+        return self.max_checks_per_op
+
+    # -- per op -----------------------------------------------------------------
+
+    def before(self, call: OpCall) -> None:
+        info = call.info
+        if not eligible(info) or not any(t.is_floating_point() for t in call.input_tensors or ()):
+            return
+        limit = self._limit()
+        if limit is not None and self._counts[info.name] >= limit:
+            return
+        self._counts[info.name] += 1
+        # Written arguments change when the op runs: the perturbed run needs them as they were.
+        written = {id(call.args[i]) for i in info.mutated_args if i < len(call.args)}
+        written |= {id(call.kwargs[k]) for k in info.mutated_kwargs if call.kwargs and k in call.kwargs}
+        self._snapshots[call.index] = {
+            key: t.detach().clone() for t in call.input_tensors or () if (key := id(t)) in written
+        }
+
+    def after(self, call: OpCall) -> None:
+        snapshot = self._snapshots.pop(call.index, None)
+        if snapshot is None:
+            return
+        try:
+            perturbed_out, delta = self._rerun(call, snapshot)
+        except torch.OutOfMemoryError:
+            self._skip(call, "out of memory during the check")
+            return
+        except (RuntimeError, TypeError, NotImplementedError) as e:
+            self._skip(call, f"{type(e).__name__}: {str(e)[:200]}")
+            return
+        for position, (original, perturbed) in enumerate(zip(call.output_tensors or (), perturbed_out)):
+            if not (original.is_floating_point() and perturbed.is_floating_point()):
+                continue
+            if original.shape != perturbed.shape:
+                continue
+            if original.numel():
+                # One working dtype for both: the kernel is compiled for two dtypes only.
+                work = torch.float64 if torch.float64 in (original.dtype, perturbed.dtype) else torch.float32
+                other = _flat(perturbed.to(original.device)).to(work)
+                self._results.append(_DEVIATION(_flat(original).to(work), other))
+                result_row = len(self._results) - 1
+            else:
+                result_row = -1
+            self._pending.append({
+                "op": call.index, "op_id": call.op_id, "name": call.info.name, "module": call.module,
+                "phase": call.phase, "output": position, "dtype": dtype_name(original.dtype),
+                "shape": list(original.shape), "row": result_row, "delta": delta,
+            })
+            if self.handler == "fix":
+                with torch.no_grad():
+                    original.copy_(perturbed.to(original.device))
+
+    def _skip(self, call: OpCall, reason: str) -> None:
+        self._pending.append({
+            "op": call.index, "op_id": call.op_id, "name": call.info.name, "module": call.module,
+            "phase": call.phase, "output": None, "dtype": None, "shape": None, "row": -1, "delta": 0.0,
+            "skip": reason,
+        })
+
+    def _rerun(self, call: OpCall, snapshot: dict[int, torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+        """Run the op again on perturbed copies of its inputs; (its results, the input change)."""
+        pert = self.perturbation
+        target_device = torch.device("cpu") if pert.name == "to_cpu" else None
+        deltas: list[Any] = []
+
+        def convert(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                t = snapshot.get(id(value), value)
+                if t.is_floating_point():
+                    compute = higher_precision(t.dtype) if pert.name == "improve_precision" else None
+                    if compute is not None:
+                        t = t.to(compute)
+                    else:
+                        t, delta = pert.perturb(t)
+                        deltas.append(delta)
+                elif id(value) in snapshot:
+                    t = t.clone()
+                else:
+                    t = t.clone() if call.info.mutates else t
+                return t.to(target_device) if target_device is not None else t
+            if isinstance(value, (list, tuple)):
+                return type(value)(convert(v) for v in value)
+            if isinstance(value, torch.device) and target_device is not None:
+                return target_device
+            return value
+
+        args = [convert(a) for a in call.args]
+        kwargs = {k: convert(v) for k, v in (call.kwargs or {}).items()}
+        func = call.func
+        reference = cpu_reference(call.info.name) if target_device is not None else None
+        out = (reference or func)(*args, **kwargs)
+        results = tensors_out(out)
+        if call.info.mutates:  # the written copies are the results of in-place and out= ops
+            results += _written(call.info, args, kwargs, results)
+        delta = max((d for d in deltas if isinstance(d, float)), default=0.0)
+        tensor_deltas = [d for d in deltas if isinstance(d, torch.Tensor)]
+        if tensor_deltas:
+            delta = torch.stack([*tensor_deltas]).max().clamp(min=delta)
+        return results, delta
+
+    # -- step end -------------------------------------------------------------------
+
+    def end_step(self, step: int) -> ChecksStep:
+        result = ChecksStep(self, step, self._pending, self._results)
+        self._reset()
+        return result
+
+
+def _written(info: OpClass, args: list[Any], kwargs: dict[str, Any], results: list[torch.Tensor]
+             ) -> list[torch.Tensor]:
+    written = [args[i] for i in info.mutated_args if i < len(args)]
+    written += [kwargs[k] for k in info.mutated_kwargs if k in kwargs]
+    flat: list[torch.Tensor] = []
+    for value in written:
+        flat += [v for v in (value if isinstance(value, (list, tuple)) else [value])
+                 if isinstance(v, torch.Tensor) and not any(v is r for r in results)]
+    return flat
+
+
+class ChecksStep:
+    """One step's checks: deviations still on their devices until written."""
+
+    def __init__(self, mode: FreeBenchmarkMode, step: int, pending: list[dict[str, Any]],
+                 results: list[torch.Tensor]) -> None:
+        self.mode, self.step, self.pending, self.results = mode, step, pending, results
+
+    def write(self, writer: StepWriter) -> dict[str, Any]:
+        values = (torch.stack([r.to("cpu") for r in self.results]).numpy() if self.results
+                  else np.zeros((0, 3)))
+        mode = self.mode
+        preheating = mode.preheat and self.step < mode.preheat_steps
+        counts = {PASS: 0, FAIL: 0, SKIP: 0}
+        records = []
+        for entry in self.pending:
+            record = {k: v for k, v in entry.items() if k not in ("row", "delta", "skip")}
+            record["perturb"] = mode.perturbation.name
+            if "skip" in entry:
+                record.update(verdict=SKIP, reason=entry["skip"])
+            else:
+                delta = entry["delta"]
+                delta = float(delta) if not isinstance(delta, torch.Tensor) else float(delta.cpu())
+                ratio, mismatch, flips = values[entry["row"]] if entry["row"] >= 0 else (0.0, 0, 0)
+                bound = threshold(delta, getattr(torch, entry["dtype"]))
+                if mode.preheat and not preheating:
+                    bound = max(bound, 2 * mode._preheat_max.get(entry["name"], 0.0))
+                record.update(ratio=float(ratio), threshold=bound, input_change=delta,
+                              nonfinite_mismatch=int(mismatch), sign_flips=int(flips))
+                if preheating:
+                    mode._preheat_max[entry["name"]] = max(mode._preheat_max[entry["name"]], float(ratio))
+                    record.update(verdict=SKIP, reason="preheat")
+                elif mismatch or not ratio <= bound:
+                    record["verdict"] = FAIL
+                else:
+                    record["verdict"] = PASS
+            counts[record["verdict"]] += 1
+            records.append(record)
+        writer.write_jsonl(layout.CHECKS_FILE, records)
+        return {"checks": len(records), **counts, "perturb": mode.perturbation.name, "handler": mode.handler}
