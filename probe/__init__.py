@@ -14,10 +14,11 @@ from probe import modes as _modes  # noqa: F401  (registers the built-in modes)
 from probe.analysis.compare import Report, compare
 from probe.analysis.replay import replay, replay_step
 from probe.errors import ProbeError
+from probe.modes.cpu_reference import register_cpu_reference
 from probe.rundir.reader import OpRecord, Run, TensorRecord, load
 from probe.session import Session, mode
 
 __all__ = [
     "OpRecord", "ProbeError", "Report", "Run", "Session", "TensorRecord", "__version__", "compare", "load",
-    "mode", "replay", "replay_step",
+    "mode", "register_cpu_reference", "replay", "replay_step",
 ]

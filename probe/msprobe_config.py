@@ -21,9 +21,14 @@ _TASKS: dict[str, tuple[list[str], dict[str, Any]]] = {
     "statistics": (["stats"], {"inputs": True}),
     "tensor": (["stats", "dump"], {"inputs": True}),
     "structure": (["structure"], {}),
+    "free_benchmark": (["free_benchmark"], {}),
+}
+# The free_benchmark block of msprobe 8.3.3 -> our free-benchmark options.
+_FREE_BENCHMARK_KEYS = {
+    "pert_mode": "perturb", "handler_type": "handler", "if_preheat": "preheat",
+    "preheat_step": "preheat_steps", "max_sample": "max_sample",
 }
 _UNSUPPORTED_TASKS = {
-    "free_benchmark": "the free-benchmark mode is not in this version of probe",
     "overflow_check": "use task 'statistics' and run.first_nonfinite() instead",
     "run_ut": "single-op replay is a separate command (probe replay)",
     "acc_check": "single-op replay is a separate command (probe replay)",
@@ -143,7 +148,21 @@ def _task_block(task: str, block: dict[str, Any], options: dict[str, Any]) -> No
     ops: list[str] = []
     modules: list[str] = []
     for key, value in block.items():
-        if key in ("scope", "list"):
+        if task == "free_benchmark" and key in _FREE_BENCHMARK_KEYS:
+            options[_FREE_BENCHMARK_KEYS[key]] = value
+        elif task == "free_benchmark" and key == "fuzz_stage":
+            if value not in ("forward", "backward"):
+                raise ProbeError(f"msprobe fuzz_stage {value!r} is not 'forward' or 'backward'")
+            options["phases"] = [value]
+        elif task == "free_benchmark" and key == "fuzz_device":
+            if value not in ("npu", "cpu"):
+                raise ProbeError(f"msprobe fuzz_device {value!r} is not 'npu' or 'cpu'")
+            if value == "cpu":
+                options["perturb"] = "to_cpu"
+        elif task == "free_benchmark" and key == "fuzz_level":
+            if value != "L1":
+                raise ProbeError(f"msprobe fuzz_level {value!r} is not supported; accepted: ['L1']")
+        elif key in ("scope", "list"):
             entries = [value] if isinstance(value, str) else list(value or [])
             found_ops, found_modules = _selectors(key, entries)
             ops += found_ops

@@ -44,7 +44,6 @@ def test_tensor_task_with_ranges_selection_and_data_mode():
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"task": "free_benchmark"}, "task 'free_benchmark' is not supported"),
         ({"task": "overflow_check"}, "first_nonfinite"),
         ({"task": "statistics", "level": "L2"}, "level 'L2' is not supported"),
         ({"task": "statistics", "dump_enable": True}, "'dump_enable' (hot reloading"),
@@ -82,3 +81,18 @@ def test_probe_mode_runs_from_an_msprobe_config_file(tmp_path):
     (op,) = run.ops(1)
     assert op.name == "aten.exp.default" and op.inputs[0].stats is not None
     assert torch.equal(run.tensor(op.id, "output", 0, step=1), run.tensor(op.id, "input", 0, step=1).exp())
+
+
+def test_free_benchmark_block_of_msprobe_8_3_3():
+    config = {
+        "task": "free_benchmark", "dump_path": "/tmp/fb", "level": "L1",
+        "free_benchmark": {"scope": [], "list": ["softmax"], "fuzz_device": "cpu", "pert_mode": "to_cpu",
+                           "handler_type": "fix", "fuzz_level": "L1", "fuzz_stage": "forward",
+                           "if_preheat": False, "preheat_step": 15, "max_sample": 20},
+    }
+    options = from_msprobe(config)
+    assert options["mode"] == ["free_benchmark"] and options["perturb"] == "to_cpu"
+    assert options["handler"] == "fix" and options["phases"] == ["forward"]
+    assert options["ops"] == ["*softmax*"] and options["preheat"] is False
+    with pytest.raises(ProbeError, match="fuzz_stage 'sideways'"):
+        from_msprobe({"task": "free_benchmark", "free_benchmark": {"fuzz_stage": "sideways"}})

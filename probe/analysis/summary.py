@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from probe.analysis.nonfinite import first_nonfinite_in
-from probe.rundir.reader import OpRecord, Run
+from probe.rundir.reader import CheckRecord, OpRecord, Run
 
 
 @dataclass
@@ -23,9 +23,14 @@ class StepSummary:
     complete: bool
     reason: str | None
     phase_counts: dict[str, int]
+    has_stats: bool
     first_nonfinite: OpRecord | None
     largest_abs_max: list[Extreme]
     largest_norm: list[Extreme]
+    check_counts: dict[str, int]
+    """Free-benchmark verdicts (empty without that mode)."""
+    failed_checks: list[CheckRecord]
+    """The failed checks, worst (largest deviation over its bound) first."""
 
 
 def _largest(ops: list[OpRecord], key: str, top: int) -> list[Extreme]:
@@ -52,15 +57,21 @@ def _largest(ops: list[OpRecord], key: str, top: int) -> list[Extreme]:
 def summarize_step(run: Run, step: int, rank: int, top: int = 5) -> StepSummary:
     ops = run.ops(step, rank)
     info = run.step_info(step, rank)
+    checks = run.checks(step, rank)
+    failed = [c for c in checks if c.verdict == "fail"]
+    failed.sort(key=lambda c: -(c.ratio or 0.0) / (c.threshold or 1.0))
     return StepSummary(
         step=step,
         rank=rank,
         complete=info.complete,
         reason=info.reason,
         phase_counts=dict(Counter(op.phase for op in ops)),
+        has_stats=any(t.stats is not None for op in ops for t in op.outputs),
         first_nonfinite=first_nonfinite_in(ops),
         largest_abs_max=_largest(ops, "abs_max", top),
         largest_norm=_largest(ops, "norm", top),
+        check_counts=dict(Counter(c.verdict for c in checks)),
+        failed_checks=failed[:top],
     )
 
 

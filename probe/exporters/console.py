@@ -42,14 +42,29 @@ def render_step(console: Console, summary: StepSummary) -> None:
     counts.add_row(*(str(summary.phase_counts[p]) for p in phases), str(total))
     console.print(counts)
     bad = summary.first_nonfinite
-    if bad is None:
+    if not summary.has_stats:
+        console.print("first non-finite op: [dim]unknown (no statistics recorded: add the stats mode)[/dim]")
+    elif bad is None:
         console.print("first non-finite op: [green]none[/green]")
     else:
         finite = {True: "finite", False: "non-finite", None: "unknown"}[bad.inputs_finite]
         console.print(f"first non-finite op: [red]{_op_label(bad)}[/red]  id {bad.id}")
         console.print(f"  its inputs were {finite}")
-    console.print(_extremes_table("largest |max|", summary.largest_abs_max))
-    console.print(_extremes_table("largest norm", summary.largest_norm))
+    if summary.largest_abs_max:
+        console.print(_extremes_table("largest |max|", summary.largest_abs_max))
+        console.print(_extremes_table("largest norm", summary.largest_norm))
+    if summary.check_counts:
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(summary.check_counts.items()))
+        console.print(f"free-benchmark checks: {counts}")
+        if summary.failed_checks:
+            table = Table(title="failed checks (worst first)", title_justify="left", show_edge=False,
+                          pad_edge=False)
+            for column in ("op id", "perturb", "dtype", "deviation", "bound", "NaN/Inf", "sign flips"):
+                table.add_column(column, justify="left" if column == "op id" else "right", overflow="fold")
+            for c in summary.failed_checks:
+                table.add_row(c.op_id, c.perturb, c.dtype or "-", _fmt(c.ratio), _fmt(c.threshold),
+                              str(c.nonfinite_mismatch), str(c.sign_flips))
+            console.print(table)
 
 
 def render_run(console: Console, run: Run, summaries: list[StepSummary]) -> None:
