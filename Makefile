@@ -1,19 +1,21 @@
 # Quick start: `make demo` runs the demo, `make test` runs the tests. Both set up
 # .venv first (the package, its test extras, and torch 2.13.0 when the venv has none).
 # `make test` also sets up .venv-msprobe with the real msprobe (mindstudio-probe), in
-# its own venv, for the tests that check our exports against it.
+# its own venv, for the tests that check our exports against it. The graphviz and
+# browser tests skip without graphviz and Chromium: `make system-deps` installs them
+# (Debian packages; CI does this and sets PROBE_REQUIRE_TOOLS=1, so there they must run).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.probe-installed
 MSPROBE_VENV ?= .venv-msprobe
 MSPROBE_STAMP := $(MSPROBE_VENV)/.installed
 
-.PHONY: demo test lint bench-quick clean
+.PHONY: demo test lint bench-quick system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,viewer]"
 	touch $(STAMP)
 
 $(MSPROBE_STAMP):
@@ -34,6 +36,13 @@ lint: $(STAMP)
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.overhead --quick
 	$(PY) -m benchmarks.dump_throughput --quick
+	$(PY) -m benchmarks.free_benchmark --quick
+
+system-deps:
+	command -v dot >/dev/null && test -x /usr/bin/chromium && test -x /usr/bin/chromedriver || { \
+	  SUDO=$$(test "$$(id -u)" = 0 || echo sudo); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+	  $$SUDO apt-get install -y -q --no-install-recommends graphviz chromium chromium-driver; }
 
 clean:
 	rm -rf $(VENV) $(MSPROBE_VENV) probe_runs

@@ -31,9 +31,9 @@ class ModelSpec:
         config = replace(self.config, max_seq_len=max(self.config.max_seq_len, seq))
         return replace(self, config=config, seq=seq)
 
-    def trainer(self, seed: int = 0) -> DemoTraining:
-        """A fresh model, optimizer and data stream, all built from ``seed``."""
-        return DemoTraining(self.config, self.batch, self.seq, seed, foreach=self.foreach)
+    def trainer(self, seed: int = 0, device: str = "cpu") -> DemoTraining:
+        """A fresh model, optimizer and data stream on ``device``, all built from ``seed``."""
+        return DemoTraining(self.config, self.batch, self.seq, seed, foreach=self.foreach, device=device)
 
     def num_params(self) -> int:
         with torch.device("meta"):

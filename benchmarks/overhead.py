@@ -95,6 +95,7 @@ class Baseline:
     def run_step(self, trainer: DemoTraining) -> Sample:
         start = time.perf_counter()
         trainer.step()
+        trainer.synchronize()
         return Sample(time.perf_counter() - start, None)
 
 
@@ -106,6 +107,7 @@ class Passthrough:
         with CountingMode() as counter:
             start = time.perf_counter()
             trainer.step()
+            trainer.synchronize()
             seconds = time.perf_counter() - start
         return Sample(seconds, counter.ops)
 
@@ -134,6 +136,7 @@ class ProbeConfig:
                 start = time.perf_counter()
                 trainer.step()
                 session.step()
+                trainer.synchronize()
                 seconds = time.perf_counter() - start
             return Sample(seconds, recorded_ops(out))
         finally:
@@ -223,14 +226,15 @@ def summary_row(
 
 
 def measure(
-    spec: ModelSpec, warmup: int, steps: int, eager: bool, only: set[str] | None, console: Console
+    spec: ModelSpec, warmup: int, steps: int, eager: bool, only: set[str] | None, console: Console,
+    device: str = "cpu",
 ) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="probe-overhead-") as scratch:
         configs = configurations(Path(scratch), eager)
         if only is not None:
             configs = [c for c in configs if c.name in only or c.name in REQUIRED_CONFIGS]
         with console.status(f"{spec.name}: building {len(configs)} models"):
-            trainers = [spec.trainer() for _ in configs]
+            trainers = [spec.trainer(device=device) for _ in configs]
         rounds = warmup + steps
         with console.status(f"{spec.name}: round 1/{rounds}") as status:
 
@@ -307,18 +311,21 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def machine() -> dict[str, str]:
-    return {
+def machine(device: str = "cpu") -> dict[str, str]:
+    found = {
         "cpu": cpu_model(),
         "cores": str(os.cpu_count()),
         "torch": torch.__version__,
         "torch threads": str(torch.get_num_threads()),
         "python": platform.python_version(),
     }
+    if torch.device(device).type == "cuda":
+        found["device"] = torch.cuda.get_device_name(torch.device(device))
+    return found
 
 
-def machine_line() -> str:
-    return "; ".join(f"{key}: {value}" for key, value in machine().items())
+def machine_line(device: str = "cpu") -> str:
+    return "; ".join(f"{key}: {value}" for key, value in machine(device).items())
 
 
 # -- command line -----------------------------------------------------------------
@@ -332,6 +339,7 @@ class Plan:
     markdown: bool
     eager: bool
     only: set[str] | None
+    device: str
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Plan, int | None]:
@@ -353,6 +361,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Plan, int | None]:
                         help="also time stats_backend='eager' (slow on large tensors)")
     parser.add_argument("--seq", type=int, default=None,
                         help="train on sequences of N tokens instead of the model's default")
+    parser.add_argument("--device", default="cpu", help="device to train on (cpu, cuda, npu; default cpu)")
     parser.add_argument("--configs", default=None,
                         help="comma-separated configurations to time (baseline and passthrough always)")
     args = parser.parse_args(argv)
@@ -372,7 +381,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Plan, int | None]:
     known = {c.name for c in configurations(Path("."), eager=True)}
     if only is not None and not only <= known:
         parser.error(f"--configs: unknown {sorted(only - known)}; known: {sorted(known)}")
-    return Plan(models, warmup, steps, args.markdown, args.eager, only), args.threads
+    return Plan(models, warmup, steps, args.markdown, args.eager, only, args.device), args.threads
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -382,18 +391,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The models have no compiled regions; the notice that they would run eagerly is noise here.
     warnings.filterwarnings("ignore", message="probe: compiled regions run eagerly")
     console = Console(width=None if sys.stdout.isatty() else 120)
-    console.print(f"[bold]probe overhead[/bold]  {machine_line()}")
+    console.print(f"[bold]probe overhead[/bold]  {machine_line(plan.device)}")
     if plan.warmup == 0:
         console.print("[yellow]--warmup 0: the first probe-stats step includes torch.compile[/]")
     for spec in plan.models:
-        rows = measure(spec, plan.warmup, plan.steps, plan.eager, plan.only, console)
+        rows = measure(spec, plan.warmup, plan.steps, plan.eager, plan.only, console, plan.device)
         title = caption(spec, plan.warmup, plan.steps)
         console.print(rich_table(title, rows))
         note = ROUTED_NOTE if any(row.per_routed_op for row in rows) else ""
         if note:
             console.print(note)
         if plan.markdown:
-            print(f"\n{title}\n\n{machine_line()}\n\n{markdown_table(rows)}\n\n{note}\n")
+            print(f"\n{title}\n\n{machine_line(plan.device)}\n\n{markdown_table(rows)}\n\n{note}\n")
     return 0
 
 

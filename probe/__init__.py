@@ -5,6 +5,7 @@ pluggable modes per op. The public interface is this module:
 
 - :func:`mode` starts a session (a context manager) over one or more modes;
 - :func:`load` opens a run directory it wrote;
+- :func:`export_graph` writes a step's op graph for review (GraphML, DOT, JSON, Model Explorer);
 - :class:`ProbeError` is raised for bad options and unreadable input.
 """
 
@@ -14,11 +15,12 @@ from probe import modes as _modes  # noqa: F401  (registers the built-in modes)
 from probe.analysis.compare import Report, compare
 from probe.analysis.replay import replay, replay_step
 from probe.errors import ProbeError
+from probe.exporters.graph_export import export_graph
 from probe.modes.cpu_reference import register_cpu_reference
 from probe.rundir.reader import OpRecord, Run, TensorRecord, load
 from probe.session import Session, mode
 
 __all__ = [
-    "OpRecord", "ProbeError", "Report", "Run", "Session", "TensorRecord", "__version__", "compare", "load",
-    "mode", "register_cpu_reference", "replay", "replay_step",
+    "OpRecord", "ProbeError", "Report", "Run", "Session", "TensorRecord", "__version__", "compare",
+    "export_graph", "load", "mode", "register_cpu_reference", "replay", "replay_step",
 ]

@@ -127,6 +127,40 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     return EXIT_OK
 
 
+def _cmd_graph(args: argparse.Namespace, console: Console) -> int:
+    from probe.exporters.graph_export import export_graph
+
+    paths = export_graph(args.run, args.out, args.format, step=_one_int(args.step), rank=_one_int(args.rank),
+                         phase=args.phase, level=args.level, compare=args.compare)
+    console.print(f"wrote {paths[0]}")
+    for extra in paths[1:]:
+        console.print(f"  overlay {extra}")
+    if args.format == "model-explorer":
+        console.print("view with: probe view RUN (or model-explorer FILE --node_data_paths=OVERLAY,...)")
+    return EXIT_OK
+
+
+def _cmd_view(args: argparse.Namespace, console: Console) -> int:
+    import tempfile
+
+    from probe.exporters.graph_export import model_explorer_graphs
+    from probe.exporters.model_explorer import serve, write_model_explorer
+    from probe.rundir.reader import load
+
+    run = load(args.run)
+    step, rank = run.resolve(_one_int(args.step), _one_int(args.rank))
+    label, graphs = model_explorer_graphs(run, step, rank, args.phase, args.compare)
+    with tempfile.TemporaryDirectory(prefix="probe-view-") as scratch:
+        out = Path(args.out) if args.out else Path(scratch)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = write_model_explorer(out / "graph.json", label, graphs)
+        console.print(f"graph and {len(paths) - 1} overlay(s) in {out}")
+        stdout = Console(file=sys.stdout, soft_wrap=True)  # bound now: the server's output is hidden
+        serve(paths, label, graphs, host=args.host, port=args.port, open_browser=not args.no_browser,
+              announce=lambda url: stdout.print(f"Model Explorer: {url}", markup=False, highlight=False))
+    return EXIT_OK
+
+
 _DTYPES = {"float64": "float64", "fp64": "float64", "float32": "float32", "fp32": "float32",
            "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
 
@@ -200,6 +234,30 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--module-map", help="rename run B's modules: b_name=a_name,...")
     compare.add_argument("--fail-on-divergence", action="store_true", help="exit 1 if a divergence is found")
     compare.set_defaults(func=_cmd_compare)
+
+    graph = sub.add_parser("graph", help="write a step's op graph (GraphML, DOT, JSON, Model Explorer)")
+    graph.add_argument("run", help="run directory")
+    graph.add_argument("--format", required=True, choices=["graphml", "dot", "json", "model-explorer"])
+    graph.add_argument("-o", "--out", required=True, help="output file (overlays are written beside it)")
+    graph.add_argument("--step", help="step (default: the first)")
+    graph.add_argument("--rank", help="rank (default: the first)")
+    graph.add_argument("--phase", help="forward, backward, recompute, optimizer or all (default: forward; "
+                       "model-explorer: every phase)")
+    graph.add_argument("--level", default="op", choices=["op", "module"], help="op calls or module calls")
+    graph.add_argument("--compare", help="colour by a comparison: the directory `probe compare -o` wrote")
+    graph.set_defaults(func=_cmd_graph)
+
+    view = sub.add_parser("view", help="open a step's graph in Model Explorer (needs probe[viewer])")
+    view.add_argument("run", help="run directory")
+    view.add_argument("--step", help="step (default: the first)")
+    view.add_argument("--rank", help="rank (default: the first)")
+    view.add_argument("--phase", help="only this phase (default: every phase)")
+    view.add_argument("--compare", help="colour by a comparison: the directory `probe compare -o` wrote")
+    view.add_argument("--out", help="keep the exported files here (default: a temporary directory)")
+    view.add_argument("--host", default="localhost")
+    view.add_argument("--port", type=int, default=8080)
+    view.add_argument("--no-browser", action="store_true", help="print the address, do not open a browser")
+    view.set_defaults(func=_cmd_view)
 
     replay = sub.add_parser("replay", help="re-run dumped ops from their dumped inputs and compare")
     replay.add_argument("run", help="run directory (dump mode)")

@@ -98,6 +98,22 @@ def test_inplace_ops_rerun_on_copies(tmp_path):
     assert check.name == "aten.add_.Tensor" and check.verdict == "pass"
 
 
+def test_foreach_optimizer_ops_rerun_on_copies_of_their_tensor_lists(tmp_path):
+    # AdamW's default on accelerators: _foreach_*_ ops write whole tensor lists.
+    # A re-run on the already-updated lists would apply each update twice.
+    from probe.demo.train import DemoTraining, train
+
+    plain = train(DemoTraining(foreach=True), 2)
+    training = DemoTraining(foreach=True)
+    session = probe.mode("free_benchmark", out=tmp_path / "r", model=training.model, perturb="no_change",
+                         phases=["optimizer"])
+    assert train(training, 2, session=session) == plain
+    checks = probe.load(tmp_path / "r").checks(1)
+    foreach = [c for c in checks if c.name.startswith("aten._foreach_")]
+    assert len(foreach) > 20
+    assert [c for c in foreach if c.verdict != "pass"] == []
+
+
 def test_fix_replaces_a_sloppy_low_precision_kernel_with_its_higher_precision_result(tmp_path):
     x = torch.linspace(0.5, 2.0, 32).half()
     plain = torch.ops.probetest.sloppy_square(x)
@@ -173,3 +189,15 @@ def test_max_checks_per_op_caps_the_checks(tmp_path):
     assert names == {"aten.exp.default": 2, "aten.log.default": 2}
 
 
+
+
+def test_contractions_get_a_rounding_allowance_that_grows_with_their_length():
+    from probe.modes.perturbations import reduction_length, threshold
+
+    a, b, bias = torch.ones(3, 1600), torch.ones(1600, 5), torch.ones(5)
+    assert reduction_length("aten.mm.default", (a, b)) == 1600
+    assert reduction_length("aten.addmm.default", (bias, a, b)) == 1600
+    assert reduction_length("aten.add.Tensor", (a, a)) == 1
+    # fp32: 4 ULPs are below the 1e-5 floor; 4 sqrt(1600) ULPs (40x more) are above it.
+    assert threshold(0.0, torch.float32) == threshold(0.0, torch.float32, 1) == 1e-5
+    assert threshold(0.0, torch.float32, 1600) == pytest.approx(160 * torch.finfo(torch.float32).eps)

@@ -36,17 +36,7 @@ class StepSummary:
 def _largest(ops: list[OpRecord], key: str, top: int) -> list[Extreme]:
     found = []
     for op in ops:
-        values = []
-        for t in op.outputs:
-            if t.stats is None:
-                continue
-            if key == "abs_max":
-                lo, hi = t.stats["min"], t.stats["max"]
-                if lo is None or hi is None:
-                    continue
-                values.append(max(abs(lo), abs(hi)))
-            else:
-                values.append(t.stats["norm"])
+        values = [t.abs_max if key == "abs_max" else t.stats["norm"] for t in op.outputs if t.stats]
         values = [v for v in values if v is not None and not math.isnan(v)]
         if values:
             found.append(Extreme(op, max(values)))

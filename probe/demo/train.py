@@ -22,21 +22,27 @@ class DemoTraining:
     dtype: torch.dtype = torch.float32
     foreach: bool | None = None
     """AdamW's ``foreach``; None is torch's default choice for the device."""
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         torch.manual_seed(self.seed)
-        self.model = TinyLlama(self.config).to(self.dtype)
+        self.model = TinyLlama(self.config).to(device=self.device, dtype=self.dtype)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, foreach=self.foreach)
         self.data = torch.Generator().manual_seed(self.seed + 1)
 
     def step(self) -> torch.Tensor:
         """One training step; returns the (detached) loss."""
-        tokens = synthetic_batch(self.config, self.batch, self.seq, self.data)
+        tokens = synthetic_batch(self.config, self.batch, self.seq, self.data).to(self.device)
         loss = self.model.loss(tokens)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
+
+    def synchronize(self) -> None:
+        """Waits for the device's queued work: call before reading a clock."""
+        if torch.device(self.device).type != "cpu":
+            torch.accelerator.synchronize()
 
 
 def train(

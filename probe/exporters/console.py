@@ -7,9 +7,8 @@ from rich.table import Table
 
 from probe.analysis.compare import Report
 from probe.analysis.summary import Extreme, StepSummary
+from probe.options import PHASES
 from probe.rundir.reader import OpRecord, Run
-
-PHASE_ORDER = ("forward", "backward", "recompute", "optimizer")
 
 
 def _fmt(value: float | None) -> str:
@@ -34,7 +33,7 @@ def render_step(console: Console, summary: StepSummary) -> None:
     status = "" if summary.complete else f" [red]incomplete: {summary.reason}[/red]"
     console.rule(f"step {summary.step} · rank {summary.rank}{status}")
     counts = Table(show_edge=False, pad_edge=False)
-    phases = [p for p in PHASE_ORDER if p in summary.phase_counts]
+    phases = [p for p in PHASES if p in summary.phase_counts]
     for phase in phases:
         counts.add_column(phase, justify="right")
     counts.add_column("total", justify="right")

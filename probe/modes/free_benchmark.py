@@ -25,6 +25,7 @@ bound is the larger of the default and twice the largest deviation it showed.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,13 @@ from probe.compiled import CompiledKernel
 from probe.errors import ProbeError
 from probe.modes.base import Mode
 from probe.modes.cpu_reference import cpu_reference
-from probe.modes.perturbations import PERTURBATIONS, Perturbation, higher_precision, threshold
+from probe.modes.perturbations import (
+    PERTURBATIONS,
+    Perturbation,
+    higher_precision,
+    reduction_length,
+    threshold,
+)
 from probe.modes.registry import register_mode
 from probe.rundir import layout
 from probe.rundir.writer import StepWriter
@@ -156,10 +163,8 @@ class FreeBenchmarkMode(Mode):
             return
         self._counts[info.name] += 1
         # Written arguments change when the op runs: the perturbed run needs them as they were.
-        written = {id(call.args[i]) for i in info.mutated_args if i < len(call.args)}
-        written |= {id(call.kwargs[k]) for k in info.mutated_kwargs if call.kwargs and k in call.kwargs}
         self._snapshots[call.index] = {
-            key: t.detach().clone() for t in call.input_tensors or () if (key := id(t)) in written
+            id(t): t.detach().clone() for t in _mutated_tensors(info, call.args, call.kwargs or {})
         }
 
     def after(self, call: OpCall) -> None:
@@ -191,6 +196,7 @@ class FreeBenchmarkMode(Mode):
                 "op": call.index, "op_id": call.op_id, "name": call.info.name, "module": call.module,
                 "phase": call.phase, "output": position, "dtype": dtype_name(original.dtype),
                 "shape": list(original.shape), "row": result_row, "delta": delta,
+                "reduction": reduction_length(call.info.name, call.args),
             })
             if self.handler == "fix":
                 with torch.no_grad():
@@ -252,15 +258,20 @@ class FreeBenchmarkMode(Mode):
         return result
 
 
-def _written(info: OpClass, args: list[Any], kwargs: dict[str, Any], results: list[torch.Tensor]
-             ) -> list[torch.Tensor]:
+def _mutated_tensors(info: OpClass, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The tensors an op writes, through tensor lists too (``_foreach_*_`` ops write lists)."""
     written = [args[i] for i in info.mutated_args if i < len(args)]
     written += [kwargs[k] for k in info.mutated_kwargs if k in kwargs]
     flat: list[torch.Tensor] = []
     for value in written:
-        flat += [v for v in (value if isinstance(value, (list, tuple)) else [value])
-                 if isinstance(v, torch.Tensor) and not any(v is r for r in results)]
+        values = value if isinstance(value, (list, tuple)) else [value]
+        flat += [v for v in values if isinstance(v, torch.Tensor)]
     return flat
+
+
+def _written(info: OpClass, args: list[Any], kwargs: dict[str, Any], results: list[torch.Tensor]
+             ) -> list[torch.Tensor]:
+    return [t for t in _mutated_tensors(info, args, kwargs) if not any(t is r for r in results)]
 
 
 class ChecksStep:
@@ -286,7 +297,7 @@ class ChecksStep:
                 delta = entry["delta"]
                 delta = float(delta) if not isinstance(delta, torch.Tensor) else float(delta.cpu())
                 ratio, mismatch, flips = values[entry["row"]] if entry["row"] >= 0 else (0.0, 0, 0)
-                bound = threshold(delta, getattr(torch, entry["dtype"]))
+                bound = threshold(delta, getattr(torch, entry["dtype"]), entry["reduction"])
                 if mode.preheat and not preheating:
                     bound = max(bound, 2 * mode._preheat_max.get(entry["name"], 0.0))
                 record.update(ratio=float(ratio), threshold=bound, input_change=delta,

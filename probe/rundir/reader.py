@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -51,6 +52,20 @@ class TensorRecord:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def abs_max(self) -> float | None:
+        """max(|min|, |max|); None without statistics or for an empty tensor."""
+        if self.stats is None or self.stats["min"] is None or self.stats["max"] is None:
+            return None
+        return max(abs(self.stats["min"]), abs(self.stats["max"]))
+
+    @property
+    def nonfinite(self) -> int | None:
+        """How many elements were NaN or Inf; None without statistics."""
+        if self.stats is None:
+            return None
+        return int(self.stats["nan"]) + int(self.stats["inf"])
 
 
 @dataclass(slots=True)
@@ -203,7 +218,7 @@ class Run:
 
     def ops(self, step: int | None = None, rank: int | None = None) -> list[OpRecord]:
         """Op records of one step and rank in execution order (default: first step, rank 0)."""
-        step, rank = self._resolve(step, rank)
+        step, rank = self.resolve(step, rank)
         key = (step, rank)
         if key not in self._ops:
             self._ops[key] = self._load_ops(step, rank)
@@ -211,23 +226,28 @@ class Run:
 
     def op(self, op_id: str, step: int | None = None, rank: int | None = None) -> OpRecord:
         """The record of ``op_id`` (default: the first step and rank)."""
-        step, rank = self._resolve(step, rank)
+        step, rank = self.resolve(step, rank)
         for record in self.ops(step, rank):
             if record.id == op_id:
                 return record
         raise ProbeError(f"no op {op_id!r} in step {step} rank {rank} of {str(self.path)!r}")
 
-    def graph(self, step: int | None = None, rank: int | None = None) -> nx.DiGraph:
-        """The step's op graph: nodes keyed by op id, edges producer -> consumer."""
+    def graph(
+        self, step: int | None = None, rank: int | None = None, phases: Collection[str] | None = None
+    ) -> nx.DiGraph:
+        """The step's op graph: nodes keyed by op id, edges producer -> consumer.
+
+        ``phases`` (e.g. ``["forward"]``) keeps only the ops of those phases.
+        """
         from probe.analysis.op_graph import build_graph
 
-        return build_graph(self.ops(step, rank))
+        return build_graph(self.ops(step, rank), phases)
 
     def checks(self, step: int | None = None, rank: int | None = None) -> list[CheckRecord]:
         """Free-benchmark checks, in execution order (every step and rank when not given)."""
         if step is None and rank is None:
             return [c for r in self.ranks for s in self.steps_of(r) for c in self.checks(s, r)]
-        step, rank = self._resolve(step, rank)
+        step, rank = self.resolve(step, rank)
         path = self._step_path(step, rank) / layout.CHECKS_FILE
         if not path.exists():
             return []
@@ -251,17 +271,17 @@ class Run:
 
     def module_types(self, step: int | None = None, rank: int | None = None) -> dict[str, str]:
         """Module FQN -> class name for the modules of one step."""
-        step, rank = self._resolve(step, rank)
+        step, rank = self.resolve(step, rank)
         path = self._step_path(step, rank) / layout.MODULES_FILE
         return self._read_json(path) if path.exists() else {}
 
     def has_dump(self, step: int | None = None, rank: int | None = None) -> bool:
-        step, rank = self._resolve(step, rank)
+        step, rank = self.resolve(step, rank)
         return (self._step_path(step, rank) / layout.TENSOR_INDEX_FILE).exists()
 
     def dump(self, step: int | None = None, rank: int | None = None) -> DumpIndex:
         """The dump index of one step (dump mode)."""
-        step, rank = self._resolve(step, rank)
+        step, rank = self.resolve(step, rank)
         if (step, rank) not in self._dumps:
             self._dumps[(step, rank)] = DumpIndex(self.path, rank, step)
         return self._dumps[(step, rank)]
@@ -284,7 +304,11 @@ class Run:
 
     # -- loading -------------------------------------------------------------------
 
-    def _resolve(self, step: int | None, rank: int | None) -> tuple[int, int]:
+    def resolve(self, step: int | None, rank: int | None) -> tuple[int, int]:
+        """The (step, rank) that ``step``, ``rank`` name: the first of each when None.
+
+        Raises :class:`ProbeError` naming what the run holds when either is absent.
+        """
         if rank is None:
             if not self.ranks:
                 raise ProbeError(f"{str(self.path)!r} holds no rank directories")

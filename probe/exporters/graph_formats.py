@@ -1,0 +1,170 @@
+"""Op and module graphs as files: GraphML, DOT and node-link JSON.
+
+GraphML holds only scalar attributes, so attributes that are lists, dicts or
+sometimes None (shapes, statistics, findings of ops that have none) are written
+as JSON text and named in the graph attributes ``probe_json_node_keys`` and
+``probe_json_edge_keys``; :func:`read_graphml` decodes them, giving back the
+graph that was written. Other GraphML readers see those attributes as strings.
+
+DOT is for rendering with graphviz (``dot -Tsvg``): nodes are nested in one
+cluster per module, labelled with the op and its first output, and filled by
+what the modes found (see :func:`finding_colour`). Graphviz lays out a few
+thousand nodes; export the module level (``level="module"``) for a larger step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+
+from probe.analysis.module_graph import module_namespace
+
+_NATIVE = (str, int, float)
+JSON_NODE_KEYS, JSON_EDGE_KEYS = "probe_json_node_keys", "probe_json_edge_keys"
+
+# Fill colours by severity, light to strong; the legend is in docs/graph.md.
+COLOURS = {"nonfinite": "#e53935", "fail": "#fb8c00", "error": "#fb8c00", "warning": "#fdd835"}
+
+
+def finding_colour(node: Mapping[str, Any]) -> str | None:
+    """The fill of an op or module node: NaN/Inf red, a failed check or comparison
+    error orange, a comparison warning yellow; None when nothing was found."""
+    if node.get("nonfinite"):
+        return COLOURS["nonfinite"]
+    if node.get("check_verdict") == "fail" or node.get("compare_verdict") == "error":
+        return COLOURS["fail"]
+    if node.get("compare_verdict") == "warning":
+        return COLOURS["warning"]
+    return None
+
+
+# -- GraphML ---------------------------------------------------------------------
+
+
+def _json_keys(attrs: Iterable[Mapping[str, Any]]) -> set[str]:
+    """Keys whose values GraphML cannot hold as one scalar type."""
+    types: dict[str, set[type]] = {}
+    for data in attrs:
+        for key, value in data.items():
+            types.setdefault(key, set()).add(type(value))
+    return {key for key, found in types.items() if len(found) > 1 or not found <= set(_NATIVE)}
+
+
+def write_graphml(graph: nx.DiGraph, path: str | Path) -> Path:
+    node_keys = _json_keys(data for _, data in graph.nodes(data=True))
+    edge_keys = _json_keys(data for _, _, data in graph.edges(data=True))
+    out = nx.DiGraph()
+    out.graph.update({k: v if isinstance(v, _NATIVE) else json.dumps(v) for k, v in graph.graph.items()})
+    out.graph[JSON_NODE_KEYS] = json.dumps(sorted(node_keys))
+    out.graph[JSON_EDGE_KEYS] = json.dumps(sorted(edge_keys))
+    for node, data in graph.nodes(data=True):
+        out.add_node(node, **{k: json.dumps(v) if k in node_keys else v for k, v in data.items()})
+    for a, b, data in graph.edges(data=True):
+        out.add_edge(a, b, **{k: json.dumps(v) if k in edge_keys else v for k, v in data.items()})
+    path = Path(path)
+    nx.write_graphml(out, path)
+    return path
+
+
+def read_graphml(path: str | Path) -> nx.DiGraph:
+    """A graph written by :func:`write_graphml`, with its JSON-coded attributes decoded."""
+    graph = nx.read_graphml(path)
+    node_keys = set(json.loads(graph.graph.pop(JSON_NODE_KEYS, "[]")))
+    edge_keys = set(json.loads(graph.graph.pop(JSON_EDGE_KEYS, "[]")))
+    for _, data in graph.nodes(data=True):
+        for key in node_keys & data.keys():
+            data[key] = json.loads(data[key])
+    for _, _, data in graph.edges(data=True):
+        for key in edge_keys & data.keys():
+            data[key] = json.loads(data[key])
+    return graph
+
+
+# -- node-link JSON --------------------------------------------------------------
+
+
+def write_json(graph: nx.DiGraph, path: str | Path) -> Path:
+    """networkx node-link JSON; non-finite statistics are written as ``NaN``/``Infinity``."""
+    path = Path(path)
+    with open(path, "w") as f:
+        json.dump(nx.node_link_data(graph, edges="edges"), f)
+    return path
+
+
+def read_json(path: str | Path) -> nx.DiGraph:
+    with open(path) as f:
+        return nx.node_link_graph(json.load(f), edges="edges")
+
+
+# -- DOT -------------------------------------------------------------------------
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def _tensor_label(dtype: str, shape: list[int]) -> str:
+    return f"{dtype}[{','.join(map(str, shape))}]"
+
+
+def _dot_label(node: Mapping[str, Any], module_call: bool) -> tuple[str, str]:
+    """(label, tooltip) of an op node or a module-call node."""
+    if module_call:
+        title = node["module"] or "<outside modules>"
+        kind = f" ({node['type']})" if node.get("type") else ""
+        return f"{title}{kind}\n{node['ops']} ops", f"{node['phase']} {title} call {node['module_call']}"
+    short = node["name"].removeprefix("aten.").removesuffix(".default")
+    outputs = node["output_dtypes"]
+    first = f"\n{_tensor_label(outputs[0], node['output_shapes'][0])}" if outputs else ""
+    return short + first, f"{node['name']} @ {node['module'] or '<outside modules>'}"
+
+
+def write_dot(graph: nx.DiGraph, path: str | Path, name: str = "probe") -> Path:
+    """Graphviz DOT, one cluster per module (nested as the module hierarchy)."""
+    modules = graph.graph.get("level") == "module"
+    tree: dict[str, Any] = {"nodes": [], "children": {}}
+    for node, data in graph.nodes(data=True):
+        branch = tree
+        parts = module_namespace(data["module"], data["module_call"])
+        if modules:  # a module call is drawn inside its parent's cluster
+            parts = parts[:-1]
+        for part in parts:
+            branch = branch["children"].setdefault(part, {"nodes": [], "children": {}})
+        branch["nodes"].append(node)
+    ids = {node: f"n{i}" for i, node in enumerate(graph.nodes)}
+    lines = [f"digraph {_quote(name)} {{", "  node [shape=box, style=\"rounded,filled\", fillcolor=white, "
+             "fontname=Helvetica, fontsize=10];", "  edge [fontname=Helvetica, fontsize=8];"]
+    clusters = 0
+
+    def emit(branch: dict[str, Any], label: str | None, indent: str) -> None:
+        nonlocal clusters
+        if label is not None:
+            lines.append(f"{indent}subgraph cluster_{clusters} {{")
+            lines.append(f"{indent}  label={_quote(label)}; style=rounded; color=gray60;")
+            clusters += 1
+        inner = indent + ("  " if label is not None else "")
+        for node in branch["nodes"]:
+            data = graph.nodes[node]
+            text, tooltip = _dot_label(data, modules)
+            fill = finding_colour(data)
+            extra = f", fillcolor={_quote(fill)}" if fill else ""
+            lines.append(f"{inner}{ids[node]} [label={_quote(text)}, tooltip={_quote(tooltip)}{extra}];")
+        for part, child in branch["children"].items():
+            emit(child, part, inner)
+        if label is not None:
+            lines.append(f"{indent}}}")
+
+    emit(tree, None, "  ")
+    for a, b, data in graph.edges(data=True):
+        label = _tensor_label(data["dtype"], data["shape"])
+        if data.get("tensors", 1) > 1:
+            label += f" x{data['tensors']}"
+        lines.append(f"  {ids[a]} -> {ids[b]} [label={_quote(label)}];")
+    lines.append("}")
+    path = Path(path)
+    path.write_text("\n".join(lines) + "\n")
+    return path
