@@ -37,6 +37,7 @@ bench-quick: $(STAMP)
 	$(PY) -m benchmarks.overhead --quick
 	$(PY) -m benchmarks.dump_throughput --quick
 	$(PY) -m benchmarks.free_benchmark --quick
+	$(PY) -m benchmarks.graph_export --quick
 
 system-deps:
 	command -v dot >/dev/null && test -x /usr/bin/chromium && test -x /usr/bin/chromedriver || { \
