@@ -38,6 +38,7 @@ bench-quick: $(STAMP)
 	$(PY) -m benchmarks.dump_throughput --quick
 	$(PY) -m benchmarks.free_benchmark --quick
 	$(PY) -m benchmarks.graph_export --quick
+	$(PY) -m benchmarks.monitor --quick
 
 system-deps:
 	command -v dot >/dev/null && test -x /usr/bin/chromium && test -x /usr/bin/chromedriver || { \

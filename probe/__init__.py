@@ -17,10 +17,11 @@ from probe.analysis.replay import replay, replay_step
 from probe.errors import ProbeError
 from probe.exporters.graph_export import export_graph
 from probe.modes.cpu_reference import register_cpu_reference
+from probe.modes.monitor import AnomalyStop
 from probe.rundir.reader import OpRecord, Run, TensorRecord, load
 from probe.session import Session, mode
 
 __all__ = [
-    "OpRecord", "ProbeError", "Report", "Run", "Session", "TensorRecord", "__version__", "compare",
-    "export_graph", "load", "mode", "register_cpu_reference", "replay", "replay_step",
+    "AnomalyStop", "OpRecord", "ProbeError", "Report", "Run", "Session", "TensorRecord", "__version__",
+    "compare", "export_graph", "load", "mode", "register_cpu_reference", "replay", "replay_step",
 ]

@@ -39,8 +39,11 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     # The demo model has no compiled regions: the notice that they would run eagerly is noise here.
     warnings.filterwarnings("ignore", message="probe: compiled regions run eagerly")
     training = DemoTraining()
+    # The monitor watches what it is told to: in the demo, every decoder layer and the weight gradients.
+    layer = {"input": "tuple[1]:0", "output": "tensor", "input_grad": "tuple[1]:0", "output_grad": "tensor"}
+    monitor = {"targets": {"layers.?": layer}, "wg_distribution": True} if "monitor" in modes else {}
     session = probe.mode(
-        modes, out=out, overwrite=args.overwrite, stack=args.stack, model=training.model
+        modes, out=out, overwrite=args.overwrite, stack=args.stack, model=training.model, **monitor
     )
     console.print(f"training the built-in tiny LLaMA for {args.steps} steps under {modes} -> {out}")
     with Progress(

@@ -133,11 +133,14 @@ def parse_options(modes: Any, kwargs: dict[str, Any], mode_option_names: dict[st
     kwargs = dict(kwargs)
     config = kwargs.pop("config", None)
     if config is not None:
+        from probe.modes.monitor_config import from_msprobe_monitor, is_monitor_config
         from probe.msprobe_config import from_msprobe, is_msprobe_config
 
         data = _read_config(config)
         if is_msprobe_config(data):
             data = from_msprobe(data)
+        elif is_monitor_config(data):
+            data = from_msprobe_monitor(data)
         for key, value in data.items():
             kwargs.setdefault(key, value)
         if modes is None:

@@ -84,6 +84,7 @@ class Session:
         self._writer: RunWriter | None = None
         self._background: BackgroundWriter | None = None
         self._exit_stack: ExitStack | None = None
+        self._stopped_between_steps = False
 
     # -- context ---------------------------------------------------------------
 
@@ -106,16 +107,23 @@ class Session:
                 },
             )
         stack = ExitStack()
-        if self._writer is not None:
+        try:
+            if self._writer is not None:
+                for mode in self.modes:
+                    mode.start(self.out, rank)
+                    mode.attach(self.options.model, self.out, rank)
+        except BaseException:
             for mode in self.modes:
-                mode.start(self.out, rank)
+                mode.close()
+            raise
         if self._writer is not None and self.options.async_flush:
             self._background = BackgroundWriter(max_pending=1)
             stack.callback(self._background.close)
-        tracer.modules.install()
-        stack.callback(tracer.modules.uninstall)
-        stack.enter_context(compiled_regions_eager(self.options.compiled))
-        stack.enter_context(ProbeDispatchMode(tracer))
+        if any(mode.needs_ops for mode in self.modes):
+            tracer.modules.install()
+            stack.callback(tracer.modules.uninstall)
+            stack.enter_context(compiled_regions_eager(self.options.compiled))
+            stack.enter_context(ProbeDispatchMode(tracer))
         self._tracer, self._exit_stack = tracer, stack
         _active = self
         self._begin_step(rank)
@@ -131,7 +139,8 @@ class Session:
         tracer, stack = self._tracer, self._exit_stack
         assert tracer is not None and stack is not None
         try:
-            if tracer.records or exc is not None:
+            raised_in_step = exc is not None and not self._stopped_between_steps
+            if tracer.records or raised_in_step or any(mode.has_pending() for mode in self.modes):
                 reason = None if exc is None else f"{type(exc).__name__}: {exc}"
                 self._flush(complete=exc is None, reason=reason)
         finally:
@@ -153,6 +162,12 @@ class Session:
         self._flush(complete=True, reason=None)
         self.step_index += 1
         self._begin_step(current_rank())
+        try:
+            for mode in self.modes:
+                mode.after_step()
+        except BaseException:
+            self._stopped_between_steps = True  # the next step has not run: nothing to write
+            raise
 
     def _begin_step(self, rank: int) -> None:
         assert self._tracer is not None
@@ -168,8 +183,11 @@ class Session:
         step = tracer.step
         with tracer.paused():
             records = tracer.end_step()
-            results = [(mode.name, mode.end_step(step)) for mode in self.modes]
-            if self._writer is None or not (records or not complete):
+            ended = [(mode, mode.end_step(step)) for mode in self.modes]
+            results = [(mode.name, result) for mode, result in ended]
+            # Per-op modes have nothing without op records; hook-based ones say so themselves.
+            collected = any(result is not None for mode, result in ended if not mode.needs_ops)
+            if self._writer is None or not (records or collected or not complete):
                 return
             types = tracer.modules.names.types
             module_types = {fqn: types[fqn] for fqn in {r[4] for r in records} if fqn in types}

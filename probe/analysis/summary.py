@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from probe.analysis.nonfinite import first_nonfinite_in
-from probe.rundir.reader import CheckRecord, OpRecord, Run
+from probe.rundir.reader import AnomalyRecord, CheckRecord, OpRecord, Run
 
 
 @dataclass
@@ -31,6 +31,9 @@ class StepSummary:
     """Free-benchmark verdicts (empty without that mode)."""
     failed_checks: list[CheckRecord]
     """The failed checks, worst (largest deviation over its bound) first."""
+    monitored: int = 0
+    """Series the monitor collected (0 without that mode)."""
+    anomalies: list[AnomalyRecord] = field(default_factory=list)
 
 
 def _largest(ops: list[OpRecord], key: str, top: int) -> list[Extreme]:
@@ -62,6 +65,8 @@ def summarize_step(run: Run, step: int, rank: int, top: int = 5) -> StepSummary:
         largest_norm=_largest(ops, "norm", top),
         check_counts=dict(Counter(c.verdict for c in checks)),
         failed_checks=failed[:top],
+        monitored=len(run.monitor(step, rank)),
+        anomalies=run.anomalies_of(step, rank),
     )
 
 

@@ -39,9 +39,12 @@ def render_step(console: Console, summary: StepSummary) -> None:
     counts.add_column("total", justify="right")
     total = sum(summary.phase_counts.values())
     counts.add_row(*(str(summary.phase_counts[p]) for p in phases), str(total))
-    console.print(counts)
+    if total or not summary.monitored:
+        console.print(counts)
     bad = summary.first_nonfinite
-    if not summary.has_stats:
+    if summary.monitored and not total:
+        pass  # a monitor-only step: its own lines below say what it saw
+    elif not summary.has_stats:
         console.print("first non-finite op: [dim]unknown (no statistics recorded: add the stats mode)[/dim]")
     elif bad is None:
         console.print("first non-finite op: [green]none[/green]")
@@ -64,6 +67,16 @@ def render_step(console: Console, summary: StepSummary) -> None:
                 table.add_row(c.op_id, c.perturb, c.dtype or "-", _fmt(c.ratio), _fmt(c.threshold),
                               str(c.nonfinite_mismatch), str(c.sign_flips))
             console.print(table)
+    if summary.monitored:
+        alerts = summary.anomalies
+        verdict = "[green]none[/green]" if not alerts else f"[red]{len(alerts)}[/red]"
+        console.print(f"monitor: {summary.monitored} series, anomalies: {verdict}")
+        for anomaly in alerts[:5]:
+            base = "" if anomaly.baseline is None else f" (baseline {anomaly.baseline:.4g})"
+            console.print(f"  [red]{anomaly.rule}[/red] {anomaly.module} {anomaly.metric} = "
+                          f"{anomaly.value:.4g}{base}")
+        if len(alerts) > 5:
+            console.print(f"  ... {len(alerts) - 5} more in anomalies.jsonl")
 
 
 def render_run(console: Console, run: Run, summaries: list[StepSummary]) -> None:

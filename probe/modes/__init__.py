@@ -1,6 +1,6 @@
 """Pluggable per-op work. Importing this package registers the built-in modes."""
 
-from probe.modes import dump, free_benchmark, stats, structure, upcast  # noqa: F401  (register them)
+from probe.modes import dump, free_benchmark, monitor, stats, structure, upcast  # noqa: F401  (register them)
 from probe.modes.base import Mode
 from probe.modes.registry import MODES, register_mode
 

@@ -32,9 +32,15 @@ class Mode:
     name: ClassVar[str]
     option_names: ClassVar[frozenset[str]] = frozenset()
     replaces_execution: ClassVar[bool] = False
+    needs_ops: ClassVar[bool] = True
+    """False for modes that work from hooks alone: a session of only such modes
+    enters no dispatch mode, so training pays nothing per op."""
 
     def start(self, out: Path, rank: int) -> None:
         """The session starts writing this rank's files under ``out``."""
+
+    def attach(self, model: Any, out: Path, rank: int) -> None:
+        """Install the mode's own hooks on ``model`` (the session's ``model=``); on recorded ranks."""
 
     def begin_step(self, step: int) -> None:
         """A step starts (called on every rank, recorded or not)."""
@@ -56,5 +62,12 @@ class Mode:
         """
         return None
 
+    def has_pending(self) -> bool:
+        """Whether the current step holds results of this mode that no op record accounts for."""
+        return False
+
+    def after_step(self) -> None:
+        """``session.step()`` handed the step over; may raise to stop training."""
+
     def close(self) -> None:
-        """Release resources at session end."""
+        """Release resources at session end (remove hooks)."""

@@ -22,6 +22,9 @@ STATS_INDEX_FILE = "stats_index.npy"
 TENSOR_INDEX_FILE = "tensors.json"
 CALLS_FILE = "calls.jsonl"
 CHECKS_FILE = "checks.jsonl"
+MONITOR_FILE = "monitor.csv"
+ANOMALIES_FILE = "anomalies.jsonl"
+ANOMALY_TENSORS_FILE = "anomaly_tensors.safetensors"
 TENSORS_DIR = "tensors"
 
 _RANK_RE = re.compile(r"rank(\d+)")

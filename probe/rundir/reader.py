@@ -8,6 +8,7 @@ input statistics were not collected.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from collections.abc import Collection
@@ -130,6 +131,47 @@ class CheckRecord:
     sign_flips: int = 0
     reason: str | None = None
     """Why a check was skipped."""
+
+
+@dataclass(slots=True)
+class MonitorRecord:
+    """One monitored series at one step (``run.monitor()``): metrics in fp64."""
+
+    step: int
+    rank: int
+    kind: str
+    """activation, weight_grad, weight, exp_avg, exp_avg_sq, update or update_ratio."""
+    name: str
+    """Module FQN (activations) or parameter name."""
+    slot: str
+    """input, output, input_grad or output_grad for activations; "" otherwise."""
+    call: int
+    min: float
+    max: float
+    mean: float
+    norm: float
+    zeros: float
+    nans: float
+    infs: float
+    numel: float
+
+
+@dataclass(slots=True)
+class AnomalyRecord:
+    """One monitor alert (``run.anomalies()``)."""
+
+    step: int
+    rank: int
+    module: str
+    metric: str
+    """``<slot or kind>.<metric>``, e.g. ``output_grad.norm``."""
+    value: float
+    baseline: float | None
+    rule: str
+    """nonfinite, turbulence or ``rule:<name>`` of a user rule."""
+    kind: str
+    call: int = 0
+    reason: str = ""
 
 
 @dataclass
@@ -268,6 +310,47 @@ class Run:
             )
             for row in rows
         ]
+
+    def monitor(self, step: int | None = None, rank: int | None = None) -> list[MonitorRecord]:
+        """The monitor's series, per step in collection order (every step and rank when not given)."""
+        if step is None and rank is None:
+            return [m for r in self.ranks for s in self.steps_of(r) for m in self.monitor(s, r)]
+        step, rank = self.resolve(step, rank)
+        path = self._step_path(step, rank) / layout.MONITOR_FILE
+        if not path.exists():
+            return []
+        try:
+            with open(path, newline="") as f:
+                rows = list(csv.DictReader(f))
+            return [
+                MonitorRecord(step, rank, row["kind"], row["name"], row["slot"], int(row["call"]),
+                              *(float(row[c]) for c in ("min", "max", "mean", "norm", "zeros", "nans", "infs",
+                                                        "numel")))
+                for row in rows
+            ]
+        except (OSError, KeyError, ValueError) as e:
+            raise ProbeError(f"cannot read {str(path)!r}: {e}") from None
+
+    def anomalies(self) -> list[AnomalyRecord]:
+        """The monitor's alerts, in step order, then rank, then detection order."""
+        return [a for step in self.steps for rank in self.ranks if step in self.steps_of(rank)
+                for a in self.anomalies_of(step, rank)]
+
+    def anomalies_of(self, step: int, rank: int) -> list[AnomalyRecord]:
+        """The monitor's alerts of one step and rank, in detection order."""
+        path = self._step_path(step, rank) / layout.ANOMALIES_FILE
+        if not path.exists():
+            return []
+        try:
+            with open(path) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+        except (OSError, json.JSONDecodeError) as e:
+            raise ProbeError(f"cannot read {str(path)!r}: {e}") from None
+        for row in rows:
+            for key in ("value", "baseline"):
+                if isinstance(row.get(key), str):
+                    row[key] = float(row[key])
+        return [AnomalyRecord(**row) for row in rows]
 
     def module_types(self, step: int | None = None, rank: int | None = None) -> dict[str, str]:
         """Module FQN -> class name for the modules of one step."""

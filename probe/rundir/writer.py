@@ -46,7 +46,8 @@ def _write_file(path: Path, data: bytes) -> None:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    # Per process: every rank of a job writes run.json into the same directory.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     _write_file(tmp, json.dumps(obj, indent=1, sort_keys=True).encode())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
@@ -69,6 +70,12 @@ class StepWriter:
         encode = _COMPACT_JSON.encode
         lines = "".join([encode(row) + "\n" for row in rows])
         _write_file(self.directory / name, lines.encode())
+
+    def write_text(self, name: str, text: str) -> None:
+        _write_file(self.directory / name, text.encode())
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        _write_file(self.directory / name, data)
 
     def write_array(self, name: str, array: np.ndarray) -> None:
         path = self.directory / name

@@ -1,0 +1,440 @@
+"""Mode ``"monitor"``: the always-on training-state monitor.
+
+Unlike the per-op modes it needs no dispatch mode: it watches module
+boundaries and the optimizer step through hooks, so a step costs one small
+reduction per monitored tensor and nothing per op (when it is the only mode
+the session does not trace ops at all). Per collected step it reduces, on the
+device and without a host sync (``probe.modes.monitor_metrics``):
+
+- activations: the ``input`` / ``output`` of each target module (forward hooks)
+  and their gradients ``input_grad`` / ``output_grad`` (tensor hooks on the
+  same tensors), per module call; checkpoint recompute is skipped;
+- with ``wg_distribution``: weight gradients, as the optimizer sees them (after
+  any clipping and data-parallel reduction), at the optimizer's step pre-hook;
+- with ``param_distribution``: weights after the update; ``mv_distribution``:
+  Adam's moments ``exp_avg`` / ``exp_avg_sq``; ``ur_distribution``: the norm of
+  Adam's update over the norm of the weight.
+
+At ``session.step()`` the rows are stacked on the device (optionally reduced
+across ranks) and moved to the host once, on the writer thread; then the
+anomaly rules run (``probe.modes.anomaly``) and the step's ``monitor.csv``,
+``anomalies.jsonl`` and TensorBoard scalars are written. With
+``on_anomaly="dump"`` or ``"stop"`` that happens on the training thread at the
+step's end instead (one synchronizing transfer per step), so the step's
+tensors around an anomalous module can be saved, or training stopped by
+:class:`probe.AnomalyStop` from ``session.step()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+
+from probe.errors import ProbeError
+from probe.modes.anomaly import Anomaly, AnomalyDetector, Series
+from probe.modes.base import Mode
+from probe.modes.monitor_config import MONITOR_KEYS, MonitorConfig, Target, parse_monitor_options
+from probe.modes.monitor_metrics import METRIC_COLUMNS, adam_update_row, finalize, raw_row
+from probe.modes.registry import register_mode
+from probe.rundir import layout
+from probe.rundir.writer import StepWriter
+from probe.tracer.compat import warn_once
+
+log = logging.getLogger("probe.monitor")
+
+TENSORBOARD_DIR = "tensorboard"
+
+
+class AnomalyStop(RuntimeError):
+    """Raised by ``session.step()`` when the monitor found anomalies and ``on_anomaly="stop"``."""
+
+    def __init__(self, anomalies: list[Anomaly]) -> None:
+        first = anomalies[0]
+        super().__init__(f"monitor stopped training at step {first.step}: {len(anomalies)} anomal"
+                         f"{'y' if len(anomalies) == 1 else 'ies'}, first {first.describe()}")
+        self.anomalies = anomalies
+
+
+def _named_modules(model: Any) -> Iterator[tuple[str, nn.Module]]:
+    roots = model.items() if isinstance(model, dict) else [("", model)]
+    for prefix, root in roots:
+        for name, module in root.named_modules():
+            yield (f"{prefix}.{name}" if prefix and name else prefix or name), module
+
+
+def _named_parameters(model: Any) -> Iterator[tuple[str, nn.Parameter]]:
+    roots = model.items() if isinstance(model, dict) else [("", model)]
+    for prefix, root in roots:
+        for name, param in root.named_parameters():
+            yield (f"{prefix}.{name}" if prefix else name), param
+
+
+def _untraced() -> AbstractContextManager[Any]:
+    """The monitor's own reductions, out of sight of a dispatch mode (the stats mode's,
+    when both run): ops issued from hooks would otherwise be traced as the model's."""
+    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else nullcontext()
+
+
+def _in_backward() -> bool:
+    """Forward hooks firing inside a graph task are checkpoint recompute."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass
+class _Rows:
+    """One step's series and their raw rows, still on the device."""
+
+    series: list[Series]
+    rows: list[torch.Tensor]
+    numel: list[int]
+    held: dict[int, torch.Tensor] | None  # row index -> tensor, for on_anomaly="dump"
+
+
+class MonitorStep:
+    """A collected step: resolved (moved to the host, scanned) once, then written."""
+
+    def __init__(self, mode: MonitorMode, step: int, rows: _Rows) -> None:
+        self.mode, self.step, self._rows = mode, step, rows
+        self.values: np.ndarray | None = None
+        self.anomalies: list[Anomaly] = []
+        self.dumped: dict[str, torch.Tensor] = {}
+
+    def resolve(self) -> None:
+        if self.values is not None:
+            return
+        rows = self._rows
+        numel = np.asarray(rows.numel, dtype=np.float64)
+        if rows.rows:
+            stacked = torch.stack([r.to(torch.float64) for r in rows.rows])
+            if self.mode.config.reduce_ranks:
+                counts = torch.tensor(numel, dtype=torch.float64, device=stacked.device)
+                reduced = self.mode.reduce_across_ranks(torch.cat([stacked, counts[:, None]], dim=1))
+                stacked, numel = reduced[:, :-1], None
+            raw = stacked.cpu().numpy() if numel is not None else reduced.cpu().numpy()  # the one transfer
+            if numel is None:
+                raw, numel = raw[:, :-1], raw[:, -1]
+        else:
+            raw = np.zeros((0, 7))
+        self.values = finalize(raw, numel)
+        self._add_update_ratios()
+        self.anomalies = self.mode.detector.scan(self.step, self.mode.rank, rows.series, self.values)
+        if rows.held is not None and self.anomalies:
+            flagged = {(a.kind, a.module, a.call) for a in self.anomalies}
+            for index, tensor in rows.held.items():
+                s = rows.series[index]
+                if (s.kind, s.name, s.call) in flagged:
+                    self.dumped[f"{s.name}[{s.call}].{s.slot or s.kind}"] = tensor.detach().cpu().contiguous()
+        rows.held = None  # the tensors go now, not with the step's files
+
+    def _add_update_ratios(self) -> None:
+        """``update_ratio`` series: the norm of Adam's update over the norm of the weight."""
+        assert self.values is not None
+        series = self._rows.series
+        norm = METRIC_COLUMNS.index("norm")
+        weights = {s.name: self.values[i, norm] for i, s in enumerate(series) if s.kind == "weight"}
+        extra = []
+        for i, s in enumerate(series):
+            if s.kind == "update" and s.name in weights:
+                row = np.full(len(METRIC_COLUMNS), np.nan)
+                row[norm] = self.values[i, norm] / weights[s.name] if weights[s.name] else np.inf
+                row[METRIC_COLUMNS.index("nans")] = row[METRIC_COLUMNS.index("infs")] = 0
+                row[METRIC_COLUMNS.index("numel")] = 1
+                extra.append((Series("update_ratio", s.name), row))
+        if extra:
+            series.extend(s for s, _ in extra)
+            self.values = np.vstack([self.values, np.stack([row for _, row in extra])])
+
+    def write(self, writer: StepWriter) -> dict[str, Any]:
+        self.resolve()
+        assert self.values is not None
+        series, values = self._rows.series, self.values
+        lines = ["kind,name,slot,call," + ",".join(METRIC_COLUMNS)]
+        for s, row in zip(series, values):
+            lines.append(f"{s.kind},{s.name},{s.slot},{s.call}," + ",".join(repr(float(v)) for v in row))
+        writer.write_text(layout.MONITOR_FILE, "\n".join(lines) + "\n")
+        writer.write_jsonl(layout.ANOMALIES_FILE, (a.to_json() for a in self.anomalies))
+        if self.dumped:
+            from safetensors.torch import save
+
+            writer.write_bytes(layout.ANOMALY_TENSORS_FILE, save(self.dumped))
+        for anomaly in self.anomalies:
+            log.warning("probe monitor: %s", anomaly.describe())
+        self.mode.write_tensorboard(self.step, series, values)
+        return {"series": len(series), "anomalies": len(self.anomalies), "dumped": len(self.dumped)}
+
+
+@register_mode
+class MonitorMode(Mode):
+    """Training-state statistics from module and optimizer hooks, with anomaly alerts."""
+
+    name = "monitor"
+    option_names: ClassVar[frozenset[str]] = MONITOR_KEYS
+    needs_ops: ClassVar[bool] = False
+
+    def __init__(self, **options: Any) -> None:
+        self.config: MonitorConfig = parse_monitor_options(options)
+        self.detector = AnomalyDetector(self.config)
+        self.rank = 0
+        self.step = 0
+        self._collecting = False
+        self._handles: list[Any] = []
+        self._lock = threading.Lock()
+        self._rows = self._new_rows()
+        self._params: dict[int, str] = {}
+        self._tb: Any = None
+        self._tb_dir: Path | None = None
+        self._pending_stop: list[Anomaly] = []
+        if self.config.tensorboard:
+            self._tensorboard_class()  # fail now, naming the package, not at the first step
+
+    # -- session ---------------------------------------------------------------
+
+    def attach(self, model: Any, out: Path, rank: int) -> None:
+        if model is None:
+            raise ProbeError("the monitor mode needs model= (the module whose named_modules() the "
+                             "targets name)")
+        self.rank = rank
+        matched = self._install_module_hooks(model)
+        if not matched:
+            patterns = [t.pattern for t in self.config.targets]
+            names = [n for n, _ in _named_modules(model)][:12]
+            raise ProbeError(f"monitor option 'targets': {patterns} match no module; "
+                             f"modules are named like {names}")
+        self._params = {id(p): name for name, p in _named_parameters(model)}
+        if self.config.wg or self.config.param or self.config.mv or self.config.ur:
+            from torch.optim.optimizer import (
+                register_optimizer_step_post_hook,
+                register_optimizer_step_pre_hook,
+            )
+
+            self._handles.append(register_optimizer_step_pre_hook(self._before_optimizer_step))
+            self._handles.append(register_optimizer_step_post_hook(self._after_optimizer_step))
+        if self.config.tensorboard is not False and self._tensorboard_class() is not None:
+            self._tb_dir = layout.rank_dir(out, rank) / TENSORBOARD_DIR
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self._collecting = self.config.collects(step)
+
+    def end_step(self, step: int) -> MonitorStep | None:
+        with self._lock:
+            rows, self._rows = self._rows, self._new_rows()
+        if not rows.rows and not self._collecting:
+            return None
+        result = MonitorStep(self, step, rows)
+        if self.config.on_anomaly in ("dump", "stop"):
+            result.resolve()  # now, on the training thread: the tensors are still here
+            if self.config.on_anomaly == "stop" and result.anomalies:
+                self._pending_stop = result.anomalies
+        return result
+
+    def has_pending(self) -> bool:
+        return bool(self._rows.rows)
+
+    def after_step(self) -> None:
+        if self._pending_stop:
+            anomalies, self._pending_stop = self._pending_stop, []
+            raise AnomalyStop(anomalies)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    # -- collection ------------------------------------------------------------
+
+    def _new_rows(self) -> _Rows:
+        return _Rows([], [], [], {} if self.config.on_anomaly == "dump" else None)
+
+    def _record(self, kind: str, name: str, slot: str, call: int, tensor: torch.Tensor) -> None:
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            return
+        with torch.no_grad(), _untraced():
+            row, numel = raw_row(tensor, self.config.eps)
+        self._append(kind, name, slot, call, row, numel, tensor)
+
+    def _record_adam_update(self, name: str, group: dict[str, Any], state: dict[str, Any]) -> bool:
+        m, v, step = state.get("exp_avg"), state.get("exp_avg_sq"), state.get("step")
+        if not (isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor)) or step is None:
+            return False
+        beta1, beta2 = group["betas"]
+        with torch.no_grad(), _untraced():
+            row, numel = adam_update_row(m, v, float(group["lr"]), beta1, beta2, group["eps"], step,
+                                         self.config.eps)
+        self._append("update", name, "", 0, row, numel, None)
+        return True
+
+    def _append(self, kind: str, name: str, slot: str, call: int, row: torch.Tensor, numel: int,
+                tensor: torch.Tensor | None) -> None:
+        with self._lock:
+            rows = self._rows
+            if rows.held is not None and tensor is not None:
+                rows.held[len(rows.rows)] = tensor
+            rows.series.append(Series(kind, name, slot, call))
+            rows.rows.append(row)
+            rows.numel.append(numel)
+
+    def _install_module_hooks(self, model: Any) -> int:
+        matched = 0
+        for fqn, module in _named_modules(model):
+            slots: dict[str, Any] = {}
+            for target in self.config.targets:
+                if target.matches(fqn):
+                    slots.update(target.slots)
+            if not slots:
+                continue
+            matched += 1
+            watcher = _ModuleWatcher(self, fqn, Target(fqn, slots))
+            self._handles.append(module.register_forward_pre_hook(watcher.before))
+            self._handles.append(module.register_forward_hook(watcher.after))
+        return matched
+
+    def _parameters(self, optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, torch.Tensor]]:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                name = self._params.get(id(param))
+                if name is not None:
+                    yield name, param
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._collecting or not self.config.wg:
+            return
+        for name, param in self._parameters(optimizer):
+            if param.grad is not None:
+                self._record("weight_grad", name, "", 0, param.grad)
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._collecting:
+            return
+        config = self.config
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                name = self._params.get(id(param))
+                if name is None:
+                    continue
+                if config.param:
+                    self._record("weight", name, "", 0, param)
+                state = optimizer.state.get(param, {})
+                if config.mv:
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        if isinstance(state.get(key), torch.Tensor):
+                            self._record(key, name, "", 0, state[key])
+                if config.ur:
+                    if not self._record_adam_update(name, group, state):
+                        warn_once("monitor-ur", "monitor: ur_distribution needs Adam-family optimizer state "
+                                  f"(exp_avg, exp_avg_sq, step); {type(optimizer).__name__} has none")
+                        continue
+                    if not config.param:  # the ratio's denominator
+                        self._record("weight", name, "", 0, param)
+
+    # -- step end ----------------------------------------------------------------
+
+    def reduce_across_ranks(self, stacked: torch.Tensor) -> torch.Tensor:
+        """Element-wise over ranks: min of mins, max of maxes, sums of the rest."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            warn_once("monitor-reduce", "monitor: reduce_ranks=True without an initialized process group; "
+                      "each rank writes its own values")
+            return stacked
+        n = stacked.shape[0]
+        counts = torch.tensor([n, -n], dtype=torch.float64, device=stacked.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        if counts[0] != -counts[1]:
+            raise ProbeError("monitor reduce_ranks: ranks collected different numbers of series this "
+                             f"step ({int(-counts[1])} to {int(counts[0])}); monitor the same modules on "
+                             "every rank")
+        extremes = torch.stack([-stacked[:, 0], stacked[:, 1]], dim=1)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        sums = stacked[:, 2:].clone()
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        return torch.cat([-extremes[:, :1], extremes[:, 1:], sums], dim=1)
+
+    @staticmethod
+    def _tensorboard_class() -> Any:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            return None
+        return SummaryWriter
+
+    def write_tensorboard(self, step: int, series: list[Series], values: np.ndarray) -> None:
+        if self._tb_dir is None:
+            return
+        if self._tb is None:
+            self._tb = self._tensorboard_class()(log_dir=str(self._tb_dir))
+        for s, row in zip(series, values):
+            prefix = f"{s.kind}/{s.name}" + (f"/{s.slot}" if s.slot else "")
+            prefix += f"#{s.call}" if s.call else ""
+            for metric in self.config.metrics:
+                self._tb.add_scalar(f"{prefix}/{metric}", float(row[METRIC_COLUMNS.index(metric)]), step)
+        self._tb.flush()
+
+
+class _ModuleWatcher:
+    """The hooks of one monitored module: its slots, and its call count this step."""
+
+    def __init__(self, mode: MonitorMode, fqn: str, target: Target) -> None:
+        self.mode, self.fqn, self.slots = mode, fqn, target.slots
+        self.calls = 0
+        self.step = -1
+        config = mode.config
+        self.forward = not config.backward_only
+        self.backward = not config.forward_only
+
+    def _call_index(self) -> int:
+        if self.step != self.mode.step:
+            self.step, self.calls = self.mode.step, 0
+        index = self.calls
+        self.calls += 1
+        return index
+
+    def _grad_hook(self, slot: str, call: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if grad is not None:
+                self.mode._record("activation", self.fqn, slot, call, grad)
+
+        return hook
+
+    def before(self, module: nn.Module, args: tuple) -> None:
+        if not self.mode._collecting or not self.mode.config.xy or _in_backward():
+            return
+        self._current = self._call_index()
+        spec = self.slots.get("input")
+        if spec is not None and self.forward:
+            t = spec.select(args)
+            if t is not None:
+                self.mode._record("activation", self.fqn, "input", self._current, t)
+        spec = self.slots.get("input_grad")
+        if spec is not None and self.backward:
+            t = spec.select(args)
+            if t is not None and t.requires_grad:
+                t.register_hook(self._grad_hook("input_grad", self._current))
+
+    def after(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not self.mode._collecting or not self.mode.config.xy or _in_backward():
+            return
+        spec = self.slots.get("output")
+        if spec is not None and self.forward:
+            t = spec.select(output)
+            if t is not None:
+                self.mode._record("activation", self.fqn, "output", self._current, t)
+        spec = self.slots.get("output_grad")
+        if spec is not None and self.backward:
+            t = spec.select(output)
+            if t is not None and t.requires_grad:
+                t.register_hook(self._grad_hook("output_grad", self._current))
+

@@ -1,0 +1,316 @@
+"""The monitor's configuration: msprobe's monitor ``config.json`` form, validated.
+
+msprobe users write::
+
+    {"targets": {"language_model.encoder.layers.0": {
+         "input": "tuple[2]:0", "output": "tensor", "input_grad": "tuple[2]:0", "output_grad": "tuple[1]:0"}},
+     "module_ranks": "0", "xy_distribution": true, "wg_distribution": true, "mv_distribution": true,
+     "ops": ["min", "max", "norm", "zeros", "nans"], "eps": 1e-8, "start_step": 0, "step_interval": 1,
+     "alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5}}]}}
+
+The same keys are ``probe.mode("monitor", ...)`` options (``ops``, which is the
+session's op filter, is spelled ``metrics`` there), and a file of this form is
+accepted as ``config=``. Target names may be globs over module names
+(``"layers.*"``). A slot spec is ``"tensor"`` (the value itself) or
+``"tuple[N]:i"`` (element ``i`` of an N-tuple); a module's input is the tuple of
+its positional arguments, its input and output gradients the tuples autograd
+passes.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from probe.errors import ProbeError
+from probe.tracer.compat import warn_once
+
+SLOTS = ("input", "output", "input_grad", "output_grad")
+METRICS = ("min", "max", "mean", "norm", "zeros", "nans")
+_SPEC = re.compile(r"tuple\[(\d+)\]:(\d+)")
+
+# msprobe monitor keys that change nothing here: a one-time notice each.
+_IGNORED_KEYS = {
+    "format": "probe writes CSV and TensorBoard event files both",
+    "print_struct": "module names are in the run directory (modules.json)",
+    "squash_name": "names are module FQNs as in model.named_modules()",
+    "ndigits": "values are written at full precision",
+    "collect_times": "use steps= or stop the session",
+    "step_count_per_record": "every collected step is written",
+    "all_xy": "use a target glob such as '*'",
+    "stack_info": "use stack=True with the stats mode",
+    "dynamic_on": "the session starts and stops where its with block does",
+}
+_UNSUPPORTED_KEYS = {
+    "cc_distribution": "collective communication monitoring is not implemented",
+    "mg_direction": "momentum/gradient direction is not implemented",
+    "l2_targets": "attention L2 features are not implemented",
+    "recording_l2_features": "attention L2 features are not implemented",
+    "monitor_mbs_grad": "micro-batch gradients are not implemented",
+}
+
+MONITOR_KEYS = frozenset({
+    "targets", "module_ranks", "xy_distribution", "wg_distribution", "mv_distribution",
+    "param_distribution", "ur_distribution", "forward_only", "backward_only", "metrics", "eps",
+    "start_step", "step_interval", "alert", "on_anomaly", "anomaly_rules", "reduce_ranks", "tensorboard",
+})
+
+
+def is_monitor_config(config: Mapping[str, Any]) -> bool:
+    return "targets" in config and "task" not in config
+
+
+def from_msprobe_monitor(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Our ``probe.mode`` keyword options (``mode`` included) for an msprobe monitor config."""
+    options: dict[str, Any] = {"mode": ["monitor"]}
+    for key, value in config.items():
+        if key in _UNSUPPORTED_KEYS:
+            if value not in (False, None, {}, [], ""):
+                raise ProbeError(f"msprobe monitor key {key!r}: {_UNSUPPORTED_KEYS[key]}")
+            continue
+        if key in _IGNORED_KEYS:
+            warn_once(f"monitor-key-{key}", f"msprobe monitor key {key!r} ignored: {_IGNORED_KEYS[key]}")
+            continue
+        if key == "ops":
+            options["metrics"] = value
+        elif key == "module_ranks":
+            options["ranks"] = _ranks(value)
+        elif key in MONITOR_KEYS:
+            options[key] = value
+        else:
+            raise ProbeError(f"msprobe monitor key {key!r} is unknown; accepted: "
+                             f"{sorted((MONITOR_KEYS - {'metrics'}) | {'ops'} | set(_IGNORED_KEYS))}")
+    return options
+
+
+def _ranks(value: Any) -> list[int] | None:
+    """``module_ranks``: "0", "0,1", [0, 1] or []: the ranks monitored (empty: all)."""
+    if value in ("", [], None):
+        return None
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, str):
+        try:
+            return [int(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise ProbeError(f"monitor key 'module_ranks': {value!r} is not a list of ranks like '0,1'"
+                             ) from None
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return value
+    raise ProbeError(f"monitor key 'module_ranks': {value!r} is not a list of ranks like [0, 1]")
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    """Which tensor of a module's input, output or gradient tuple is monitored."""
+
+    length: int | None  # None: the value itself must be a tensor
+    index: int = 0
+
+    @classmethod
+    def parse(cls, where: str, text: Any) -> SlotSpec:
+        if text == "tensor":
+            return cls(None)
+        match = _SPEC.fullmatch(text) if isinstance(text, str) else None
+        if match is None or int(match.group(2)) >= int(match.group(1)):
+            raise ProbeError(f"monitor target {where}: {text!r} is not 'tensor' or 'tuple[N]:i' with i < N")
+        return cls(int(match.group(1)), int(match.group(2)))
+
+    def select(self, value: Any) -> torch.Tensor | None:
+        """The monitored tensor of ``value``, or None if ``value`` does not have that shape."""
+        if self.length is None:
+            if isinstance(value, torch.Tensor):
+                return value
+            if isinstance(value, (tuple, list)) and len(value) == 1 and isinstance(value[0], torch.Tensor):
+                return value[0]  # a module's input is always a tuple, "tensor" means its only element
+            return None
+        if isinstance(value, (tuple, list)) and len(value) > self.index:
+            chosen = value[self.index]
+            return chosen if isinstance(chosen, torch.Tensor) else None
+        return None
+
+
+@dataclass(frozen=True)
+class Target:
+    """A module glob and the slots monitored on the modules it matches."""
+
+    pattern: str
+    slots: dict[str, SlotSpec]
+
+    def matches(self, fqn: str) -> bool:
+        return fnmatch.fnmatchcase(fqn, self.pattern)
+
+
+@dataclass(frozen=True)
+class TurbulenceRule:
+    """A metric far from its running average, in either direction."""
+
+    threshold: float = 1.0
+    """Fires when ``value > ema * (1 + threshold)`` or ``value < ema / (1 + threshold)``."""
+    warmup: int = 5
+    """Steps that only build the average (the first values of a run are never alarms)."""
+    decay: float = 0.9
+    """``ema = decay * ema + (1 - decay) * value``, on values that raised no alarm."""
+    metrics: tuple[str, ...] = ("norm",)
+    kinds: tuple[str, ...] = ("activation", "weight_grad", "weight")
+    """Series it watches. Adam's moments and update trend by construction (its second
+    moment grows for ~1/(1 - beta2) steps), so a running average would flag a healthy
+    start; a fault in the gradients shows in ``weight_grad`` first."""
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    targets: tuple[Target, ...]
+    xy: bool = True
+    wg: bool = False
+    mv: bool = False
+    param: bool = False
+    ur: bool = False
+    forward_only: bool = False
+    backward_only: bool = False
+    metrics: tuple[str, ...] = METRICS
+    eps: float = 1e-8
+    start_step: int = 0
+    step_interval: int = 1
+    turbulence: TurbulenceRule | None = field(default_factory=TurbulenceRule)
+    nonfinite: bool = True
+    user_rules: tuple[Callable[..., Any], ...] = ()
+    on_anomaly: str = "log"
+    reduce_ranks: bool = False
+    tensorboard: bool | None = None  # None: if the package is installed
+
+    def collects(self, step: int) -> bool:
+        return step >= self.start_step and (step - self.start_step) % self.step_interval == 0
+
+
+ON_ANOMALY = ("log", "dump", "stop")
+
+
+def _flag(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ProbeError(f"monitor option {key!r}: expected true or false, got {value!r}")
+    return value
+
+
+def _int(key: str, value: Any, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ProbeError(f"monitor option {key!r}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _targets(value: Any) -> tuple[Target, ...]:
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        value = {pattern: {slot: "tensor" for slot in ("output", "output_grad")} for pattern in value}
+    if not isinstance(value, Mapping) or not value:
+        raise ProbeError("monitor option 'targets': expected a non-empty {module glob: {slot: spec}} mapping "
+                         f"or a list of module globs, got {value!r}")
+    targets = []
+    for pattern, slots in value.items():
+        if not isinstance(pattern, str) or not isinstance(slots, Mapping):
+            raise ProbeError(f"monitor target {pattern!r}: expected {{slot: spec}} with slots from "
+                             f"{list(SLOTS)}")
+        bad = sorted(set(slots) - set(SLOTS))
+        if bad:
+            raise ProbeError(f"monitor target {pattern!r}: unknown slot(s) {bad}; accepted: {list(SLOTS)}")
+        specs = {slot: SlotSpec.parse(f"{pattern!r} {slot}", spec) for slot, spec in slots.items()}
+        if not specs:
+            specs = {"output": SlotSpec(None), "output_grad": SlotSpec(None)}
+        targets.append(Target(pattern, specs))
+    return tuple(targets)
+
+
+def _alert(value: Any) -> tuple[TurbulenceRule | None, bool]:
+    """msprobe's ``alert`` block: ``{"rules": [{"rule_name": ..., "args": {...}}], "dump": bool}``."""
+    if not isinstance(value, Mapping) or not isinstance(value.get("rules", []), list):
+        raise ProbeError(f"monitor option 'alert': expected {{'rules': [...]}}, got {value!r}")
+    turbulence, nonfinite = None, True
+    for rule in value.get("rules", []):
+        name = rule.get("rule_name") if isinstance(rule, Mapping) else None
+        args = rule.get("args", {}) if isinstance(rule, Mapping) else {}
+        if name == "AnomalyTurbulence":
+            allowed = {"threshold", "warmup", "decay", "metrics", "kinds"}
+            if not isinstance(args, Mapping) or set(args) - allowed:
+                raise ProbeError(f"monitor alert rule AnomalyTurbulence: args {args!r}; accepted: "
+                                 f"{sorted(allowed)}")
+            kwargs = dict(args)
+            if "metrics" in kwargs:
+                kwargs["metrics"] = tuple(_metrics("alert metrics", kwargs["metrics"]))
+            if "kinds" in kwargs:
+                kwargs["kinds"] = tuple(_kinds(kwargs["kinds"]))
+            turbulence = TurbulenceRule(**kwargs)
+            if not turbulence.threshold > 0 or not 0 <= turbulence.decay < 1:
+                raise ProbeError("monitor alert rule AnomalyTurbulence: threshold must be > 0 and decay "
+                                 f"in [0, 1), got {args!r}")
+        elif name == "AnomalyNan":
+            nonfinite = True
+        else:
+            raise ProbeError(f"monitor alert rule {name!r} is unknown; accepted: "
+                             "['AnomalyTurbulence', 'AnomalyNan']")
+    return turbulence, nonfinite
+
+
+KINDS = ("activation", "weight_grad", "weight", "exp_avg", "exp_avg_sq", "update", "update_ratio")
+
+
+def _kinds(value: Any) -> tuple[str, ...]:
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not names or any(n not in KINDS for n in names):
+        raise ProbeError(f"monitor alert rule AnomalyTurbulence: kinds {value!r} is not a non-empty list "
+                         f"from {list(KINDS)}")
+    return tuple(names)
+
+
+def _metrics(key: str, value: Any) -> tuple[str, ...]:
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not names or any(n not in METRICS for n in names):
+        raise ProbeError(f"monitor option {key!r}: {value!r} is not a non-empty list from {list(METRICS)}")
+    return tuple(dict.fromkeys(names))
+
+
+def parse_monitor_options(options: Mapping[str, Any]) -> MonitorConfig:
+    """The mode's keyword options (the msprobe keys, ``metrics`` for ``ops``) -> config."""
+    if "targets" not in options:
+        raise ProbeError("the monitor mode needs option 'targets': {module glob: {slot: spec}} "
+                         "or a list of globs")
+    kwargs: dict[str, Any] = {"targets": _targets(options["targets"])}
+    for key, attr in (("xy_distribution", "xy"), ("wg_distribution", "wg"), ("mv_distribution", "mv"),
+                      ("param_distribution", "param"), ("ur_distribution", "ur"),
+                      ("forward_only", "forward_only"), ("backward_only", "backward_only"),
+                      ("reduce_ranks", "reduce_ranks")):
+        if key in options:
+            kwargs[attr] = _flag(key, options[key])
+    if "tensorboard" in options:
+        kwargs["tensorboard"] = _flag("tensorboard", options["tensorboard"])
+    if "metrics" in options:
+        kwargs["metrics"] = _metrics("metrics", options["metrics"])
+    if "eps" in options:
+        eps = options["eps"]
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+            raise ProbeError(f"monitor option 'eps': expected a number >= 0, got {eps!r}")
+        kwargs["eps"] = float(eps)
+    if "start_step" in options:
+        kwargs["start_step"] = _int("start_step", options["start_step"], 0)
+    if "step_interval" in options:
+        kwargs["step_interval"] = _int("step_interval", options["step_interval"], 1)
+    if "alert" in options:
+        kwargs["turbulence"], kwargs["nonfinite"] = _alert(options["alert"])
+    if "anomaly_rules" in options:
+        rules = options["anomaly_rules"]
+        rules = [rules] if callable(rules) else rules
+        if not isinstance(rules, (list, tuple)) or not all(callable(r) for r in rules):
+            raise ProbeError(f"monitor option 'anomaly_rules': expected callables, got {rules!r}")
+        kwargs["user_rules"] = tuple(rules)
+    if "on_anomaly" in options:
+        if options["on_anomaly"] not in ON_ANOMALY:
+            raise ProbeError(f"monitor option 'on_anomaly': {options['on_anomaly']!r} is not one of "
+                             f"{list(ON_ANOMALY)}")
+        kwargs["on_anomaly"] = options["on_anomaly"]
+    config = MonitorConfig(**kwargs)
+    if config.forward_only and config.backward_only:
+        raise ProbeError("monitor options 'forward_only' and 'backward_only' exclude each other")
+    return config
