@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 $(MSPROBE_STAMP):
 	test -x $(MSPROBE_VENV)/bin/python || python3 -m venv $(MSPROBE_VENV)
 	$(MSPROBE_VENV)/bin/python -c "import torch" 2>/dev/null || $(MSPROBE_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(MSPROBE_VENV)/bin/python -m pip install -q "mindstudio-probe>=26,<27"
+	$(MSPROBE_VENV)/bin/python -m pip install -q "mindstudio-probe>=26,<27" rich safetensors
 	touch $(MSPROBE_STAMP)
 
 demo: $(STAMP)
@@ -39,6 +39,7 @@ bench-quick: $(STAMP)
 	$(PY) -m benchmarks.free_benchmark --quick
 	$(PY) -m benchmarks.graph_export --quick
 	$(PY) -m benchmarks.monitor --quick
+	$(PY) -m benchmarks.report --quick
 
 system-deps:
 	command -v dot >/dev/null && test -x /usr/bin/chromium && test -x /usr/bin/chromedriver || { \

@@ -192,7 +192,6 @@ class MonitorMode(Mode):
         self._rows = self._new_rows()
         self._params: dict[int, str] = {}
         self._tb: Any = None
-        self._tb_dir: Path | None = None
         self._pending_stop: list[Anomaly] = []
         if self.config.tensorboard:
             self._tensorboard_class()  # fail now, naming the package, not at the first step
@@ -219,8 +218,10 @@ class MonitorMode(Mode):
 
             self._handles.append(register_optimizer_step_pre_hook(self._before_optimizer_step))
             self._handles.append(register_optimizer_step_post_hook(self._after_optimizer_step))
-        if self.config.tensorboard is not False and self._tensorboard_class() is not None:
-            self._tb_dir = layout.rank_dir(out, rank) / TENSORBOARD_DIR
+        writer_class = self._tensorboard_class() if self.config.tensorboard is not False else None
+        if writer_class is not None:
+            # Created now, at the session's start, not within a step.
+            self._tb = writer_class(log_dir=str(layout.rank_dir(out, rank) / TENSORBOARD_DIR))
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -372,10 +373,8 @@ class MonitorMode(Mode):
         return SummaryWriter
 
     def write_tensorboard(self, step: int, series: list[Series], values: np.ndarray) -> None:
-        if self._tb_dir is None:
-            return
         if self._tb is None:
-            self._tb = self._tensorboard_class()(log_dir=str(self._tb_dir))
+            return
         for s, row in zip(series, values):
             prefix = f"{s.kind}/{s.name}" + (f"/{s.slot}" if s.slot else "")
             prefix += f"#{s.call}" if s.call else ""

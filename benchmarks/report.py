@@ -1,0 +1,401 @@
+"""The performance report: our modes and today's tools, side by side, per device.
+
+Run from the repository root::
+
+    python -m benchmarks.report [--device cpu|cuda] [--dtype fp32|bf16|fp16|autocast]
+                                [--workloads a,b] [--steps N] [--quick] [--out FILE]
+
+For each workload (``benchmarks.workloads``) it measures a baseline (mean step
+time of ``--steps`` steps after warm-up, the first excluded; peak memory: the
+device allocator's, or max RSS on the CPU; throughput in tokens or samples per
+device per second; MFU against the device's peak), then one row per mode and
+option of the seed reports (statistics, tensor dump, free-benchmark checks,
+monitor), and the peers when they are installed: msprobe's statistics and tensor
+dump (run by the Python of ``--msprobe-python``, default ``.venv-msprobe``) and
+torch's own ``DebugMode``. Each row runs in a fresh process (its memory peak is
+its own), alternating baseline and instrumented steps on one model so that
+drift falls on both; it reports min/median/max of the time ratio per step pair
+and the memory ratio. The markdown goes to ``benchmarks/results/<device>.md``
+(``--out``); ``--quick`` is a one-step smoke run of two small workloads (CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from benchmarks.overhead import machine_line
+from benchmarks.workloads import DTYPE_MODES, Trainer, peak_flops, workloads
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Row:
+    """One instrumented configuration: ours (``probe``) or a peer's."""
+
+    label: str
+    runner: str
+    """``probe``, ``msprobe`` or ``debugmode``."""
+    spec: dict[str, Any] = field(default_factory=dict)
+    seed: str = ""
+    """msprobe's figure from the seed reports (Ascend), for reference."""
+    families: tuple[str, ...] = ("llama", "gpt", "resnet", "yolo")
+
+
+_LAYER = {"input": "tuple[1]:0", "output": "tensor", "input_grad": "tuple[1]:0", "output_grad": "tensor"}
+ROWS = [
+    Row(
+        "statistics, all ops",
+        "probe",
+        {"modes": ["stats"], "options": {"inputs": True}},
+        "YOLOv5s 7 s; GPT-3 3.3 s (dump of one step)",
+    ),
+    Row("statistics, all ops (msprobe)", "msprobe", {"task": "statistics"}),
+    Row(
+        "tensor dump, all ops + stacks",
+        "probe",
+        {"modes": ["stats", "dump"], "options": {"stack": True}},
+        "YOLOv5s 11 s, 13 GB; GPT-3 53 s, 145 GB",
+    ),
+    Row("tensor dump, all ops (msprobe)", "msprobe", {"task": "tensor"}),
+    Row(
+        "free benchmark: check, forward, add_noise",
+        "probe",
+        {"modes": ["free_benchmark"], "options": {"perturb": "add_noise", "phases": ["forward"]}},
+        "19.5x",
+    ),
+    Row(
+        "free benchmark: check, backward, add_noise",
+        "probe",
+        {"modes": ["free_benchmark"], "options": {"perturb": "add_noise", "phases": ["backward"]}},
+        "43-124x",
+    ),
+    Row(
+        "free benchmark: fix, forward, improve_precision",
+        "probe",
+        {
+            "modes": ["free_benchmark"],
+            "options": {"perturb": "improve_precision", "handler": "fix", "phases": ["forward"]},
+        },
+        "3.7-6.2x",
+    ),
+    Row(
+        "monitor: every layer, x and grads",
+        "probe",
+        {"modes": ["monitor"], "options": {"targets": {"layers.?": _LAYER, "layers.??": _LAYER}}},
+        "+6% (10 of 40 layers)",
+        families=("llama", "gpt"),
+    ),
+    Row("op log (torch DebugMode)", "debugmode"),
+]
+
+
+def _peak_memory_mb(device: str) -> float:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _timed(trainer: Trainer, around: Any = None) -> float:
+    start = time.perf_counter()
+    if around is None:
+        trainer.step()
+    else:
+        around(trainer.step)
+    trainer.synchronize()
+    return time.perf_counter() - start
+
+
+# -- instrumented steps, one kind per runner ---------------------------------------------
+
+
+class _ProbeSteps:
+    def __init__(self, spec: dict[str, Any], trainer: Trainer, out: str) -> None:
+        import probe
+
+        options = dict(spec.get("options", {}))
+        self.session = probe.mode(spec["modes"], out=out, model=trainer.model, **options)
+        self.session.__enter__()
+
+    def __call__(self, step: Any) -> None:
+        step()
+        self.session.step()
+
+    def close(self) -> None:
+        self.session.__exit__(None, None, None)
+
+
+class _MsprobeSteps:
+    def __init__(self, spec: dict[str, Any], trainer: Trainer, out: str) -> None:
+        from msprobe.pytorch import PrecisionDebugger
+
+        config = {
+            "task": spec["task"],
+            "dump_path": out,
+            "rank": [],
+            "step": [],
+            "level": "L1",
+            spec["task"]: {"scope": [], "list": [], "data_mode": ["all"], "summary_mode": "statistics"},
+        }
+        path = Path(out) / "config.json"
+        path.write_text(json.dumps(config))
+        self.debugger = PrecisionDebugger(config_path=str(path))
+        self.model = trainer.model
+
+    def __call__(self, step: Any) -> None:
+        self.debugger.start(self.model)
+        step()
+        self.debugger.stop()
+        self.debugger.step()
+
+    def close(self) -> None:
+        pass
+
+
+class _DebugModeSteps:
+    def __init__(self, spec: dict[str, Any], trainer: Trainer, out: str) -> None:
+        from torch.utils._debug_mode import DebugMode
+
+        self._mode = DebugMode
+
+    def __call__(self, step: Any) -> None:
+        with self._mode():
+            step()
+
+    def close(self) -> None:
+        pass
+
+
+_RUNNERS = {"probe": _ProbeSteps, "msprobe": _MsprobeSteps, "debugmode": _DebugModeSteps}
+
+
+def child(workload: str, row_index: int, device: str, dtype: str, steps: int, quick: bool) -> dict[str, Any]:
+    """One measurement in this process: the baseline (``row_index`` -1) or a row."""
+    warnings.filterwarnings("ignore")
+    work = workloads(quick)[workload]
+    trainer = work.trainer(device, dtype)
+    trainer.step()
+    trainer.synchronize()
+    if row_index < 0:
+        times = [_timed(trainer) for _ in range(steps + 1)][1:]
+        mean = statistics.fmean(times)
+        peak, peak_source = peak_flops(device, dtype)
+        flops = work.flops_per_step(trainer)
+        return {
+            "mean_s": mean,
+            "min_s": min(times),
+            "max_s": max(times),
+            "memory_mb": _peak_memory_mb(device),
+            "throughput": work.units / mean,
+            "unit": work.unit,
+            "flops": flops,
+            "mfu": flops / mean / peak,
+            "peak": peak,
+            "peak_source": peak_source,
+        }
+    row = ROWS[row_index]
+    base_memory = _peak_memory_mb(device)
+    with tempfile.TemporaryDirectory() as out:
+        runner = _RUNNERS[row.runner](row.spec, trainer, out)
+        try:
+            pairs = []
+            for i in range(steps + 1):
+                # Alternate which side goes first; the first pair warms the instrumented side up.
+                if i % 2:
+                    base, probed = _timed(trainer), _timed(trainer, runner)
+                else:
+                    probed, base = _timed(trainer, runner), _timed(trainer)
+                pairs.append((base, probed))
+        finally:
+            runner.close()
+    ratios = [p / b for b, p in pairs[1:]]
+    return {
+        "ratio_min": min(ratios),
+        "ratio_median": statistics.median(ratios),
+        "ratio_max": max(ratios),
+        "base_s": statistics.median(b for b, _ in pairs[1:]),
+        "probed_s": statistics.median(p for _, p in pairs[1:]),
+        "memory_ratio": _peak_memory_mb(device) / base_memory,
+    }
+
+
+# -- the parent: runs the children, writes the report -------------------------------------
+
+
+def _python_for(row: Row, msprobe_python: str | None) -> str | None:
+    if row.runner == "msprobe":
+        return msprobe_python
+    if row.runner == "debugmode":
+        try:
+            from torch.utils._debug_mode import DebugMode  # noqa: F401
+        except ImportError:
+            return None
+    return sys.executable
+
+
+def _run_child(python: str, args: argparse.Namespace, workload: str, row: int, steps: int) -> dict[str, Any]:
+    command = [
+        python,
+        "-m",
+        "benchmarks.report",
+        "--child",
+        workload,
+        str(row),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--steps",
+        str(steps),
+        *(["--quick"] if args.quick else []),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, check=False)
+    if result.returncode != 0:
+        return {"error": (result.stderr.strip().splitlines() or ["failed"])[-1][:160]}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _default_msprobe_python() -> str | None:
+    for candidate in (os.environ.get("PROBE_MSPROBE_PYTHON"), str(REPO / ".venv-msprobe" / "bin" / "python")):
+        if candidate and Path(candidate).exists():
+            return candidate
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=DTYPE_MODES, default="fp32")
+    parser.add_argument("--workloads", help="comma-separated (default: all)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (baseline) and step pairs (rows)")
+    parser.add_argument(
+        "--quick", action="store_true", help="two small workloads, one step pair per row (CI)"
+    )
+    parser.add_argument("--msprobe-python", default=None, help="Python with mindstudio-probe (peer rows)")
+    parser.add_argument("--out", help="markdown file (default: benchmarks/results/<device>.md)")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    steps = 1 if args.quick else args.steps
+    if args.child:
+        print(
+            json.dumps(child(args.child[0], int(args.child[1]), args.device, args.dtype, steps, args.quick))
+        )
+        return 0
+    available = workloads(args.quick)
+    names = (
+        args.workloads.split(",")
+        if args.workloads
+        else (["llama-small", "resnet50"] if args.quick else list(available))
+    )
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        parser.error(f"--workloads: unknown {unknown}; known: {list(available)}")
+    msprobe_python = args.msprobe_python or _default_msprobe_python()
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    lines = [
+        f"# Performance report: {args.device}, {args.dtype}",
+        "",
+        f"Machine: `{machine_line(args.device)}`.",
+        f"Command: `python -m benchmarks.report --device {args.device} --dtype {args.dtype}"
+        f"{' --quick' if args.quick else ''} --steps {steps}`; {time.strftime('%Y-%m-%d')}.",
+        "",
+        "Peers: msprobe "
+        + ("from " + msprobe_python if msprobe_python else "not installed (rows skipped)")
+        + "; torch DebugMode.",
+        "",
+    ]
+    jobs = [(w, -1) for w in names] + [
+        (w, i) for w in names for i, row in enumerate(ROWS) if available[w].family in row.families
+    ]
+    results: dict[tuple[str, int], dict[str, Any]] = {}
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("report", total=len(jobs))
+        for workload, row in jobs:
+            label = "baseline" if row < 0 else ROWS[row].label
+            progress.update(task, description=f"{workload}: {label}")
+            python = sys.executable if row < 0 else _python_for(ROWS[row], msprobe_python)
+            results[(workload, row)] = (
+                _run_child(python, args, workload, row, steps) if python else {"error": "not installed"}
+            )
+            progress.advance(task)
+    lines += [
+        "## Baselines",
+        "",
+        "| workload | step time mean (min-max) | peak memory | throughput per device | MFU | peak used |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for w in names:
+        r = results[(w, -1)]
+        if "error" in r:
+            lines.append(f"| {w} | failed: {r['error']} | | | | |")
+            continue
+        lines.append(
+            f"| {w} | {1e3 * r['mean_s']:.1f} ms ({1e3 * r['min_s']:.1f}-{1e3 * r['max_s']:.1f}) "
+            f"| {r['memory_mb']:.0f} MB | {r['throughput']:.1f} {r['unit']}/s | {100 * r['mfu']:.1f}% "
+            f"| {r['peak'] / 1e12:.2f} TFLOP/s, {r['peak_source']} |"
+        )
+    lines += [
+        "",
+        "## Modes and peers",
+        "",
+        "Step-time ratio to the baseline, per alternated step pair: median "
+        "(min-max); peak memory ratio. The seed column is msprobe on Ascend from the seed reports.",
+        "",
+        "| workload | configuration | x step time | x peak memory | seed (msprobe, Ascend) |",
+        "|---|---|---:|---:|---|",
+    ]
+    for workload, row in jobs:
+        if row < 0:
+            continue
+        r, spec = results[(workload, row)], ROWS[row]
+        if "error" in r:
+            lines.append(f"| {workload} | {spec.label} | {r['error']} | | {spec.seed} |")
+            continue
+        lines.append(
+            f"| {workload} | {spec.label} | {r['ratio_median']:.2f} ({r['ratio_min']:.2f}-"
+            f"{r['ratio_max']:.2f}) | {r['memory_ratio']:.2f} | {spec.seed} |"
+        )
+    text = "\n".join(lines) + "\n"
+    out = (
+        Path(args.out)
+        if args.out
+        else REPO / "benchmarks" / "results" / f"{torch.device(args.device).type}.md"
+    )
+    if not args.quick or args.out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        console.print(f"report written to {out}")
+    console.print(text, markup=False, highlight=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
