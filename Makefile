@@ -9,8 +9,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.probe-installed
 MSPROBE_VENV ?= .venv-msprobe
 MSPROBE_STAMP := $(MSPROBE_VENV)/.installed
+# msprobe 8.3.3, the last release with free_benchmark: a peer of the performance report only.
+MSPROBE_FB_VENV ?= .venv-msprobe-fb
+MSPROBE_FB_STAMP := $(MSPROBE_FB_VENV)/.installed
 
-.PHONY: demo test lint bench-quick system-deps clean
+.PHONY: demo test lint bench-quick peers system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +26,15 @@ $(MSPROBE_STAMP):
 	$(MSPROBE_VENV)/bin/python -c "import torch" 2>/dev/null || $(MSPROBE_VENV)/bin/python -m pip install -q torch==2.13.0
 	$(MSPROBE_VENV)/bin/python -m pip install -q "mindstudio-probe>=26,<27" rich safetensors
 	touch $(MSPROBE_STAMP)
+
+$(MSPROBE_FB_STAMP):
+	test -x $(MSPROBE_FB_VENV)/bin/python || python3 -m venv $(MSPROBE_FB_VENV)
+	$(MSPROBE_FB_VENV)/bin/python -c "import torch" 2>/dev/null || $(MSPROBE_FB_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(MSPROBE_FB_VENV)/bin/python -m pip install -q "mindstudio-probe==8.3.3" rich safetensors networkx
+	touch $(MSPROBE_FB_STAMP)
+
+# The performance report's peers (benchmarks/report.py): msprobe 26.x and 8.3.3.
+peers: $(MSPROBE_STAMP) $(MSPROBE_FB_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/probe demo
@@ -48,4 +60,4 @@ system-deps:
 	  $$SUDO apt-get install -y -q --no-install-recommends graphviz chromium chromium-driver; }
 
 clean:
-	rm -rf $(VENV) $(MSPROBE_VENV) probe_runs
+	rm -rf $(VENV) $(MSPROBE_VENV) $(MSPROBE_FB_VENV) probe_runs

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -26,12 +25,11 @@ import warnings
 from collections import Counter
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
 from benchmarks.models import MODELS, ModelSpec
-from benchmarks.overhead import machine_line
+from benchmarks.overhead import machine_line, peak_memory_mb
 
 # (mode, phase, op scope, perturbation, handler, seed ratio: msprobe on Ascend, LLaMA2-7B 1 layer fp16)
 ROWS = [
@@ -44,13 +42,6 @@ ROWS = [
     ("fix", "forward", "softmax", "to_cpu", "fix", "40x"),
     ("fix", "forward", "all", "improve_precision", "fix", "3.7-6.2x (7B models)"),
 ]
-
-
-def _peak_mb(device: str) -> float:
-    """Peak memory so far: the accelerator's allocations, or the host's max RSS on the CPU."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _spec(model: str, seq: int | None) -> ModelSpec:
@@ -66,7 +57,7 @@ def child(row: int, spec: ModelSpec, steps: int, device: str) -> dict[str, Any]:
     training.step()
     training.step()
     training.synchronize()
-    base_peak = _peak_mb(device)
+    base_peak = peak_memory_mb(device)
     options: dict[str, Any] = {"perturb": perturb, "handler": handler, "phases": [phase]}
     if scope != "all":
         options["ops"] = [f"*{scope}*"]
@@ -86,7 +77,7 @@ def child(row: int, spec: ModelSpec, steps: int, device: str) -> dict[str, Any]:
         checks = probe.load(f"{out}/{steps}").checks()
     return {
         "base_s": min(base[1:]), "probe_s": min(probed[1:]),
-        "base_peak_mb": base_peak, "probe_peak_mb": _peak_mb(device), "checks": len(checks),
+        "base_peak_mb": base_peak, "probe_peak_mb": peak_memory_mb(device), "checks": len(checks),
         "failed": sum(c.verdict == "fail" for c in checks),
         "failed_ops": dict(Counter(c.name.removeprefix("aten.") for c in checks if c.verdict == "fail")),
     }

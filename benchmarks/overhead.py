@@ -32,6 +32,7 @@ import argparse
 import gc
 import os
 import platform
+import resource
 import shutil
 import statistics
 import sys
@@ -322,6 +323,17 @@ def machine(device: str = "cpu") -> dict[str, str]:
     if torch.device(device).type == "cuda":
         found["device"] = torch.cuda.get_device_name(torch.device(device))
     return found
+
+
+def peak_memory_mb(device: str = "cpu") -> float:
+    """Peak memory so far: the accelerator allocator's (CUDA, or NPU through torch.accelerator),
+    or the host's max RSS on the CPU."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    if kind != "cpu" and hasattr(torch.accelerator, "max_memory_allocated"):
+        return torch.accelerator.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def machine_line(device: str = "cpu") -> str:

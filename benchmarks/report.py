@@ -24,7 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,7 +40,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from benchmarks.overhead import machine_line
+from benchmarks.overhead import machine_line, peak_memory_mb
 from benchmarks.workloads import DTYPE_MODES, Trainer, peak_flops, workloads
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,6 +57,14 @@ class Row:
     seed: str = ""
     """msprobe's figure from the seed reports (Ascend), for reference."""
     families: tuple[str, ...] = ("llama", "gpt", "resnet", "yolo")
+    peer_of: str | None = None
+    """For a peer's row: the label of our row it is set beside."""
+
+    @property
+    def runner_name(self) -> str:
+        return {"msprobe": "msprobe 26", "msprobe-fb": "msprobe 8.3.3", "debugmode": "torch DebugMode"}.get(
+            self.runner, self.runner
+        )
 
 
 _LAYER = {"input": "tuple[1]:0", "output": "tensor", "input_grad": "tuple[1]:0", "output_grad": "tensor"}
@@ -66,14 +75,19 @@ ROWS = [
         {"modes": ["stats"], "options": {"inputs": True}},
         "YOLOv5s 7 s; GPT-3 3.3 s (dump of one step)",
     ),
-    Row("statistics, all ops (msprobe)", "msprobe", {"task": "statistics"}),
+    Row("statistics, all ops (msprobe)", "msprobe", {"task": "statistics"}, peer_of="statistics, all ops"),
     Row(
         "tensor dump, all ops + stacks",
         "probe",
         {"modes": ["stats", "dump"], "options": {"stack": True}},
         "YOLOv5s 11 s, 13 GB; GPT-3 53 s, 145 GB",
     ),
-    Row("tensor dump, all ops (msprobe)", "msprobe", {"task": "tensor"}),
+    Row(
+        "tensor dump, all ops (msprobe)",
+        "msprobe",
+        {"task": "tensor"},
+        peer_of="tensor dump, all ops + stacks",
+    ),
     Row(
         "free benchmark: check, forward, add_noise",
         "probe",
@@ -102,14 +116,53 @@ ROWS = [
         "+6% (10 of 40 layers)",
         families=("llama", "gpt"),
     ),
-    Row("op log (torch DebugMode)", "debugmode"),
+    Row("op log (torch DebugMode)", "debugmode", peer_of="op records, all ops (structure)"),
+    # Appended, not inserted: a row's index names it to its child process.
+    Row("op records, all ops (structure)", "probe", {"modes": ["structure"]}),
+    *[
+        Row(
+            f"free benchmark: {handler}, {phase}, {scope}, {perturb}",
+            "probe",
+            {
+                "modes": ["free_benchmark"],
+                "options": {
+                    "perturb": perturb,
+                    "handler": handler,
+                    "phases": [phase],
+                    **({"ops": [f"*{scope}*"]} if scope != "all ops" else {}),
+                },
+            },
+            seed,
+        )
+        for handler, phase, scope, perturb, seed in (
+            ("check", "forward", "all ops", "improve_precision", "14.4x"),
+            ("check", "forward", "all ops", "bit_noise", "70.8x"),
+            ("check", "forward", "all ops", "no_change", "13.4x"),
+            ("check", "backward", "softmax", "improve_precision", "26x"),
+            ("fix", "forward", "softmax", "to_cpu", "40x"),
+        )
+    ],
+    Row(
+        "free benchmark: check, forward, add_noise (msprobe 8.3.3)",
+        "msprobe-fb",
+        {"pert_mode": "add_noise", "handler_type": "check", "fuzz_stage": "forward"},
+        peer_of="free benchmark: check, forward, add_noise",
+    ),
 ]
 
 
-def _peak_memory_mb(device: str) -> float:
-    if torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _prune_steps(out: Path, keep: int = 2) -> None:
+    """Delete all but the newest ``keep`` step directories of every parent under ``out``:
+    a dump of a 7B-wide layer writes about 11 GB a step, and the rows time the writing,
+    not the keeping."""
+    by_parent: dict[Path, list[tuple[int, Path]]] = {}
+    for path in out.rglob("step*"):
+        match = re.fullmatch(r"step(\d+)", path.name)
+        if match and path.is_dir():
+            by_parent.setdefault(path.parent, []).append((int(match.group(1)), path))
+    for steps in by_parent.values():
+        for _, path in sorted(steps)[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _timed(trainer: Trainer, around: Any = None) -> float:
@@ -142,17 +195,21 @@ class _ProbeSteps:
 
 
 class _MsprobeSteps:
+    """msprobe's PrecisionDebugger around each step: ``spec["task"]`` statistics or tensor
+    (26.x), or a free_benchmark block (8.3.3, whose spec holds the block's keys)."""
+
     def __init__(self, spec: dict[str, Any], trainer: Trainer, out: str) -> None:
         from msprobe.pytorch import PrecisionDebugger
 
-        config = {
-            "task": spec["task"],
-            "dump_path": out,
-            "rank": [],
-            "step": [],
-            "level": "L1",
-            spec["task"]: {"scope": [], "list": [], "data_mode": ["all"], "summary_mode": "statistics"},
-        }
+        task = spec.get("task", "free_benchmark")
+        block = {"scope": [], "list": []}
+        if task == "free_benchmark":
+            block.update(
+                fuzz_device="npu", fuzz_level="L1", if_preheat=False, preheat_step=15, max_sample=20, **spec
+            )
+        else:
+            block.update(data_mode=["all"], summary_mode="statistics")
+        config = {"task": task, "dump_path": out, "rank": [], "step": [], "level": "L1", task: block}
         path = Path(out) / "config.json"
         path.write_text(json.dumps(config))
         self.debugger = PrecisionDebugger(config_path=str(path))
@@ -182,7 +239,12 @@ class _DebugModeSteps:
         pass
 
 
-_RUNNERS = {"probe": _ProbeSteps, "msprobe": _MsprobeSteps, "debugmode": _DebugModeSteps}
+_RUNNERS = {
+    "probe": _ProbeSteps,
+    "msprobe": _MsprobeSteps,
+    "msprobe-fb": _MsprobeSteps,
+    "debugmode": _DebugModeSteps,
+}
 
 
 def child(workload: str, row_index: int, device: str, dtype: str, steps: int, quick: bool) -> dict[str, Any]:
@@ -201,7 +263,7 @@ def child(workload: str, row_index: int, device: str, dtype: str, steps: int, qu
             "mean_s": mean,
             "min_s": min(times),
             "max_s": max(times),
-            "memory_mb": _peak_memory_mb(device),
+            "memory_mb": peak_memory_mb(device),
             "throughput": work.units / mean,
             "unit": work.unit,
             "flops": flops,
@@ -210,7 +272,7 @@ def child(workload: str, row_index: int, device: str, dtype: str, steps: int, qu
             "peak_source": peak_source,
         }
     row = ROWS[row_index]
-    base_memory = _peak_memory_mb(device)
+    base_memory = peak_memory_mb(device)
     with tempfile.TemporaryDirectory() as out:
         runner = _RUNNERS[row.runner](row.spec, trainer, out)
         try:
@@ -222,6 +284,7 @@ def child(workload: str, row_index: int, device: str, dtype: str, steps: int, qu
                 else:
                     probed, base = _timed(trainer, runner), _timed(trainer)
                 pairs.append((base, probed))
+                _prune_steps(Path(out))
         finally:
             runner.close()
     ratios = [p / b for b, p in pairs[1:]]
@@ -231,16 +294,16 @@ def child(workload: str, row_index: int, device: str, dtype: str, steps: int, qu
         "ratio_max": max(ratios),
         "base_s": statistics.median(b for b, _ in pairs[1:]),
         "probed_s": statistics.median(p for _, p in pairs[1:]),
-        "memory_ratio": _peak_memory_mb(device) / base_memory,
+        "memory_ratio": peak_memory_mb(device) / base_memory,
     }
 
 
 # -- the parent: runs the children, writes the report -------------------------------------
 
 
-def _python_for(row: Row, msprobe_python: str | None) -> str | None:
-    if row.runner == "msprobe":
-        return msprobe_python
+def _python_for(row: Row, pythons: dict[str, str | None]) -> str | None:
+    if row.runner in pythons:
+        return pythons[row.runner]
     if row.runner == "debugmode":
         try:
             from torch.utils._debug_mode import DebugMode  # noqa: F401
@@ -272,11 +335,77 @@ def _run_child(python: str, args: argparse.Namespace, workload: str, row: int, s
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _default_msprobe_python() -> str | None:
-    for candidate in (os.environ.get("PROBE_MSPROBE_PYTHON"), str(REPO / ".venv-msprobe" / "bin" / "python")):
+def _default_python(variable: str, venv: str) -> str | None:
+    for candidate in (os.environ.get(variable), str(REPO / venv / "bin" / "python")):
         if candidate and Path(candidate).exists():
             return candidate
     return None
+
+
+def _ratio(r: dict[str, Any] | None) -> tuple[str, str]:
+    if r is None:
+        return "", ""
+    if "error" in r:
+        return r["error"], ""
+    return (
+        f"{r['ratio_median']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})",
+        f"{r['memory_ratio']:.2f}",
+    )
+
+
+def render(report: dict[str, Any]) -> str:
+    """The markdown of a report's results (``results/<device>.json``)."""
+    results = {(w, int(i)): r for w, i, r in report["results"]}
+    names = report["workloads"]
+    lines = [
+        f"# Performance report: {report['device']}, {report['dtype']}",
+        "",
+        f"Machine: `{report['machine']}`.",
+        f"Command: `{report['command']}`; {report['date']}.",
+        "",
+        f"Peers: {report['peers']}.",
+        "",
+        "## Baselines",
+        "",
+        "| workload | step time mean (min-max) | peak memory | throughput per device | MFU | peak used |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for w in names:
+        r = results.get((w, -1), {"error": "not run"})
+        if "error" in r:
+            lines.append(f"| {w} | failed: {r['error']} | | | | |")
+            continue
+        lines.append(
+            f"| {w} | {1e3 * r['mean_s']:.1f} ms ({1e3 * r['min_s']:.1f}-{1e3 * r['max_s']:.1f}) "
+            f"| {r['memory_mb']:.0f} MB | {r['throughput']:.1f} {r['unit']}/s | {100 * r['mfu']:.1f}% "
+            f"| {r['peak'] / 1e12:.2f} TFLOP/s, {r['peak_source']} |"
+        )
+    lines += [
+        "",
+        "## Modes, with the peers beside them",
+        "",
+        "Step-time ratio to the same baseline, per alternated step pair: median (min-max); peak "
+        "memory ratio. Peers ran in the same report, each in its own process. The seed column is "
+        "msprobe on Ascend from the seed reports (not a side-by-side measurement).",
+        "",
+        "| workload | configuration | x step time | x memory | peer | peer x step time | peer x memory "
+        "| seed (msprobe, Ascend) |",
+        "|---|---|---:|---:|---|---:|---:|---|",
+    ]
+    peers = {row.peer_of: i for i, row in enumerate(ROWS) if row.peer_of}
+    for w in names:
+        for i, row in enumerate(ROWS):
+            if row.peer_of or (w, i) not in results:
+                continue
+            ours = _ratio(results[(w, i)])
+            peer = peers.get(row.label)
+            theirs = _ratio(results.get((w, peer))) if peer is not None else ("", "")
+            peer_name = ROWS[peer].runner_name if peer is not None and (w, peer) in results else ""
+            lines.append(
+                f"| {w} | {row.label} | {ours[0]} | {ours[1]} | {peer_name} | {theirs[0]} | "
+                f"{theirs[1]} | {row.seed} |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,43 +421,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="two small workloads, one step pair per row (CI)"
     )
-    parser.add_argument("--msprobe-python", default=None, help="Python with mindstudio-probe (peer rows)")
-    parser.add_argument("--out", help="markdown file (default: benchmarks/results/<device>.md)")
+    parser.add_argument("--msprobe-python", default=None, help="Python with mindstudio-probe 26.x")
+    parser.add_argument(
+        "--msprobe-fb-python", default=None, help="Python with mindstudio-probe 8.3.3 (its free_benchmark)"
+    )
+    parser.add_argument("--out", help="markdown file (default: benchmarks/results/<device>.md, and .json)")
+    parser.add_argument("--render", help="re-render the markdown of a results .json, run nothing")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     steps = 1 if args.quick else args.steps
     if args.child:
-        print(
-            json.dumps(child(args.child[0], int(args.child[1]), args.device, args.dtype, steps, args.quick))
-        )
+        result = child(args.child[0], int(args.child[1]), args.device, args.dtype, steps, args.quick)
+        print(json.dumps(result))
+        return 0
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    if args.render:
+        print(render(json.loads(Path(args.render).read_text())), end="")
         return 0
     available = workloads(args.quick)
-    names = (
-        args.workloads.split(",")
-        if args.workloads
-        else (["llama-small", "resnet50"] if args.quick else list(available))
-    )
+    default = ["llama-small", "resnet50"] if args.quick else list(available)
+    names = args.workloads.split(",") if args.workloads else default
     unknown = [n for n in names if n not in available]
     if unknown:
         parser.error(f"--workloads: unknown {unknown}; known: {list(available)}")
-    msprobe_python = args.msprobe_python or _default_msprobe_python()
-    console = Console(width=None if sys.stdout.isatty() else 140)
-    lines = [
-        f"# Performance report: {args.device}, {args.dtype}",
-        "",
-        f"Machine: `{machine_line(args.device)}`.",
-        f"Command: `python -m benchmarks.report --device {args.device} --dtype {args.dtype}"
-        f"{' --quick' if args.quick else ''} --steps {steps}`; {time.strftime('%Y-%m-%d')}.",
-        "",
-        "Peers: msprobe "
-        + ("from " + msprobe_python if msprobe_python else "not installed (rows skipped)")
-        + "; torch DebugMode.",
-        "",
-    ]
+    pythons = {
+        "msprobe": args.msprobe_python or _default_python("PROBE_MSPROBE_PYTHON", ".venv-msprobe"),
+        "msprobe-fb": args.msprobe_fb_python
+        or _default_python("PROBE_MSPROBE_FB_PYTHON", ".venv-msprobe-fb"),
+    }
     jobs = [(w, -1) for w in names] + [
         (w, i) for w in names for i, row in enumerate(ROWS) if available[w].family in row.families
     ]
-    results: dict[tuple[str, int], dict[str, Any]] = {}
+    results: list[tuple[str, int, dict[str, Any]]] = []
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -339,51 +463,26 @@ def main(argv: list[str] | None = None) -> int:
     ) as progress:
         task = progress.add_task("report", total=len(jobs))
         for workload, row in jobs:
-            label = "baseline" if row < 0 else ROWS[row].label
-            progress.update(task, description=f"{workload}: {label}")
-            python = sys.executable if row < 0 else _python_for(ROWS[row], msprobe_python)
-            results[(workload, row)] = (
-                _run_child(python, args, workload, row, steps) if python else {"error": "not installed"}
-            )
+            progress.update(task, description=f"{workload}: {'baseline' if row < 0 else ROWS[row].label}")
+            python = sys.executable if row < 0 else _python_for(ROWS[row], pythons)
+            result = _run_child(python, args, workload, row, steps) if python else {"error": "not installed"}
+            results.append((workload, row, result))
             progress.advance(task)
-    lines += [
-        "## Baselines",
-        "",
-        "| workload | step time mean (min-max) | peak memory | throughput per device | MFU | peak used |",
-        "|---|---|---:|---:|---:|---|",
-    ]
-    for w in names:
-        r = results[(w, -1)]
-        if "error" in r:
-            lines.append(f"| {w} | failed: {r['error']} | | | | |")
-            continue
-        lines.append(
-            f"| {w} | {1e3 * r['mean_s']:.1f} ms ({1e3 * r['min_s']:.1f}-{1e3 * r['max_s']:.1f}) "
-            f"| {r['memory_mb']:.0f} MB | {r['throughput']:.1f} {r['unit']}/s | {100 * r['mfu']:.1f}% "
-            f"| {r['peak'] / 1e12:.2f} TFLOP/s, {r['peak_source']} |"
-        )
-    lines += [
-        "",
-        "## Modes and peers",
-        "",
-        "Step-time ratio to the baseline, per alternated step pair: median "
-        "(min-max); peak memory ratio. The seed column is msprobe on Ascend from the seed reports.",
-        "",
-        "| workload | configuration | x step time | x peak memory | seed (msprobe, Ascend) |",
-        "|---|---|---:|---:|---|",
-    ]
-    for workload, row in jobs:
-        if row < 0:
-            continue
-        r, spec = results[(workload, row)], ROWS[row]
-        if "error" in r:
-            lines.append(f"| {workload} | {spec.label} | {r['error']} | | {spec.seed} |")
-            continue
-        lines.append(
-            f"| {workload} | {spec.label} | {r['ratio_median']:.2f} ({r['ratio_min']:.2f}-"
-            f"{r['ratio_max']:.2f}) | {r['memory_ratio']:.2f} | {spec.seed} |"
-        )
-    text = "\n".join(lines) + "\n"
+    peers = [f"{name} from {python}" for name, python in pythons.items() if python]
+    report = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "machine": machine_line(args.device),
+        "command": f"python -m benchmarks.report --device {args.device} --dtype {args.dtype}"
+        f"{' --quick' if args.quick else ''} --steps {steps}",
+        "date": time.strftime("%Y-%m-%d"),
+        "workloads": names,
+        "results": results,
+        "peers": "; ".join([*peers, "torch DebugMode"])
+        if peers
+        else "msprobe not installed; torch DebugMode",
+    }
+    text = render(report)
     out = (
         Path(args.out)
         if args.out
@@ -392,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick or args.out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
-        console.print(f"report written to {out}")
+        out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+        console.print(f"report written to {out} (results in {out.with_suffix('.json')})")
     console.print(text, markup=False, highlight=False)
     return 0
 

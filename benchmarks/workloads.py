@@ -308,28 +308,30 @@ def workloads(quick: bool = False) -> dict[str, Workload]:
 def peak_flops(device: str, dtype_mode: str) -> tuple[float, str]:
     """The device's peak FLOP/s for the dtype, and where the figure comes from.
 
-    Accelerators: the vendor's dense figure from a table; the CPU: measured here,
-    the best of a few large matmuls (a practical peak, not a datasheet one).
+    GPUs in the table: the vendor's dense figure. Anything else (the CPU, an NPU,
+    another GPU): measured here, the best of five large matmuls (a practical
+    peak, not a datasheet one).
     """
-    device_type = torch.device(device).type
-    if device_type == "cuda":
+    kind = torch.device(device).type
+    if kind == "cuda":
         name = torch.cuda.get_device_name(torch.device(device))
         for key, table in _GPU_PEAKS.items():
             if key in name:
                 return table[dtype_mode], f"{name} datasheet (dense)"
-        return math.nan, f"{name}: no datasheet figure in the table"
-    dtype = {
-        "fp32": torch.float32,
-        "bf16": torch.bfloat16,
-        "fp16": torch.float16,
-        "autocast": torch.bfloat16,
-    }[dtype_mode]
-    n = 1024
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    # autocast's matmuls run in bf16 on the CPU and fp16 on GPUs; the peak is that dtype's.
+    low = torch.bfloat16 if kind == "cpu" else torch.float16
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "autocast": low}
+    dtype = dtypes[dtype_mode]
+    n = 1024 if kind == "cpu" else 8192
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     best = math.inf
     for _ in range(5):
+        if kind != "cpu":
+            torch.accelerator.synchronize()
         start = time.perf_counter()
         a @ b
+        if kind != "cpu":
+            torch.accelerator.synchronize()
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best, f"measured: best of 5 {n}x{n} {dtype_mode} matmuls"
 
