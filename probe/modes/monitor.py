@@ -114,17 +114,16 @@ class MonitorStep:
             return
         rows = self._rows
         numel = np.asarray(rows.numel, dtype=np.float64)
-        if rows.rows:
-            stacked = torch.stack([r.to(torch.float64) for r in rows.rows])
-            if self.mode.config.reduce_ranks:
-                counts = torch.tensor(numel, dtype=torch.float64, device=stacked.device)
-                reduced = self.mode.reduce_across_ranks(torch.cat([stacked, counts[:, None]], dim=1))
-                stacked, numel = reduced[:, :-1], None
-            raw = stacked.cpu().numpy() if numel is not None else reduced.cpu().numpy()  # the one transfer
-            if numel is None:
-                raw, numel = raw[:, :-1], raw[:, -1]
-        else:
+        if not rows.rows:
             raw = np.zeros((0, 7))
+        elif self.mode.config.reduce_ranks:
+            stacked = torch.stack([r.to(torch.float64) for r in rows.rows])
+            counts = torch.tensor(numel, dtype=torch.float64, device=stacked.device)
+            # Element counts are summed with the rest: the mean is over every rank's elements.
+            host = self.mode.reduce_across_ranks(torch.cat([stacked, counts[:, None]], dim=1)).cpu().numpy()
+            raw, numel = host[:, :-1], host[:, -1]
+        else:
+            raw = torch.stack([r.to(torch.float64) for r in rows.rows]).cpu().numpy()  # the step's one transfer
         self.values = finalize(raw, numel)
         self._add_update_ratios()
         self.anomalies = self.mode.detector.scan(self.step, self.mode.rank, rows.series, self.values)
