@@ -123,7 +123,8 @@ class MonitorStep:
             host = self.mode.reduce_across_ranks(torch.cat([stacked, counts[:, None]], dim=1)).cpu().numpy()
             raw, numel = host[:, :-1], host[:, -1]
         else:
-            raw = torch.stack([r.to(torch.float64) for r in rows.rows]).cpu().numpy()  # the step's one transfer
+            # The step's one transfer.
+            raw = torch.stack([r.to(torch.float64) for r in rows.rows]).cpu().numpy()
         self.values = finalize(raw, numel)
         self._add_update_ratios()
         self.anomalies = self.mode.detector.scan(self.step, self.mode.rank, rows.series, self.values)
