@@ -181,19 +181,26 @@ def _timed(trainer: Trainer, around: Any = None) -> float:
 
 
 class _ProbeSteps:
-    def __init__(self, spec: dict[str, Any], trainer: Trainer, out: str) -> None:
-        import probe
+    """A probe session around each instrumented step, in a directory of its own: a
+    session left open would trace the baseline steps too. Only the newest directory is
+    kept (a dump of the 7B-wide layer writes several GB a step)."""
 
-        options = dict(spec.get("options", {}))
-        self.session = probe.mode(spec["modes"], out=out, model=trainer.model, **options)
-        self.session.__enter__()
+    def __init__(self, spec: dict[str, Any], trainer: Trainer, out: str) -> None:
+        self.spec, self.model, self.out = spec, trainer.model, Path(out)
+        self.calls = 0
 
     def __call__(self, step: Any) -> None:
-        step()
-        self.session.step()
+        import probe
+
+        run = self.out / f"session{self.calls}"
+        with probe.mode(self.spec["modes"], out=run, model=self.model, **self.spec.get("options", {})) as s:
+            step()
+            s.step()
+        shutil.rmtree(self.out / f"session{self.calls - 1}", ignore_errors=True)
+        self.calls += 1
 
     def close(self) -> None:
-        self.session.__exit__(None, None, None)
+        pass
 
 
 class _MsprobeSteps:
@@ -388,7 +395,9 @@ def render(report: dict[str, Any]) -> str:
         "",
         "Step-time ratio to the same baseline, per alternated step pair: median (min-max); peak "
         "memory ratio. Peers ran in the same report, each in its own process. The seed column is "
-        "msprobe on Ascend from the seed reports (not a side-by-side measurement).",
+        "msprobe on Ascend from the seed reports (not a side-by-side measurement). Our rows open a "
+        "session around each instrumented step, so its set-up (run directory, writer thread) is in "
+        "the ratio, as msprobe's start/stop around each step is in its.",
         "",
         "| workload | configuration | x step time | x memory | peer | peer x step time | peer x memory "
         "| seed (msprobe, Ascend) |",
@@ -429,6 +438,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", help="markdown file (default: benchmarks/results/<device>.md, and .json)")
     parser.add_argument("--render", help="re-render the markdown of a results .json, run nothing")
+    parser.add_argument(
+        "--runners",
+        help="run only the rows of these runners (probe, msprobe, msprobe-fb, "
+        "debugmode); baselines always run",
+    )
+    parser.add_argument("--reuse", help="a results .json whose rows stand in for those not run now")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     steps = 1 if args.quick else args.steps
@@ -455,6 +470,17 @@ def main(argv: list[str] | None = None) -> int:
         (w, i) for w in names for i, row in enumerate(ROWS) if available[w].family in row.families
     ]
     results: list[tuple[str, int, dict[str, Any]]] = []
+    if args.runners:
+        runners = set(args.runners.split(","))
+        reused = (
+            {(w, int(i)): r for w, i, r in json.loads(Path(args.reuse).read_text())["results"]}
+            if args.reuse
+            else {}
+        )
+        for w, i in [(w, i) for w, i in jobs if i >= 0 and ROWS[i].runner not in runners]:
+            if (w, i) in reused:
+                results.append((w, i, reused[(w, i)]))
+        jobs = [(w, i) for w, i in jobs if i < 0 or ROWS[i].runner in runners]
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -476,7 +502,9 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "machine": machine_line(args.device),
         "command": f"python -m benchmarks.report --device {args.device} --dtype {args.dtype}"
-        f"{' --quick' if args.quick else ''} --steps {steps}",
+        f"{' --quick' if args.quick else ''} --steps {steps}"
+        + (f" --runners {args.runners}" if args.runners else "")
+        + (f" (other rows from {args.reuse})" if args.reuse else ""),
         "date": time.strftime("%Y-%m-%d"),
         "workloads": names,
         "results": results,
