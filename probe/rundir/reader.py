@@ -290,14 +290,7 @@ class Run:
         if step is None and rank is None:
             return [c for r in self.ranks for s in self.steps_of(r) for c in self.checks(s, r)]
         step, rank = self.resolve(step, rank)
-        path = self._step_path(step, rank) / layout.CHECKS_FILE
-        if not path.exists():
-            return []
-        try:
-            with open(path) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-        except (OSError, json.JSONDecodeError) as e:
-            raise ProbeError(f"cannot read {str(path)!r}: {e}") from None
+        rows = _read_jsonl(self._step_path(step, rank) / layout.CHECKS_FILE)
         return [
             CheckRecord(
                 step=step, rank=rank, op_index=row["op"], op_id=row["op_id"], name=row["name"],
@@ -338,14 +331,7 @@ class Run:
 
     def anomalies_of(self, step: int, rank: int) -> list[AnomalyRecord]:
         """The monitor's alerts of one step and rank, in detection order."""
-        path = self._step_path(step, rank) / layout.ANOMALIES_FILE
-        if not path.exists():
-            return []
-        try:
-            with open(path) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-        except (OSError, json.JSONDecodeError) as e:
-            raise ProbeError(f"cannot read {str(path)!r}: {e}") from None
+        rows = _read_jsonl(self._step_path(step, rank) / layout.ANOMALIES_FILE)
         for row in rows:
             for key in ("value", "baseline"):
                 if isinstance(row.get(key), str):
@@ -478,3 +464,14 @@ class Run:
 def load(path: str | Path) -> Run:
     """Open a run directory written by ``probe.mode(..., out=path)``."""
     return Run(path)
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The objects of a JSON-lines file of a step; none when the mode did not write it."""
+    if not path.exists():
+        return []
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except (OSError, json.JSONDecodeError) as e:
+        raise ProbeError(f"cannot read {str(path)!r}: {e}") from None
