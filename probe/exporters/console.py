@@ -72,9 +72,7 @@ def render_step(console: Console, summary: StepSummary) -> None:
         verdict = "[green]none[/green]" if not alerts else f"[red]{len(alerts)}[/red]"
         console.print(f"monitor: {summary.monitored} series, anomalies: {verdict}")
         for anomaly in alerts[:5]:
-            base = "" if anomaly.baseline is None else f" (baseline {anomaly.baseline:.4g})"
-            console.print(f"  [red]{anomaly.rule}[/red] {anomaly.module} {anomaly.metric} = "
-                          f"{anomaly.value:.4g}{base}")
+            console.print(f"  {anomaly.describe()}", style="red", markup=False, highlight=False)
         if len(alerts) > 5:
             console.print(f"  ... {len(alerts) - 5} more in anomalies.jsonl")
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from probe.modes.monitor_metrics import METRIC_COLUMNS
+from probe.rundir.reader import AnomalyRecord as Anomaly  # what the monitor writes is what load() reads
 
 if TYPE_CHECKING:
     from probe.modes.monitor_config import MonitorConfig
@@ -60,31 +61,13 @@ class Observation:
     metrics: Mapping[str, float]
 
 
-@dataclass(frozen=True)
-class Anomaly:
-    step: int
-    rank: int
-    module: str
-    metric: str
-    value: float
-    baseline: float | None
-    rule: str
-    kind: str
-    call: int = 0
-    reason: str = ""
-
-    def describe(self) -> str:
-        base = "" if self.baseline is None else f" (baseline {self.baseline:.4g})"
-        why = f": {self.reason}" if self.reason else ""
-        return (f"step {self.step} rank {self.rank} {self.rule}: {self.module} {self.metric} = "
-                f"{self.value:.4g}{base}{why}")
-
-    def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        for key in ("value", "baseline"):
-            if isinstance(out[key], float) and not math.isfinite(out[key]):
-                out[key] = repr(out[key])  # strict JSON has no NaN/Infinity
-        return out
+def anomaly_json(anomaly: Anomaly) -> dict[str, Any]:
+    """One line of ``anomalies.jsonl`` (strict JSON: a non-finite number is written as a string)."""
+    out = asdict(anomaly)
+    for key in ("value", "baseline"):
+        if isinstance(out[key], float) and not math.isfinite(out[key]):
+            out[key] = repr(out[key])
+    return out
 
 
 @dataclass

@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from probe.errors import ProbeError
-from probe.modes.anomaly import Anomaly, AnomalyDetector, Series
+from probe.modes.anomaly import Anomaly, AnomalyDetector, Series, anomaly_json
 from probe.modes.base import Mode
 from probe.modes.monitor_config import MONITOR_KEYS, MonitorConfig, Target, parse_monitor_options
 from probe.modes.monitor_metrics import METRIC_COLUMNS, adam_update_row, finalize, raw_row
@@ -162,7 +162,7 @@ class MonitorStep:
         for s, row in zip(series, values):
             lines.append(f"{s.kind},{s.name},{s.slot},{s.call}," + ",".join(repr(float(v)) for v in row))
         writer.write_text(layout.MONITOR_FILE, "\n".join(lines) + "\n")
-        writer.write_jsonl(layout.ANOMALIES_FILE, (a.to_json() for a in self.anomalies))
+        writer.write_jsonl(layout.ANOMALIES_FILE, (anomaly_json(a) for a in self.anomalies))
         if self.dumped:
             from safetensors.torch import save
 

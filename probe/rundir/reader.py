@@ -173,6 +173,12 @@ class AnomalyRecord:
     call: int = 0
     reason: str = ""
 
+    def describe(self) -> str:
+        base = "" if self.baseline is None else f" (baseline {self.baseline:.4g})"
+        why = f": {self.reason}" if self.reason else ""
+        return (f"step {self.step} rank {self.rank} {self.rule}: {self.module} {self.metric} = "
+                f"{self.value:.4g}{base}{why}")
+
 
 @dataclass
 class StepInfo:
