@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from probe.errors import ProbeError
+from probe.rundir import layout
+from probe.tracer.rank import current_rank, world_size
 
 PHASES = ("forward", "backward", "recompute", "optimizer")
 COMPILED_POLICIES = ("eager", "keep")
@@ -181,8 +183,9 @@ def parse_options(modes: Any, kwargs: dict[str, Any], mode_option_names: dict[st
                 f"unknown option {key!r} for mode(s) {list(mode_names)}; accepted options: {known}"
             )
     opts.mode_options = kwargs
-    if opts.out is not None:
-        check_out_dir(opts.out, opts.overwrite)
+    rank = current_rank()
+    if opts.out is not None and rank in opts.ranks:
+        check_out_dir(opts.out, opts.overwrite, rank, world_size())
     return opts
 
 
@@ -245,14 +248,24 @@ def _read_config(config: Any) -> dict[str, Any]:
     return data
 
 
-def check_out_dir(out: Path, overwrite: bool) -> None:
-    """Refuse an output location we could not (or should not) write."""
+def check_out_dir(out: Path, overwrite: bool, rank: int = 0, world: int = 1) -> None:
+    """Refuse an output location we could not (or should not) write.
+
+    In a job of several processes the other ranks write their own ``rankN``
+    directories (and ``run.json``) into the same place, possibly first: only this
+    rank's directory, or anything that is not a probe entry, makes it "not empty".
+    """
     if out.exists():
         if not out.is_dir():
             raise ProbeError(f"option 'out': {str(out)!r} exists and is not a directory")
-        if any(out.iterdir()) and not overwrite:
+        entries = [entry.name for entry in out.iterdir()]
+        if world > 1:
+            mine = layout.rank_dir(out, rank).name
+            entries = [e for e in entries if e == mine or not layout.is_probe_entry(e)]
+        if entries and not overwrite:
+            what = "is not empty" if world == 1 else f"already holds {sorted(entries)[:3]}"
             raise ProbeError(
-                f"option 'out': {str(out)!r} is not empty; choose an empty directory or pass overwrite=True"
+                f"option 'out': {str(out)!r} {what}; choose an empty directory or pass overwrite=True"
             )
         if not os.access(out, os.W_OK | os.X_OK):
             raise ProbeError(f"option 'out': {str(out)!r} is not writable")

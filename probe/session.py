@@ -34,7 +34,7 @@ from probe.rundir.writer import RunWriter
 from probe.tracer.compat import check_dispatch_features, compiled_regions_eager
 from probe.tracer.dispatch_mode import ProbeDispatchMode, Tracer
 from probe.tracer.op_call import RECORD_CALLSITE, RECORD_PHASE, OpRecordTuple
-from probe.tracer.rank import current_rank
+from probe.tracer.rank import current_rank, process_info
 
 _active: Session | None = None
 
@@ -93,12 +93,14 @@ class Session:
         if _active is not None:
             raise ProbeError("a probe session is already active; nest none inside another")
         check_dispatch_features()
-        rank = current_rank()
+        process = process_info()
+        rank = process["rank"]
+        self._check_collectives_on_every_rank(process["world_size"])
         tracer = Tracer(self.options, self.modes, rank)
         if rank in self.options.ranks:
             self._writer = RunWriter(
                 self.out,
-                rank,
+                process,
                 self.options.overwrite,
                 {
                     "probe_version": __version__,
@@ -119,7 +121,8 @@ class Session:
         if self._writer is not None and self.options.async_flush:
             self._background = BackgroundWriter(max_pending=1)
             stack.callback(self._background.close)
-        if any(mode.needs_ops for mode in self.modes):
+        # An unselected rank runs its steps untraced: no dispatch mode, no hooks.
+        if self._writer is not None and any(mode.needs_ops for mode in self.modes):
             tracer.modules.install()
             stack.callback(tracer.modules.uninstall)
             stack.enter_context(compiled_regions_eager(self.options.compiled))
@@ -152,6 +155,19 @@ class Session:
                     mode.close()
                 _active = None
                 self._tracer = self._exit_stack = None
+
+    def _check_collectives_on_every_rank(self, world: int) -> None:
+        """A mode that reduces across ranks each step would hang the job if only some ranks ran it."""
+        ranks = self.options.ranks.values
+        if world <= 1 or ranks is None or set(range(world)) <= ranks:
+            return
+        for mode in self.modes:
+            if mode.collective_each_step:
+                raise ProbeError(
+                    f"mode {mode.name!r} reduces across ranks every step, but option 'ranks' selects "
+                    f"{sorted(ranks)} of {world}: the other ranks would never join it; select every rank "
+                    "or turn the reduction off"
+                )
 
     # -- steps -----------------------------------------------------------------
 

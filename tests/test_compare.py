@@ -175,6 +175,7 @@ def test_ranks_are_compared_in_parallel_and_reported_per_rank(tmp_path, monkeypa
     for run, shifted_rank in (("a", None), ("b", 1)):
         for rank in (0, 1):
             monkeypatch.setenv("RANK", str(rank))
+            monkeypatch.setenv("WORLD_SIZE", "2")
             _record_rank(tmp_path / run, bias_shift=1e-3 if rank == shifted_rank else 0.0)
     report = probe.compare(tmp_path / "a", tmp_path / "b")
     assert {(s.step, s.rank) for s in report.steps} == {(0, 0), (0, 1)}
@@ -189,5 +190,5 @@ def _record_rank(out, bias_shift):
     model = Net()
     with torch.no_grad():
         model.mid.bias += bias_shift
-    with probe.mode(["stats", "dump"], out=out, model=model, overwrite=True):
+    with probe.mode(["stats", "dump"], out=out, model=model):  # each rank only its own directory
         model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).sum().backward()

@@ -301,9 +301,9 @@ def _reduce_worker(rank: int, world: int, out: str, port: int) -> None:
     try:
         torch.manual_seed(0)
         model = SharedBlockNet().eval()  # no dropout: the test recomputes the outputs
-        # overwrite=True: the other rank may have created the run directory already.
+        # No overwrite needed: each rank only checks its own rank directory.
         with probe.mode("monitor", out=out, model=model, targets={"head": {"output": "tensor"}},
-                        reduce_ranks=True, overwrite=True) as session:
+                        reduce_ranks=True) as session:
             x = torch.full((4, 8), float(rank + 1))  # rank 0 and rank 1 see different data
             model(x)
             session.step()

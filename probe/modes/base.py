@@ -36,6 +36,11 @@ class Mode:
     """False for modes that work from hooks alone: a session of only such modes
     enters no dispatch mode, so training pays nothing per op."""
 
+    @property
+    def collective_each_step(self) -> bool:
+        """Whether the mode joins a collective every step (then every rank must record)."""
+        return False
+
     def start(self, out: Path, rank: int) -> None:
         """The session starts writing this rank's files under ``out``."""
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from probe.devices import is_accelerator, record_event
 from probe.errors import ProbeError
 from probe.modes.base import Mode
 from probe.modes.registry import register_mode
@@ -199,8 +200,8 @@ class DumpMode(Mode):
 
     def _copy_out(self, t: torch.Tensor, storage: torch.UntypedStorage, lo: int, hi: int) -> int | None:
         assert self._writer is not None
-        on_device = t.device.type != "cpu"
-        pinned = on_device and torch.cuda.is_available()
+        on_device = is_accelerator(t.device)
+        pinned = on_device
         blob_id = self._next_blob
         taken = self._writer.take(blob_id, hi - lo, pinned)
         if taken is None:
@@ -209,10 +210,8 @@ class DumpMode(Mode):
         host, arena = taken
         source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage).narrow(0, lo, hi - lo)
         host.copy_(source, non_blocking=on_device)
-        if t.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record()
-            arena.events.append(ready)
+        if on_device:
+            arena.events.append(record_event(t.device))
         return blob_id
 
     # -- step end -----------------------------------------------------------------

@@ -181,6 +181,10 @@ class MonitorMode(Mode):
     option_names: ClassVar[frozenset[str]] = MONITOR_KEYS
     needs_ops: ClassVar[bool] = False
 
+    @property
+    def collective_each_step(self) -> bool:
+        return self.config.reduce_ranks
+
     def __init__(self, **options: Any) -> None:
         self.config: MonitorConfig = parse_monitor_options(options)
         self.detector = AnomalyDetector(self.config)

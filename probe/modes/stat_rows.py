@@ -18,7 +18,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from probe.devices import is_accelerator, record_event
 from probe.modes.tensor_stats import RAW_COLUMNS, TensorStats, as_real, compact_view
+from probe.npu import saturation_mode
 
 STAGE_MAX_NUMEL = 1 << 15
 """Tensors up to this many (compact) elements are staged."""
@@ -70,7 +72,7 @@ class PendingRows:
         self,
         sources: list[list[torch.Tensor] | StageChunk],
         rows: list[tuple[int, int, int, int]],
-        events: list[torch.cuda.Event],
+        events: list[torch.Event],
     ) -> None:
         self.sources, self.rows, self.events = sources, rows, events
 
@@ -98,10 +100,21 @@ class PendingRows:
 class StepRows:
     """Hands out a row id per reduced tensor and keeps the row until the step is written."""
 
-    def __init__(self, stats: TensorStats, stage: bool) -> None:
+    def __init__(self, stats: TensorStats, stage: bool, saturation: bool | str = "auto") -> None:
         self._stats = stats
         self._stage = stage
+        self._saturation = saturation
+        self._saturates: dict[torch.device, bool] = {}
         self._reset()
+
+    def _saturated(self, device: torch.device) -> bool:
+        """Whether overflow on ``device`` writes +-max (see ``probe.npu``); asked once per device."""
+        if isinstance(self._saturation, bool):
+            return self._saturation
+        known = self._saturates.get(device)
+        if known is None:
+            known = self._saturates[device] = saturation_mode(device)
+        return known
 
     def _reset(self) -> None:
         self._sources: list[list[torch.Tensor] | StageChunk] = []
@@ -119,6 +132,10 @@ class StepRows:
         numel = x.numel()
         if numel == 0:
             self._rows.append((-1, 0, 0, multiplicity))
+        elif self._saturation is not False and self._saturated(x.device):
+            # Staged chunks widen every dtype to one: +-max would no longer be recognisable.
+            self._rows.append((*self._append_device_row(self._stats.row(x, saturated=True)), numel,
+                               multiplicity))
         elif self._stage and numel <= STAGE_MAX_NUMEL and self._staged + numel <= STAGE_BUDGET_NUMEL:
             self._rows.append((*self._stage_into_chunk(x), numel, multiplicity))
             self._staged += numel
@@ -152,14 +169,12 @@ class StepRows:
         return source, len(rows) - 1
 
     def end_step(self) -> PendingRows:
-        """Hand the step's rows over and start afresh (no sync: CUDA work is marked by events)."""
+        """Hand the step's rows over and start afresh (no sync: accelerator work is marked by events)."""
         events = []
         devices = {key[0] for key in self._chunks} | set(self._device_rows)
         for device in devices:
-            if device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
-                events.append(event)
+            if is_accelerator(device):
+                events.append(record_event(device))
         pending = PendingRows(self._sources, self._rows, events)
         self._reset()
         return pending

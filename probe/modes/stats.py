@@ -42,15 +42,23 @@ class StatsMode(Mode):
     """Per-op tensor statistics, computed on device in fp32, one transfer per step."""
 
     name = "stats"
-    option_names = frozenset({"inputs", "stats_backend"})
+    option_names = frozenset({"inputs", "stats_backend", "saturation"})
 
-    def __init__(self, inputs: bool = False, stats_backend: str = "auto") -> None:
+    def __init__(
+        self, inputs: bool = False, stats_backend: str = "auto", saturation: bool | str = "auto"
+    ) -> None:
+        """``saturation``: count values at +-max of their dtype as Inf ("auto": on devices whose
+        overflow saturates, i.e. an Ascend NPU without inf/nan support; True: everywhere)."""
         if not isinstance(inputs, bool):
             raise ProbeError(f"option 'inputs': expected True or False, got {inputs!r}")
         if stats_backend not in BACKENDS:
             raise ProbeError(f"option 'stats_backend': {stats_backend!r} is not one of {list(BACKENDS)}")
+        if saturation not in (True, False, "auto"):
+            raise ProbeError(f"option 'saturation': expected True, False or 'auto', got {saturation!r}")
         self.inputs = inputs
-        self._rows = StepRows(TensorStats(stats_backend), stage=stats_backend == "auto")
+        self._rows = StepRows(
+            TensorStats(stats_backend), stage=stats_backend == "auto", saturation=saturation
+        )
         self._reset()
 
     def _reset(self) -> None:

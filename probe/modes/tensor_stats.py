@@ -134,9 +134,17 @@ class TensorStats:
             return False
         return self.backend == "compiled" or x.numel() >= COMPILED_MIN_NUMEL
 
-    def row(self, x: torch.Tensor) -> torch.Tensor:
-        """The raw row of a non-empty compact tensor (see :func:`compact_view`), on its device."""
+    def row(self, x: torch.Tensor, saturated: bool = False) -> torch.Tensor:
+        """The raw row of a non-empty compact tensor (see :func:`compact_view`), on its device.
+
+        ``saturated``: overflow on this device writes +-max of the dtype instead of
+        inf (Ascend NPU saturation mode), so values at +-max count as Inf.
+        """
         acc = accumulation_dtype(x.device)
+        if saturated and x.is_floating_point():
+            row = _eager_raw(x, acc)
+            at_max = (x.abs() == torch.finfo(x.dtype).max).sum().to(acc)
+            return row + torch.nn.functional.pad(at_max.reshape(1), (len(RAW_COLUMNS) - 1, 0))
         if self._use_compiled(x):
             flat = (x if x.is_contiguous() else x.contiguous()).view(-1)
             return _COMPILED(flat).to(acc)

@@ -13,6 +13,7 @@ FORMAT_NAME = "probe-run"
 FORMAT_VERSION = 1
 
 RUN_FILE = "run.json"
+RANK_FILE = "rank.json"
 MANIFEST_FILE = "manifest.json"
 OPS_FILE = "ops.jsonl"
 CALLSITES_FILE = "callsites.json"
@@ -72,5 +73,6 @@ def list_steps(out: Path, rank: int) -> tuple[list[int], list[int]]:
 
 
 def is_probe_entry(name: str) -> bool:
-    """Entries a run directory may hold (what ``overwrite=True`` may replace)."""
-    return name == RUN_FILE or _RANK_RE.fullmatch(name) is not None
+    """Entries a run directory may hold (``run.json``, its temporary files, rank directories)."""
+    return (name == RUN_FILE or _RANK_RE.fullmatch(name) is not None
+            or (name.startswith(f".{RUN_FILE}.") and name.endswith(".tmp")))

@@ -2,7 +2,8 @@
 
 Tensor lists are compact arrays (the tracer's tuples, see ``probe.tracer.op_call``):
 an input is ``[dtype, shape, source]`` where source is ``[producer index, output
-position, exact]`` or null; an output is ``[dtype, shape, mutated]``.
+position, exact]`` or null; an output is ``[dtype, shape, mutated]``. Collectives
+also carry ``group``: ``{"size", "name", "ranks"}`` of their process group.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from probe.tracer.op_call import OpRecordTuple
 
 
 def encode(record: OpRecordTuple) -> dict[str, Any]:
-    index, op_id, name, phase, module, call, stack, inputs, outputs, callsite = record
+    index, op_id, name, phase, module, call, stack, inputs, outputs, callsite, group = record
     row: dict[str, Any] = {
         "i": index,
         "id": op_id,
@@ -27,4 +28,7 @@ def encode(record: OpRecordTuple) -> dict[str, Any]:
     }
     if callsite is not None:
         row["site"] = callsite
+    if group is not None:
+        size, group_name, ranks = group
+        row["group"] = {"size": size, "name": group_name, "ranks": list(ranks)}
     return row

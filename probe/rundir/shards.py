@@ -95,7 +95,7 @@ class Arena:
         self.used = 0
         self.step = -1
         self.blobs: list[tuple[int, int, int]] = []  # (blob id, offset, nbytes)
-        self.events: list[torch.cuda.Event] = []
+        self.events: list[torch.Event] = []
 
     @property
     def capacity(self) -> int:

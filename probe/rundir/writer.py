@@ -101,19 +101,28 @@ class StepWriter:
 class RunWriter:
     """Creates the run directory and hands out one :class:`StepWriter` per step."""
 
-    def __init__(self, out: Path, rank: int, overwrite: bool, run_info: dict[str, Any]) -> None:
+    def __init__(
+        self, out: Path, process: dict[str, Any], overwrite: bool, run_info: dict[str, Any]
+    ) -> None:
+        """``process``: this rank's :func:`probe.tracer.rank.process_info`."""
         self.out = out
-        self.rank = rank
+        self.rank = rank = process["rank"]
         out.mkdir(parents=True, exist_ok=True)
         rank_path = layout.rank_dir(out, rank)
-        if overwrite and rank_path.exists():
-            shutil.rmtree(rank_path)
+        if overwrite:
+            # A single process replaces the whole run; a rank of a job only its own
+            # directory, as the other ranks are writing theirs.
+            replaced = layout.list_ranks(out) if process["world_size"] == 1 else [rank]
+            for old in replaced:
+                shutil.rmtree(layout.rank_dir(out, old), ignore_errors=True)
         rank_path.mkdir(exist_ok=True)
+        write_json_atomic(rank_path / layout.RANK_FILE, process)
         info = {
             "format": layout.FORMAT_NAME,
             "format_version": layout.FORMAT_VERSION,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "torch_version": torch.__version__,
+            "world_size": process["world_size"],
             **run_info,
         }
         write_json_atomic(out / layout.RUN_FILE, info)

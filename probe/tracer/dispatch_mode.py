@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from probe.modes.base import Mode
 from probe.options import Options
 from probe.tracer.call_sites import CallSites
+from probe.tracer.collectives import GroupCache, PendingCollectives, collective_outputs
 from probe.tracer.frames import Frame
 from probe.tracer.module_tracker import ModuleTracker
 from probe.tracer.op_call import OpCall, OpRecordTuple
@@ -85,6 +86,8 @@ class Tracer:
         self.recording = False
         self.records: list[OpRecordTuple] = []
         self.values = ValueIndex()
+        self.groups = GroupCache()
+        self.pending = PendingCollectives(self._finish)
         self._classes = OpClassCache()
         self._selected: dict[tuple[Any, str, str], bool] = {}
         self._ops_re = options.ops.regex
@@ -103,6 +106,9 @@ class Tracer:
         self.modules.enabled = active
 
     def end_step(self) -> list[OpRecordTuple]:
+        if self.pending:
+            with self.paused():
+                self.pending.drain()
         records = self.records
         self.recording = False
         self.modules.enabled = False
@@ -134,8 +140,35 @@ class Tracer:
             return func(*args, **kwargs)
         info = self._classes[func]
         if info.passthrough:
+            if info.region:
+                self._note_region(info, args)
             return func(*args, **kwargs)
+        if self.pending and not info.is_view:
+            return self._dispatch_reading_pending(func, info, args, kwargs)
+        return self._route(func, info, args, kwargs)
+
+    def _dispatch_reading_pending(self, func: Any, info: OpClass, args: tuple, kwargs: dict) -> Any:
+        """An op touches async collective results: their ``after`` runs before it reads them, or
+        after it when it completes them (``wait_tensor``; a backend's ``copy_`` of the result
+        into the output buffer). See ``probe.tracer.collectives``."""
+        taken = self.pending.take_read_by(tensors_in(args, kwargs))
+        if taken and PendingCollectives.completes(info):
+            out = self._route(func, info, args, kwargs)
+            self.pending.finish(taken)
+            return out
+        self.pending.finish(taken)
+        return self._route(func, info, args, kwargs)
+
+    def _note_region(self, info: OpClass, args: tuple) -> None:
+        if info.region > 0:
+            self.modules.enter_region(args[0] if args and isinstance(args[0], str) else "")
+        else:
+            self.modules.exit_region()
+
+    def _route(self, func: Any, info: OpClass, args: tuple, kwargs: dict) -> Any:
         phase, frame = self.modules.locate()
+        if self.modules.region is not None and phase != "optimizer":
+            frame = self.modules.region
         fqn = frame.origin.fqn
         route = (func, fqn, phase)
         selected = self._selected.get(route)
@@ -172,8 +205,13 @@ class Tracer:
         if phase in _NODE_CREATING_PHASES:
             self.modules.note_autograd_node(frame)
 
-        out_tensors = tensors_out(out)
-        written = self._written_args(info, args, kwargs) if info.mutates else ()
+        if info.is_collective:
+            # c10d schemas do not mark what they write: an output that is an argument was written.
+            out_tensors = collective_outputs(info, args, out)
+            written = [t for t in out_tensors if any(t is i for i in in_tensors)]
+        else:
+            out_tensors = tensors_out(out)
+            written = self._written_args(info, args, kwargs) if info.mutates else ()
         produced = self.values.produced
         fresh_kind = "view" if info.is_view else "fresh"
         outputs = []
@@ -190,14 +228,24 @@ class Tracer:
                 out_tensors.append(t)
         call.outputs = outputs
         call.output_tensors = out_tensors
+        group = None
+        if info.is_collective:
+            group = self.groups.of(info, args, kwargs)
+            if not self.pending.maybe_defer(call, out):
+                self._finish(call)
+        else:
+            self._finish(call)
+        self.records.append(
+            (index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack(),
+             tuple(inputs), tuple(outputs), callsite, group)
+        )
+        return out
+
+    def _finish(self, call: OpCall) -> None:
+        """The op's results are final: the modes see them, then the call lets go of its tensors."""
         for mode in self._after_modes:
             mode.after(call)
         call.release()
-        self.records.append(
-            (index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack(),
-             tuple(inputs), tuple(outputs), callsite)
-        )
-        return out
 
     @staticmethod
     def _written_args(info: OpClass, args: tuple, kwargs: dict) -> list[torch.Tensor]:

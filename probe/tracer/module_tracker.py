@@ -11,6 +11,7 @@ parameter, attributed to the module that owns it.
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ from torch import nn
 from probe.tracer.frames import Frame
 
 _ACCUMULATE_GRAD_SEQ = 2**64 - 1
+_FSDP_REGION = re.compile(r"FSDP::\w+ \((?P<fqn>[^()]*)\)|FSDP::\w+_prefetch for (?P<target>.+)")
 
 # Missing on old torch releases: compat.check_dispatch_features warns once, and
 # every op is then attributed as forward outside any backward node.
@@ -131,6 +133,9 @@ class ModuleTracker:
         self._seq_frames: dict[int, Frame] = {}
         self._optimizer: Frame | None = None
         self._optimizer_depth = 0
+        self._regions: list[Frame | None] = []
+        self.region: Frame | None = None
+        """The module frame an engine's ``record_function`` region speaks for, if any."""
 
     # -- hooks -----------------------------------------------------------------
 
@@ -204,6 +209,26 @@ class ModuleTracker:
         self._optimizer_depth -= 1
         if self._optimizer_depth == 0:
             self._optimizer = None
+
+    # -- engine regions --------------------------------------------------------
+
+    def enter_region(self, label: str) -> None:
+        """A ``record_function`` region opens. FSDP2 names the module a region works for
+        ("FSDP::post_backward_reduce (layers.0)", "FSDP::backward_prefetch for layers.1"):
+        its all-gathers and reduce-scatters run from hooks outside that module's own calls,
+        so they are attributed to the module's latest call instead."""
+        frame = None
+        if label.startswith("FSDP::"):
+            m = _FSDP_REGION.fullmatch(label)
+            if m is not None:
+                frame = self._last_call.get(m["fqn"] if m["fqn"] is not None else m["target"])
+        self._regions.append(frame)
+        self.region = frame if frame is not None else self.region
+
+    def exit_region(self) -> None:
+        if self._regions:
+            self._regions.pop()
+        self.region = next((f for f in reversed(self._regions) if f is not None), None)
 
     # -- per-op queries --------------------------------------------------------
 

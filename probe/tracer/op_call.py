@@ -25,14 +25,17 @@ Source = tuple[int, int, bool]
 InputMeta = tuple[str, tuple[int, ...], Source | None]
 OutputMeta = tuple[str, tuple[int, ...], bool]
 
+GroupMeta = tuple[int, str, tuple[int, ...]]
+"""A collective's process group: ``(size, group name, global ranks)``."""
+
 OpRecordTuple = tuple[
     int, str, str, str, str, int, tuple[str, ...], tuple[InputMeta, ...], tuple[OutputMeta, ...],
-    int | None,
+    int | None, GroupMeta | None,
 ]
 """What the tracer keeps of an op until the step is written:
 ``(index, op id, name, phase, module, module call, module stack, inputs, outputs,
-call site)``. Only strings, numbers and tuples of them: the garbage collector
-stops tracking such tuples, so a long step's records add little to its scans."""
+call site, process group)``. Only strings, numbers and tuples of them: the garbage
+collector stops tracking such tuples, so a long step's records add little to its scans."""
 RECORD_PHASE, RECORD_CALLSITE = 3, 9
 
 

@@ -35,10 +35,17 @@ _METADATA_ONLY = frozenset(
     }
 )
 _SKIPPED_NAMESPACES = frozenset({"profiler"})
+_REGION_MARKERS = {
+    "profiler._record_function_enter_new.default": 1,
+    "profiler._record_function_exit._RecordFunction": -1,
+}
 # Ops that return memory without defined contents: their outputs have no values to inspect.
 _UNINITIALIZED = frozenset(
     {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
 )
+# Non-aten ops returning a buffer whose contents are written later (FSDP2's
+# all-gather output, of which only this rank's shard is filled before the collective).
+_UNINITIALIZED_BUFFERS = frozenset({"fsdp.all_gather_copy_in.default"})
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"})
 
 
@@ -66,6 +73,10 @@ class OpClass:
     is_host_sync: bool
     uninitialized_output: bool = False
     """The op allocates without writing (``empty*``): its outputs hold garbage."""
+    region: int = 0
+    """``record_function`` markers: 1 opens a region, -1 closes one (see ModuleTracker.enter_region)."""
+    group_arg: int | None = None
+    """Collectives: position of the ``ProcessGroup`` (or functional ``group_name``) argument."""
 
     @property
     def mutates(self) -> bool:
@@ -91,10 +102,14 @@ def classify(func: torch._ops.OpOverload) -> OpClass:
     mutated_args: list[int] = []
     mutated_kwargs: list[str] = []
     any_tensor_arg = False
+    is_collective = ns in _COLLECTIVE_NAMESPACES
+    group_arg = None
     for i, arg in enumerate(schema.arguments):
         typ = str(arg.type)
         if "Tensor" in typ:
             any_tensor_arg = True
+        if is_collective and group_arg is None and ("ProcessGroup" in typ or arg.name == "group_name"):
+            group_arg = i
         alias = arg.alias_info
         if alias is not None and alias.is_write:
             if arg.kwarg_only:
@@ -117,9 +132,13 @@ def classify(func: torch._ops.OpOverload) -> OpClass:
         is_out=bool(mutated_kwargs) and func._overloadname.startswith("out"),
         is_factory=not any_tensor_arg,
         is_random=torch.Tag.nondeterministic_seeded in tags,
-        is_collective=ns in _COLLECTIVE_NAMESPACES,
+        is_collective=is_collective,
         is_host_sync=name == "aten._local_scalar_dense.default",
-        uninitialized_output=ns == "aten" and func._opname in _UNINITIALIZED,
+        uninitialized_output=(
+            (ns == "aten" and func._opname in _UNINITIALIZED) or name in _UNINITIALIZED_BUFFERS
+        ),
+        group_arg=group_arg,
+        region=_REGION_MARKERS.get(name, 0),
     )
 
 
