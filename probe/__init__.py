@@ -5,6 +5,7 @@ pluggable modes per op. The public interface is this module:
 
 - :func:`mode` starts a session (a context manager) over one or more modes;
 - :func:`load` opens a run directory it wrote;
+- :func:`check_consistency` checks that the ranks of a job agree on replicated values;
 - :func:`export_graph` writes a step's op graph for review (GraphML, DOT, JSON, Model Explorer);
 - :class:`ProbeError` is raised for bad options and unreadable input.
 """
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 
 from probe import modes as _modes  # noqa: F401  (registers the built-in modes)
 from probe.analysis.compare import Report, compare
+from probe.analysis.consistency import ConsistencyReport, check_consistency
 from probe.analysis.replay import replay, replay_step
 from probe.errors import ProbeError
 from probe.exporters.graph_export import export_graph
@@ -22,6 +24,7 @@ from probe.rundir.reader import OpRecord, Run, TensorRecord, load
 from probe.session import Session, mode
 
 __all__ = [
-    "AnomalyStop", "OpRecord", "ProbeError", "Report", "Run", "Session", "TensorRecord", "__version__",
-    "compare", "export_graph", "load", "mode", "register_cpu_reference", "replay", "replay_step",
+    "AnomalyStop", "ConsistencyReport", "OpRecord", "ProbeError", "Report", "Run", "Session",
+    "TensorRecord", "__version__", "check_consistency", "compare", "export_graph", "load", "mode",
+    "register_cpu_reference", "replay", "replay_step",
 ]

@@ -96,6 +96,21 @@ def _cmd_export(args: argparse.Namespace, console: Console) -> int:
     return EXIT_OK
 
 
+def _cmd_consistency(args: argparse.Namespace, console: Console) -> int:
+    import probe
+    from probe.analysis.consistency import check_consistency
+    from probe.exporters.console import render_consistency
+
+    run = probe.load(args.run)
+    if len(run.ranks) < 2:
+        raise ProbeError(f"{args.run!r} holds only rank(s) {run.ranks}: a consistency check needs two")
+    report = check_consistency(run, steps=_int_list(args.steps), tolerance=args.tolerance)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report.summary(), indent=1, default=repr))
+    render_consistency(console, report, limit=args.top)
+    return EXIT_OK if report.consistent else EXIT_CHECK_FAILED
+
+
 def _module_map(text: str | None) -> dict[str, str] | None:
     if not text:
         return None
@@ -237,6 +252,16 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--module-map", help="rename run B's modules: b_name=a_name,...")
     compare.add_argument("--fail-on-divergence", action="store_true", help="exit 1 if a divergence is found")
     compare.set_defaults(func=_cmd_compare)
+
+    consistency = sub.add_parser(
+        "consistency", help="check that ranks agree on replicated values (exit 1 if one differs)")
+    consistency.add_argument("run", help="run directory of a multi-rank job (mode stats)")
+    consistency.add_argument("--steps", help="comma-separated steps (default: all on two or more ranks)")
+    consistency.add_argument("--tolerance", type=float, default=0.0,
+                             help="relative difference still taken as equal (default 0: bit-identical)")
+    consistency.add_argument("-o", "--out", help="write the findings as JSON to this file")
+    consistency.add_argument("--top", type=int, default=10, help="disagreements to print (default 10)")
+    consistency.set_defaults(func=_cmd_consistency)
 
     graph = sub.add_parser("graph", help="write a step's op graph (GraphML, DOT, JSON, Model Explorer)")
     graph.add_argument("run", help="run directory")

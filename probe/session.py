@@ -26,6 +26,7 @@ from probe import __version__
 from probe.errors import ProbeError
 from probe.modes.base import Mode, StepResult
 from probe.modes.registry import MODES, mode_option_names
+from probe.npu import read_and_clear_overflow_flag
 from probe.options import Options, parse_options
 from probe.rundir import layout
 from probe.rundir.background import BackgroundWriter
@@ -221,6 +222,11 @@ class Session:
                 "seconds": round(time.perf_counter() - self._step_started, 6),
                 "torch_version": torch.__version__,
             }
+            if tracer.modules.names.parallel is not None:
+                manifest["parallel"] = tracer.modules.names.parallel
+            npu_overflow = read_and_clear_overflow_flag()
+            if npu_overflow is not None:
+                manifest["npu_overflow"] = npu_overflow
 
             def write() -> None:
                 self._write_step(step, records, results, used_sites, module_types, manifest)

@@ -294,6 +294,25 @@ class Report:
             counts[c.verdict] += 1
         return counts
 
+    def by_rank(self) -> list[dict[str, Any]]:
+        """Across ranks: per rank, the steps compared, verdict counts and its first divergence."""
+        out = []
+        for rank in sorted({s.rank for s in self.steps}):
+            steps = [s for s in self.steps if s.rank == rank]
+            counts = {PASS: 0, WARNING: 0, ERROR: 0, UNMATCHED: 0}
+            for c in (c for s in steps for c in s.comparisons):
+                counts[c.verdict] += 1
+            found = [s.divergence for s in steps if s.divergence is not None]
+            first = min(found, key=lambda d: d.step) if found else None
+            out.append({
+                "rank": rank, "steps": [s.step for s in steps], "counts": counts,
+                "first_divergence": None if first is None else {
+                    "step": first.step, "op_a": first.op_a.id, "name": first.op_a.name,
+                    "module": first.op_a.module, "message": first.comparison.message,
+                },
+            })
+        return out
+
     def overlay(self) -> dict[str, dict[str, Any]]:
         """Per step/rank, op id (run A) -> verdict and metrics, for the graph viewer."""
         out: dict[str, dict[str, Any]] = {}
@@ -311,7 +330,7 @@ class Report:
         return {
             "run_a": str(self.path_a), "run_b": str(self.path_b),
             "steps": sorted({s.step for s in self.steps}), "ranks": sorted({s.rank for s in self.steps}),
-            "counts": self.counts(), "missing": self.missing,
+            "counts": self.counts(), "missing": self.missing, "per_rank": self.by_rank(),
             "first_divergence": None if d is None else {
                 "step": d.step, "rank": d.rank, "op_a": d.op_a.id, "op_b": d.op_b.id if d.op_b else None,
                 "name": d.op_a.name, "module": d.op_a.module, "phase": d.op_a.phase,

@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from probe.analysis.compare import Report
+from probe.analysis.consistency import ConsistencyReport, check_consistency
 from probe.analysis.summary import Extreme, StepSummary
 from probe.options import PHASES
 from probe.rundir.reader import OpRecord, Run
@@ -84,6 +85,8 @@ def render_run(console: Console, run: Run, summaries: list[StepSummary]) -> None
         render_step(console, summary)
     for step, rank in run.unfinished_steps:
         console.print(f"[red]step {step} rank {rank}: flush never finished (the process died)[/red]")
+    if len(run.ranks) > 1:
+        render_consistency(console, check_consistency(run), limit=3)
 
 
 def render_compare(console: Console, report: Report, out: str | None) -> None:
@@ -104,8 +107,36 @@ def render_compare(console: Console, report: Report, out: str | None) -> None:
         if len(d.chain) > 1:
             console.print(f"  propagates through {len(d.chain) - 1} ops: " + ", ".join(d.chain[1:6])
                           + (" ..." if len(d.chain) > 6 else ""))
+    per_rank = report.by_rank()
+    if len(per_rank) > 1:
+        table = Table(title="per rank", title_justify="left", show_edge=False, pad_edge=False)
+        for column in ("rank", "steps", "pass", "warning", "error", "unmatched", "first divergence"):
+            table.add_column(column, justify="left" if column == "first divergence" else "right",
+                             overflow="fold")
+        for row in per_rank:
+            first = row["first_divergence"]
+            label = "[green]none[/green]" if first is None else f"step {first['step']} {first['op_a']}"
+            table.add_row(str(row["rank"]), str(len(row["steps"])), *(str(v) for v in row["counts"].values()),
+                          label)
+        console.print(table)
     if out:
         console.print(f"reports in {out}: report.csv, report.json, report.html, overlay.json")
+
+
+def render_consistency(console: Console, report: ConsistencyReport, limit: int = 10) -> None:
+    """The cross-rank consistency check: its verdict, then the disagreements, earliest first."""
+    for note in report.notes:
+        console.print(f"[yellow]{note}[/yellow]")
+    if len(report.ranks) < 2:
+        return
+    verdict = ("[green]consistent[/green]" if report.consistent
+               else f"[red]{len(report.findings)} disagreement(s)[/red]")
+    console.print(f"cross-rank consistency over ranks {report.ranks}, steps {report.steps}: "
+                  f"{report.checked} replicated outputs compared, {verdict}")
+    for finding in report.findings[:limit]:
+        console.print(f"  {finding.describe()}", style="red", markup=False, highlight=False)
+    if len(report.findings) > limit:
+        console.print(f"  ... {len(report.findings) - limit} more")
 
 
 def render_replay(console: Console, results: list[dict], skipped: int = 0) -> None:

@@ -151,7 +151,7 @@ class DumpMode(Mode):
                 self._entries.append((call.index, INPUT, position, *self._capture(t)))
 
     def after(self, call: OpCall) -> None:
-        if not self._dump_outputs or call.info.uninitialized_output:
+        if not self._dump_outputs or call.uninitialized:
             return
         for position, t in enumerate(call.output_tensors or ()):
             written = call.outputs[position][2]

@@ -88,7 +88,7 @@ class StatsMode(Mode):
                 self._index.append((call.index, INPUT, position, row))
 
     def after(self, call: OpCall) -> None:
-        if call.info.uninitialized_output:
+        if call.uninitialized:
             return
         outputs = call.output_tensors or ()
         inputs = call.input_tensors or ()

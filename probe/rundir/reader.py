@@ -86,6 +86,8 @@ class OpRecord:
     outputs: list[TensorRecord]
     stack: list[str] | None = None
     """Python call site, outermost frame first (when recorded with ``stack=True``)."""
+    group: dict[str, Any] | None = None
+    """Collectives: their process group, ``{"size", "name", "ranks"}`` (global ranks)."""
 
     @property
     def inputs_finite(self) -> bool | None:
@@ -251,6 +253,12 @@ class Run:
         return sorted(
             (s, r) for r, (_, unfinished) in self._steps_by_rank.items() for s in unfinished
         )
+
+    def process(self, rank: int) -> dict[str, Any]:
+        """What rank ``rank`` recorded about its process (``rank.json``): world size, backend,
+        host, pid, device; empty for runs written before it existed."""
+        path = layout.rank_dir(self.path, rank) / layout.RANK_FILE
+        return self._read_json(path) if path.exists() else {}
 
     def step_info(self, step: int, rank: int = 0) -> StepInfo:
         key = (step, rank)
@@ -439,6 +447,7 @@ class Run:
                     ],
                     outputs=[TensorRecord(d, tuple(s), mutated=bool(m)) for d, s, m in row["out"]],
                     stack=sites.get(str(row["site"])) if "site" in row else None,
+                    group=row.get("group"),
                 )
             )
         self._attach_stats(directory, records, [row["in"] for row in rows])

@@ -86,6 +86,8 @@ class Tracer:
         self.recording = False
         self.records: list[OpRecordTuple] = []
         self.values = ValueIndex()
+        self._unwritten: set[int] = set()
+        """Indices of this step's ops whose outputs are memory nothing has written yet."""
         self.groups = GroupCache()
         self.pending = PendingCollectives(self._finish)
         self._classes = OpClassCache()
@@ -100,6 +102,7 @@ class Tracer:
         self.rank = rank
         self.records = []
         self.values.clear()
+        self._unwritten: set[int] = set()
         self.modules.reset_step()
         active = step in self.options.steps and rank in self.options.ranks
         self.recording = active
@@ -196,6 +199,10 @@ class Tracer:
         op_id = f"{phase}:{origin.key}:{info.name}:{n}"
         callsite = self.call_sites.capture(origin.fqn) if self.call_sites is not None else None
         call = OpCall(index, op_id, info, phase, frame, inputs, in_tensors, args, kwargs, callsite, func)
+        if info.is_view and inputs and (src := inputs[0][2]) is not None and src[0] in self._unwritten:
+            call.uninitialized = True  # a view into an ``empty`` buffer nothing has written yet
+        if call.uninitialized:
+            self._unwritten.add(index)
         for mode in self._before_modes:
             mode.before(call)
         if self._replacer is not None:

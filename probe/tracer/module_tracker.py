@@ -41,6 +41,16 @@ def _in_checkpoint_recompute() -> bool:
     return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
 
 
+def _parallel_layout(root: nn.Module) -> str | None:
+    if isinstance(root, nn.parallel.DistributedDataParallel):
+        return "replicated"
+    dtensor = getattr(torch.distributed, "tensor", None)
+    dtensor_type = getattr(dtensor, "DTensor", None) if dtensor is not None else None
+    if dtensor_type is not None and any(isinstance(p, dtensor_type) for p in root.parameters()):
+        return "sharded"
+    return None
+
+
 class ModuleNames:
     """``module -> FQN`` from the configured roots, or from the first module called."""
 
@@ -51,6 +61,9 @@ class ModuleNames:
         """FQN -> module class name (for exports that name modules by class)."""
         self._auto_root = roots is None
         self._roots = 0
+        self.parallel: str | None = None
+        """How the roots hold their parameters across ranks: "replicated" (DDP),
+        "sharded" (DTensor parameters: FSDP2, tensor parallel) or None (not known)."""
         if isinstance(roots, nn.Module):
             self.add_root(roots, "")
         elif isinstance(roots, dict):
@@ -59,6 +72,7 @@ class ModuleNames:
 
     def add_root(self, root: nn.Module, prefix: str) -> None:
         self._roots += 1
+        self.parallel = _parallel_layout(root) or self.parallel
         for name, module in root.named_modules(remove_duplicate=False):
             fqn = f"{prefix}.{name}" if prefix and name else (prefix or name)
             self._names.setdefault(module, fqn)
@@ -80,6 +94,8 @@ class ModuleNames:
             # modules outside its tree (a loss module, say) are named by class.
             self.add_root(module, "" if self._roots == 0 else type(module).__name__)
             return self._names[module]
+        if isinstance(module, nn.parallel.DistributedDataParallel):  # a wrapper around model=
+            self.parallel = "replicated"
         base = parent.fqn if parent is not None else ""
         fqn = f"{base}.{type(module).__name__}" if base else type(module).__name__
         self.types.setdefault(fqn, type(module).__name__)

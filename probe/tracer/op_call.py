@@ -44,7 +44,7 @@ class OpCall:
 
     __slots__ = (
         "args", "callsite", "frame", "func", "index", "info", "input_tensors", "inputs", "kwargs",
-        "op_id", "output_tensors", "outputs", "phase",
+        "op_id", "output_tensors", "outputs", "phase", "uninitialized",
     )
 
     def __init__(
@@ -76,6 +76,8 @@ class OpCall:
         self.output_tensors: list[torch.Tensor] | None = None
         self.args: tuple[Any, ...] = args
         self.kwargs: dict[str, Any] | None = kwargs
+        self.uninitialized = info.uninitialized_output
+        """The outputs hold memory nothing wrote yet (``empty``, or a view of such memory)."""
 
     @property
     def name(self) -> str:
