@@ -31,6 +31,8 @@ from probe.tracer.op_class import OpClass
 
 _WAIT_OPS = frozenset({"_c10d_functional.wait_tensor.default"})
 _PURE_WRITES = frozenset({"copy_", "fill_", "zero_"})
+# Wraps the pending result (in an AsyncCollectiveTensor) without reading it.
+_NOT_READS = frozenset({"_c10d_functional._wrap_tensor_autograd.default"})
 _NO_OUTPUT = frozenset({"send", "barrier", "monitored_barrier_", "isend"})
 
 
@@ -171,6 +173,11 @@ class PendingCollectives:
                 for t in deferred.call.output_tensors or ():
                     torch.ops._c10d_functional.wait_tensor(t)
             self._finish(deferred.call)
+
+    @staticmethod
+    def may_read(info: OpClass) -> bool:
+        """Whether an op may read (or complete) a pending result: not views, not wrappers."""
+        return not info.is_view and info.name not in _NOT_READS
 
     @staticmethod
     def completes(info: OpClass) -> bool:

@@ -146,7 +146,7 @@ class Tracer:
             if info.region:
                 self._note_region(info, args)
             return func(*args, **kwargs)
-        if self.pending and not info.is_view:
+        if self.pending and PendingCollectives.may_read(info):
             return self._dispatch_reading_pending(func, info, args, kwargs)
         return self._route(func, info, args, kwargs)
 
