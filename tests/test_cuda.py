@@ -107,3 +107,31 @@ def test_cuda_statistics_match_a_cpu_recomputation(tmp_path):
             assert out.stats["mean"] == pytest.approx(tensor.mean().item(), rel=1e-4, abs=1e-6), op.id
             checked += 1
     assert checked > 100
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_nccl_available(),
+                    reason="needs NCCL")
+def test_nccl_all_reduce_statistics_are_taken_after_the_wait(tmp_path):
+    """A one-rank NCCL group: the all-reduce runs on NCCL's stream; its statistics must be
+    of the reduced value (the wait orders the current stream after it), not of a later write."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda:0"))
+    try:
+        t = torch.full((1 << 20,), 2.0, device="cuda")
+        with probe.mode("stats", out=tmp_path / "r") as session:
+            work = dist.all_reduce(t, async_op=True)
+            work.wait()
+            t.mul_(3)
+            dist.all_reduce(t)  # synchronous form
+            t.add_(1)
+            session.step()
+        torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group()
+    run = probe.load(tmp_path / "r")
+    reduced = [op for op in run.ops() if op.name == "c10d.allreduce_.default"]
+    assert [op.outputs[0].stats["max"] for op in reduced] == [2.0, 6.0]
+    assert all(op.group == {"size": 1, "name": op.group["name"], "ranks": [0]} for op in reduced)
+    assert run.process(0)["backend"] == "nccl" and run.process(0)["device"] == "cuda:0"

@@ -191,3 +191,13 @@ def test_a_rank_writes_beside_the_other_ranks_but_not_over_its_own_directory(mon
     assert probe.load(tmp_path / "r").ranks == [0, 1]
     with pytest.raises(probe.ProbeError, match="rank0"):
         probe.mode("stats", out=tmp_path / "r")
+
+
+def test_an_unselected_rank_runs_its_steps_untraced(monkeypatch, tmp_path):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with probe.mode("stats", out=tmp_path / "r", ranks=[0]) as session:
+        assert torch._C._len_torch_dispatch_stack() == 0  # no dispatch mode: nothing per op
+        torch.ones(3).exp()
+        session.step()
+    assert not (tmp_path / "r").exists()
