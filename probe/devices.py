@@ -3,11 +3,17 @@
 Every accelerator torch knows (CUDA, Ascend NPU through ``torch_npu``, XPU, ...)
 is driven through ``torch.accelerator``, ``torch.Event`` and ``torch.Stream``;
 nothing in the probe names a device type other than "cpu" outside this module.
+Releases older than torch 2.6 lack ``torch.accelerator``: there CUDA's own API
+stands in.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+_accelerator: Any = getattr(torch, "accelerator", None)
 
 
 def is_accelerator(device: torch.device) -> bool:
@@ -15,20 +21,23 @@ def is_accelerator(device: torch.device) -> bool:
     return device.type not in ("cpu", "meta")
 
 
-def has_accelerator() -> bool:
-    """Whether this process has an accelerator (CUDA, NPU, ...) to run on."""
-    return torch.accelerator.is_available()
+def current_device() -> torch.device | None:
+    """The accelerator this process computes on (``cuda:0``, ``npu:3``), or None."""
+    if _accelerator is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    if not _accelerator.is_available():
+        return None
+    kind = _accelerator.current_accelerator().type
+    return torch.device(kind, _accelerator.current_device_index())
 
 
-def record_event(device: torch.device) -> torch.Event:
+def record_event(device: torch.device) -> Any:
     """An event recorded on the current stream of ``device``: waiting on it waits for
     the work queued there so far, and nothing else."""
+    if _accelerator is None or not hasattr(torch, "Event"):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event
     event = torch.Event(device=device)
-    event.record(torch.accelerator.current_stream(device))
+    event.record(_accelerator.current_stream(device))
     return event
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the work queued on ``device`` (a no-op on the CPU)."""
-    if is_accelerator(device):
-        torch.accelerator.synchronize(device)

@@ -15,6 +15,8 @@ and ``PendingRows.to_host`` (writer thread) is the step's transfer.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -72,7 +74,7 @@ class PendingRows:
         self,
         sources: list[list[torch.Tensor] | StageChunk],
         rows: list[tuple[int, int, int, int]],
-        events: list[torch.Event],
+        events: list[Any],
     ) -> None:
         self.sources, self.rows, self.events = sources, rows, events
 

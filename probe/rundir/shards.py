@@ -35,6 +35,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -95,7 +96,7 @@ class Arena:
         self.used = 0
         self.step = -1
         self.blobs: list[tuple[int, int, int]] = []  # (blob id, offset, nbytes)
-        self.events: list[torch.Event] = []
+        self.events: list[Any] = []
 
     @property
     def capacity(self) -> int:

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from probe.devices import current_device
+
 
 def _initialized() -> bool:
     dist = torch.distributed
@@ -48,7 +50,7 @@ def process_info() -> dict[str, Any]:
         "pid": os.getpid(),
         "backend": torch.distributed.get_backend() if _initialized() else None,
     }
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if accelerator is not None:
-        info["device"] = f"{accelerator.type}:{torch.accelerator.current_device_index()}"
+    device = current_device()
+    if device is not None:
+        info["device"] = str(device)
     return info
