@@ -199,7 +199,7 @@ class Session:
         assert tracer is not None
         step = tracer.step
         with tracer.paused():
-            records = tracer.end_step()
+            records = tracer.end_step(wait=complete)
             ended = [(mode, mode.end_step(step)) for mode in self.modes]
             results = [(mode.name, result) for mode, result in ended]
             # Per-op modes have nothing without op records; hook-based ones say so themselves.

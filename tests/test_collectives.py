@@ -74,3 +74,24 @@ def test_an_all_gather_into_a_list_records_every_output(group, tmp_path):
     gather = _only(probe.load(tmp_path / "r"), "c10d.allgather_.default")
     assert len(gather.outputs) == 1
     assert (gather.outputs[0].stats["min"], gather.outputs[0].stats["max"]) == (-3.0, 1.0)
+
+
+def test_a_failing_step_does_not_wait_for_collectives_in_flight(group, tmp_path):
+    # A functional collective's result waits for wait_tensor, which never comes here.
+    in_flight = []
+    with pytest.raises(RuntimeError, match="boom"), probe.mode("stats", out=tmp_path / "r"):
+        in_flight.append(torch.ops._c10d_functional.all_reduce(torch.arange(4.0), "sum", group.group_name))
+        raise RuntimeError("boom")
+    torch.ops._c10d_functional.wait_tensor(in_flight[0])  # the program's own clean-up
+    run = probe.load(tmp_path / "r")
+    assert not run.step_info(0).complete
+    reduce = _only(run, "_c10d_functional.all_reduce.default")
+    assert reduce.outputs[0].stats is None  # never read: its peers may have died
+
+
+def test_a_functional_result_nothing_waits_for_is_waited_for_at_the_step_end(group, tmp_path):
+    with probe.mode("stats", out=tmp_path / "r") as session:
+        torch.ops._c10d_functional.all_reduce(torch.arange(4.0), "sum", group.group_name)
+        session.step()
+    reduce = _only(probe.load(tmp_path / "r"), "_c10d_functional.all_reduce.default")
+    assert reduce.outputs[0].stats["max"] == 3.0

@@ -162,6 +162,12 @@ class PendingCollectives:
             self._by_storage.pop(key, None)
         self._finish(deferred.call)
 
+    def abandon(self) -> None:
+        """The step failed: let go of the deferred calls without reading their outputs."""
+        for deferred in {id(d): d for d in self._by_storage.values()}.values():
+            deferred.call.release()
+        self._by_storage.clear()
+
     def drain(self) -> None:
         """End of step: wait for what nothing read, then finish it."""
         remaining = list({id(d): d for d in self._by_storage.values()}.values())

@@ -108,10 +108,15 @@ class Tracer:
         self.recording = active
         self.modules.enabled = active
 
-    def end_step(self) -> list[OpRecordTuple]:
+    def end_step(self, wait: bool = True) -> list[OpRecordTuple]:
+        """Hand over the step's records. ``wait=False`` (the step raised): async collectives
+        still in flight are dropped unread rather than waited for, as their peers may be gone."""
         if self.pending:
             with self.paused():
-                self.pending.drain()
+                if wait:
+                    self.pending.drain()
+                else:
+                    self.pending.abandon()
         records = self.records
         self.recording = False
         self.modules.enabled = False
