@@ -57,6 +57,8 @@ class Disagreement:
     """What makes the value replicated: "all-reduce result", "parameter update (DDP)", ..."""
     output: int | None
     """Output position; None when the rank did not run the op at all."""
+    shape: tuple[int, ...] | None
+    """The output's shape (helps tell which parameter an optimizer op updated)."""
     stat: str | None
     """The first statistic that differs (``min``, ``max``, ``mean``, ``norm``, ``nan``, ``inf``)."""
     value: float | None
@@ -70,7 +72,8 @@ class Disagreement:
         agree = ",".join(map(str, self.reference_ranks))
         if self.output is None:
             return f"{where} was not run on this rank; ranks {agree} ran it"
-        return (f"{where} output {self.output} {self.stat} = {self.value!r}; "
+        shape = "x".join(map(str, self.shape or ())) or "scalar"
+        return (f"{where} output {self.output} ({shape}) {self.stat} = {self.value!r}; "
                 f"ranks {agree} hold {self.reference!r}")
 
 
@@ -187,7 +190,7 @@ def _check_step(run: Run, step: int, ranks: list[int], replicated_params: bool, 
         if missing and ran:
             for r in missing:
                 found.append((position, Disagreement(step, r, op.id, op.name, op.module, op.phase, why,
-                                                     None, None, None, None, tuple(ran))))
+                                                     None, None, None, None, None, tuple(ran))))
         for output in range(len(op.outputs)):
             values = {r: key for r in ran if (key := _stat_key(present[r], output)) is not None}
             if len(values) < 2:
@@ -200,8 +203,8 @@ def _check_step(run: Run, step: int, ranks: list[int], replicated_params: bool, 
                     continue
                 i = _first_differing_stat(value, reference, tolerance)
                 found.append((position, Disagreement(
-                    step, r, op.id, op.name, op.module, op.phase, why, output, COMPARED_STATS[i],
-                    value[i], reference[i], tuple(agree))))
+                    step, r, op.id, op.name, op.module, op.phase, why, output, op.outputs[output].shape,
+                    COMPARED_STATS[i], value[i], reference[i], tuple(agree))))
     found.sort(key=lambda item: (item[0], item[1].rank))
     report.findings.extend(d for _, d in found)
 
