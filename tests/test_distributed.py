@@ -18,6 +18,7 @@ import torch.distributed as dist
 import probe
 from probe.analysis.consistency import check_consistency
 from probe.cli import main
+from probe.exporters.graph_formats import read_graphml
 
 WORKER = Path(__file__).parent / "distributed" / "worker.py"
 JOB_TIMEOUT_S = 240
@@ -93,13 +94,15 @@ def test_ddp_gradient_all_reduce_is_recorded_in_backward_with_its_group_and_resu
             assert producer_a.outputs[0].stats != producer_b.outputs[0].stats
 
 
-def test_ddp_ranks_are_consistent(ddp):
+def test_ddp_ranks_are_consistent(ddp, capsys):
     out, _ = ddp
     report = check_consistency(probe.load(out))
     assert report.consistent, [f.describe() for f in report.findings]
     assert report.steps == [0, 1]
     assert report.checked > 20  # all-reduce results and every parameter update
     assert main(["consistency", str(out)]) == 0
+    assert main(["summary", str(out)]) == 0
+    assert "consistent" in capsys.readouterr().out
 
 
 def test_a_desynchronised_rank_is_named_by_the_consistency_check(ddp_desync, capsys):
@@ -159,6 +162,11 @@ def test_fsdp2_collectives_are_attributed_to_their_modules(tmp_path):
     assert report.consistent and report.checked >= len(gathers)
     other = {op.id: op for op in _ops(run, 1, 1, "c10d._reduce_scatter_base_.default")}
     assert any(op.outputs[0].stats != other[op.id].outputs[0].stats for op in scatters)
+    # The op graph carries the group for review, through GraphML too.
+    path = probe.export_graph(out, tmp_path / "g.graphml", "graphml", step=1, rank=0, phase="backward")[0]
+    graph = read_graphml(path)
+    grouped = {data["name"] for _, data in graph.nodes(data=True) if data.get("group")}
+    assert grouped == {"c10d._allgather_base_.default", "c10d._reduce_scatter_base_.default"}
 
 
 def test_a_rank_filter_records_only_the_selected_ranks_without_hanging(tmp_path):

@@ -43,6 +43,7 @@ def _node_attrs(op: OpRecord) -> dict:
         "norm": _largest([t.stats["norm"] if t.stats else None for t in outputs]),
         "nonfinite": None if all(t.nonfinite is None for t in outputs)
         else sum(t.nonfinite or 0 for t in outputs),
+        "group": op.group,  # collectives: {"size", "name", "ranks"} of their process group
     }
 
 

@@ -162,17 +162,19 @@ class PendingCollectives:
             self._by_storage.pop(key, None)
         self._finish(deferred.call)
 
+    def _take_all(self) -> list[_Deferred]:
+        remaining = list({id(d): d for d in self._by_storage.values()}.values())
+        self._by_storage.clear()
+        return remaining
+
     def abandon(self) -> None:
         """The step failed: let go of the deferred calls without reading their outputs."""
-        for deferred in {id(d): d for d in self._by_storage.values()}.values():
+        for deferred in self._take_all():
             deferred.call.release()
-        self._by_storage.clear()
 
     def drain(self) -> None:
         """End of step: wait for what nothing read, then finish it."""
-        remaining = list({id(d): d for d in self._by_storage.values()}.values())
-        self._by_storage.clear()
-        for deferred in remaining:
+        for deferred in self._take_all():
             if deferred.work is not None:
                 deferred.work.wait()
             else:

@@ -102,7 +102,7 @@ class Tracer:
         self.rank = rank
         self.records = []
         self.values.clear()
-        self._unwritten: set[int] = set()
+        self._unwritten.clear()
         self.modules.reset_step()
         active = step in self.options.steps and rank in self.options.ranks
         self.recording = active
