@@ -23,9 +23,8 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
-from benchmarks.overhead import machine_line
+from benchmarks.overhead import machine_line, print_measures
 
 
 def _dump(out: Path, quick: bool, shift: float) -> None:
@@ -95,16 +94,7 @@ def main(argv: list[str] | None = None) -> int:
          f"{gbs / args.threads:.2f} / {warm_gbs / args.threads:.2f} GB/s"),
         ("first divergence", report.divergence.op_a.id if report.divergence else "none"),
     ]
-    table = Table(title="compare throughput", title_justify="left")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
-    if args.markdown:
-        print("\n| measure | value |\n|---|---:|")
-        for name, value in rows:
-            print(f"| {name} | {value} |")
+    print_measures(console, "compare throughput", rows, args.markdown)
     return 0
 
 

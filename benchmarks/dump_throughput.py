@@ -33,9 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
-from benchmarks.overhead import machine_line
+from benchmarks.overhead import machine_line, print_measures
 
 CHUNK = 64 << 20
 
@@ -218,16 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         ("run.tensor() random access", f"{access['median_ms']:.2f} ms median, "
                                        f"{access['mb_per_s']:.0f} MB/s ({access['samples']} tensors)"),
     ]
-    table = Table(title="dump throughput", title_justify="left")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
-    if args.markdown:
-        print("\n| measure | value |\n|---|---:|")
-        for name, value in rows:
-            print(f"| {name} | {value} |")
+    print_measures(console, "dump throughput", rows, args.markdown)
     return 0
 
 

@@ -302,6 +302,20 @@ def markdown_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def print_measures(console: Console, title: str, rows: Sequence[tuple[str, str]], markdown: bool) -> None:
+    """A two-column "measure | value" table on the console, and in markdown when asked."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    if markdown:
+        print("\n| measure | value |\n|---|---:|")
+        for name, value in rows:
+            print(f"| {name} | {value} |")
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from benchmarks.overhead import machine_line, peak_memory_mb
 from benchmarks.workloads import DTYPE_MODES, Trainer, peak_flops, workloads
+from probe.exporters.console import progress_bar
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -481,14 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             if (w, i) in reused:
                 results.append((w, i, reused[(w, i)]))
         jobs = [(w, i) for w, i in jobs if i < 0 or ROWS[i].runner in runners]
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
+    with progress_bar(console) as progress:
         task = progress.add_task("report", total=len(jobs))
         for workload, row in jobs:
             progress.update(task, description=f"{workload}: {'baseline' if row < 0 else ROWS[row].label}")

@@ -14,9 +14,9 @@ import warnings
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from probe.errors import ProbeError
+from probe.exporters.console import progress_bar
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -46,14 +46,7 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
         modes, out=out, overwrite=args.overwrite, stack=args.stack, model=training.model, **monitor
     )
     console.print(f"training the built-in tiny LLaMA for {args.steps} steps under {modes} -> {out}")
-    with Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
+    with progress_bar(console, "[progress.description]{task.description}") as progress:
         task = progress.add_task("steps", total=args.steps)
 
         def on_step(step: int, loss: float) -> None:
@@ -124,8 +117,7 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     import probe
     from probe.exporters.console import render_compare
 
-    with Progress(TextColumn("comparing"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
+    with progress_bar(console, "comparing") as bar:
         task = bar.add_task("compare", total=None)
         report = probe.compare(
             args.run_a, args.run_b, steps=_int_list(args.steps), ranks=_int_list(args.ranks),
@@ -198,8 +190,7 @@ def _cmd_replay(args: argparse.Namespace, console: Console) -> int:
     if args.op_id is None:
         run = probe.load(args.run)
         total = len(run.ops(step, rank))
-        with Progress(TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=True) as progress:
+        with progress_bar(console, "replaying") as progress:
             task = progress.add_task("replay", total=total)
             results = probe.replay_step(run, step, rank, device=args.device, dtype=dtype,
                                         progress=lambda: progress.advance(task))

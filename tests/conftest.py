@@ -87,3 +87,20 @@ def train_steps(model: nn.Module, steps: int, session=None, seed: int = 0, optim
         if session is not None:
             session.step()
     return losses, grads
+
+
+def train_under(session_factory, seed: int, checkpointed: bool = True):
+    """Two training steps of a fresh SharedBlockNet, under ``session_factory(model)`` (None: no probe).
+
+    Returns ``(losses, last gradients, parameters, CPU RNG state)`` for transparency checks.
+    """
+    torch.manual_seed(seed)
+    model = SharedBlockNet(checkpointed=checkpointed)
+    session = session_factory(model)
+    if session is None:
+        losses, grads = train_steps(model, 2)
+    else:
+        with session:
+            losses, grads = train_steps(model, 2, session=session)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, grads, params, torch.get_rng_state()

@@ -12,7 +12,7 @@ import probe
 from probe import ProbeError
 from probe.rundir import layout, shards
 from probe.rundir.call_args import decode_args
-from tests.conftest import SharedBlockNet, train_steps
+from tests.conftest import SharedBlockNet, train_steps, train_under
 
 DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16,
@@ -95,22 +95,13 @@ def test_each_storage_is_written_once_per_step_and_inplace_values_are_kept(tmp_p
 
 
 def test_training_is_bitwise_identical_with_the_dump(tmp_path):
-    def run(session_factory):
-        torch.manual_seed(7)
-        model = SharedBlockNet(checkpointed=True)
-        session = session_factory(model)
-        if session is None:
-            losses, grads = train_steps(model, 2)
-        else:
-            with session:
-                losses, grads = train_steps(model, 2, session=session)
-        return losses, grads, torch.get_rng_state()
-
-    plain = run(lambda m: None)
-    dumped = run(lambda m: probe.mode(["stats", "dump"], out=tmp_path / "r", model=m, checksum=True))
+    plain = train_under(lambda m: None, seed=7)
+    dumped = train_under(
+        lambda m: probe.mode(["stats", "dump"], out=tmp_path / "r", model=m, checksum=True), seed=7
+    )
     assert all(torch.equal(a, b) for a, b in zip(plain[0], dumped[0]))
     assert all(torch.equal(plain[1][k], dumped[1][k]) for k in plain[1])
-    assert torch.equal(plain[2], dumped[2])
+    assert torch.equal(plain[3], dumped[3])
     run_dir = probe.load(tmp_path / "r")
     assert run_dir.steps == [0, 1] and run_dir.dump(1).complete
 

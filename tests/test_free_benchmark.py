@@ -12,7 +12,7 @@ from probe import ProbeError
 from probe.demo.model import TinyLlama, synthetic_batch
 from probe.modes import free_benchmark as fb
 from probe.modes.perturbations import PERTURBATIONS
-from tests.conftest import SharedBlockNet, train_steps
+from tests.conftest import SharedBlockNet, train_steps, train_under
 
 
 @torch.library.custom_op("probetest::sloppy_square", mutates_args=())
@@ -29,20 +29,10 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("perturb", PERTURBATIONS)
 def test_check_mode_is_bitwise_transparent(tmp_path, perturb):
-    def run(session_factory):
-        torch.manual_seed(3)
-        model = SharedBlockNet(checkpointed=True)
-        session = session_factory(model)
-        if session is None:
-            losses, grads = train_steps(model, 2)
-        else:
-            with session:
-                losses, grads = train_steps(model, 2, session=session)
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        return losses, grads, params, torch.get_rng_state()
-
-    plain = run(lambda m: None)
-    checked = run(lambda m: probe.mode("free_benchmark", out=tmp_path / "r", model=m, perturb=perturb))
+    plain = train_under(lambda m: None, seed=3)
+    checked = train_under(
+        lambda m: probe.mode("free_benchmark", out=tmp_path / "r", model=m, perturb=perturb), seed=3
+    )
     assert all(torch.equal(a, b) for a, b in zip(plain[0], checked[0]))
     for name in plain[1]:
         assert torch.equal(plain[1][name], checked[1][name]), name

@@ -7,20 +7,11 @@ import torch
 
 import probe
 from probe.demo.train import DemoTraining, train
-from tests.conftest import SharedBlockNet, train_steps
+from tests.conftest import train_under
 
 
 def _run(session_factory, checkpointed: bool):
-    torch.manual_seed(1234)
-    model = SharedBlockNet(checkpointed=checkpointed)
-    session = session_factory(model)
-    if session is None:
-        losses, grads = train_steps(model, 2)
-    else:
-        with session:
-            losses, grads = train_steps(model, 2, session=session)
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return losses, grads, params, torch.get_rng_state()
+    return train_under(session_factory, seed=1234, checkpointed=checkpointed)
 
 
 def _assert_bitwise_equal(a, b):

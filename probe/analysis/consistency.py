@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from probe.errors import ProbeError
-from probe.rundir.reader import OpRecord, Run
+from probe.rundir.reader import OpRecord, Run, load
 
 COMPARED_STATS = ("min", "max", "mean", "norm", "nan", "inf")
 # Collectives whose result is the same on every rank of their group.
@@ -218,8 +218,6 @@ def check_consistency(run: Run | str, steps: list[int] | None = None, tolerance:
     are the same on every rank (DDP), so that optimizer updates are compared too;
     by default what the run recorded (a DDP-wrapped model).
     """
-    from probe.rundir.reader import load
-
     run = load(run) if isinstance(run, str) else run
     if tolerance < 0 or not math.isfinite(tolerance):
         raise ProbeError(f"tolerance must be a finite number >= 0, got {tolerance!r}")

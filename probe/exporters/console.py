@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from probe.analysis.compare import Report
@@ -10,6 +11,12 @@ from probe.analysis.consistency import ConsistencyReport, check_consistency
 from probe.analysis.summary import Extreme, StepSummary
 from probe.options import PHASES
 from probe.rundir.reader import OpRecord, Run
+
+
+def progress_bar(console: Console, label: str = "{task.description}") -> Progress:
+    """The progress bar of long commands: label, bar, done/total, elapsed; gone when done."""
+    return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True)
 
 
 def _fmt(value: float | None) -> str:

@@ -416,28 +416,23 @@ class _ModuleWatcher:
         if not self.mode._collecting or not self.mode.config.xy or _in_backward():
             return
         self._current = self._call_index()
-        spec = self.slots.get("input")
-        if spec is not None and self.forward:
-            t = spec.select(args)
-            if t is not None:
-                self.mode._record("activation", self.fqn, "input", self._current, t)
-        spec = self.slots.get("input_grad")
-        if spec is not None and self.backward:
-            t = spec.select(args)
-            if t is not None and t.requires_grad:
-                t.register_hook(self._grad_hook("input_grad", self._current))
+        self._capture(args, "input")
 
     def after(self, module: nn.Module, args: tuple, output: Any) -> None:
         if not self.mode._collecting or not self.mode.config.xy or _in_backward():
             return
-        spec = self.slots.get("output")
+        self._capture(output, "output")
+
+    def _capture(self, value: Any, slot: str) -> None:
+        """Record the ``slot`` ("input"/"output") tensor now and hook its gradient for ``slot_grad``."""
+        spec = self.slots.get(slot)
         if spec is not None and self.forward:
-            t = spec.select(output)
+            t = spec.select(value)
             if t is not None:
-                self.mode._record("activation", self.fqn, "output", self._current, t)
-        spec = self.slots.get("output_grad")
+                self.mode._record("activation", self.fqn, slot, self._current, t)
+        spec = self.slots.get(f"{slot}_grad")
         if spec is not None and self.backward:
-            t = spec.select(output)
+            t = spec.select(value)
             if t is not None and t.requires_grad:
-                t.register_hook(self._grad_hook("output_grad", self._current))
+                t.register_hook(self._grad_hook(f"{slot}_grad", self._current))
 

@@ -117,10 +117,9 @@ class PendingCollectives:
 
     def __init__(self, finish: Callable[[OpCall], None]) -> None:
         self._finish = finish
-        self._by_storage: dict[int, _Deferred] = {}
-
-    def __bool__(self) -> bool:
-        return bool(self._by_storage)
+        self.in_flight: dict[int, _Deferred] = {}
+        """Storage pointer -> the deferred collective writing it (empty: nothing in flight;
+        the tracer tests it for every op, so a plain dict, not a method)."""
 
     def maybe_defer(self, call: OpCall, out: Any) -> bool:
         """Defer ``call``'s ``after`` if its outputs are not final yet; whether it was deferred."""
@@ -136,21 +135,21 @@ class PendingCollectives:
             return False
         deferred = _Deferred(call, storages, work)
         for key in storages:
-            earlier = self._by_storage.get(key)
+            earlier = self.in_flight.get(key)
             if earlier is not None:  # a second collective into the same buffer: the first is done
                 self._resolve(earlier)
-            self._by_storage[key] = deferred
+            self.in_flight[key] = deferred
         return True
 
     def take_read_by(self, inputs: list[torch.Tensor]) -> list[_Deferred]:
         """The deferred collectives whose results ``inputs`` read (removed from the pending set)."""
         taken: list[_Deferred] = []
         for t in inputs:
-            found = self._by_storage.get(_storage_key(t))  # type: ignore[arg-type]
+            found = self.in_flight.get(_storage_key(t))  # type: ignore[arg-type]
             if found is not None and found not in taken:
                 taken.append(found)
                 for key in found.storages:
-                    self._by_storage.pop(key, None)
+                    self.in_flight.pop(key, None)
         return taken
 
     def finish(self, taken: list[_Deferred]) -> None:
@@ -159,12 +158,12 @@ class PendingCollectives:
 
     def _resolve(self, deferred: _Deferred) -> None:
         for key in deferred.storages:
-            self._by_storage.pop(key, None)
+            self.in_flight.pop(key, None)
         self._finish(deferred.call)
 
     def _take_all(self) -> list[_Deferred]:
-        remaining = list({id(d): d for d in self._by_storage.values()}.values())
-        self._by_storage.clear()
+        remaining = list({id(d): d for d in self.in_flight.values()}.values())
+        self.in_flight.clear()
         return remaining
 
     def abandon(self) -> None:

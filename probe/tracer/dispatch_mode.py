@@ -111,7 +111,7 @@ class Tracer:
     def end_step(self, wait: bool = True) -> list[OpRecordTuple]:
         """Hand over the step's records. ``wait=False`` (the step raised): async collectives
         still in flight are dropped unread rather than waited for, as their peers may be gone."""
-        if self.pending:
+        if self.pending.in_flight:
             with self.paused():
                 if wait:
                     self.pending.drain()
@@ -151,7 +151,7 @@ class Tracer:
             if info.region:
                 self._note_region(info, args)
             return func(*args, **kwargs)
-        if self.pending and PendingCollectives.may_read(info):
+        if self.pending.in_flight and PendingCollectives.may_read(info):
             return self._dispatch_reading_pending(func, info, args, kwargs)
         return self._route(func, info, args, kwargs)
 
