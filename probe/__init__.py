@@ -16,7 +16,7 @@ from probe import modes as _modes  # noqa: F401  (registers the built-in modes)
 from probe.analysis.compare import Report, compare
 from probe.analysis.consistency import ConsistencyReport, check_consistency
 from probe.analysis.replay import replay, replay_step
-from probe.errors import ProbeError
+from probe.errors import ProbeError, ProbeWarning, warn_once
 from probe.exporters.graph_export import export_graph
 from probe.modes.cpu_reference import register_cpu_reference
 from probe.modes.monitor import AnomalyStop
@@ -24,7 +24,7 @@ from probe.rundir.reader import OpRecord, Run, TensorRecord, load
 from probe.session import Session, mode
 
 __all__ = [
-    "AnomalyStop", "ConsistencyReport", "OpRecord", "ProbeError", "Report", "Run", "Session",
+    "AnomalyStop", "ConsistencyReport", "OpRecord", "ProbeError", "ProbeWarning", "Report", "Run", "Session",
     "TensorRecord", "__version__", "check_consistency", "compare", "export_graph", "load", "mode",
-    "register_cpu_reference", "replay", "replay_step",
+    "register_cpu_reference", "replay", "replay_step", "warn_once",
 ]

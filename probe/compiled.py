@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from probe.tracer.compat import default_compile_stance, warn_once
+from probe.errors import warn_once
+from probe.tracer.compat import default_compile_stance
 
 COMPILABLE_DEVICES = ("cpu", "cuda")
 

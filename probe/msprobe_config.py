@@ -13,8 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from probe.errors import ProbeError
-from probe.tracer.compat import warn_once
+from probe.errors import ProbeError, warn_once
 
 # msprobe task -> probe modes (and options the task implies)
 _TASKS: dict[str, tuple[list[str], dict[str, Any]]] = {

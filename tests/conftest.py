@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from probe.tracer.compat import ProbeWarning
+from probe.errors import ProbeWarning
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 import probe
 from probe import ProbeError
-from probe.tracer.compat import ProbeWarning
+from probe.errors import ProbeWarning
 from tests.conftest import SharedBlockNet, train_steps
 
 ALL_SLOTS = {"input": "tuple[1]:0", "output": "tensor", "input_grad": "tuple[1]:0", "output_grad": "tensor"}

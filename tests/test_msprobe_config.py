@@ -9,8 +9,8 @@ import torch
 
 import probe
 from probe import ProbeError
+from probe.errors import ProbeWarning
 from probe.msprobe_config import from_msprobe
-from probe.tracer.compat import ProbeWarning
 
 # msprobe 26.x's packaged default config
 DEFAULT = {

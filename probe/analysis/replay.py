@@ -20,8 +20,8 @@ from probe.analysis.metrics import tensor_metrics
 from probe.errors import ProbeError
 from probe.rundir.call_args import decode_args
 from probe.rundir.reader import OpRecord, Run
-from probe.tracer.dispatch_mode import tensors_in, tensors_out
 from probe.tracer.op_class import classify, resolve_op
+from probe.tracer.op_tensors import results_of
 
 
 @dataclass
@@ -71,10 +71,7 @@ def _replay(run: Run, op: OpRecord, device: torch.device, dtype: torch.dtype | N
               for i in range(len(op.inputs))]
     args, kwargs = decode_args(dump.call(op.index), inputs.__getitem__, device=device)
     out = func(*args, **kwargs)
-    results = tensors_out(out)
-    if info.mutates:  # written arguments the op does not return are results too
-        written = tensors_in([args[i] for i in info.mutated_args if i < len(args)], {})
-        results += [t for t in written if not any(t is r for r in results)]
+    results = results_of(info, args, kwargs, out)
     compared = []
     for position, result in enumerate(results[: len(op.outputs)]):
         expected = run.tensor(op.id, "output", position, op.step, op.rank)

@@ -25,7 +25,6 @@ bound is the larger of the default and twice the largest deviation it showed.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,9 +44,10 @@ from probe.modes.perturbations import (
 from probe.modes.registry import register_mode
 from probe.rundir import layout
 from probe.rundir.writer import StepWriter
-from probe.tracer.dispatch_mode import dtype_name, tensors_out
+from probe.tracer.dispatch_mode import dtype_name
 from probe.tracer.op_call import OpCall
 from probe.tracer.op_class import OpClass
+from probe.tracer.op_tensors import results_of, written_tensors
 
 HANDLERS = ("check", "fix")
 PASS, FAIL, SKIP = "pass", "fail", "skip"
@@ -164,7 +164,7 @@ class FreeBenchmarkMode(Mode):
         self._counts[info.name] += 1
         # Written arguments change when the op runs: the perturbed run needs them as they were.
         self._snapshots[call.index] = {
-            id(t): t.detach().clone() for t in _mutated_tensors(info, call.args, call.kwargs or {})
+            id(t): t.detach().clone() for t in written_tensors(info, call.args, call.kwargs)
         }
 
     def after(self, call: OpCall) -> None:
@@ -241,9 +241,7 @@ class FreeBenchmarkMode(Mode):
         func = call.func
         reference = cpu_reference(call.info.name) if target_device is not None else None
         out = (reference or func)(*args, **kwargs)
-        results = tensors_out(out)
-        if call.info.mutates:  # the written copies are the results of in-place and out= ops
-            results += _written(call.info, args, kwargs, results)
+        results = results_of(call.info, args, kwargs, out)  # written copies included
         delta = max((d for d in deltas if isinstance(d, float)), default=0.0)
         tensor_deltas = [d for d in deltas if isinstance(d, torch.Tensor)]
         if tensor_deltas:
@@ -256,22 +254,6 @@ class FreeBenchmarkMode(Mode):
         result = ChecksStep(self, step, self._pending, self._results)
         self._reset()
         return result
-
-
-def _mutated_tensors(info: OpClass, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
-    """The tensors an op writes, through tensor lists too (``_foreach_*_`` ops write lists)."""
-    written = [args[i] for i in info.mutated_args if i < len(args)]
-    written += [kwargs[k] for k in info.mutated_kwargs if k in kwargs]
-    flat: list[torch.Tensor] = []
-    for value in written:
-        values = value if isinstance(value, (list, tuple)) else [value]
-        flat += [v for v in values if isinstance(v, torch.Tensor)]
-    return flat
-
-
-def _written(info: OpClass, args: list[Any], kwargs: dict[str, Any], results: list[torch.Tensor]
-             ) -> list[torch.Tensor]:
-    return [t for t in _mutated_tensors(info, args, kwargs) if not any(t is r for r in results)]
 
 
 class ChecksStep:

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from probe.errors import ProbeError
+from probe.errors import ProbeError, warn_once
 from probe.modes.anomaly import Anomaly, AnomalyDetector, Series, anomaly_json
 from probe.modes.base import Mode
 from probe.modes.monitor_config import MONITOR_KEYS, MonitorConfig, Target, parse_monitor_options
@@ -48,7 +48,6 @@ from probe.modes.monitor_metrics import METRIC_COLUMNS, adam_update_row, finaliz
 from probe.modes.registry import register_mode
 from probe.rundir import layout
 from probe.rundir.writer import StepWriter
-from probe.tracer.compat import warn_once
 
 log = logging.getLogger("probe.monitor")
 

@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from probe.errors import ProbeError
-from probe.tracer.compat import warn_once
+from probe.errors import ProbeError, warn_once
 
 SLOTS = ("input", "output", "input_grad", "output_grad")
 METRICS = ("min", "max", "mean", "norm", "zeros", "nans")

@@ -26,8 +26,8 @@ from probe.errors import ProbeError
 from probe.modes.base import Mode
 from probe.modes.free_benchmark import eligible
 from probe.modes.registry import register_mode
-from probe.tracer.dispatch_mode import tensors_in, tensors_out
 from probe.tracer.op_call import OpCall
+from probe.tracer.op_tensors import results_of, written_tensors
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -54,8 +54,7 @@ class UpcastMode(Mode):
         if not eligible(call.info) or not any(self._low(t) for t in call.input_tensors or ()):
             return
         info = call.info
-        written = {id(call.args[i]) for i in info.mutated_args if i < len(call.args)}
-        written |= {id(call.kwargs[k]) for k in info.mutated_kwargs if call.kwargs and k in call.kwargs}
+        written = {id(t) for t in written_tensors(info, call.args, call.kwargs)}
         self._snapshots[call.index] = {
             id(t): self._shadow_or_upcast(t).clone() for t in call.input_tensors or () if id(t) in written
         }
@@ -82,11 +81,7 @@ class UpcastMode(Mode):
 
         args = [convert(a) for a in call.args]
         kwargs = {k: convert(v) for k, v in (call.kwargs or {}).items()}
-        results = tensors_out(call.func(*args, **kwargs))
-        if call.info.mutates:
-            written = [args[i] for i in call.info.mutated_args if i < len(args)]
-            written += [kwargs[k] for k in call.info.mutated_kwargs if k in kwargs]
-            results += [t for t in tensors_in(written, {}) if not any(t is r for r in results)]
+        results = results_of(call.info, args, kwargs, call.func(*args, **kwargs))
         # An in-place op's version is bumped once after its dispatch returns.
         bump = 1 if call.info.mutates and not call.info.name.startswith("aten._foreach") else 0
         for position, original in enumerate(call.output_tensors or ()):

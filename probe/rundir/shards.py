@@ -40,8 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from probe.errors import ProbeError
-from probe.tracer.compat import warn_once
+from probe.errors import ProbeError, warn_once
 
 BLOB_ALIGN = 64
 """Blobs start at multiples of this in an arena (and so in a shard's data)."""

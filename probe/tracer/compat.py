@@ -6,43 +6,12 @@ piece turns off one capability with a single warning, never a crash.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
-
-class ProbeWarning(UserWarning):
-    """Something the probe cannot do on this setup, said once."""
-
-
-_warned: set[str] = set()
-
-
-_OWN_DIRS = (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
-    os.path.dirname(os.path.abspath(contextlib.__file__)) + os.sep,
-    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-)
-
-
-def warn_once(key: str, message: str) -> None:
-    """Warn once per process, attributed to the user's line that led here."""
-    if key in _warned:
-        return
-    _warned.add(key)
-    frame = sys._getframe(1)
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_OWN_DIRS):
-        frame = frame.f_back
-    registry = frame.f_globals.setdefault("__warningregistry__", {})
-    warnings.warn_explicit(
-        f"probe: {message}", ProbeWarning, frame.f_code.co_filename, frame.f_lineno,
-        module=frame.f_globals.get("__name__"), registry=registry,
-    )
+from probe.errors import warn_once
 
 
 def _dynamo_stance_api():

@@ -10,7 +10,7 @@ runs. Work done outside it (step flushes) runs under :meth:`Tracer.paused`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,6 +27,7 @@ from probe.tracer.frames import Frame
 from probe.tracer.module_tracker import ModuleTracker
 from probe.tracer.op_call import OpCall, OpRecordTuple
 from probe.tracer.op_class import OpClass, OpClassCache
+from probe.tracer.op_tensors import tensors_in, tensors_out, written_tensors
 from probe.tracer.value_ids import ValueIndex
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)
@@ -48,25 +49,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 _DTYPE_NAMES = {
     dtype: dtype_name(dtype) for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)
 }
-
-
-def tensors_in(args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """Tensor arguments in schema order (aten schemas nest tensors one list deep)."""
-    found: list[torch.Tensor] = []
-    for value in (*args, *kwargs.values()) if kwargs else args:
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            found.extend(v for v in value if isinstance(v, torch.Tensor))
-    return found
-
-
-def tensors_out(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (list, tuple)):
-        return tensors_in(out, {})
-    return []
 
 
 class Tracer:
@@ -223,7 +205,7 @@ class Tracer:
             written = [t for t in out_tensors if any(t is i for i in in_tensors)]
         else:
             out_tensors = tensors_out(out)
-            written = self._written_args(info, args, kwargs) if info.mutates else ()
+            written = written_tensors(info, args, kwargs)
         produced = self.values.produced
         fresh_kind = "view" if info.is_view else "fresh"
         outputs = []
@@ -258,13 +240,6 @@ class Tracer:
         for mode in self._after_modes:
             mode.after(call)
         call.release()
-
-    @staticmethod
-    def _written_args(info: OpClass, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-        """The tensors the schema marks as written (``Tensor(a!)``, ``Tensor(a!)[]``, ``out=``)."""
-        values = [args[i] for i in info.mutated_args if i < len(args)]
-        values += [kwargs[k] for k in info.mutated_kwargs if k in kwargs]
-        return tensors_in(values, {})
 
 
 class ProbeDispatchMode(TorchDispatchMode):

@@ -1,0 +1,55 @@
+"""The tensors of an op call: its tensor arguments, its results, and what it writes.
+
+One home for these, used by the tracer, the modes that re-run ops (free benchmark,
+upcast) and replay, so they agree on which tensors an op reads and writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from probe.tracer.op_class import OpClass
+
+
+def tensors_in(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+    """Tensor arguments in schema order (aten schemas nest tensors one list deep)."""
+    found: list[torch.Tensor] = []
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
+
+
+def tensors_out(out: Any) -> list[torch.Tensor]:
+    """The tensors an op returned (a tensor, or a tuple/list of them)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return tensors_in(out, {})
+    return []
+
+
+def written_tensors(
+    info: OpClass, args: Sequence[Any], kwargs: Mapping[str, Any] | None
+) -> list[torch.Tensor]:
+    """The tensors the schema marks as written (``Tensor(a!)``, ``Tensor(a!)[]``, ``out=``)."""
+    if not info.mutates:
+        return []
+    values = [args[i] for i in info.mutated_args if i < len(args)]
+    if kwargs:
+        values += [kwargs[k] for k in info.mutated_kwargs if k in kwargs]
+    return tensors_in(values, {})
+
+
+def results_of(info: OpClass, args: Sequence[Any], kwargs: Mapping[str, Any] | None, out: Any
+               ) -> list[torch.Tensor]:
+    """What an op produced: its returned tensors, then the written arguments it does not return
+    (running statistics, ``_foreach_*_`` updates)."""
+    results = tensors_out(out)
+    results += [t for t in written_tensors(info, args, kwargs) if not any(t is r for r in results)]
+    return results
