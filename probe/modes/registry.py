@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+from probe.errors import ProbeError
 from probe.modes.base import Mode
 
 MODES: dict[str, type[Mode]] = {}
 
 
+def _same_class(a: type, b: type) -> bool:
+    # A module imported twice (importlib.reload, a test re-import) defines the class anew.
+    return a is b or (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
+
+
 def register_mode(cls: type[Mode]) -> type[Mode]:
-    MODES[cls.name] = cls
+    """Register ``cls`` under ``cls.name``; a different class under a taken name is an error."""
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ProbeError(f"mode class {cls.__qualname__} has no 'name' to register it under")
+    taken = MODES.get(name)
+    if taken is not None and not _same_class(taken, cls):
+        raise ProbeError(
+            f"mode name {name!r} is taken by {taken.__module__}.{taken.__qualname__}; "
+            f"register {cls.__module__}.{cls.__qualname__} under another name"
+        )
+    MODES[name] = cls
     return cls
 
 
