@@ -8,9 +8,17 @@ A storage is copied once per version per step: a tensor is the byte span of its
 storage that it reaches (views, broadcasts and repeated uses of weights become
 references into the same blob, with offset, shape and stride), and the copy goes
 to a host buffer (pinned, asynchronous from devices) that the shard writer
-thread packs into safetensors files. Optional checksums are computed on the
-device and moved with the step, so two runs can be compared bit for bit
-without dumping everything.
+thread packs into safetensors files. A copy larger than the memory budget's
+buffers goes in pieces (``ShardWriter.put``), so the budget holds for any size.
+Optional checksums are computed on the device and moved with the step, so two
+runs can be compared bit for bit without dumping everything.
+
+Conjugate and negative views (``x.conj()``, ``torch._neg_view``) share their
+base's bytes: the blob holds those bytes, and the index entry records the view's
+bit, so the tensor reads back as the values it held. Tensors the tracer cannot
+key (inference, sparse, nested, zero tensors: ``probe.tracer.value_ids.unkeyable``,
+the test behind ``OpCall.skipped``) and quantized ones are recorded with a
+``not dumpable: <reason>`` status and no bytes.
 """
 
 from __future__ import annotations
@@ -21,21 +29,24 @@ from typing import Any
 
 import torch
 
-from probe.devices import is_accelerator, record_event
 from probe.errors import ProbeError
 from probe.modes.base import Mode
 from probe.modes.registry import register_mode
+from probe.options import host_memory_bytes, show
 from probe.rundir import layout
 from probe.rundir.call_args import encode_args
 from probe.rundir.shards import ShardWriter, StepShards
 from probe.rundir.writer import StepWriter
 from probe.tracer.dispatch_mode import dtype_name
 from probe.tracer.op_call import OpCall
+from probe.tracer.value_ids import unkeyable
 
 INPUT, OUTPUT = 0, 1
 TENSOR_CHOICES = ("all", "inputs", "outputs")
 BUDGET_POLICIES = ("wait", "skip")
 ERROR_POLICIES = ("warn", "raise")
+# Index entry bits of a view whose values are its bytes conjugated / negated.
+CONJ, NEG = 1, 2
 # A view's span is widened to its whole storage when that costs at most this
 # factor more bytes: later views of the same storage then need no copy.
 _WHOLE_STORAGE_FACTOR = 2
@@ -43,14 +54,39 @@ _WHOLE_STORAGE_FACTOR = 2
 
 def _positive_int(option: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ProbeError(f"option {option!r}: expected a positive number of bytes, got {value!r}")
+        raise ProbeError(f"option {option!r}: expected a positive number of bytes, got {show(value)}")
     return value
 
 
 def _choice(option: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
-        raise ProbeError(f"option {option!r}: {value!r} is not one of {list(choices)}")
+        raise ProbeError(f"option {option!r}: {show(value)} is not one of {list(choices)}")
     return value
+
+
+def not_dumpable(t: torch.Tensor) -> str | None:
+    """Why ``t`` is not dumped (its entry's status), or None when its bytes are.
+
+    Whatever the tracer cannot key is not dumped either (no version counter to
+    tell one value of a storage from the next, or no plain strided bytes).
+    """
+    reason = unkeyable(t)
+    if reason is None and t.is_quantized:
+        reason = "quantized"
+    return None if reason is None else f"not dumpable: {reason}"
+
+
+def _layout_of(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and stride where the tensor has them (nested and sparse tensors may not): else ``()``."""
+    try:
+        shape = tuple(t.shape)
+    except RuntimeError:
+        shape = ()
+    try:
+        stride = tuple(t.stride())
+    except RuntimeError:
+        stride = ()
+    return shape, stride
 
 
 def byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -69,9 +105,10 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
 
     Equal for bitwise-equal tensors; a change of any one word changes it (the
     weights are odd). Not cryptographic. Large tensors are summed in chunks so
-    the int64 temporaries stay small.
+    the int64 temporaries stay small. A conjugate or negative view is summed as
+    the values it holds.
     """
-    data = t.detach().contiguous().view(-1).view(torch.uint8)
+    data = t.detach().resolve_conj().resolve_neg().contiguous().view(-1).view(torch.uint8)
     if data.numel() % 4 == 0:
         data = data.view(torch.int32)
     total = torch.zeros((), dtype=torch.int64, device=data.device)
@@ -103,10 +140,14 @@ class DumpMode(Mode):
         self.tensors = _choice("tensors", tensors, TENSOR_CHOICES)
         self.shard_size = _positive_int("shard_size", shard_size)
         self.memory_budget = _positive_int("memory_budget", memory_budget)
+        host = host_memory_bytes()
+        if host is not None and self.memory_budget > host:  # its buffers would fail to allocate mid-run
+            raise ProbeError(f"option 'memory_budget': {memory_budget} bytes is more than this machine's "
+                             f"memory ({host} bytes)")
         self.on_budget = _choice("on_budget", on_budget, BUDGET_POLICIES)
         self.on_error = _choice("on_error", on_error, ERROR_POLICIES)
         if not isinstance(checksum, bool):
-            raise ProbeError(f"option 'checksum': expected True or False, got {checksum!r}")
+            raise ProbeError(f"option 'checksum': expected True or False, got {show(checksum)}")
         self.checksum = checksum
         self._dump_inputs = tensors in ("all", "inputs")
         self._dump_outputs = tensors in ("all", "outputs")
@@ -135,7 +176,7 @@ class DumpMode(Mode):
         # returns, so blobs of a written value are valid at the version seen then and the next.
         self._blobs: dict[int, tuple[weakref.ref, int, bool, list[tuple[int, int, int]]]] = {}
         # (op index, INPUT/OUTPUT, position, blob id or -1, byte offset in blob, dtype, shape,
-        #  stride, checksum index or -1, status or None)
+        #  stride, checksum index or -1, status or None, CONJ/NEG bits)
         self._entries: list[tuple[Any, ...]] = []
         self._calls: list[tuple[int, dict[str, Any]]] = []
         self._checksums: list[torch.Tensor] = []
@@ -163,11 +204,13 @@ class DumpMode(Mode):
         ``written``: ``t`` is an argument the op just wrote in place, a new value
         whatever its (not yet bumped) version says.
         """
+        why = not_dumpable(t)
+        if why is not None:
+            return (-1, 0, dtype_name(t.dtype), *_layout_of(t), -1, why, 0)
         meta = (dtype_name(t.dtype), tuple(t.shape), t.stride())
-        if t.device.type == "meta" or t.is_sparse or t.is_nested or t.is_quantized:
-            return (-1, 0, *meta, -1, "not dumpable")
+        bits = (CONJ if t.is_conj() else 0) | (NEG if t.is_neg() else 0)
         if t.numel() == 0:
-            return (-1, 0, *meta, -1, None)
+            return (-1, 0, *meta, -1, None, bits)
         check = -1
         if self.checksum:
             self._checksums.append(checksum(t))
@@ -188,31 +231,24 @@ class DumpMode(Mode):
         assert known is not None
         for blob_lo, blob_hi, blob_id in known[3]:
             if blob_lo <= lo and hi <= blob_hi:
-                return (blob_id, lo - blob_lo, *meta, check, None)
+                return (blob_id, lo - blob_lo, *meta, check, None, bits)
         blob_lo, blob_hi = lo, hi
         if storage.nbytes() <= _WHOLE_STORAGE_FACTOR * (hi - lo):
             blob_lo, blob_hi = 0, storage.nbytes()
         blob_id = self._copy_out(t, storage, blob_lo, blob_hi)
         if blob_id is None:
-            return (-1, 0, *meta, check, "skipped: memory budget")
+            return (-1, 0, *meta, check, "skipped: memory budget", bits)
         known[3].append((blob_lo, blob_hi, blob_id))
-        return (blob_id, lo - blob_lo, *meta, check, None)
+        return (blob_id, lo - blob_lo, *meta, check, None, bits)
 
     def _copy_out(self, t: torch.Tensor, storage: torch.UntypedStorage, lo: int, hi: int) -> int | None:
+        """Copy bytes ``[lo, hi)`` of ``t``'s storage as a new blob; its id, or None when skipped."""
         assert self._writer is not None
-        on_device = is_accelerator(t.device)
-        pinned = on_device
-        blob_id = self._next_blob
-        taken = self._writer.take(blob_id, hi - lo, pinned)
-        if taken is None:
+        source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage).narrow(0, lo, hi - lo)
+        if not self._writer.put(self._next_blob, source):
             return None
         self._next_blob += 1
-        host, arena = taken
-        source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage).narrow(0, lo, hi - lo)
-        host.copy_(source, non_blocking=on_device)
-        if on_device:
-            arena.events.append(record_event(t.device))
-        return blob_id
+        return self._next_blob - 1
 
     # -- step end -----------------------------------------------------------------
 
@@ -220,7 +256,8 @@ class DumpMode(Mode):
         if self._writer is None:
             return None
         result = DumpStep(
-            self._writer.end_step(step), self._entries, self._calls, self._checksums, self.on_error
+            self._writer.end_step(step), self._entries, self._calls, self._checksums, self.on_error,
+            self._writer.peak_allocated,
         )
         self._reset()
         return result
@@ -241,29 +278,32 @@ class DumpStep:
         calls: list[tuple[int, dict[str, Any]]],
         checksums: list[torch.Tensor],
         on_error: str,
+        host_buffer_peak: int,
     ) -> None:
         self.shards, self.entries, self.calls, self.checksums = shards, entries, calls, checksums
         self.on_error = on_error
+        self.host_buffer_peak = host_buffer_peak
 
     def write(self, writer: StepWriter) -> dict[str, Any]:
         written: StepShards = self.shards()
         sums = torch.stack(self.checksums).cpu().tolist() if self.checksums else []
         tensors = []
         skipped = 0
-        for op, io, position, blob, offset, dtype, shape, stride, check, status in self.entries:
+        for op, io, position, blob, offset, dtype, shape, stride, check, status, bits in self.entries:
             if blob in written.lost:
                 status = f"lost: {written.lost[blob]}"
             if status is not None and status.startswith("skipped"):
                 skipped += 1
-            tensors.append(
-                {
-                    "op": op, "io": "input" if io == INPUT else "output", "position": position,
-                    "dtype": dtype, "shape": shape, "stride": stride,
-                    "blob": blob if blob >= 0 and status is None else None,
-                    "offset": offset, "checksum": sums[check] if check >= 0 else None,
-                    "status": status,
-                }
-            )
+            entry = {
+                "op": op, "io": "input" if io == INPUT else "output", "position": position,
+                "dtype": dtype, "shape": shape, "stride": stride,
+                "blob": blob if blob >= 0 and status is None else None,
+                "offset": offset, "checksum": sums[check] if check >= 0 else None,
+                "status": status,
+            }
+            if bits:  # present only on conjugate / negative views (older runs have neither)
+                entry["conj"], entry["neg"] = bool(bits & CONJ), bool(bits & NEG)
+            tensors.append(entry)
         complete = not written.lost
         writer.write_json(
             layout.TENSOR_INDEX_FILE,
@@ -286,4 +326,5 @@ class DumpStep:
             "skipped": skipped,
             "shards": len(written.shards),
             "bytes": written.bytes_written,
+            "host_buffer_peak": self.host_buffer_peak,
         }

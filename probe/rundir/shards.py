@@ -15,17 +15,25 @@ disk flushes one shard and the writer copies the next. Each blob is one ``uint8`
 ``b<id>`` of its shard, so safetensors' own readers open the files;
 ``read_header`` and ``map_blob`` map one without copying.
 
-Memory is bounded by ``memory_budget``: at most ``budget // arena size``
-arenas exist. When none is free the training thread waits for the writer
-(``on_budget="wait"``) or the blob is skipped (``"skip"``). A write that fails
-(disk full, directory gone) marks that shard's blobs lost; with
-``on_error="raise"`` the error also reaches the training thread.
+Memory is bounded by ``memory_budget``, whatever the tensor sizes: at most
+``budget // arena size`` arenas exist. When none is free the training thread
+waits for the writer (``on_budget="wait"``) or the blob is skipped (``"skip"``).
+A blob larger than an arena is *streamed*: copied one arena at a time, each
+piece handed to the writer thread, which appends it to a shard of its own (one
+blob, so readers see nothing different); under ``"skip"`` it is copied whole
+when the budget has room for it, else skipped.
+
+A write that fails for any reason (disk full, directory gone, a device error)
+marks that shard's blobs lost and the threads go on; the training thread warns
+at its next call, or with ``on_error="raise"`` raises there. Nothing on the
+writer threads warns or raises.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import mmap
 import os
@@ -40,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from probe.devices import is_accelerator, record_event
 from probe.errors import ProbeError, warn_once
 
 BLOB_ALIGN = 64
@@ -111,6 +120,27 @@ class Arena:
         return self.buffer[start : start + nbytes]
 
 
+def shard_name(number: int) -> str:
+    """The file name of a step's shard ``number``: a plain name, never a path."""
+    return f"shard-{number:05d}.safetensors"
+
+
+def _header(blobs: list[tuple[int, int, int]], data_len: int, metadata: dict[str, str]) -> torch.Tensor:
+    """A safetensors header for ``(blob id, start, end)`` blobs, page-padded, in page-aligned memory."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    for blob_id, start, end in blobs:
+        header[f"b{blob_id}"] = {"dtype": "U8", "shape": [end - start], "data_offsets": [start, end]}
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    # Pad the header (safetensors allows trailing spaces) so the data starts on a
+    # page: aligned for direct I/O and for every dtype (complex128 kernels fault
+    # on 8-byte-aligned data).
+    encoded += b" " * (-(8 + len(encoded)) % PAGE)
+    head, _ = _page_aligned(8 + len(encoded))
+    head.numpy()[:8] = np.frombuffer(struct.pack("<Q", len(encoded)), dtype=np.uint8)
+    head.numpy()[8:] = np.frombuffer(encoded, dtype=np.uint8)
+    return head
+
+
 def write_shard(path: Path, arena: Arena, metadata: dict[str, str]) -> int:
     """Write the arena's blobs as a safetensors file at ``path`` (not yet fsynced); returns its size.
 
@@ -119,19 +149,11 @@ def write_shard(path: Path, arena: Arena, metadata: dict[str, str]) -> int:
     blob's extent; readers of our index use the exact offsets.
     """
     data_len = _round_up(arena.used, PAGE)
-    header: dict[str, object] = {"__metadata__": metadata}
-    for i, (blob_id, start, _) in enumerate(arena.blobs):
-        end = arena.blobs[i + 1][1] if i + 1 < len(arena.blobs) else data_len
-        header[f"b{blob_id}"] = {"dtype": "U8", "shape": [end - start], "data_offsets": [start, end]}
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    # Pad the header (safetensors allows trailing spaces) so the data starts on a
-    # page: aligned for direct I/O and for every dtype (complex128 kernels fault
-    # on 8-byte-aligned data).
-    encoded += b" " * (-(8 + len(encoded)) % PAGE)
-    head_len = 8 + len(encoded)
-    head, _ = _page_aligned(head_len)
-    head.numpy()[:8] = np.frombuffer(struct.pack("<Q", len(encoded)), dtype=np.uint8)
-    head.numpy()[8:] = np.frombuffer(encoded, dtype=np.uint8)
+    extents = [
+        (blob_id, start, arena.blobs[i + 1][1] if i + 1 < len(arena.blobs) else data_len)
+        for i, (blob_id, start, _) in enumerate(arena.blobs)
+    ]
+    head = _header(extents, data_len, metadata)
     try:
         fd = _open_for_write(path, arena)
         try:
@@ -145,13 +167,36 @@ def write_shard(path: Path, arena: Arena, metadata: dict[str, str]) -> int:
     except BaseException:
         path.unlink(missing_ok=True)
         raise
-    return head_len + data_len
+    return head.numel() + data_len
+
+
+class _Stream:
+    """A blob larger than an arena, arriving in pieces; its shard is open on the writer thread."""
+
+    def __init__(self, step: int, blob_id: int, nbytes: int) -> None:
+        self.step, self.blob_id, self.nbytes = step, blob_id, nbytes
+        self.received = 0
+        self.fd: int | None = None
+        self.direct = False
+        self.tmp: Path | None = None
+        self.path: Path | None = None
+        self.size = 0
+        self.error: BaseException | None = None
+
+    def close(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
+
+
+def _direct_io_fits(arena: Arena) -> bool:
+    return arena.buffer.data_ptr() % PAGE == 0 and arena.capacity % PAGE == 0
 
 
 def _open_for_write(path: Path, arena: Arena) -> int:
     """Open for direct I/O where the file system and the buffer allow it, else buffered."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    if _O_DIRECT and arena.buffer.data_ptr() % PAGE == 0 and arena.capacity % PAGE == 0:
+    if _O_DIRECT and _direct_io_fits(arena):
         try:
             return os.open(path, flags | _O_DIRECT, 0o644)
         except OSError as e:
@@ -187,15 +232,35 @@ def commit_shard(tmp: Path, path: Path) -> None:
 
 
 def read_header(path: Path) -> tuple[int, dict[str, dict]]:
-    """(offset of the data section, the safetensors header) of a shard."""
+    """(offset of the data section, the safetensors header) of a shard.
+
+    A damaged shard raises ValueError (or OSError): a header length past the end of
+    the file is refused before anything that size is read.
+    """
     with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         (header_len,) = struct.unpack("<Q", f.read(8))
-        return 8 + header_len, json.loads(f.read(header_len))
+        if header_len > size - 8:
+            raise ValueError(f"its header length {header_len} is past the end of the file ({size} bytes)")
+        header = json.loads(f.read(header_len))
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    return 8 + header_len, header
 
 
 def map_blob(path: Path, data_start: int, entry: dict) -> torch.Tensor:
-    """A uint8 tensor over one blob, memory-mapped copy-on-write (nothing read until used)."""
+    """A uint8 tensor over one blob, memory-mapped copy-on-write (nothing read until used).
+
+    A blob that reaches past the end of the file (a truncated shard) raises ValueError.
+    """
     begin, end = entry["data_offsets"]
+    if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+        raise ValueError(f"blob offsets {entry['data_offsets']!r} are not a range")
+    size = path.stat().st_size
+    if data_start + end > size:
+        raise ValueError(f"the blob ends at byte {data_start + end}, past the end of the file ({size} bytes)")
+    if begin == end:
+        return torch.empty(0, dtype=torch.uint8)
     mapped = np.memmap(path, dtype=np.uint8, mode="c", offset=data_start + begin, shape=(end - begin,))
     return torch.from_numpy(mapped)
 
@@ -214,7 +279,8 @@ class ShardWriter:
     ) -> None:
         self._directory = directory
         # Two arenas at least fit the budget: one filling while the other is written.
-        self.arena_size = max(1, min(shard_size, memory_budget // 2))
+        # Whole pages, so a streamed blob's pieces stay page-aligned in its file (direct I/O).
+        self.arena_size = _round_up(max(1, min(shard_size, memory_budget // 2)), PAGE)
         self._budget = max(memory_budget, self.arena_size)
         self._on_budget = on_budget
         self._on_error = on_error
@@ -223,8 +289,10 @@ class ShardWriter:
         self._lock = threading.Condition()
         self._free: list[Arena] = []
         self._allocated = 0  # bytes of all arenas in existence
+        self.peak_allocated = 0
+        """The most bytes of host buffers that existed at once (bounded by the budget)."""
         self._current: Arena | None = None
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # a failed write the training thread has not reported
         self._step = 0
         self._shards: dict[int, StepShards] = {}
         self._commits: queue.Queue[tuple[str, object]] = queue.Queue()
@@ -238,16 +306,33 @@ class ShardWriter:
     def begin_step(self, step: int) -> None:
         self._step = step
 
-    def take(self, blob_id: int, nbytes: int, pinned: bool) -> tuple[torch.Tensor, Arena] | None:
+    def put(self, blob_id: int, source: torch.Tensor) -> bool:
+        """Copy the bytes of ``source`` (1-D ``uint8``, any device) as blob ``blob_id``.
+
+        On return the bytes are in host memory, or (from an accelerator) their
+        copy is queued on the device's stream ahead of any later op, so training
+        cannot change them first. False: skipped for the memory budget.
+        """
+        self._report_pending()
+        nbytes = source.numel()
+        on_device = is_accelerator(source.device)
+        if nbytes > self.arena_size and self._on_budget == "wait":
+            self._stream(blob_id, source, on_device)
+            return True
+        taken = self._take(blob_id, nbytes, on_device)
+        if taken is None:
+            return False
+        _copy_into(*taken, source, on_device)
+        return True
+
+    def _take(self, blob_id: int, nbytes: int, pinned: bool) -> tuple[torch.Tensor, Arena] | None:
         """Host memory for a blob of ``nbytes``; None when it must be skipped (budget)."""
-        self._raise_pending()
         current = self._current
         if current is not None and current.pinned == pinned:
             view = current.take(blob_id, nbytes)
             if view is not None:
                 return view, current
-        if current is not None and current.blobs:
-            self._hand_over()
+        self._release_current()
         arena = self._new_arena(max(nbytes, self.arena_size), pinned)
         if arena is None:
             return None
@@ -257,33 +342,59 @@ class ShardWriter:
         assert view is not None
         return view, arena
 
+    def _stream(self, blob_id: int, source: torch.Tensor, on_device: bool) -> None:
+        """Copy a blob larger than an arena one arena at a time, each piece on to the writer."""
+        self._release_current()  # its memory may be what the pieces need
+        stream = _Stream(self._step, blob_id, source.numel())
+        try:
+            for start in range(0, stream.nbytes, self.arena_size):
+                arena = self._new_arena(self.arena_size, on_device)
+                assert arena is not None  # pieces fit the budget: waiting frees an arena
+                arena.step = self._step
+                piece = source[start : start + self.arena_size]
+                view = arena.take(blob_id, piece.numel())
+                assert view is not None
+                _copy_into(view, arena, piece, on_device)
+                self._queue.put(("piece", (stream, arena)))
+        finally:  # also when interrupted: the writer closes the shard, or drops it if incomplete
+            self._queue.put(("stream end", stream))
+
+    def _release_current(self) -> None:
+        """Hand the filling arena to the writer, or back to the free list when it holds nothing."""
+        current, self._current = self._current, None
+        if current is None:
+            return
+        if current.blobs:
+            self._queue.put(("arena", current))
+        else:
+            with self._lock:
+                self._free.append(current)
+
     def _new_arena(self, nbytes: int, pinned: bool) -> Arena | None:
+        capacity = _round_up(nbytes, PAGE)
         with self._lock:
             while True:
                 for i, arena in enumerate(self._free):
-                    if arena.capacity >= nbytes and arena.pinned == pinned:
+                    if arena.capacity >= capacity and arena.pinned == pinned:
                         return self._free.pop(i)
-                if self._allocated + nbytes <= self._budget or self._allocated == 0:
-                    self._allocated += nbytes
-                    return Arena(nbytes, pinned)
+                if self._allocated + capacity <= self._budget:
+                    self._allocated += capacity
+                    self.peak_allocated = max(self.peak_allocated, self._allocated)
+                    return Arena(capacity, pinned)
                 if self._free:  # wrong size or kind: release one and try again
                     released = self._free.pop()
                     self._allocated -= released.capacity
                     continue
-                if self._on_budget == "skip":
+                if self._on_budget == "skip" or capacity > self._budget:
                     return None
+                # Every arena is in flight: the writer hands one back.
                 self._lock.wait(timeout=1.0)
-                self._raise_pending()
-
-    def _hand_over(self) -> None:
-        if self._current is not None:
-            self._queue.put(("arena", self._current))
-            self._current = None
+                self._report_pending()
 
     def end_step(self, step: int) -> Callable[[], StepShards]:
         """Close ``step``'s last arena; the returned call waits until its blobs are written."""
-        if self._current is not None and self._current.blobs:
-            self._hand_over()
+        self._report_pending()
+        self._release_current()
         done = threading.Event()
         self._queue.put(("finish", (step, done)))
 
@@ -294,48 +405,120 @@ class ShardWriter:
         return wait
 
     def close(self) -> None:
-        self._hand_over()
+        """Stop the threads once every handed-over arena is written; warn of a failure (never raise)."""
+        self._release_current()
         self._queue.put(("stop", None))
         self._thread.join()
         self._committer.join()
         with self._lock:
             self._free.clear()
             self._allocated = 0
+        self._report_pending(may_raise=False)
 
-    def _raise_pending(self) -> None:
-        if self._error is not None and self._on_error == "raise":
-            error, self._error = self._error, None
+    def _report_pending(self, may_raise: bool = True) -> None:
+        """Tell the user of a failed write, on the training thread: warn once, or raise."""
+        error = self._error
+        if error is None:
+            return
+        self._error = None
+        if may_raise and self._on_error == "raise":
             raise ProbeError(f"dump: writing tensors failed: {error}") from error
+        # Once per run directory (this writer's), not per process: a later session is told too.
+        warn_once(f"dump-write:{self._directory(0).parent}", f"dump: could not write tensors ({error}); "
+                  "training goes on and the step's index marks the lost tensors")
 
     # -- writer thread -------------------------------------------------------------
 
     def _run(self) -> None:
         # Writer thread: arenas to temporary files; commits and markers go on, in order.
+        # It never raises: a failure loses the shard, and the thread goes on.
         while True:
             kind, payload = self._queue.get()
             if kind == "arena":
                 self._write(payload)  # type: ignore[arg-type]
+            elif kind == "piece":
+                self._write_piece(*payload)  # type: ignore[misc]
+            elif kind == "stream end":
+                self._end_stream(payload)  # type: ignore[arg-type]
             else:
                 self._commits.put((kind, payload))
                 if kind == "stop":
                     return
 
-    def _write(self, arena: Arena) -> None:
-        record = self._shards.setdefault(arena.step, StepShards())
-        name = f"shard-{record.attempted:05d}.safetensors"
+    def _next_shard(self, step: int) -> tuple[StepShards, Path, Path]:
+        """The step's record, and the temporary and final paths of its next shard."""
+        record = self._shards.setdefault(step, StepShards())
+        name = shard_name(record.attempted)
         record.attempted += 1
+        directory = self._directory(step)
+        return record, directory / f".{name}.tmp", directory / name
+
+    def _write(self, arena: Arena) -> None:
+        record, tmp, path = self._next_shard(arena.step)
         blob_ids = [blob_id for blob_id, _, _ in arena.blobs]
-        for event in arena.events:
-            event.synchronize()
-        directory = self._directory(arena.step)
-        tmp = directory / f".{name}.tmp"
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            for event in arena.events:
+                event.synchronize()
+            path.parent.mkdir(parents=True, exist_ok=True)
             size = write_shard(tmp, arena, self._metadata)
-        except OSError as e:
-            self._lose(record, blob_ids, directory / name, e)
+        except Exception as e:  # any failure loses this shard, never the thread
+            self._lose(record, blob_ids, path.name, e)
         else:
-            self._commits.put(("commit", (record, blob_ids, tmp, directory / name, size)))
+            self._commits.put(("commit", (record, blob_ids, tmp, path, size)))
+        finally:
+            self._recycle(arena)
+
+    def _write_piece(self, stream: _Stream, arena: Arena) -> None:
+        try:
+            for event in arena.events:
+                event.synchronize()
+            if stream.error is None:
+                if stream.path is None:
+                    _, stream.tmp, stream.path = self._next_shard(stream.step)
+                    stream.path.parent.mkdir(parents=True, exist_ok=True)
+                    stream.fd = _open_for_write(stream.tmp, arena)
+                    stream.direct = _O_DIRECT != 0 and fcntl.fcntl(stream.fd, fcntl.F_GETFL) & _O_DIRECT != 0
+                    data_len = _round_up(stream.nbytes, PAGE)
+                    head = _header([(stream.blob_id, 0, data_len)], data_len, self._metadata)
+                    _write_fully(stream.fd, memoryview(head.numpy()))
+                    stream.size = head.numel() + data_len
+                assert stream.fd is not None
+                if stream.direct and not _direct_io_fits(arena):
+                    fcntl.fcntl(stream.fd, fcntl.F_SETFL, fcntl.fcntl(stream.fd, fcntl.F_GETFL) & ~_O_DIRECT)
+                    stream.direct = False
+                # Pieces before the last are whole pages; the last is padded to one.
+                _write_fully(stream.fd, memoryview(arena.buffer[: _round_up(arena.used, PAGE)].numpy()))
+        except Exception as e:  # any failure loses this blob, never the thread
+            stream.error = e
+            self._drop_stream(stream)
+        finally:
+            stream.received += arena.used
+            self._recycle(arena)
+
+    def _end_stream(self, stream: _Stream) -> None:
+        record = self._shards.setdefault(stream.step, StepShards())
+        if stream.error is None and stream.received < stream.nbytes:
+            stream.error = OSError(errno.ECANCELED, "the copy was interrupted")
+        if stream.error is None:
+            try:
+                stream.close()
+            except OSError as e:
+                stream.error = e
+        if stream.error is not None or stream.path is None:
+            self._drop_stream(stream)
+            where = stream.path.name if stream.path is not None else "streamed shard"
+            self._lose(record, [stream.blob_id], where, stream.error)
+            return
+        self._commits.put(("commit", (record, [stream.blob_id], stream.tmp, stream.path, stream.size)))
+
+    def _drop_stream(self, stream: _Stream) -> None:
+        with contextlib.suppress(OSError):
+            stream.close()
+        if stream.tmp is not None:
+            with contextlib.suppress(OSError):
+                stream.tmp.unlink(missing_ok=True)
+
+    def _recycle(self, arena: Arena) -> None:
         arena.reset()
         with self._lock:
             self._free.append(arena)
@@ -348,8 +531,8 @@ class ShardWriter:
                 record, blob_ids, tmp, path, size = payload  # type: ignore[misc]
                 try:
                     commit_shard(tmp, path)
-                except OSError as e:
-                    self._lose(record, blob_ids, path, e)
+                except Exception as e:  # any failure loses this shard, never the thread
+                    self._lose(record, blob_ids, path.name, e)
                 else:
                     record.shards.append(path.name)
                     record.bytes_written += size
@@ -361,9 +544,15 @@ class ShardWriter:
             elif kind == "stop":
                 return
 
-    def _lose(self, record: StepShards, blob_ids: list[int], path: Path, error: OSError) -> None:
+    def _lose(self, record: StepShards, blob_ids: list[int], where: str, error: BaseException | None) -> None:
         for blob_id in blob_ids:
-            record.lost[blob_id] = f"{path.name}: {error}"
-        self._error = error
-        warn_once(f"dump-write-{type(error).__name__}", f"dump: could not write {path} ({error}); "
-                  "training goes on and the step's index marks the lost tensors")
+            record.lost[blob_id] = f"{where}: {error}"
+        if self._error is None and error is not None:
+            self._error = error
+
+
+def _copy_into(view: torch.Tensor, arena: Arena, source: torch.Tensor, on_device: bool) -> None:
+    """Copy ``source`` into ``view`` of ``arena``; from a device asynchronously, with an event to wait on."""
+    view.copy_(source, non_blocking=on_device)
+    if on_device:
+        arena.events.append(record_event(source.device))
