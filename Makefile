@@ -1,7 +1,8 @@
 # Quick start: `make demo` runs the demo, `make test` runs the tests. Both set up
 # .venv first (the package, its test extras, and torch 2.13.0 when the venv has none).
 # `make test` also sets up .venv-msprobe with the real msprobe (mindstudio-probe), in
-# its own venv, for the tests that check our exports against it. The graphviz and
+# its own venv, for the tests that check our exports against it (about a minute more,
+# the first time). `make demo` writes its run under probe_runs/ (git-ignored). The graphviz and
 # browser tests skip without graphviz and Chromium: `make system-deps` installs them
 # (Debian packages; CI does this and sets PROBE_REQUIRE_TOOLS=1, so there they must run).
 VENV ?= .venv

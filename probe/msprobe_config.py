@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from probe.errors import ProbeError, warn_once
+from probe.options import IntSet, parse_bool, show
 
 # msprobe task -> probe modes (and options the task implies)
 _TASKS: dict[str, tuple[list[str], dict[str, Any]]] = {
@@ -72,11 +73,24 @@ def is_msprobe_config(config: dict[str, Any]) -> bool:
 
 
 def _int_list(key: str, value: Any) -> Any:
-    if value in (None, []):
+    """``rank``/``step``: a list like ``[0, "4-6"]``; empty (or absent) selects all."""
+    if value is None or (isinstance(value, list) and not value):
         return None
     if not isinstance(value, list):
-        raise ProbeError(f"msprobe config key {key!r}: expected a list like [0, '4-6'], got {value!r}")
+        raise ProbeError(f"msprobe config key {key!r}: expected a list like [0, '4-6'], got {show(value)}")
+    IntSet.parse(key, value)  # refused here, under the msprobe key the user wrote
     return value
+
+
+def _entries(key: str, value: Any) -> list[Any]:
+    """``scope``, ``list``, ``data_mode``: a string or a list of them."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return value
+    raise ProbeError(f"msprobe config key {key!r}: expected a string or a list of them, got {show(value)}")
 
 
 def _selectors(key: str, entries: list[Any]) -> tuple[list[str], list[str]]:
@@ -85,17 +99,17 @@ def _selectors(key: str, entries: list[Any]) -> tuple[list[str], list[str]]:
     modules: list[str] = []
     for entry in entries:
         if not isinstance(entry, str) or not entry:
-            raise ProbeError(f"msprobe config key {key!r}: {entry!r} is not an API or module name")
+            raise ProbeError(f"msprobe config key {key!r}: {show(entry)} is not an API or module name")
         if m := _MODULE_NAME.match(entry):
             modules += [m.group(1), f"{m.group(1)}.*"]
         elif m := _API_NAME.match(entry):
             api = m.group(1).split(".")[-1]
             ops.append(f"*{api}*")
-            warn_once(f"msprobe-{key}-api", f"msprobe {key!r} entry {entry!r} selects every call of "
+            warn_once(f"msprobe-{key}-api", f"msprobe {key!r} entry {show(entry)} selects every call of "
                       f"'{api}' (aten ops are recorded; call indices and directions are not kept)")
         elif key == "scope":
             raise ProbeError(
-                f"msprobe config key 'scope': {entry!r} is neither an API name "
+                f"msprobe config key 'scope': {show(entry)} is neither an API name "
                 "('Functional.relu.0.forward') nor a module name ('Module.fc1.Linear.forward.0')"
             )
         else:  # "list" is a substring match in msprobe
@@ -109,6 +123,8 @@ def _selectors(key: str, entries: list[Any]) -> tuple[list[str], list[str]]:
 def from_msprobe(config: dict[str, Any]) -> dict[str, Any]:
     """Our ``probe.mode`` keyword options (``mode`` included) for an msprobe config."""
     task = config.get("task", "statistics")
+    if not isinstance(task, str):
+        raise ProbeError(f"msprobe task {show(task)} is not a task name; accepted: {sorted(_TASKS)}")
     if task in _UNSUPPORTED_TASKS:
         raise ProbeError(f"msprobe task {task!r} is not supported: {_UNSUPPORTED_TASKS[task]}")
     if task not in _TASKS:
@@ -119,20 +135,26 @@ def from_msprobe(config: dict[str, Any]) -> dict[str, Any]:
         if key == "task" or (isinstance(value, dict) and key != task):
             continue  # other tasks' blocks: msprobe ignores them too
         if key == "dump_path":
+            if not isinstance(value, str) or not value:
+                raise ProbeError(f"msprobe config key 'dump_path': expected a directory path, "
+                                 f"got {show(value)}")
             options["out"] = value
         elif key == "rank":
             options["ranks"] = _int_list(key, value)
         elif key == "step":
             options["steps"] = _int_list(key, value)
         elif key == "level":
-            if value not in _LEVELS:
-                raise ProbeError(f"msprobe level {value!r} is not supported; accepted: {sorted(_LEVELS)} "
+            if not isinstance(value, str) or value not in _LEVELS:
+                raise ProbeError(f"msprobe level {show(value)} is not supported; accepted: {sorted(_LEVELS)} "
                                  "(every level records every aten op, attributed to its modules)")
         elif key == "async_dump":
-            options["async_flush"] = bool(value)
+            options["async_flush"] = parse_bool(key, value)
         elif key == "extra_info":
-            options["stack"] = bool(value)
+            options["stack"] = parse_bool(key, value)
         elif key == task:
+            if not isinstance(value, dict):
+                raise ProbeError(f"msprobe config key {task!r}: expected a block {{key: value}}, "
+                                 f"got {show(value)}")
             _task_block(task, value, options)
         elif key in _IGNORED_WITH_WARNING:
             _warn_ignored(key)
@@ -151,18 +173,18 @@ def _task_block(task: str, block: dict[str, Any], options: dict[str, Any]) -> No
             options[_FREE_BENCHMARK_KEYS[key]] = value
         elif task == "free_benchmark" and key == "fuzz_stage":
             if value not in ("forward", "backward"):
-                raise ProbeError(f"msprobe fuzz_stage {value!r} is not 'forward' or 'backward'")
+                raise ProbeError(f"msprobe fuzz_stage {show(value)} is not 'forward' or 'backward'")
             options["phases"] = [value]
         elif task == "free_benchmark" and key == "fuzz_device":
             if value not in ("npu", "cpu"):
-                raise ProbeError(f"msprobe fuzz_device {value!r} is not 'npu' or 'cpu'")
+                raise ProbeError(f"msprobe fuzz_device {show(value)} is not 'npu' or 'cpu'")
             if value == "cpu":
                 options["perturb"] = "to_cpu"
         elif task == "free_benchmark" and key == "fuzz_level":
             if value != "L1":
-                raise ProbeError(f"msprobe fuzz_level {value!r} is not supported; accepted: ['L1']")
+                raise ProbeError(f"msprobe fuzz_level {show(value)} is not supported; accepted: ['L1']")
         elif key in ("scope", "list"):
-            entries = [value] if isinstance(value, str) else list(value or [])
+            entries = _entries(f"{task}.{key}", value)
             found_ops, found_modules = _selectors(key, entries)
             ops += found_ops
             modules += found_modules
@@ -170,7 +192,7 @@ def _task_block(task: str, block: dict[str, Any], options: dict[str, Any]) -> No
             _data_mode(value, options)
         elif key == "summary_mode":
             if value != "statistics":
-                raise ProbeError(f"msprobe summary_mode {value!r} is not supported; use the dump mode "
+                raise ProbeError(f"msprobe summary_mode {show(value)} is not supported; use the dump mode "
                                  "with checksum=True for bitwise comparison")
         elif key in _IGNORED_WITH_WARNING:
             _warn_ignored(key)
@@ -185,11 +207,11 @@ def _task_block(task: str, block: dict[str, Any], options: dict[str, Any]) -> No
 
 
 def _data_mode(value: Any, options: dict[str, Any]) -> None:
-    modes = [value] if isinstance(value, str) else list(value or ["all"])
+    modes = _entries("data_mode", value) or ["all"]
     allowed = {"all", "forward", "backward", "input", "output"}
-    bad = [m for m in modes if m not in allowed]
+    bad = [m for m in modes if not isinstance(m, str) or m not in allowed]
     if bad:
-        raise ProbeError(f"msprobe data_mode {bad!r} is not one of {sorted(allowed)}")
+        raise ProbeError(f"msprobe data_mode {show(bad)} is not one of {sorted(allowed)}")
     if "all" in modes:
         return
     directions = [m for m in modes if m in ("forward", "backward")]

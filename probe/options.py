@@ -7,10 +7,14 @@ is checked here, once, before any op is traced. Each bad value raises
 
 from __future__ import annotations
 
+import bisect
 import fnmatch
 import json
+import math
+import numbers
 import os
 import re
+import reprlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +29,70 @@ from probe.tracer.rank import current_rank, world_size
 PHASES = ("forward", "backward", "recompute", "optimizer")
 COMPILED_POLICIES = ("eager", "keep")
 
+_SHOW = reprlib.Repr()
+_SHOW.maxstring = _SHOW.maxother = 80
+_SHOW.maxlevel = 3
+
+
+def show(value: Any) -> str:
+    """A short, safe ``repr`` of a user's value for a message (bounded, never raising)."""
+    try:
+        return _SHOW.repr(value)
+    except Exception:  # a value whose own __repr__ fails still gets named
+        return f"<{type(value).__name__} object>"
+
+
+def parse_bool(option: str, value: Any) -> bool:
+    """A real bool: a truthy string such as ``"no"`` or an int is refused, not guessed at."""
+    if isinstance(value, bool):
+        return value
+    raise ProbeError(f"option {option!r}: expected True or False (true/false in a JSON config), "
+                     f"got {show(value)}")
+
+
+def parse_int(option: str, value: Any, minimum: int) -> int:
+    """An int ``>= minimum``; bools (an int subclass) are refused."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum:
+        return int(value)
+    raise ProbeError(f"option {option!r}: expected an int >= {minimum}, got {show(value)}")
+
+
+def parse_number(option: str, value: Any, minimum: float) -> float:
+    """A finite real number ``>= minimum``; bools, NaN and infinities are refused."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond float range
+            number = math.inf
+        if math.isfinite(number) and number >= minimum:
+            return number
+    raise ProbeError(f"option {option!r}: expected a finite number >= {minimum}, got {show(value)}")
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory, where the OS says (``None`` elsewhere)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        return None
+
+
+def parse_choice(option: str, value: Any, choices: Iterable[str]) -> str:
+    """One of the strings ``choices``."""
+    choices = tuple(choices)
+    if isinstance(value, str) and value in choices:
+        return value
+    raise ProbeError(f"option {option!r}: {show(value)} is not one of {list(choices)}")
+
+
+def _str_list(option: str, value: Any, what: str) -> list[str]:
+    """A string or a list/tuple/set of strings (no nesting, no generators: they are read once)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise ProbeError(f"option {option!r}: expected {what} or a list of them, got {show(value)}")
+
 
 @dataclass(frozen=True)
 class Patterns:
@@ -36,13 +104,11 @@ class Patterns:
     def parse(cls, option: str, value: Any) -> Patterns:
         if value is None:
             return cls(None)
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, Iterable) or not all(isinstance(v, str) for v in value):
-            raise ProbeError(f"option {option!r}: expected a glob string or a list of them, got {value!r}")
-        globs = tuple(value)
+        globs = tuple(_str_list(option, value, "a glob string"))
         if not globs:
             raise ProbeError(f"option {option!r}: an empty list selects nothing; omit it to select all")
+        if "" in globs:
+            raise ProbeError(f"option {option!r}: an empty glob matches no name; omit it to select all")
         return cls(globs)
 
     @property
@@ -52,52 +118,108 @@ class Patterns:
         return re.compile("|".join(f"(?:{fnmatch.translate(g)})" for g in self.globs))
 
 
+_INT_SET_ACCEPTS = "an int >= 0, a string like '0,4-6', a range, or a list/tuple/set of those"
+
+
 @dataclass(frozen=True)
 class IntSet:
-    """A set of ints (steps, ranks); ``None`` means "all"."""
+    """A set of non-negative ints (steps, ranks); ``ranges=None`` means "all".
 
-    values: frozenset[int] | None
+    Held as ranges, never expanded: ``"0-1000000000"`` or ``range(10**12)`` costs
+    what ``[0]`` costs. ``ranges`` are the step-1 ranges, sorted, disjoint and not
+    adjacent, then any ranges with a larger step, as given.
+    """
+
+    ranges: tuple[range, ...] | None
+    _starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _spans: int = field(init=False, repr=False, compare=False)  # how many leading ranges have step 1
+
+    def __post_init__(self) -> None:
+        spans = [r for r in self.ranges or () if r.step == 1]
+        object.__setattr__(self, "_starts", tuple(r.start for r in spans))
+        object.__setattr__(self, "_spans", len(spans))
 
     @classmethod
     def parse(cls, option: str, value: Any) -> IntSet:
         if value is None:
             return cls(None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            value = [value]
-        if isinstance(value, str):
-            value = _parse_int_ranges(option, value)
-        try:
+        if isinstance(value, (list, tuple, set, frozenset)):
             items = list(value)
-        except TypeError:
-            raise ProbeError(f"option {option!r}: expected ints, got {value!r}") from None
-        out: set[int] = set()
+        elif isinstance(value, (numbers.Integral, str, range)) and not isinstance(value, bool):
+            items = [value]
+        else:
+            raise ProbeError(f"option {option!r}: expected {_INT_SET_ACCEPTS}, got {show(value)}")
+        ranges: list[range] = []
         for item in items:
             if isinstance(item, str):
-                out.update(_parse_int_ranges(option, item))
-            elif isinstance(item, int) and not isinstance(item, bool) and item >= 0:
-                out.add(item)
+                ranges += _parse_int_ranges(option, item)
+            elif isinstance(item, range):
+                ranges.append(_checked_range(option, item))
+            elif isinstance(item, numbers.Integral) and not isinstance(item, bool) and item >= 0:
+                ranges.append(range(int(item), int(item) + 1))
             else:
-                raise ProbeError(
-                    f"option {option!r}: {item!r} is not a non-negative int or a range like '4-6'"
-                )
-        return cls(frozenset(out))
+                raise ProbeError(f"option {option!r}: {show(item)} is not an int >= 0, a range or a string "
+                                 f"like '4-6' (expected {_INT_SET_ACCEPTS})")
+        ranges = [r for r in ranges if r]
+        if not ranges:
+            raise ProbeError(f"option {option!r}: {show(value)} selects nothing; omit it to select all")
+        return cls(_merged(ranges))
 
     def __contains__(self, item: int) -> bool:
-        return self.values is None or item in self.values
+        if self.ranges is None:
+            return True
+        i = bisect.bisect_right(self._starts, item) - 1
+        if i >= 0 and item in self.ranges[i]:
+            return True
+        return any(item in r for r in self.ranges[self._spans:])
+
+    def to_json(self) -> list[int | str] | None:
+        """The set as ``probe.mode`` accepts it: ints and ``"lo-hi"`` strings (``None``: all)."""
+        if self.ranges is None:
+            return None
+        out: list[int | str] = []
+        for r in self.ranges:
+            if r.step == 1:
+                out.append(r.start if len(r) == 1 else f"{r.start}-{r[-1]}")
+            else:
+                out.append(f"range({r.start}, {r.stop}, {r.step})")  # for the record only
+        return out
 
 
-def _parse_int_ranges(option: str, text: str) -> list[int]:
-    out: list[int] = []
+def _checked_range(option: str, r: range) -> range:
+    if r.step < 0:
+        r = r[::-1]
+    if r and r.start < 0:
+        raise ProbeError(f"option {option!r}: {r!r} holds negative values; expected {_INT_SET_ACCEPTS}")
+    return r
+
+
+def _merged(ranges: list[range]) -> tuple[range, ...]:
+    """Step-1 ranges sorted and merged where they touch or overlap; strided ones after them."""
+    spans = sorted((r for r in ranges if r.step == 1), key=lambda r: r.start)
+    merged: list[range] = []
+    for r in spans:
+        if merged and r.start <= merged[-1].stop:
+            last = merged[-1]
+            merged[-1] = range(last.start, max(last.stop, r.stop))
+        else:
+            merged.append(r)
+    strided = list(dict.fromkeys(r for r in ranges if r.step != 1))
+    return tuple(merged + strided)
+
+
+def _parse_int_ranges(option: str, text: str) -> list[range]:
+    out: list[range] = []
     for part in text.split(","):
         part = part.strip()
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        m = re.fullmatch(r"(\d{1,30})(?:-(\d{1,30}))?", part)
         if not m:
-            raise ProbeError(f"option {option!r}: cannot read {part!r}; use ints or ranges like '4-6'")
+            raise ProbeError(f"option {option!r}: cannot read {show(part)}; use ints or ranges like '4-6'")
         lo = int(m.group(1))
         hi = int(m.group(2)) if m.group(2) else lo
         if hi < lo:
             raise ProbeError(f"option {option!r}: range {part!r} is empty")
-        out.extend(range(lo, hi + 1))
+        out.append(range(lo, hi + 1))
     return out
 
 
@@ -124,29 +246,23 @@ _COMMON_KEYS = {
     "out", "overwrite", "model", "ops", "modules", "steps", "ranks", "phases", "stack", "compiled",
     "async_flush",
 }
+CONFIG_MAX_BYTES = 16 << 20  # a config is a few keys; more is a wrong path (a checkpoint, a dataset)
 
 
 def parse_options(modes: Any, kwargs: dict[str, Any], mode_option_names: dict[str, set[str]]) -> Options:
     """Validate ``probe.mode(modes, **kwargs)``.
 
     ``mode_option_names`` maps each known mode name to the option names it accepts;
-    an option no selected mode accepts is an error.
+    an option no selected mode accepts is an error. Options given directly win
+    over the same keys of ``config``.
     """
     kwargs = dict(kwargs)
     config = kwargs.pop("config", None)
     if config is not None:
-        from probe.modes.monitor_config import from_msprobe_monitor, is_monitor_config
-        from probe.msprobe_config import from_msprobe, is_msprobe_config
-
-        data = _read_config(config)
-        if is_msprobe_config(data):
-            data = from_msprobe(data)
-        elif is_monitor_config(data):
-            data = from_msprobe_monitor(data)
-        for key, value in data.items():
+        for key, value in _config_options(config).items():
             kwargs.setdefault(key, value)
-        if modes is None:
-            modes = kwargs.pop("mode", None)
+    if modes is None:
+        modes = kwargs.pop("mode", None)
     kwargs.pop("mode", None)
 
     mode_names = _parse_modes(modes, mode_option_names)
@@ -157,9 +273,7 @@ def parse_options(modes: Any, kwargs: dict[str, Any], mode_option_names: dict[st
             continue
         value = kwargs.pop(key)
         if key == "out":
-            opts.out = None if value is None else Path(os.fspath(value))
-        elif key == "overwrite":
-            opts.overwrite = _parse_bool(key, value)
+            opts.out = _parse_out(value)
         elif key == "model":
             opts.model = _parse_model(value)
         elif key in ("ops", "modules"):
@@ -168,19 +282,17 @@ def parse_options(modes: Any, kwargs: dict[str, Any], mode_option_names: dict[st
             setattr(opts, key, IntSet.parse(key, value))
         elif key == "phases":
             opts.phases = _parse_phases(value)
-        elif key in ("stack", "async_flush"):
-            setattr(opts, key, _parse_bool(key, value))
+        elif key in ("overwrite", "stack", "async_flush"):
+            setattr(opts, key, parse_bool(key, value))
         elif key == "compiled":
-            if value not in COMPILED_POLICIES:
-                raise ProbeError(f"option 'compiled': {value!r} is not one of {list(COMPILED_POLICIES)}")
-            opts.compiled = value
+            opts.compiled = parse_choice(key, value, COMPILED_POLICIES)
 
     accepted = set().union(*(mode_option_names[m] for m in mode_names))
     for key in kwargs:
         if key not in accepted:
             known = sorted(_COMMON_KEYS | {"config"} | accepted)
             raise ProbeError(
-                f"unknown option {key!r} for mode(s) {list(mode_names)}; accepted options: {known}"
+                f"unknown option {show(key)} for mode(s) {list(mode_names)}; accepted options: {known}"
             )
     opts.mode_options = kwargs
     rank = current_rank()
@@ -192,59 +304,115 @@ def parse_options(modes: Any, kwargs: dict[str, Any], mode_option_names: dict[st
 def _parse_modes(modes: Any, known: dict[str, set[str]]) -> tuple[str, ...]:
     if modes is None:
         raise ProbeError(f"no mode given; accepted modes: {sorted(known)}")
-    names = [modes] if isinstance(modes, str) else list(modes)
+    if isinstance(modes, str):
+        names = [modes]
+    elif isinstance(modes, (list, tuple)) and all(isinstance(name, str) for name in modes):
+        names = list(modes)
+    else:
+        raise ProbeError(f"modes: expected a mode name or a list of them from {sorted(known)}, "
+                         f"got {show(modes)}")
     if not names:
         raise ProbeError(f"no mode given; accepted modes: {sorted(known)}")
     for name in names:
         if name not in known:
-            raise ProbeError(f"unknown mode {name!r}; accepted modes: {sorted(known)}")
+            raise ProbeError(f"unknown mode {show(name)}; accepted modes: {sorted(known)}")
     if len(set(names)) != len(names):
         raise ProbeError(f"mode list {names!r} names a mode twice")
     return tuple(names)
 
 
-def _parse_bool(option: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise ProbeError(f"option {option!r}: expected True or False, got {value!r}")
+def _path(option: str, value: Any) -> Path:
+    """A filesystem path given as a ``str`` or ``os.PathLike`` (bytes paths are refused)."""
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(text, str):
+        raise ProbeError(f"option {option!r}: expected a path (str or pathlib.Path), got {show(value)}")
+    if not text or "\0" in text:
+        raise ProbeError(f"option {option!r}: {show(text)} is not a usable path")
+    return Path(text)
+
+
+def _parse_out(value: Any) -> Path | None:
+    if value is None:
+        return None
+    out = _path("out", value)
+    try:
+        dangling = out.is_symlink() and not out.exists()  # a name too long for the filesystem fails here
+    except OSError as e:
+        raise ProbeError(f"option 'out': {show(str(out))} is not a usable path: {e.strerror}") from None
+    if dangling:
+        raise ProbeError(f"option 'out': {show(str(out))} is a symbolic link to nothing "
+                         f"({show(os.readlink(out))}); remove it or point it at a directory")
+    return out
 
 
 def _parse_model(value: Any) -> Any:
-    if isinstance(value, torch.nn.Module):
+    if value is None or isinstance(value, torch.nn.Module):
         return value
-    if isinstance(value, dict) and all(
+    if isinstance(value, dict) and value and all(
         isinstance(k, str) and isinstance(v, torch.nn.Module) for k, v in value.items()
     ):
         return value
     raise ProbeError(
-        f"option 'model': expected an nn.Module or a dict of name -> nn.Module, got {type(value).__name__}"
+        "option 'model': expected an nn.Module or a non-empty dict of name -> nn.Module, "
+        f"got {show(value)}"
     )
 
 
 def _parse_phases(value: Any) -> frozenset[str]:
-    names = [value] if isinstance(value, str) else value
-    try:
-        phases = frozenset(names)
-    except TypeError:
-        raise ProbeError(f"option 'phases': expected a subset of {list(PHASES)}, got {value!r}") from None
+    phases = frozenset(_str_list("phases", value, f"a phase from {list(PHASES)}"))
     bad = sorted(p for p in phases if p not in PHASES)
     if bad or not phases:
-        raise ProbeError(f"option 'phases': {bad or value!r} not a non-empty subset of {list(PHASES)}")
+        raise ProbeError(f"option 'phases': {bad or show(value)} not a non-empty subset of {list(PHASES)}")
     return phases
+
+
+def _config_options(config: Any) -> dict[str, Any]:
+    """``config=``: a JSON file (or a dict) of options, or of msprobe's config or monitor config."""
+    from probe.modes.monitor_config import from_msprobe_monitor, is_monitor_config
+    from probe.msprobe_config import from_msprobe, is_msprobe_config
+
+    data = _read_config(config)
+    bad_keys = [key for key in data if not isinstance(key, str)]
+    if bad_keys:
+        raise ProbeError(f"option 'config': keys must be option names (strings), got {show(bad_keys)}")
+    if "config" in data:
+        raise ProbeError(f"option 'config': a config names another config ({show(data['config'])}); "
+                         "configs do not nest: merge the two into one file")
+    if is_msprobe_config(data):
+        return from_msprobe(data)
+    if is_monitor_config(data):
+        return from_msprobe_monitor(data)
+    return data
+
+
+def _no_json_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (write a number)")
 
 
 def _read_config(config: Any) -> dict[str, Any]:
     if isinstance(config, dict):
         return dict(config)
-    path = Path(os.fspath(config))
+    if not isinstance(config, (str, os.PathLike)):
+        raise ProbeError(f"option 'config': expected a path to a JSON file or a dict, got {show(config)}")
+    path = _path("config", config)
+    where = show(str(path))
     try:
-        data = json.loads(path.read_text())
+        size = path.stat().st_size
+        if size > CONFIG_MAX_BYTES:
+            raise ProbeError(f"option 'config': {where} holds {size} bytes; a config file is at most "
+                             f"{CONFIG_MAX_BYTES} (is it the right file?)")
+        data = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_json_constant)
     except FileNotFoundError:
-        raise ProbeError(f"option 'config': file {str(path)!r} does not exist") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise ProbeError(f"option 'config': cannot read {str(path)!r}: {e}") from None
+        raise ProbeError(f"option 'config': file {where} does not exist") from None
+    except UnicodeDecodeError as e:
+        raise ProbeError(f"option 'config': {where} is not UTF-8 text ({e.reason} at byte {e.start})"
+                         ) from None
+    except RecursionError:
+        raise ProbeError(f"option 'config': {where} nests too deeply to be a config") from None
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        raise ProbeError(f"option 'config': cannot read {where}: {e}") from None
     if not isinstance(data, dict):
-        raise ProbeError(f"option 'config': {str(path)!r} must hold a JSON object")
+        raise ProbeError(f"option 'config': {where} must hold a JSON object, not {type(data).__name__}")
     return data
 
 

@@ -28,10 +28,11 @@ from typing import Any
 import torch
 
 from probe.errors import ProbeError, warn_once
+from probe.options import IntSet, parse_bool, parse_choice, parse_int, parse_number, show
 
 SLOTS = ("input", "output", "input_grad", "output_grad")
 METRICS = ("min", "max", "mean", "norm", "zeros", "nans")
-_SPEC = re.compile(r"tuple\[(\d+)\]:(\d+)")
+_SPEC = re.compile(r"tuple\[(\d{1,9})\]:(\d{1,9})")
 
 # msprobe monitor keys that change nothing here: a one-time notice each.
 _IGNORED_KEYS = {
@@ -61,7 +62,8 @@ MONITOR_KEYS = frozenset({
 
 
 def is_monitor_config(config: Mapping[str, Any]) -> bool:
-    return "targets" in config and "task" not in config
+    """msprobe's monitor form: ``targets`` without a ``task`` (msprobe's dump form) or a ``mode`` (ours)."""
+    return "targets" in config and "task" not in config and "mode" not in config
 
 
 def from_msprobe_monitor(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -69,7 +71,7 @@ def from_msprobe_monitor(config: Mapping[str, Any]) -> dict[str, Any]:
     options: dict[str, Any] = {"mode": ["monitor"]}
     for key, value in config.items():
         if key in _UNSUPPORTED_KEYS:
-            if value not in (False, None, {}, [], ""):
+            if not (value is None or value is False or (isinstance(value, (dict, list, str)) and not value)):
                 raise ProbeError(f"msprobe monitor key {key!r}: {_UNSUPPORTED_KEYS[key]}")
             continue
         if key in _IGNORED_KEYS:
@@ -87,21 +89,12 @@ def from_msprobe_monitor(config: Mapping[str, Any]) -> dict[str, Any]:
     return options
 
 
-def _ranks(value: Any) -> list[int] | None:
-    """``module_ranks``: "0", "0,1", [0, 1] or []: the ranks monitored (empty: all)."""
-    if value in ("", [], None):
+def _ranks(value: Any) -> Any:
+    """``module_ranks``: "0", "0,1", [0, 1] or [] (empty: all): the session's ``ranks``."""
+    if value is None or (isinstance(value, (str, list)) and not value):
         return None
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, str):
-        try:
-            return [int(v) for v in value.split(",") if v.strip()]
-        except ValueError:
-            raise ProbeError(f"monitor key 'module_ranks': {value!r} is not a list of ranks like '0,1'"
-                             ) from None
-    if isinstance(value, list) and all(isinstance(v, int) for v in value):
-        return value
-    raise ProbeError(f"monitor key 'module_ranks': {value!r} is not a list of ranks like [0, 1]")
+    IntSet.parse("module_ranks", value)  # refused here, under the name the user wrote
+    return value
 
 
 @dataclass(frozen=True)
@@ -113,11 +106,12 @@ class SlotSpec:
 
     @classmethod
     def parse(cls, where: str, text: Any) -> SlotSpec:
-        if text == "tensor":
+        if isinstance(text, str) and text == "tensor":
             return cls(None)
         match = _SPEC.fullmatch(text) if isinstance(text, str) else None
         if match is None or int(match.group(2)) >= int(match.group(1)):
-            raise ProbeError(f"monitor target {where}: {text!r} is not 'tensor' or 'tuple[N]:i' with i < N")
+            raise ProbeError(f"monitor target {where}: {show(text)} is not 'tensor' or 'tuple[N]:i' "
+                             "with i < N")
         return cls(int(match.group(1)), int(match.group(2)))
 
     def select(self, value: Any) -> torch.Tensor | None:
@@ -190,32 +184,21 @@ class MonitorConfig:
 ON_ANOMALY = ("log", "dump", "stop")
 
 
-def _flag(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ProbeError(f"monitor option {key!r}: expected true or false, got {value!r}")
-    return value
-
-
-def _int(key: str, value: Any, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ProbeError(f"monitor option {key!r}: expected an integer >= {minimum}, got {value!r}")
-    return value
-
-
 def _targets(value: Any) -> tuple[Target, ...]:
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         value = {pattern: {slot: "tensor" for slot in ("output", "output_grad")} for pattern in value}
     if not isinstance(value, Mapping) or not value:
         raise ProbeError("monitor option 'targets': expected a non-empty {module glob: {slot: spec}} mapping "
-                         f"or a list of module globs, got {value!r}")
+                         f"or a list of module globs, got {show(value)}")
     targets = []
     for pattern, slots in value.items():
-        if not isinstance(pattern, str) or not isinstance(slots, Mapping):
-            raise ProbeError(f"monitor target {pattern!r}: expected {{slot: spec}} with slots from "
-                             f"{list(SLOTS)}")
-        bad = sorted(set(slots) - set(SLOTS))
+        if not isinstance(pattern, str) or not pattern or not isinstance(slots, Mapping):
+            raise ProbeError(f"monitor target {show(pattern)}: expected a module glob -> {{slot: spec}} with "
+                             f"slots from {list(SLOTS)}, got {show(slots)}")
+        bad = sorted((slot for slot in slots if slot not in SLOTS), key=str)
         if bad:
-            raise ProbeError(f"monitor target {pattern!r}: unknown slot(s) {bad}; accepted: {list(SLOTS)}")
+            raise ProbeError(f"monitor target {pattern!r}: unknown slot(s) {show(bad)}; "
+                             f"accepted: {list(SLOTS)}")
         specs = {slot: SlotSpec.parse(f"{pattern!r} {slot}", spec) for slot, spec in slots.items()}
         if not specs:
             specs = {"output": SlotSpec(None), "output_grad": SlotSpec(None)}
@@ -223,32 +206,51 @@ def _targets(value: Any) -> tuple[Target, ...]:
     return tuple(targets)
 
 
+_TURBULENCE_ARGS = ("threshold", "warmup", "decay", "metrics", "kinds")
+
+
+def _turbulence(args: Any) -> TurbulenceRule:
+    where = "monitor alert rule AnomalyTurbulence"
+    if not isinstance(args, Mapping) or not all(isinstance(k, str) and k in _TURBULENCE_ARGS for k in args):
+        raise ProbeError(f"{where}: args {show(args)}; accepted: {list(_TURBULENCE_ARGS)}")
+    kwargs: dict[str, Any] = {}
+    if "threshold" in args:
+        kwargs["threshold"] = parse_number("alert threshold", args["threshold"], 0.0)
+        if not kwargs["threshold"] > 0:
+            raise ProbeError(f"{where}: threshold must be > 0, got {show(args['threshold'])}")
+    if "warmup" in args:
+        kwargs["warmup"] = parse_int("alert warmup", args["warmup"], 0)
+    if "decay" in args:
+        kwargs["decay"] = parse_number("alert decay", args["decay"], 0.0)
+        if not kwargs["decay"] < 1:
+            raise ProbeError(f"{where}: decay must be in [0, 1), got {show(args['decay'])}")
+    if "metrics" in args:
+        kwargs["metrics"] = _metrics("alert metrics", args["metrics"])
+    if "kinds" in args:
+        kwargs["kinds"] = _kinds(args["kinds"])
+    return TurbulenceRule(**kwargs)
+
+
 def _alert(value: Any) -> tuple[TurbulenceRule | None, bool]:
-    """msprobe's ``alert`` block: ``{"rules": [{"rule_name": ..., "args": {...}}], "dump": bool}``."""
-    if not isinstance(value, Mapping) or not isinstance(value.get("rules", []), list):
-        raise ProbeError(f"monitor option 'alert': expected {{'rules': [...]}}, got {value!r}")
+    """msprobe's ``alert`` block: ``{"rules": [{"rule_name": ..., "args": {...}}], "dump": bool}``.
+
+    ``dump`` (msprobe writes its alerts to a file) changes nothing: the run holds every anomaly.
+    """
+    if (not isinstance(value, Mapping) or not isinstance(value.get("rules", []), list)
+            or not set(value) <= {"rules", "dump"}):
+        raise ProbeError("monitor option 'alert': expected {'rules': [...], 'dump': bool}, "
+                         f"got {show(value)}")
+    if "dump" in value:
+        parse_bool("alert dump", value["dump"])
     turbulence, nonfinite = None, True
     for rule in value.get("rules", []):
         name = rule.get("rule_name") if isinstance(rule, Mapping) else None
-        args = rule.get("args", {}) if isinstance(rule, Mapping) else {}
         if name == "AnomalyTurbulence":
-            allowed = {"threshold", "warmup", "decay", "metrics", "kinds"}
-            if not isinstance(args, Mapping) or set(args) - allowed:
-                raise ProbeError(f"monitor alert rule AnomalyTurbulence: args {args!r}; accepted: "
-                                 f"{sorted(allowed)}")
-            kwargs = dict(args)
-            if "metrics" in kwargs:
-                kwargs["metrics"] = tuple(_metrics("alert metrics", kwargs["metrics"]))
-            if "kinds" in kwargs:
-                kwargs["kinds"] = tuple(_kinds(kwargs["kinds"]))
-            turbulence = TurbulenceRule(**kwargs)
-            if not turbulence.threshold > 0 or not 0 <= turbulence.decay < 1:
-                raise ProbeError("monitor alert rule AnomalyTurbulence: threshold must be > 0 and decay "
-                                 f"in [0, 1), got {args!r}")
+            turbulence = _turbulence(rule.get("args", {}))
         elif name == "AnomalyNan":
             nonfinite = True
         else:
-            raise ProbeError(f"monitor alert rule {name!r} is unknown; accepted: "
+            raise ProbeError(f"monitor alert rule {show(name)} is unknown; accepted: "
                              "['AnomalyTurbulence', 'AnomalyNan']")
     return turbulence, nonfinite
 
@@ -258,57 +260,59 @@ KINDS = ("activation", "weight_grad", "weight", "exp_avg", "exp_avg_sq", "update
 
 def _kinds(value: Any) -> tuple[str, ...]:
     names = [value] if isinstance(value, str) else value
-    if not isinstance(names, (list, tuple)) or not names or any(n not in KINDS for n in names):
-        raise ProbeError(f"monitor alert rule AnomalyTurbulence: kinds {value!r} is not a non-empty list "
+    if (not isinstance(names, (list, tuple)) or not names
+            or not all(isinstance(n, str) and n in KINDS for n in names)):
+        raise ProbeError(f"monitor alert rule AnomalyTurbulence: kinds {show(value)} is not a non-empty list "
                          f"from {list(KINDS)}")
-    return tuple(names)
+    return tuple(dict.fromkeys(names))
 
 
 def _metrics(key: str, value: Any) -> tuple[str, ...]:
     names = [value] if isinstance(value, str) else value
-    if not isinstance(names, (list, tuple)) or not names or any(n not in METRICS for n in names):
-        raise ProbeError(f"monitor option {key!r}: {value!r} is not a non-empty list from {list(METRICS)}")
+    if (not isinstance(names, (list, tuple)) or not names
+            or not all(isinstance(n, str) and n in METRICS for n in names)):
+        raise ProbeError(f"monitor option {key!r}: {show(value)} is not a non-empty list "
+                         f"from {list(METRICS)}")
     return tuple(dict.fromkeys(names))
+
+
+_FLAGS = (("xy_distribution", "xy"), ("wg_distribution", "wg"), ("mv_distribution", "mv"),
+          ("param_distribution", "param"), ("ur_distribution", "ur"), ("forward_only", "forward_only"),
+          ("backward_only", "backward_only"), ("reduce_ranks", "reduce_ranks"),
+          ("tensorboard", "tensorboard"))
 
 
 def parse_monitor_options(options: Mapping[str, Any]) -> MonitorConfig:
     """The mode's keyword options (the msprobe keys, ``metrics`` for ``ops``) -> config."""
+    if "module_ranks" in options:
+        # Which ranks record is the session's choice, made before the mode exists.
+        raise ProbeError(f"monitor option 'module_ranks' ({show(options['module_ranks'])}) is the msprobe "
+                         "config-file key; given directly, use the session option ranks= (e.g. ranks=[0])")
     if "targets" not in options:
         raise ProbeError("the monitor mode needs option 'targets': {module glob: {slot: spec}} "
                          "or a list of globs")
     kwargs: dict[str, Any] = {"targets": _targets(options["targets"])}
-    for key, attr in (("xy_distribution", "xy"), ("wg_distribution", "wg"), ("mv_distribution", "mv"),
-                      ("param_distribution", "param"), ("ur_distribution", "ur"),
-                      ("forward_only", "forward_only"), ("backward_only", "backward_only"),
-                      ("reduce_ranks", "reduce_ranks")):
+    for key, attr in _FLAGS:
         if key in options:
-            kwargs[attr] = _flag(key, options[key])
-    if "tensorboard" in options:
-        kwargs["tensorboard"] = _flag("tensorboard", options["tensorboard"])
+            kwargs[attr] = parse_bool(key, options[key])
     if "metrics" in options:
         kwargs["metrics"] = _metrics("metrics", options["metrics"])
     if "eps" in options:
-        eps = options["eps"]
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
-            raise ProbeError(f"monitor option 'eps': expected a number >= 0, got {eps!r}")
-        kwargs["eps"] = float(eps)
+        kwargs["eps"] = parse_number("eps", options["eps"], 0.0)
     if "start_step" in options:
-        kwargs["start_step"] = _int("start_step", options["start_step"], 0)
+        kwargs["start_step"] = parse_int("start_step", options["start_step"], 0)
     if "step_interval" in options:
-        kwargs["step_interval"] = _int("step_interval", options["step_interval"], 1)
+        kwargs["step_interval"] = parse_int("step_interval", options["step_interval"], 1)
     if "alert" in options:
         kwargs["turbulence"], kwargs["nonfinite"] = _alert(options["alert"])
     if "anomaly_rules" in options:
         rules = options["anomaly_rules"]
         rules = [rules] if callable(rules) else rules
         if not isinstance(rules, (list, tuple)) or not all(callable(r) for r in rules):
-            raise ProbeError(f"monitor option 'anomaly_rules': expected callables, got {rules!r}")
+            raise ProbeError(f"monitor option 'anomaly_rules': expected callables, got {show(rules)}")
         kwargs["user_rules"] = tuple(rules)
     if "on_anomaly" in options:
-        if options["on_anomaly"] not in ON_ANOMALY:
-            raise ProbeError(f"monitor option 'on_anomaly': {options['on_anomaly']!r} is not one of "
-                             f"{list(ON_ANOMALY)}")
-        kwargs["on_anomaly"] = options["on_anomaly"]
+        kwargs["on_anomaly"] = parse_choice("on_anomaly", options["on_anomaly"], ON_ANOMALY)
     config = MonitorConfig(**kwargs)
     if config.forward_only and config.backward_only:
         raise ProbeError("monitor options 'forward_only' and 'backward_only' exclude each other")

@@ -26,10 +26,13 @@ from probe.errors import ProbeError
 from probe.modes.base import Mode
 from probe.modes.free_benchmark import eligible
 from probe.modes.registry import register_mode
+from probe.options import show
 from probe.tracer.op_call import OpCall
 from probe.tracer.op_tensors import results_of, written_tensors
 
 _LOW = (torch.float16, torch.bfloat16)
+_UPCAST_DTYPES = {torch.float32: torch.float32, torch.float64: torch.float64,
+                  "float32": torch.float32, "float64": torch.float64}
 
 
 @register_mode
@@ -39,10 +42,14 @@ class UpcastMode(Mode):
     name = "upcast"
     option_names = frozenset({"upcast_dtype"})
 
-    def __init__(self, upcast_dtype: torch.dtype = torch.float32) -> None:
-        if upcast_dtype not in (torch.float32, torch.float64):
-            raise ProbeError(f"option 'upcast_dtype': {upcast_dtype!r} is not torch.float32 or torch.float64")
-        self.dtype = upcast_dtype
+    def __init__(self, upcast_dtype: torch.dtype | str = torch.float32) -> None:
+        """``upcast_dtype``: ``torch.float32`` or ``torch.float64`` (``"float32"``/``"float64"`` in a
+        JSON config, which cannot hold a dtype)."""
+        dtype = _UPCAST_DTYPES.get(upcast_dtype) if isinstance(upcast_dtype, (str, torch.dtype)) else None
+        if dtype is None:
+            raise ProbeError(f"option 'upcast_dtype': {show(upcast_dtype)} is not one of torch.float32, "
+                             "torch.float64, 'float32', 'float64'")
+        self.dtype = dtype
         # tensor -> (the version its shadow is valid at, the shadow)
         self._shadows: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._snapshots: dict[int, dict[int, torch.Tensor]] = {}
