@@ -8,13 +8,22 @@ while the next step runs; at most one step is in flight, so when ``step()``
 returns every earlier step is on disk. Leaving the ``with`` block flushes what
 the last step recorded and waits for the writer; if the block raised, that step
 is written too, marked incomplete, so the ops leading up to a crash are kept.
+After a normal end, what was recorded after the last ``step()`` (a ``loss.item()``
+after the loop) is written as the run's tail, not as a step of its own.
+
+Failures: an unwritable run directory is a ``ProbeError`` at the start; later, a
+step whose files cannot be written is given up and named in the run, with one
+warning, and training goes on. The user's own exception always wins over the
+probe's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from types import TracebackType
@@ -23,18 +32,18 @@ from typing import Any
 import torch
 
 from probe import __version__
-from probe.errors import ProbeError
+from probe.errors import ProbeError, warn_once
 from probe.modes.base import Mode, StepResult
 from probe.modes.registry import MODES, mode_option_names
 from probe.npu import read_and_clear_overflow_flag
-from probe.options import Options, parse_options
+from probe.options import Options, parse_options, show
 from probe.rundir import layout
 from probe.rundir.background import BackgroundWriter
 from probe.rundir.op_records import encode
 from probe.rundir.writer import RunWriter
 from probe.tracer.compat import check_dispatch_features, compiled_regions_eager
 from probe.tracer.dispatch_mode import ProbeDispatchMode, Tracer
-from probe.tracer.op_call import RECORD_CALLSITE, RECORD_PHASE, OpRecordTuple
+from probe.tracer.op_call import RECORD_CALLSITE, RECORD_MODULE, RECORD_PHASE, OpRecordTuple
 from probe.tracer.rank import current_rank, process_info
 
 _active: Session | None = None
@@ -63,13 +72,13 @@ def _options_summary(options: Options) -> dict[str, Any]:
     return {
         "ops": listed(options.ops.globs),
         "modules": listed(options.modules.globs),
-        "steps": listed(options.steps.values),
-        "ranks": listed(options.ranks.values),
+        "steps": options.steps.to_json(),
+        "ranks": options.ranks.to_json(),
         "phases": sorted(options.phases),
         "stack": options.stack,
         "compiled": options.compiled,
         "async_flush": options.async_flush,
-        "mode_options": {k: repr(v) for k, v in options.mode_options.items()},
+        "mode_options": {k: show(v) for k, v in options.mode_options.items()},
     }
 
 
@@ -99,6 +108,8 @@ class Session:
         self._check_collectives_on_every_rank(process["world_size"])
         tracer = Tracer(self.options, self.modes, rank)
         if rank in self.options.ranks:
+            # Locks the rank directory and writes its first files: an unwritable directory
+            # is a ProbeError here, before anything is traced.
             self._writer = RunWriter(
                 self.out,
                 process,
@@ -115,19 +126,22 @@ class Session:
                 for mode in self.modes:
                     mode.start(self.out, rank)
                     mode.attach(self.options.model, self.out, rank)
+            if self._writer is not None and self.options.async_flush:
+                self._background = BackgroundWriter(max_pending=1)
+                stack.callback(self._background.close)
+            # An unselected rank runs its steps untraced: no dispatch mode, no hooks.
+            if self._writer is not None and any(mode.needs_ops for mode in self.modes):
+                tracer.modules.install()
+                stack.callback(tracer.modules.uninstall)
+                stack.enter_context(compiled_regions_eager(self.options.compiled))
+                stack.enter_context(ProbeDispatchMode(tracer))
         except BaseException:
-            for mode in self.modes:
-                mode.close()
+            # The failure to start is the one to report.
+            with contextlib.suppress(BaseException):
+                stack.close()
+            with contextlib.suppress(BaseException):
+                self._close_modes_and_writer()
             raise
-        if self._writer is not None and self.options.async_flush:
-            self._background = BackgroundWriter(max_pending=1)
-            stack.callback(self._background.close)
-        # An unselected rank runs its steps untraced: no dispatch mode, no hooks.
-        if self._writer is not None and any(mode.needs_ops for mode in self.modes):
-            tracer.modules.install()
-            stack.callback(tracer.modules.uninstall)
-            stack.enter_context(compiled_regions_eager(self.options.compiled))
-            stack.enter_context(ProbeDispatchMode(tracer))
         self._tracer, self._exit_stack = tracer, stack
         _active = self
         self._begin_step(rank)
@@ -143,30 +157,61 @@ class Session:
         tracer, stack = self._tracer, self._exit_stack
         assert tracer is not None and stack is not None
         try:
-            raised_in_step = exc is not None and not self._stopped_between_steps
-            if tracer.records or raised_in_step or any(mode.has_pending() for mode in self.modes):
-                reason = None if exc is None else f"{type(exc).__name__}: {exc}"
-                self._flush(complete=exc is None, reason=reason)
-        finally:
             try:
-                stack.close()  # waits for the writer thread
+                raised_in_step = exc is not None and not self._stopped_between_steps
+                if tracer.records or raised_in_step or any(mode.has_pending() for mode in self.modes):
+                    reason = None if exc is None else f"{type(exc).__name__}: {exc}"
+                    # After a normal end, what the last step() left behind is a tail, not a step.
+                    tail = exc is None and self.step_index > 0
+                    self._flush(complete=exc is None, reason=reason, tail=tail)
             finally:
-                self._background = None
-                for mode in self.modes:
-                    mode.close()
-                _active = None
-                self._tracer = self._exit_stack = None
+                try:
+                    stack.close()  # waits for the writer thread
+                finally:
+                    self._background = None
+                    self._warn_write_failures()
+                    self._close_modes_and_writer()
+        except BaseException as probe_failure:
+            if exc is None:
+                raise
+            # The user's exception wins: the probe's own failure is said, not raised.
+            warn_once(
+                f"exit-failed:{self.out}",
+                f"while the session's block raised {type(exc).__name__}, the probe's final flush failed "
+                f"too ({type(probe_failure).__name__}: {probe_failure}); the block's exception goes on",
+            )
+        finally:
+            _active = None
+            self._tracer = self._exit_stack = None
+
+    def _close_modes_and_writer(self) -> None:
+        """Close every mode and free the rank's lock, whichever of them fails; then raise the
+        first failure."""
+        failure: BaseException | None = None
+        for mode in self.modes:
+            try:
+                mode.close()
+            except BaseException as e:
+                failure = failure or e
+        writer, self._writer = self._writer, None
+        try:
+            if writer is not None:
+                writer.close()
+        except BaseException as e:
+            failure = failure or e
+        if failure is not None:
+            raise failure
 
     def _check_collectives_on_every_rank(self, world: int) -> None:
         """A mode that reduces across ranks each step would hang the job if only some ranks ran it."""
-        ranks = self.options.ranks.values
-        if world <= 1 or ranks is None or set(range(world)) <= ranks:
+        ranks = self.options.ranks
+        if world <= 1 or all(rank in ranks for rank in range(world)):
             return
         for mode in self.modes:
             if mode.collective_each_step:
                 raise ProbeError(
                     f"mode {mode.name!r} reduces across ranks every step, but option 'ranks' selects "
-                    f"{sorted(ranks)} of {world}: the other ranks would never join it; select every rank "
+                    f"{ranks.to_json()} of {world}: the other ranks would never join it; select every rank "
                     "or turn the reduction off"
                 )
 
@@ -176,15 +221,26 @@ class Session:
         """End the current step: flush it to the run directory and start the next."""
         if self._tracer is None:
             raise ProbeError("session.step() called outside the session's with block")
-        self._flush(complete=True, reason=None)
-        self.step_index += 1
-        self._begin_step(current_rank())
+        self._stopped_between_steps = False
+        try:
+            self._flush(complete=True, reason=None)
+        except BaseException:
+            # The step was handed over (or salvaged, incomplete): the with block's exit must
+            # not write a second, empty one under its number.
+            self._next_step()
+            self._stopped_between_steps = True
+            raise
+        self._next_step()
         try:
             for mode in self.modes:
                 mode.after_step()
         except BaseException:
             self._stopped_between_steps = True  # the next step has not run: nothing to write
             raise
+
+    def _next_step(self) -> None:
+        self.step_index += 1
+        self._begin_step(current_rank())
 
     def _begin_step(self, rank: int) -> None:
         assert self._tracer is not None
@@ -193,68 +249,152 @@ class Session:
             mode.begin_step(self.step_index)
         self._step_started = time.perf_counter()
 
-    def _flush(self, complete: bool, reason: str | None) -> None:
-        """End the tracer's step and have it written (on the writer thread if any)."""
+    def _flush(self, complete: bool, reason: str | None, tail: bool = False) -> None:
+        """End the tracer's step and have it written (on the writer thread if any).
+
+        An exception during the hand-over itself (Ctrl-C, a mode's ``end_step``) does not
+        lose the step: what was handed over is written, marked incomplete, and then the
+        exception goes on.
+        """
         tracer = self._tracer
         assert tracer is not None
         step = tracer.step
+        interrupted: BaseException | None = None
         with tracer.paused():
-            records = tracer.end_step(wait=complete)
-            ended = [(mode, mode.end_step(step)) for mode in self.modes]
-            results = [(mode.name, result) for mode, result in ended]
-            # Per-op modes have nothing without op records; hook-based ones say so themselves.
-            collected = any(result is not None for mode, result in ended if not mode.needs_ops)
-            if self._writer is None or not (records or collected or not complete):
-                return
-            types = tracer.modules.names.types
-            module_types = {fqn: types[fqn] for fqn in {r[4] for r in records} if fqn in types}
-            sites = tracer.call_sites
-            used_sites = (
-                {i: sites.stacks[i] for i in {r[RECORD_CALLSITE] for r in records} if i is not None}
-                if sites is not None
-                else None
-            )
-            manifest = {
-                "complete": complete,
-                "reason": reason,
-                "ops": len(records),
-                "phases": dict(Counter(r[RECORD_PHASE] for r in records)),
-                "seconds": round(time.perf_counter() - self._step_started, 6),
-                "torch_version": torch.__version__,
-            }
-            if tracer.modules.names.parallel is not None:
-                manifest["parallel"] = tracer.modules.names.parallel
-            npu_overflow = read_and_clear_overflow_flag()
-            if npu_overflow is not None:
-                manifest["npu_overflow"] = npu_overflow
+            # The list end_step hands over, held before the call: an interruption inside it
+            # (after the tracer has let go of the list) cannot lose the records.
+            records = tracer.records
+            try:
+                records = tracer.end_step(wait=complete)
+            except BaseException as e:
+                interrupted = e
+                with contextlib.suppress(BaseException):
+                    tracer.end_step(wait=False)  # collectives still in flight are dropped
+            ended: list[tuple[Mode, StepResult | None]] = []
+            for mode in self.modes:
+                try:
+                    if tail or not complete or interrupted is not None:
+                        mode.ending_alone()
+                    ended.append((mode, mode.end_step(step)))
+                except BaseException as e:
+                    interrupted = interrupted or e
+            if interrupted is not None:
+                complete = False
+                reason = f"{type(interrupted).__name__} during the step hand-over: {interrupted}"
+            job = self._step_job(step, tail, records, ended, complete, reason)
+        try:
+            if job is not None:
+                self._hand_to_writer(job, wait=not complete)
+        except BaseException:
+            if interrupted is None:
+                raise
+            # The hand-over's own exception is the one the user sees.
+        finally:
+            self._warn_write_failures()
+        if interrupted is not None:
+            raise interrupted
 
-            def write() -> None:
-                self._write_step(step, records, results, used_sites, module_types, manifest)
+    def _step_job(
+        self,
+        step: int,
+        tail: bool,
+        records: list[OpRecordTuple],
+        ended: list[tuple[Mode, StepResult | None]],
+        complete: bool,
+        reason: str | None,
+    ) -> Callable[[], None] | None:
+        """The write of one ended step as plain data, or None when there is nothing to write."""
+        tracer = self._tracer
+        assert tracer is not None
+        results = [(mode.name, result) for mode, result in ended]
+        # Per-op modes have nothing without op records; hook-based ones say so themselves.
+        collected = any(result is not None for mode, result in ended if not mode.needs_ops)
+        if self._writer is None or not (records or collected or not complete):
+            return None
+        types = tracer.modules.names.types
+        module_types = {fqn: types[fqn] for fqn in {r[RECORD_MODULE] for r in records} if fqn in types}
+        sites = tracer.call_sites
+        used_sites = (
+            {i: sites.stacks[i] for i in {r[RECORD_CALLSITE] for r in records} if i is not None}
+            if sites is not None
+            else None
+        )
+        manifest: dict[str, Any] = {
+            "complete": complete,
+            "reason": reason,
+            "ops": len(records),
+            "phases": dict(Counter(r[RECORD_PHASE] for r in records)),
+            "seconds": round(time.perf_counter() - self._step_started, 6),
+            "torch_version": torch.__version__,
+        }
+        if tail:
+            manifest["tail"] = True
+        if tracer.modules.names.parallel is not None:
+            manifest["parallel"] = tracer.modules.names.parallel
+        npu_overflow = read_and_clear_overflow_flag()
+        if npu_overflow is not None:
+            manifest["npu_overflow"] = npu_overflow
 
-            if self._background is not None:
-                self._background.submit(write)
-                if not complete:  # the block is raising: be on disk before it propagates
-                    self._background.drain()
-            else:
-                write()
+        def write() -> None:
+            self._write_step(step, tail, records, results, used_sites, module_types, manifest)
+
+        return write
+
+    def _hand_to_writer(self, job: Callable[[], None], wait: bool) -> None:
+        if self._background is None:
+            job()
+            return
+        self._background.submit(job)
+        if wait:  # the block is raising: be on disk before it propagates
+            self._background.drain()
 
     def _write_step(
         self,
         step: int,
+        tail: bool,
         records: list[OpRecordTuple],
         results: list[tuple[str, StepResult | None]],
         sites: dict[int, list[str]] | None,
         module_types: dict[str, str],
         manifest: dict[str, Any],
     ) -> None:
-        assert self._writer is not None
-        writer = self._writer.step(step)
-        writer.write_jsonl(layout.OPS_FILE, (encode(r) for r in records))
-        writer.write_json(layout.MODULES_FILE, module_types)
-        if sites is not None:
-            writer.write_json(layout.CALLSITES_FILE, {str(i): stack for i, stack in sorted(sites.items())})
-        modes = {name: result.write(writer) for name, result in results if result is not None}
-        writer.commit({**manifest, "modes": modes})
+        """Write one step (on the writer thread if any). A failed write is recorded in the run
+        and given up, never raised: training goes on."""
+        run_writer = self._writer
+        assert run_writer is not None
+        try:
+            writer = run_writer.step(step, tail)
+            writer.write_jsonl(layout.OPS_FILE, (encode(r) for r in records))
+            writer.write_json(layout.MODULES_FILE, module_types)
+            if sites is not None:
+                writer.write_json(layout.CALLSITES_FILE, {str(i): s for i, s in sorted(sites.items())})
+            modes = {name: result.write(writer) for name, result in results if result is not None}
+            writer.commit({**manifest, "modes": modes})
+        except OSError as e:
+            failure = run_writer.record_failure(step, tail, e, len(records), [name for name, _ in results])
+            # A mode may ask for write failures to stop training (dump's on_error="raise").
+            stopping = [name for name, result in results if getattr(result, "on_error", None) == "raise"]
+            if stopping:
+                raise ProbeError(
+                    f"cannot write step {step} ({failure['file']}: {failure['error']}); mode "
+                    f"{stopping[0]!r} has on_error='raise'"
+                ) from e
+
+    def _warn_write_failures(self) -> None:
+        """One warning per run for steps the writer gave up (said on the training thread)."""
+        if self._writer is None:
+            return
+        failures = self._writer.new_failures()
+        if not failures:
+            return
+        first = failures[0]
+        what = f"the tail after step {first['step'] - 1}" if first["tail"] else f"step {first['step']}"
+        warn_once(
+            f"write-failed:{self._writer.rank_path}",
+            f"cannot write {what} to {str(self._writer.rank_path)!r} ({first['file']}: {first['error']}); "
+            f"training goes on; the step is left unfinished ({first['directory']}) and every step given up "
+            f"is listed in {layout.WRITE_FAILURES_FILE} there",
+        )
 
 
 def mode(modes: Any = None, **options: Any) -> Session:

@@ -132,7 +132,7 @@ def test_compare_goes_rank_by_rank_and_summarises_across_ranks(ddp, ddp_desync):
     first = per_rank[1]["first_divergence"]
     assert first["step"] == 1 and first["module"] == "module.head"
     assert report.divergence.rank == 1
-    assert report.summary()["per_rank"] == report.by_rank()
+    assert report.summary["per_rank"] == report.by_rank()
 
 
 def test_fsdp2_collectives_are_attributed_to_their_modules(tmp_path):

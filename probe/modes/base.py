@@ -67,6 +67,10 @@ class Mode:
         """
         return None
 
+    def ending_alone(self) -> None:
+        """The step about to end (``end_step`` comes next) ends on this rank alone: the block
+        raised, or it is the tail after the last ``session.step()``. Join no collective for it."""
+
     def has_pending(self) -> bool:
         """Whether the current step holds results of this mode that no op record accounts for."""
         return False

@@ -42,6 +42,7 @@ from probe.modes.perturbations import (
     threshold,
 )
 from probe.modes.registry import register_mode
+from probe.options import parse_bool, parse_choice, parse_int
 from probe.rundir import layout
 from probe.rundir.writer import StepWriter
 from probe.tracer.dispatch_mode import dtype_name
@@ -58,6 +59,16 @@ _DATA_MOVEMENT = frozenset({
     "fill_", "zero_", "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros", "new_ones",
     "new_full", "new_empty", "new_empty_strided", "_local_scalar_dense", "set_", "resize_",
 })
+
+
+# Outputs defined only up to sign or phase (eigenvectors, singular vectors, QR factors): a
+# perturbed run may legitimately flip them, which no bound on rounding tells from fragility.
+# Op short name -> positions of such outputs; the others (eigenvalues, singular values) are checked.
+_UP_TO_SIGN: dict[str, tuple[int, ...]] = {
+    "linalg_eigh": (1,), "_linalg_eigh": (1,), "linalg_eig": (1,), "_linalg_eig": (1,),
+    "linalg_svd": (0, 2), "_linalg_svd": (0, 2), "svd": (0, 2),
+    "linalg_qr": (0, 1), "qr": (0, 1), "geqrf": (0, 1),
+}
 
 
 def eligible(info: OpClass) -> bool:
@@ -108,24 +119,18 @@ class FreeBenchmarkMode(Mode):
         max_sample: int = 20,
         max_checks_per_op: int | None = None,
     ) -> None:
-        if perturb not in PERTURBATIONS:
-            raise ProbeError(f"option 'perturb': {perturb!r} is not one of {list(PERTURBATIONS)}")
-        if handler not in HANDLERS:
-            raise ProbeError(f"option 'handler': {handler!r} is not one of {list(HANDLERS)}")
+        perturb = parse_choice("perturb", perturb, PERTURBATIONS)
+        handler = parse_choice("handler", handler, HANDLERS)
+        preheat = parse_bool("preheat", preheat)
         if handler == "fix" and perturb not in ("improve_precision", "to_cpu"):
             raise ProbeError(f"option 'handler': 'fix' needs perturb 'improve_precision' or 'to_cpu', "
                              f"not {perturb!r}")
         if handler == "fix" and preheat:
             raise ProbeError("option 'preheat' works with handler 'check' only")
-        for option, value in (("preheat_steps", preheat_steps), ("max_sample", max_sample)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ProbeError(f"option {option!r}: expected a positive int, got {value!r}")
-        if max_checks_per_op is not None and (
-            isinstance(max_checks_per_op, bool) or not isinstance(max_checks_per_op, int)
-            or max_checks_per_op < 1
-        ):
-            raise ProbeError(f"option 'max_checks_per_op': expected a positive int or None, "
-                             f"got {max_checks_per_op!r}")
+        preheat_steps = parse_int("preheat_steps", preheat_steps, 1)
+        max_sample = parse_int("max_sample", max_sample, 1)
+        if max_checks_per_op is not None:
+            max_checks_per_op = parse_int("max_checks_per_op", max_checks_per_op, 1)
         self.perturbation = Perturbation(perturb)
         self.handler = handler
         self.preheat = preheat
@@ -171,6 +176,10 @@ class FreeBenchmarkMode(Mode):
         snapshot = self._snapshots.pop(call.index, None)
         if snapshot is None:
             return
+        if call.skipped:  # a tensor the tracer could not key (see OpCall.skipped)
+            io, position, reason = call.skipped[0]
+            self._skip(call, f"{io}put {position} is a {reason} tensor: not checked")
+            return
         try:
             perturbed_out, delta = self._rerun(call, snapshot)
         except torch.OutOfMemoryError:
@@ -179,8 +188,13 @@ class FreeBenchmarkMode(Mode):
         except (RuntimeError, TypeError, NotImplementedError) as e:
             self._skip(call, f"{type(e).__name__}: {str(e)[:200]}")
             return
+        up_to_sign = _UP_TO_SIGN.get(call.info.short, ())
         for position, (original, perturbed) in enumerate(zip(call.output_tensors or (), perturbed_out)):
             if not (original.is_floating_point() and perturbed.is_floating_point()):
+                continue
+            if position in up_to_sign and original.numel():
+                self._skip(call, "defined only up to sign or phase: a perturbed run may flip it",
+                           position)
                 continue
             if original.shape != perturbed.shape:
                 continue
@@ -202,10 +216,10 @@ class FreeBenchmarkMode(Mode):
                 with torch.no_grad():
                     original.copy_(perturbed.to(original.device))
 
-    def _skip(self, call: OpCall, reason: str) -> None:
+    def _skip(self, call: OpCall, reason: str, output: int | None = None) -> None:
         self._pending.append({
             "op": call.index, "op_id": call.op_id, "name": call.info.name, "module": call.module,
-            "phase": call.phase, "output": None, "dtype": None, "shape": None, "row": -1, "delta": 0.0,
+            "phase": call.phase, "output": output, "dtype": None, "shape": None, "row": -1, "delta": 0.0,
             "skip": reason,
         })
 
@@ -251,28 +265,35 @@ class FreeBenchmarkMode(Mode):
     # -- step end -------------------------------------------------------------------
 
     def end_step(self, step: int) -> ChecksStep:
-        result = ChecksStep(self, step, self._pending, self._results)
+        result = ChecksStep(step, self._pending, self._results, self.perturbation.name, self.handler,
+                            self.preheat and step < self.preheat_steps,
+                            self._preheat_max if self.preheat else None)
         self._reset()
         return result
 
 
 class ChecksStep:
-    """One step's checks: deviations still on their devices until written."""
+    """One step's checks: deviations still on their devices until written.
 
-    def __init__(self, mode: FreeBenchmarkMode, step: int, pending: list[dict[str, Any]],
-                 results: list[torch.Tensor]) -> None:
-        self.mode, self.step, self.pending, self.results = mode, step, pending, results
+    ``preheat_max`` (with preheat): each op's largest deviation while preheating, kept
+    across steps by the writes alone (one step at a time, in order), never by the mode.
+    """
+
+    def __init__(self, step: int, pending: list[dict[str, Any]], results: list[torch.Tensor],
+                 perturb: str, handler: str, preheating: bool, preheat_max: dict[str, float] | None) -> None:
+        self.step, self.pending, self.results = step, pending, results
+        self.perturb, self.handler = perturb, handler
+        self.preheating, self.preheat_max = preheating, preheat_max
 
     def write(self, writer: StepWriter) -> dict[str, Any]:
         values = (torch.stack([r.to("cpu") for r in self.results]).numpy() if self.results
                   else np.zeros((0, 3)))
-        mode = self.mode
-        preheating = mode.preheat and self.step < mode.preheat_steps
+        preheating, preheat_max = self.preheating, self.preheat_max
         counts = {PASS: 0, FAIL: 0, SKIP: 0}
         records = []
         for entry in self.pending:
             record = {k: v for k, v in entry.items() if k not in ("row", "delta", "skip")}
-            record["perturb"] = mode.perturbation.name
+            record["perturb"] = self.perturb
             if "skip" in entry:
                 record.update(verdict=SKIP, reason=entry["skip"])
             else:
@@ -280,12 +301,12 @@ class ChecksStep:
                 delta = float(delta) if not isinstance(delta, torch.Tensor) else float(delta.cpu())
                 ratio, mismatch, flips = values[entry["row"]] if entry["row"] >= 0 else (0.0, 0, 0)
                 bound = threshold(delta, getattr(torch, entry["dtype"]), entry["reduction"])
-                if mode.preheat and not preheating:
-                    bound = max(bound, 2 * mode._preheat_max.get(entry["name"], 0.0))
+                if preheat_max is not None and not preheating:
+                    bound = max(bound, 2 * preheat_max.get(entry["name"], 0.0))
                 record.update(ratio=float(ratio), threshold=bound, input_change=delta,
                               nonfinite_mismatch=int(mismatch), sign_flips=int(flips))
-                if preheating:
-                    mode._preheat_max[entry["name"]] = max(mode._preheat_max[entry["name"]], float(ratio))
+                if preheating and preheat_max is not None:
+                    preheat_max[entry["name"]] = max(preheat_max.get(entry["name"], 0.0), float(ratio))
                     record.update(verdict=SKIP, reason="preheat")
                 elif mismatch or not ratio <= bound:
                     record["verdict"] = FAIL
@@ -294,4 +315,4 @@ class ChecksStep:
             counts[record["verdict"]] += 1
             records.append(record)
         writer.write_jsonl(layout.CHECKS_FILE, records)
-        return {"checks": len(records), **counts, "perturb": mode.perturbation.name, "handler": mode.handler}
+        return {"checks": len(records), **counts, "perturb": self.perturb, "handler": self.handler}

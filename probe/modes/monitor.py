@@ -15,8 +15,13 @@ device and without a host sync (``probe.modes.monitor_metrics``):
   Adam's moments ``exp_avg`` / ``exp_avg_sq``; ``ur_distribution``: the norm of
   Adam's update over the norm of the weight.
 
-At ``session.step()`` the rows are stacked on the device (optionally reduced
-across ranks) and moved to the host once, on the writer thread; then the
+At ``session.step()`` the rows are stacked on the device and, with
+``reduce_ranks=True``, their cross-rank reductions are started there, on the
+training thread, in the same order on every rank as the model's own
+collectives (asynchronous: only the series count is agreed before, one tiny
+all-reduce; a step that ends by an exception, and the tail after the last
+``step()``, are not reduced, as the other ranks may not join). The writer
+thread waits for the reductions and moves the rows to the host once; then the
 anomaly rules run (``probe.modes.anomaly``) and the step's ``monitor.csv``,
 ``anomalies.jsonl`` and TensorBoard scalars are written. With
 ``on_anomaly="dump"`` or ``"stop"`` that happens on the training thread at the
@@ -90,6 +95,42 @@ def _in_backward() -> bool:
 
 
 @dataclass
+class _Reduction:
+    """A step's cross-rank reduction in flight: the collectives' buffers and their works."""
+
+    extremes: torch.Tensor  # [-min, max] per series, all-reduced with MAX
+    sums: torch.Tensor  # the summed columns and the element count, all-reduced with SUM
+    works: list[Any]
+
+    def result(self) -> torch.Tensor:
+        """Wait for the collectives (on the writer thread); the reduced raw rows and counts."""
+        for work in self.works:
+            work.wait()
+        return torch.cat([-self.extremes[:, :1], self.extremes[:, 1:], self.sums], dim=1)
+
+
+class _WriteSide:
+    """What the monitor keeps across written steps: the anomaly detector's history and the
+    TensorBoard writer. Only the steps' writes touch it, one step at a time, in order."""
+
+    def __init__(self, detector: AnomalyDetector, metrics: tuple[str, ...] | list[str]) -> None:
+        self.detector, self.metrics = detector, metrics
+        self.rank = 0
+        self.tensorboard: Any = None
+
+    def write_tensorboard(self, step: int, series: list[Series], values: np.ndarray) -> None:
+        if self.tensorboard is None:
+            return
+        for s, row in zip(series, values, strict=True):
+            prefix = f"{s.kind}/{s.name}" + (f"/{s.slot}" if s.slot else "")
+            prefix += f"#{s.call}" if s.call else ""
+            for metric in self.metrics:
+                value = float(row[METRIC_COLUMNS.index(metric)])
+                self.tensorboard.add_scalar(f"{prefix}/{metric}", value, step)
+        self.tensorboard.flush()
+
+
+@dataclass
 class _Rows:
     """One step's series and their raw rows, still on the device."""
 
@@ -100,10 +141,13 @@ class _Rows:
 
 
 class MonitorStep:
-    """A collected step: resolved (moved to the host, scanned) once, then written."""
+    """A collected step: resolved (moved to the host, scanned) once, then written.
 
-    def __init__(self, mode: MonitorMode, step: int, rows: _Rows) -> None:
-        self.mode, self.step, self._rows = mode, step, rows
+    Holds plain data: the rows (on their device), the cross-rank reduction in flight if
+    any, and the monitor's write side; nothing of the mode's per-step state."""
+
+    def __init__(self, step: int, rows: _Rows, reduction: _Reduction | None, sink: _WriteSide) -> None:
+        self.step, self._rows, self._reduction, self._sink = step, rows, reduction, sink
         self.values: np.ndarray | None = None
         self.anomalies: list[Anomaly] = []
         self.dumped: dict[str, torch.Tensor] = {}
@@ -113,20 +157,17 @@ class MonitorStep:
             return
         rows = self._rows
         numel = np.asarray(rows.numel, dtype=np.float64)
-        if not rows.rows:
-            raw = np.zeros((0, 7))
-        elif self.mode.config.reduce_ranks:
-            stacked = torch.stack([r.to(torch.float64) for r in rows.rows])
-            counts = torch.tensor(numel, dtype=torch.float64, device=stacked.device)
-            # Element counts are summed with the rest: the mean is over every rank's elements.
-            host = self.mode.reduce_across_ranks(torch.cat([stacked, counts[:, None]], dim=1)).cpu().numpy()
+        if self._reduction is not None:
+            host = self._reduction.result().cpu().numpy()
             raw, numel = host[:, :-1], host[:, -1]
+        elif not rows.rows:
+            raw = np.zeros((0, 7))
         else:
             # The step's one transfer.
             raw = torch.stack([r.to(torch.float64) for r in rows.rows]).cpu().numpy()
         self.values = finalize(raw, numel)
         self._add_update_ratios()
-        self.anomalies = self.mode.detector.scan(self.step, self.mode.rank, rows.series, self.values)
+        self.anomalies = self._sink.detector.scan(self.step, self._sink.rank, rows.series, self.values)
         if rows.held is not None and self.anomalies:
             flagged = {(a.kind, a.module, a.call) for a in self.anomalies}
             for index, tensor in rows.held.items():
@@ -168,8 +209,9 @@ class MonitorStep:
             writer.write_bytes(layout.ANOMALY_TENSORS_FILE, save(self.dumped))
         for anomaly in self.anomalies:
             log.warning("probe monitor: %s", anomaly.describe())
-        self.mode.write_tensorboard(self.step, series, values)
-        return {"series": len(series), "anomalies": len(self.anomalies), "dumped": len(self.dumped)}
+        self._sink.write_tensorboard(self.step, series, values)
+        return {"series": len(series), "anomalies": len(self.anomalies), "dumped": len(self.dumped),
+                "reduced": self._reduction is not None}
 
 
 @register_mode
@@ -187,14 +229,15 @@ class MonitorMode(Mode):
     def __init__(self, **options: Any) -> None:
         self.config: MonitorConfig = parse_monitor_options(options)
         self.detector = AnomalyDetector(self.config)
+        self._sink = _WriteSide(self.detector, self.config.metrics)
         self.rank = 0
         self.step = 0
         self._collecting = False
+        self._alone = False
         self._handles: list[Any] = []
         self._lock = threading.Lock()
         self._rows = self._new_rows()
         self._params: dict[int, str] = {}
-        self._tb: Any = None
         self._pending_stop: list[Anomaly] = []
         if self.config.tensorboard:
             self._tensorboard_class()  # fail now, naming the package, not at the first step
@@ -205,7 +248,7 @@ class MonitorMode(Mode):
         if model is None:
             raise ProbeError("the monitor mode needs model= (the module whose named_modules() the "
                              "targets name)")
-        self.rank = rank
+        self.rank = self._sink.rank = rank
         matched = self._install_module_hooks(model)
         if not matched:
             patterns = [t.pattern for t in self.config.targets]
@@ -224,18 +267,25 @@ class MonitorMode(Mode):
         writer_class = self._tensorboard_class() if self.config.tensorboard is not False else None
         if writer_class is not None:
             # Created now, at the session's start, not within a step.
-            self._tb = writer_class(log_dir=str(layout.rank_dir(out, rank) / TENSORBOARD_DIR))
+            self._sink.tensorboard = writer_class(log_dir=str(layout.rank_dir(out, rank) / TENSORBOARD_DIR))
 
     def begin_step(self, step: int) -> None:
         self.step = step
         self._collecting = self.config.collects(step)
 
+    def ending_alone(self) -> None:
+        self._alone = True
+
     def end_step(self, step: int) -> MonitorStep | None:
+        alone, self._alone = self._alone, False
         with self._lock:
             rows, self._rows = self._rows, self._new_rows()
         if not rows.rows and not self._collecting:
             return None
-        result = MonitorStep(self, step, rows)
+        # On the training thread, where the model's collectives are issued: the writer thread
+        # issuing its own would interleave with them differently on each rank.
+        reduction = self._start_reduction(rows) if self.config.reduce_ranks and not alone else None
+        result = MonitorStep(step, rows, reduction, self._sink)
         if self.config.on_anomaly in ("dump", "stop"):
             result.resolve()  # now, on the training thread: the tensors are still here
             if self.config.on_anomaly == "stop" and result.anomalies:
@@ -254,9 +304,9 @@ class MonitorMode(Mode):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        if self._sink.tensorboard is not None:
+            self._sink.tensorboard.close()
+            self._sink.tensorboard = None
 
     # -- collection ------------------------------------------------------------
 
@@ -346,26 +396,40 @@ class MonitorMode(Mode):
 
     # -- step end ----------------------------------------------------------------
 
-    def reduce_across_ranks(self, stacked: torch.Tensor) -> torch.Tensor:
-        """Element-wise over ranks: min of mins, max of maxes, sums of the rest."""
+    def _start_reduction(self, rows: _Rows) -> _Reduction | None:
+        """Start the element-wise reduction over ranks (min of mins, max of maxes, sums of the
+        rest, element counts included so the mean is over every rank's elements)."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
             warn_once("monitor-reduce", "monitor: reduce_ranks=True without an initialized process group; "
                       "each rank writes its own values")
-            return stacked
-        n = stacked.shape[0]
-        counts = torch.tensor([n, -n], dtype=torch.float64, device=stacked.device)
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-        if counts[0] != -counts[1]:
-            raise ProbeError("monitor reduce_ranks: ranks collected different numbers of series this "
-                             f"step ({int(-counts[1])} to {int(counts[0])}); monitor the same modules on "
-                             "every rank")
-        extremes = torch.stack([-stacked[:, 0], stacked[:, 1]], dim=1)
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-        sums = stacked[:, 2:].clone()
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        return torch.cat([-extremes[:, :1], extremes[:, 1:], sums], dim=1)
+            return None
+        with torch.no_grad(), _untraced():
+            if rows.rows:
+                stacked = torch.stack([r.to(torch.float64) for r in rows.rows])
+                counts = torch.tensor(rows.numel, dtype=torch.float64, device=stacked.device)
+                stacked = torch.cat([stacked, counts[:, None]], dim=1)
+            else:
+                stacked = torch.zeros((0, 8), dtype=torch.float64)
+            # Collectives of different sizes would mismatch (a hang or garbage): agree on the
+            # series count first. The one wait here, on a tiny tensor (on the CPU when the
+            # process group can reduce there).
+            n = stacked.shape[0]
+            count_device = "cpu" if "gloo" in str(dist.get_backend()) else stacked.device
+            counts = torch.tensor([n, -n], dtype=torch.float64, device=count_device)
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+            if counts[0] != -counts[1]:
+                raise ProbeError("monitor reduce_ranks: ranks collected different numbers of series this "
+                                 f"step ({int(-counts[1])} to {int(counts[0])}); monitor the same modules on "
+                                 "every rank")
+            extremes = torch.stack([-stacked[:, 0], stacked[:, 1]], dim=1)
+            sums = stacked[:, 2:].clone()
+            if n == 0:  # every rank has nothing: no buffers to reduce
+                return _Reduction(extremes, sums, [])
+            works = [dist.all_reduce(extremes, op=dist.ReduceOp.MAX, async_op=True),
+                     dist.all_reduce(sums, op=dist.ReduceOp.SUM, async_op=True)]
+        return _Reduction(extremes, sums, works)
 
     @staticmethod
     def _tensorboard_class() -> Any:
@@ -374,16 +438,6 @@ class MonitorMode(Mode):
         except ImportError:
             return None
         return SummaryWriter
-
-    def write_tensorboard(self, step: int, series: list[Series], values: np.ndarray) -> None:
-        if self._tb is None:
-            return
-        for s, row in zip(series, values):
-            prefix = f"{s.kind}/{s.name}" + (f"/{s.slot}" if s.slot else "")
-            prefix += f"#{s.call}" if s.call else ""
-            for metric in self.config.metrics:
-                self._tb.add_scalar(f"{prefix}/{metric}", float(row[METRIC_COLUMNS.index(metric)]), step)
-        self._tb.flush()
 
 
 class _ModuleWatcher:

@@ -2,8 +2,14 @@
 
 Jobs run one at a time, in submission order. ``submit`` blocks while
 ``max_pending`` jobs are unfinished, which bounds the memory held by steps
-waiting to be written; a job that failed re-raises its error in the training
-thread at the next ``submit`` or at ``drain``.
+waiting to be written. A job that raised re-raises its error in the training
+thread at the next ``submit`` (after that call's own job is queued) or at
+``drain``; the session's jobs handle write failures themselves, so what comes
+back this way is a deliberate stop (dump's ``on_error="raise"``) or a bug.
+
+A job handed to ``submit`` is always queued, even when waiting for a slot is
+interrupted (Ctrl-C): the step's records go to disk, then the interruption
+goes on.
 """
 
 from __future__ import annotations
@@ -21,11 +27,17 @@ class BackgroundWriter:
         self._futures: deque[Future[None]] = deque()
 
     def submit(self, job: Callable[[], None]) -> None:
-        self._reap(block=False)
-        self._slots.acquire()
+        try:
+            self._slots.acquire()
+        except BaseException:
+            # Interrupted while the previous step is being written: queue this one beyond the
+            # bound (the single worker still runs it after that one) and let the interruption go on.
+            self._futures.append(self._executor.submit(job))
+            raise
         future = self._executor.submit(job)
         future.add_done_callback(lambda _: self._slots.release())
         self._futures.append(future)
+        self._reap(block=False)
 
     def drain(self) -> None:
         """Wait for every submitted job; re-raise the first failure."""

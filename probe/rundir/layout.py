@@ -27,6 +27,10 @@ MONITOR_FILE = "monitor.csv"
 ANOMALIES_FILE = "anomalies.jsonl"
 ANOMALY_TENSORS_FILE = "anomaly_tensors.safetensors"
 TENSORS_DIR = "tensors"
+LOCK_FILE = ".lock"
+"""In each rank directory: the advisory lock of its one writer, naming the holder's host and pid."""
+WRITE_FAILURES_FILE = "write_failures.jsonl"
+"""In each rank directory: one line per step (or tail) whose files could not be written."""
 
 _RANK_RE = re.compile(r"rank(\d+)")
 _STEP_RE = re.compile(r"step(\d+)")
@@ -49,6 +53,16 @@ def tensors_dir(out: Path, rank: int, step: int) -> Path:
 def partial_step_dir(out: Path, rank: int, step: int) -> Path:
     """Where a step is written before the rename that makes it visible."""
     return rank_dir(out, rank) / f".step{step}.partial"
+
+
+def tail_dir(out: Path, rank: int, step: int) -> Path:
+    """What was recorded after the last ``session.step()`` (numbered as the step it would have
+    been): a name :func:`list_steps` does not count, so ``Run.steps`` needs no manifest to skip it."""
+    return rank_dir(out, rank) / f"tail{step}"
+
+
+def partial_tail_dir(out: Path, rank: int, step: int) -> Path:
+    return rank_dir(out, rank) / f".tail{step}.partial"
 
 
 def list_ranks(out: Path) -> list[int]:

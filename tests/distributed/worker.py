@@ -7,7 +7,9 @@ runs, so the test can check that the probe left training bit-identical.
 
 ``--wrap ddp|fsdp2`` picks the engine; ``--desync-rank R`` perturbs one
 parameter on rank R after the first step (a planted desynchronisation the
-cross-rank consistency check must find).
+cross-rank consistency check must find). ``--monitor-reduce`` runs the monitor
+mode with ``reduce_ranks=True`` (the head's output and the weight gradients)
+alongside the engine's own collectives.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ def main() -> None:
     parser.add_argument("--ranks", default=None)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--desync-rank", type=int, default=None)
+    parser.add_argument("--monitor-reduce", action="store_true")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -112,7 +115,9 @@ def main() -> None:
 
     model, opt = build(args.wrap)
     ranks = None if args.ranks is None else [int(r) for r in args.ranks.split(",")]
-    with probe.mode(args.modes.split(","), out=args.out, ranks=ranks) as session:
+    monitor = (dict(model=model, targets={"module.head": {"output": "tensor"}}, wg_distribution=True,
+                    reduce_ranks=True) if args.monitor_reduce else {})
+    with probe.mode(args.modes.split(","), out=args.out, ranks=ranks, **monitor) as session:
         probed_losses = train(model, opt, data, session, desync)
     probed_params = full_params(model)
 
