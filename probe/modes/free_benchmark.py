@@ -185,7 +185,7 @@ class FreeBenchmarkMode(Mode):
         except torch.OutOfMemoryError:
             self._skip(call, "out of memory during the check")
             return
-        except (RuntimeError, TypeError, NotImplementedError) as e:
+        except Exception as e:  # whatever the re-run raises (ValueError: _scaled_mm), training goes on
             self._skip(call, f"{type(e).__name__}: {str(e)[:200]}")
             return
         up_to_sign = _UP_TO_SIGN.get(call.info.short, ())

@@ -128,7 +128,8 @@ class StepRows:
 
     def add(self, t: torch.Tensor) -> int | None:
         """Reduce ``t`` (or stage it); its row id, or None for tensors without values."""
-        if t.device.type == "meta" or t.is_sparse or t.is_nested or t.is_quantized:
+        # Meta, sparse, nested and zero tensors never get here (the tracer skips them).
+        if t.is_quantized:
             return None
         x, multiplicity = compact_view(as_real(t))
         numel = x.numel()

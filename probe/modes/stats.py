@@ -4,7 +4,10 @@ Raw rows stay on the tensor's device until the step ends (see ``stat_rows``);
 the writer thread moves them to the host and turns raw moments into
 statistics. A value is reduced once per step: an input produced by a traced
 op reuses that op's output row, and a view that covers exactly the elements of
-its base (``view``, ``t``, ``permute``, ``detach``, ...) reuses the base's row.
+its base (``view``, ``t``, ``permute``, ``detach``, ...) reuses the base's row
+(never a conjugate or negative view: it holds other values). Tensors the tracer
+could not key (``OpCall.skipped``: inference, sparse, nested, zero tensors) get
+no row.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from probe.modes.base import Mode
 from probe.modes.registry import register_mode
 from probe.modes.stat_rows import PendingRows, StepRows
 from probe.modes.tensor_stats import BACKENDS, TensorStats, finalize
+from probe.options import show
 from probe.rundir import layout
 from probe.rundir.writer import StepWriter
 from probe.tracer.op_call import OpCall
@@ -29,11 +33,15 @@ _NOT_SAME_ELEMENTS = frozenset({"as_strided", "unfold", "diagonal"})
 
 
 def _same_elements(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``view`` holds exactly the values of ``base`` (a conjugate or negative view
+    of it holds others)."""
     return (
         view.dtype == base.dtype
         and view.numel() == base.numel()
         and view.storage_offset() == base.storage_offset()
         and view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+        and view.is_conj() == base.is_conj()
+        and view.is_neg() == base.is_neg()
     )
 
 
@@ -50,11 +58,11 @@ class StatsMode(Mode):
         """``saturation``: count values at +-max of their dtype as Inf ("auto": on devices whose
         overflow saturates, i.e. an Ascend NPU without inf/nan support; True: everywhere)."""
         if not isinstance(inputs, bool):
-            raise ProbeError(f"option 'inputs': expected True or False, got {inputs!r}")
+            raise ProbeError(f"option 'inputs': expected True or False, got {show(inputs)}")
         if stats_backend not in BACKENDS:
-            raise ProbeError(f"option 'stats_backend': {stats_backend!r} is not one of {list(BACKENDS)}")
-        if saturation not in (True, False, "auto"):
-            raise ProbeError(f"option 'saturation': expected True, False or 'auto', got {saturation!r}")
+            raise ProbeError(f"option 'stats_backend': {show(stats_backend)} is not one of {list(BACKENDS)}")
+        if not (isinstance(saturation, bool) or (isinstance(saturation, str) and saturation == "auto")):
+            raise ProbeError(f"option 'saturation': expected True, False or 'auto', got {show(saturation)}")
         self.inputs = inputs
         self._rows = StepRows(
             TensorStats(stats_backend), stage=stats_backend == "auto", saturation=saturation
@@ -80,6 +88,8 @@ class StatsMode(Mode):
         if not self.inputs:
             return
         for position, t in enumerate(call.input_tensors or ()):
+            if call.skipped and call.skip_reason("in", position) is not None:
+                continue
             row = self._input_row(call, position)
             if row is None:
                 row = self._rows.add(t)
@@ -95,7 +105,12 @@ class StatsMode(Mode):
         reuse_base = (
             call.info.is_view and inputs and call.info.short not in _NOT_SAME_ELEMENTS
         )
+        skipped = call.skipped
+        if skipped and reuse_base and call.skip_reason("in", 0) is not None:
+            reuse_base = False
         for position, t in enumerate(outputs):
+            if skipped and call.skip_reason("out", position) is not None:
+                continue
             row = None
             if reuse_base and _same_elements(t, inputs[0]):
                 row = self._input_row(call, 0)

@@ -69,13 +69,16 @@ def compact_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def as_real(t: torch.Tensor) -> torch.Tensor:
-    """Complex tensors are reduced over their real and imaginary parts.
+    """The values ``t`` holds, as a real tensor to reduce.
 
-    The L2 norm of the parts equals the complex norm; min/max/mean are over parts.
+    Complex tensors are reduced over their real and imaginary parts (the L2 norm of
+    the parts equals the complex norm; min/max/mean are over parts). Conjugate and
+    negative views are resolved first (a copy, for those views only): their memory
+    holds their base's values, not theirs.
     """
     if t.is_complex():
-        return torch.view_as_real(t)
-    return t
+        return torch.view_as_real(t.resolve_conj().resolve_neg())
+    return t.resolve_neg() if t.is_neg() else t
 
 
 def _eager_raw(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:

@@ -1,34 +1,163 @@
 """The JSON form of one op record (a line of ``ops.jsonl``), both directions.
 
-Tensor lists are compact arrays (the tracer's tuples, see ``probe.tracer.op_call``):
-an input is ``[dtype, shape, source]`` where source is ``[producer index, output
-position, exact]`` or null; an output is ``[dtype, shape, mutated]``. Collectives
-also carry ``group``: ``{"size", "name", "ranks"}`` of their process group.
+Both are derived from the one field list, ``probe.tracer.op_call.OP_RECORD_FIELDS``:
+a field's key names it in JSON, its kind picks a codec here. Tensor lists are
+compact arrays (the tracer's tuples): an input is ``[dtype, shape, source]`` where
+source is ``[producer index, output position, exact]`` or null; an output is
+``[dtype, shape, mutated]``. Optional fields are left out at their default:
+``site`` (call site id), ``group`` (a collective's ``{"size", "name", "ranks"}``)
+and ``skip`` (``[io, position, reason]`` of tensors the tracer could not key).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from probe.tracer.op_call import OpRecordTuple
+from probe.errors import ProbeError
+from probe.tracer.op_call import OP_RECORD_FIELDS, SKIP_REASONS, OpRecordTuple
+
+_MISSING = object()
+
+
+class _BadValue(Exception):
+    """A JSON value of the wrong form; :func:`decode` names the field."""
+
+
+def _int(value: Any) -> int:
+    if type(value) is not int:
+        raise _BadValue("an integer")
+    return value
+
+
+def _str(value: Any) -> str:
+    if type(value) is not str:
+        raise _BadValue("a string")
+    return value
+
+
+def _strs(value: Any) -> tuple[str, ...]:
+    if type(value) is not list or not all(type(v) is str for v in value):
+        raise _BadValue("a list of strings")
+    return tuple(value)
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    if type(value) is not list or not all(type(v) is int for v in value):
+        raise _BadValue("tensors as [dtype, shape, ...] with a shape of integers")
+    return tuple(value)
+
+
+def _tensor(value: Any) -> tuple[str, tuple[int, ...], Any]:
+    if type(value) is not list or len(value) != 3 or type(value[0]) is not str:
+        raise _BadValue("tensors as [dtype, shape, source or mutated]")
+    return value[0], _shape(value[1]), value[2]
+
+
+def _inputs(value: Any) -> tuple[Any, ...]:
+    if type(value) is not list:
+        raise _BadValue("a list of tensors")
+    inputs = []
+    for item in value:
+        dtype, shape, source = _tensor(item)
+        if source is not None:
+            if (type(source) is not list or len(source) != 3 or type(source[0]) is not int
+                    or type(source[1]) is not int or type(source[2]) is not bool):
+                raise _BadValue("inputs' sources as [op index, position, exact] or null")
+            source = (source[0], source[1], source[2])
+        inputs.append((dtype, shape, source))
+    return tuple(inputs)
+
+
+def _outputs(value: Any) -> tuple[Any, ...]:
+    if type(value) is not list:
+        raise _BadValue("a list of tensors")
+    outputs = []
+    for item in value:
+        dtype, shape, mutated = _tensor(item)
+        if type(mutated) not in (bool, int):  # 0/1 in older runs
+            raise _BadValue("outputs as [dtype, shape, mutated]")
+        outputs.append((dtype, shape, bool(mutated)))
+    return tuple(outputs)
+
+
+def _encode_group(group: tuple[int, str, tuple[int, ...]]) -> dict[str, Any]:
+    size, name, ranks = group
+    return {"size": size, "name": name, "ranks": list(ranks)}
+
+
+def _group(value: Any) -> tuple[int, str, tuple[int, ...]]:
+    try:
+        return _int(value["size"]), _str(value["name"]), tuple(_int(r) for r in value["ranks"])
+    except (_BadValue, KeyError, TypeError):
+        raise _BadValue('{"size": int, "name": str, "ranks": [int, ...]}') from None
+
+
+def _skipped(value: Any) -> tuple[tuple[str, int, str], ...]:
+    if type(value) is not list:
+        raise _BadValue("a list of [io, position, reason]")
+    skipped = []
+    for item in value:
+        if (type(item) is not list or len(item) != 3 or item[0] not in ("in", "out")
+                or type(item[1]) is not int or item[2] not in SKIP_REASONS):
+            raise _BadValue(f'[io ("in" or "out"), position, reason (one of {list(SKIP_REASONS)})]')
+        skipped.append((item[0], item[1], item[2]))
+    return tuple(skipped)
+
+
+def _as_is(value: Any) -> Any:
+    return value
+
+
+CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
+    # kind: (encode the tracer's value to JSON, decode and check a JSON value)
+    "int": (_as_is, _int),
+    "str": (_as_is, _str),
+    "strs": (_as_is, _strs),
+    "inputs": (_as_is, _inputs),
+    "outputs": (_as_is, _outputs),
+    "group": (_encode_group, _group),
+    "skipped": (_as_is, _skipped),
+}
+
+_FIELDS = tuple(
+    (position, field.key, field.optional, field.default, *CODECS[field.kind])
+    for position, field in enumerate(OP_RECORD_FIELDS)
+)
 
 
 def encode(record: OpRecordTuple) -> dict[str, Any]:
-    index, op_id, name, phase, module, call, stack, inputs, outputs, callsite, group = record
-    row: dict[str, Any] = {
-        "i": index,
-        "id": op_id,
-        "name": name,
-        "phase": phase,
-        "module": module,
-        "call": call,
-        "stack": stack,
-        "in": inputs,
-        "out": outputs,
-    }
-    if callsite is not None:
-        row["site"] = callsite
-    if group is not None:
-        size, group_name, ranks = group
-        row["group"] = {"size": size, "name": group_name, "ranks": list(ranks)}
+    """The JSON object of one record (optional fields at their default are left out)."""
+    row: dict[str, Any] = {}
+    for position, key, optional, default, encode_value, _ in _FIELDS:
+        value = record[position]
+        if optional and value == default:
+            continue
+        row[key] = encode_value(value)
     return row
+
+
+def decode(row: Any) -> OpRecordTuple:
+    """The record of one JSON object of ``ops.jsonl``, checked field by field.
+
+    Raises :class:`ProbeError` naming the field that is missing or of the wrong form
+    (the caller adds the file).
+    """
+    if type(row) is not dict:
+        raise ProbeError(f"an op record is a JSON object, got {type(row).__name__}")
+    values = []
+    for _, key, optional, default, _, decode_value in _FIELDS:
+        value = row.get(key, _MISSING)
+        if value is _MISSING or (optional and value is None):
+            if not optional:
+                raise ProbeError(f"op record {row.get('i', '?')!r} has no field {key!r}")
+            values.append(default)
+            continue
+        try:
+            values.append(decode_value(value))
+        except _BadValue as e:
+            shown = repr(value)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise ProbeError(f"op record field {key!r}: expected {e}, got {shown}") from None
+    return tuple(values)  # type: ignore[return-value]
+

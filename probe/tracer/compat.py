@@ -6,8 +6,9 @@ piece turns off one capability with a single warning, never a crash.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -40,12 +41,38 @@ def compiled_regions_eager(policy: str) -> Iterator[None]:
         return
     prior = eval_frame._stance
     torch.compiler.set_stance("force_eager")
-    warn_once("force_eager", "compiled regions run eagerly while the probe is active, so "
-              "that no op escapes; pass compiled='keep' to leave them compiled")
+    restore = _say_when_a_compiled_region_runs_eagerly(eval_frame)
     try:
         yield
     finally:
+        restore()
         eval_frame._set_stance(prior)
+
+
+_FORCE_EAGER_MESSAGE = ("compiled regions run eagerly while the probe is active, so that no op "
+                        "escapes; pass compiled='keep' to leave them compiled")
+
+
+def _say_when_a_compiled_region_runs_eagerly(eval_frame: Any) -> Callable[[], None]:
+    """Warn (once) when a ``torch.compile``d region is entered and runs eagerly, not before:
+    most sessions never meet one. Dynamo asks ``_callback_from_stance`` for the frame callback
+    on entering a compiled region; under ``force_eager`` it answers None. Returns the undo."""
+    original = getattr(eval_frame, "_callback_from_stance", None)
+    if original is None:  # another torch: say it up front rather than never
+        warn_once("force_eager", _FORCE_EAGER_MESSAGE)
+        return lambda: None
+
+    def callback_from_stance(callback: Any) -> Any:
+        if callback is not None and callback is not False and eval_frame._stance.stance == "force_eager":
+            warn_once("force_eager", _FORCE_EAGER_MESSAGE)
+        return original(callback)
+
+    eval_frame._callback_from_stance = callback_from_stance
+
+    def restore() -> None:
+        eval_frame._callback_from_stance = original
+
+    return restore
 
 
 @contextmanager

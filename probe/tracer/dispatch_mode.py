@@ -19,16 +19,17 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from probe.errors import warn_once
 from probe.modes.base import Mode
 from probe.options import Options
 from probe.tracer.call_sites import CallSites
 from probe.tracer.collectives import GroupCache, PendingCollectives, collective_outputs
 from probe.tracer.frames import Frame
 from probe.tracer.module_tracker import ModuleTracker
-from probe.tracer.op_call import OpCall, OpRecordTuple
+from probe.tracer.op_call import InputMeta, OpCall, OpRecordTuple, OutputMeta, Skipped
 from probe.tracer.op_class import OpClass, OpClassCache
 from probe.tracer.op_tensors import tensors_in, tensors_out, written_tensors
-from probe.tracer.value_ids import ValueIndex
+from probe.tracer.value_ids import UNKEYABLE_ERRORS, ValueIndex, unkeyable
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)
 _get_infra_mode = torch._C._get_dispatch_mode
@@ -40,6 +41,11 @@ _TRACING_MODE_KEYS = tuple(
     if hasattr(torch._C._TorchDispatchModeKey, name)
 )
 _NODE_CREATING_PHASES = ("forward", "recompute")
+
+
+def _shape_of(t: torch.Tensor) -> tuple[int, ...]:
+    """The shape, or () for a tensor that has none (a nested tensor's ragged dims)."""
+    return () if t.is_nested else tuple(t.shape)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -66,13 +72,15 @@ class Tracer:
         self.rank = rank
         self.step = 0
         self.recording = False
+        self._step_recorded = False
+        """This step is one of the ``steps`` and ``ranks`` recorded (``recording`` may be paused)."""
         self.records: list[OpRecordTuple] = []
         self.values = ValueIndex()
         self._unwritten: set[int] = set()
         """Indices of this step's ops whose outputs are memory nothing has written yet."""
         self.groups = GroupCache()
         self.pending = PendingCollectives(self._finish)
-        self._classes = OpClassCache()
+        self._classes = OpClassCache(on_math_bit_view=self.values.track_math_bits)
         self._selected: dict[tuple[Any, str, str], bool] = {}
         self._ops_re = options.ops.regex
         self._modules_re = options.modules.regex
@@ -87,7 +95,7 @@ class Tracer:
         self._unwritten.clear()
         self.modules.reset_step()
         active = step in self.options.steps and rank in self.options.ranks
-        self.recording = active
+        self.recording = self._step_recorded = active
         self.modules.enabled = active
 
     def end_step(self, wait: bool = True) -> list[OpRecordTuple]:
@@ -100,11 +108,37 @@ class Tracer:
                 else:
                     self.pending.abandon()
         records = self.records
+        if self._step_recorded and not records:
+            self._warn_if_filters_match_nothing()
         self.recording = False
         self.modules.enabled = False
         self.records = []
         self.values.clear()
         return records
+
+    def _warn_if_filters_match_nothing(self) -> None:
+        """A recorded step selected no op although ops ran: if the ``ops``/``modules`` filters
+        have selected none so far (in any step), say so once: they may be misspelled."""
+        selected = self._selected
+        if not selected or any(selected.values()):
+            return
+        filters = [
+            f"{name}={list(patterns.globs)}"
+            for name, patterns in (("ops", self.options.ops), ("modules", self.options.modules))
+            if patterns.globs is not None
+        ]
+        phases = self.options.phases
+        ran = sorted({f"{self._classes[func].name} in {fqn or '<top>'!r} ({phase})"
+                      for func, fqn, phase in selected if phase in phases})
+        if not filters or not ran:
+            return  # the phases filter alone: a step may well have no op of those phases
+        examples = "; ".join(ran[:3]) + ("; ..." if len(ran) > 3 else "")
+        warn_once(
+            f"filters-match-nothing:{filters}",
+            f"{' and '.join(filters)} selected none of the {len(ran)} op kinds that ran in step "
+            f"{self.step} (e.g. {examples}), so it has no op records; is a filter misspelled? "
+            "ops match full names (aten.mm.default) or short ones (mm), modules module paths.",
+        )
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -182,10 +216,16 @@ class Tracer:
         index = len(self.records)
         in_tensors = tensors_in(args, kwargs)
         source = self.values.source
-        inputs = [(_DTYPE_NAMES[t.dtype], tuple(t.shape), source(t)) for t in in_tensors]
+        try:
+            inputs = [(_DTYPE_NAMES[t.dtype], tuple(t.shape), source(t)) for t in in_tensors]
+            skipped_inputs: tuple[Skipped, ...] = ()
+        except UNKEYABLE_ERRORS:
+            inputs, skipped_inputs = self._inputs_skipping_unkeyable(in_tensors)
         op_id = f"{phase}:{origin.key}:{info.name}:{n}"
         callsite = self.call_sites.capture(origin.fqn) if self.call_sites is not None else None
         call = OpCall(index, op_id, info, phase, frame, inputs, in_tensors, args, kwargs, callsite, func)
+        if skipped_inputs:
+            call.skipped = skipped_inputs
         if info.is_view and inputs and (src := inputs[0][2]) is not None and src[0] in self._unwritten:
             call.uninitialized = True  # a view into an ``empty`` buffer nothing has written yet
         if call.uninitialized:
@@ -206,20 +246,17 @@ class Tracer:
         else:
             out_tensors = tensors_out(out)
             written = written_tensors(info, args, kwargs)
-        produced = self.values.produced
-        fresh_kind = "view" if info.is_view else "fresh"
-        outputs = []
-        for position, t in enumerate(out_tensors):
-            mutated = bool(written) and any(t is w for w in written)
-            outputs.append((_DTYPE_NAMES[t.dtype], tuple(t.shape), mutated))
-            produced(t, index, position, "written" if mutated else fresh_kind)
         # Written arguments the op does not return (running statistics, foreach
         # updates) are results too.
-        for t in written:
-            if not any(t is r for r in out_tensors):
-                produced(t, index, len(out_tensors), "written")
-                outputs.append((_DTYPE_NAMES[t.dtype], tuple(t.shape), True))
-                out_tensors.append(t)
+        if written:
+            out_tensors += [t for t in written if not any(t is r for r in out_tensors)]
+        try:
+            outputs, skipped_outputs = self._register_outputs(out_tensors, written, index, info.is_view)
+        except UNKEYABLE_ERRORS:
+            outputs, skipped_outputs = self._register_outputs(
+                out_tensors, written, index, info.is_view, careful=True
+            )
+            call.skipped += skipped_outputs
         call.outputs = outputs
         call.output_tensors = out_tensors
         group = None
@@ -229,11 +266,49 @@ class Tracer:
                 self._finish(call)
         else:
             self._finish(call)
+        # In the order of OP_RECORD_FIELDS.
         self.records.append(
             (index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack(),
-             tuple(inputs), tuple(outputs), callsite, group)
+             tuple(inputs), tuple(outputs), callsite, group, call.skipped)
         )
         return out
+
+    def _register_outputs(
+        self, results: list[torch.Tensor], written: list[torch.Tensor], index: int, view: bool,
+        careful: bool = False,
+    ) -> tuple[list[OutputMeta], tuple[Skipped, ...]]:
+        """The results' metadata, each registered as a value op ``index`` produced, and the
+        results skipped. ``careful`` (after a key read failed) first asks :func:`unkeyable`
+        of each result and skips those it names."""
+        produced = self.values.produced
+        fresh_kind = "view" if view else "fresh"
+        outputs: list[OutputMeta] = []
+        skipped: tuple[Skipped, ...] = ()
+        for position, t in enumerate(results):
+            mutated = bool(written) and any(t is w for w in written)
+            reason = unkeyable(t) if careful else None
+            if reason is not None:
+                outputs.append((_DTYPE_NAMES[t.dtype], _shape_of(t), mutated))
+                skipped += (("out", position, reason),)
+                continue
+            outputs.append((_DTYPE_NAMES[t.dtype], tuple(t.shape), mutated))
+            produced(t, index, position, "written" if mutated else fresh_kind)
+        return outputs, skipped
+
+    def _inputs_skipping_unkeyable(
+        self, tensors: list[torch.Tensor]
+    ) -> tuple[list[InputMeta], tuple[Skipped, ...]]:
+        """Input metadata when some input cannot be keyed: those have no source."""
+        inputs: list[InputMeta] = []
+        skipped: tuple[Skipped, ...] = ()
+        for position, t in enumerate(tensors):
+            reason = unkeyable(t)
+            if reason is None:
+                inputs.append((_DTYPE_NAMES[t.dtype], tuple(t.shape), self.values.source(t)))
+            else:
+                inputs.append((_DTYPE_NAMES[t.dtype], _shape_of(t), None))
+                skipped += (("in", position, reason),)
+        return inputs, skipped
 
     def _finish(self, call: OpCall) -> None:
         """The op's results are final: the modes see them, then the call lets go of its tensors."""

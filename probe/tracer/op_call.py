@@ -10,10 +10,16 @@ Tensor metadata are plain tuples, built once per tensor on the hot path:
 ``exact`` is False when only the storage matched (a read after an in-place
 write through another view): the producer wrote these bytes, but its output
 was another view of them.
+
+The record itself is a plain tuple whose fields are listed once, in
+:data:`OP_RECORD_FIELDS`: their order is the tuple's, their keys are the JSON
+keys of ``ops.jsonl`` (``probe.rundir.op_records`` derives encode and decode
+from the list).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,15 +34,62 @@ OutputMeta = tuple[str, tuple[int, ...], bool]
 GroupMeta = tuple[int, str, tuple[int, ...]]
 """A collective's process group: ``(size, group name, global ranks)``."""
 
+Skipped = tuple[str, int, str]
+"""A tensor the tracer could not key: ``("in" or "out", position, reason)``. It has no
+source, registers no value, and gets no statistics or dump; ``reason`` is one of
+:data:`SKIP_REASONS`."""
+
+SKIP_REASONS = ("inference", "sparse", "nested", "zero", "meta", "no storage")
+
+_REQUIRED = object()
+
+
+@dataclass(frozen=True, slots=True)
+class RecordField:
+    """One field of an op record: its name, its ``ops.jsonl`` key and how it is encoded."""
+
+    name: str
+    key: str
+    kind: str
+    """The value's form, one of ``probe.rundir.op_records.CODECS``."""
+    default: Any = _REQUIRED
+    """An optional field's value when its key is absent (and it is not written when equal)."""
+
+    @property
+    def optional(self) -> bool:
+        return self.default is not _REQUIRED
+
+
+OP_RECORD_FIELDS: tuple[RecordField, ...] = (
+    RecordField("index", "i", "int"),
+    RecordField("op_id", "id", "str"),
+    RecordField("name", "name", "str"),
+    RecordField("phase", "phase", "str"),
+    RecordField("module", "module", "str"),
+    RecordField("module_call", "call", "int"),
+    RecordField("module_stack", "stack", "strs"),
+    RecordField("inputs", "in", "inputs"),
+    RecordField("outputs", "out", "outputs"),
+    RecordField("callsite", "site", "int", default=None),
+    RecordField("group", "group", "group", default=None),
+    RecordField("skipped", "skip", "skipped", default=()),
+)
+"""The op record's fields in tuple order. Adding one: append it here (optional, so older
+runs still load), build it in ``Tracer._record`` in the same position."""
+
+RECORD_FIELD_INDEX = {field.name: position for position, field in enumerate(OP_RECORD_FIELDS)}
+RECORD_PHASE = RECORD_FIELD_INDEX["phase"]
+RECORD_MODULE = RECORD_FIELD_INDEX["module"]
+RECORD_CALLSITE = RECORD_FIELD_INDEX["callsite"]
+RECORD_SKIPPED = RECORD_FIELD_INDEX["skipped"]
+
 OpRecordTuple = tuple[
     int, str, str, str, str, int, tuple[str, ...], tuple[InputMeta, ...], tuple[OutputMeta, ...],
-    int | None, GroupMeta | None,
+    int | None, GroupMeta | None, tuple[Skipped, ...],
 ]
-"""What the tracer keeps of an op until the step is written:
-``(index, op id, name, phase, module, module call, module stack, inputs, outputs,
-call site, process group)``. Only strings, numbers and tuples of them: the garbage
+"""What the tracer keeps of an op until the step is written, fields as in
+:data:`OP_RECORD_FIELDS`. Only strings, numbers and tuples of them: the garbage
 collector stops tracking such tuples, so a long step's records add little to its scans."""
-RECORD_PHASE, RECORD_CALLSITE = 3, 9
 
 
 class OpCall:
@@ -44,7 +97,7 @@ class OpCall:
 
     __slots__ = (
         "args", "callsite", "frame", "func", "index", "info", "input_tensors", "inputs", "kwargs",
-        "op_id", "output_tensors", "outputs", "phase", "uninitialized",
+        "op_id", "output_tensors", "outputs", "phase", "skipped", "uninitialized",
     )
 
     def __init__(
@@ -78,6 +131,9 @@ class OpCall:
         self.kwargs: dict[str, Any] | None = kwargs
         self.uninitialized = info.uninitialized_output
         """The outputs hold memory nothing wrote yet (``empty``, or a view of such memory)."""
+        self.skipped: tuple[Skipped, ...] = ()
+        """Tensors the tracer could not key (inference, sparse, nested, zero, ...): modes keep
+        nothing of them. Empty for almost every op: test it before asking :meth:`skip_reason`."""
 
     @property
     def name(self) -> str:
@@ -86,6 +142,13 @@ class OpCall:
     @property
     def module(self) -> str:
         return self.frame.origin.fqn
+
+    def skip_reason(self, io: str, position: int) -> str | None:
+        """Why input (``io="in"``) or output (``"out"``) ``position`` is skipped; None if it is not."""
+        for skipped_io, skipped_position, reason in self.skipped:
+            if skipped_position == position and skipped_io == io:
+                return reason
+        return None
 
     def release(self) -> None:
         """Drop every reference to live tensors once the modes are done with the op."""

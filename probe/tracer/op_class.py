@@ -7,6 +7,7 @@ collective) is answered here from the schema and tags, never per call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,9 @@ _UNINITIALIZED = frozenset(
 # Non-aten ops returning a buffer whose contents are written later (FSDP2's
 # all-gather output, of which only this rank's shard is filled before the collective).
 _UNINITIALIZED_BUFFERS = frozenset({"fsdp.all_gather_copy_in.default"})
+# Ops that return a conjugate or negative view: the same memory, key and version as their
+# input, holding other values (see ValueIndex.track_math_bits).
+_MATH_BIT_VIEWS = frozenset({"aten._conj.default", "aten._neg_view.default"})
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"})
 
 
@@ -77,6 +81,8 @@ class OpClass:
     """``record_function`` markers: 1 opens a region, -1 closes one (see ModuleTracker.enter_region)."""
     group_arg: int | None = None
     """Collectives: position of the ``ProcessGroup`` (or functional ``group_name``) argument."""
+    math_bit_view: bool = False
+    """Returns a conjugate or negative view (``_conj``, ``_neg_view``): same memory, other values."""
 
     @property
     def mutates(self) -> bool:
@@ -139,6 +145,7 @@ def classify(func: torch._ops.OpOverload) -> OpClass:
         ),
         group_arg=group_arg,
         region=_REGION_MARKERS.get(name, 0),
+        math_bit_view=name in _MATH_BIT_VIEWS,
     )
 
 
@@ -164,10 +171,20 @@ def resolve_op(name: str) -> torch._ops.OpOverload:
 
 
 class OpClassCache(dict):
-    """``func -> OpClass``; a miss classifies the op once."""
+    """``func -> OpClass``; a miss classifies the op once.
+
+    ``on_math_bit_view`` is called when an op that makes conjugate or negative views is
+    first classified, i.e. before the first such view exists in the traced program.
+    """
+
+    def __init__(self, on_math_bit_view: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self._on_math_bit_view = on_math_bit_view
 
     def __missing__(self, func: object) -> OpClass:
         overload = isinstance(func, torch._ops.OpOverload)
         info = classify(func) if overload else classify_higher_order(func)
         self[func] = info
+        if info.math_bit_view and self._on_math_bit_view is not None:
+            self._on_math_bit_view()
         return info

@@ -11,6 +11,14 @@ any later read that has no exact match.
 Freed memory is reused: an exact entry holds a weak reference to the tensor it
 describes, and a storage entry one to the storage, so an address that now
 belongs to a value no traced op produced never links to a stale producer.
+
+Some tensors cannot be keyed: inference tensors have no version counter, sparse,
+mkldnn and nested tensors no plain storage or shape, ZeroTensors and meta tensors
+no memory. Telling them apart costs several attribute reads per tensor, so the
+tracer does not ask up front: the key's own reads fail on them (or, for memory-less
+tensors, :meth:`ValueIndex.source` and :meth:`ValueIndex.produced` raise
+:class:`Unkeyable`), and only then does the tracer classify each tensor of the op
+with :func:`unkeyable`. Try blocks cost nothing until they catch.
 """
 
 from __future__ import annotations
@@ -21,7 +29,43 @@ import torch
 
 from probe.tracer.op_call import Source
 
-ExactKey = tuple[int, torch.Size, tuple[int, ...], int]
+ExactKey = tuple[int, torch.Size, tuple[int, ...], int] | tuple[
+    int, torch.Size, tuple[int, ...], int, bool, bool
+]
+
+
+class Unkeyable(Exception):
+    """A tensor without memory that is not merely empty (a ZeroTensor, a meta tensor)."""
+
+
+UNKEYABLE_ERRORS = (RuntimeError, NotImplementedError, Unkeyable)
+"""What reading a key raises on a tensor :func:`unkeyable` names."""
+
+
+def unkeyable(t: torch.Tensor) -> str | None:
+    """Why ``t`` has no value key (one of ``op_call.SKIP_REASONS``), or None for a plain tensor."""
+    if t.is_inference():
+        return "inference"
+    if t.is_nested:
+        return "nested"
+    if t.layout is not torch.strided:
+        return "sparse" if t.is_sparse or t.layout in _SPARSE_COMPRESSED else "no storage"
+    if t._is_zerotensor():
+        return "zero"
+    if t.is_meta:
+        return "meta"
+    try:
+        t.untyped_storage()
+        t._version  # noqa: B018 - reading it is the check
+        t.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return "no storage"
+    return None
+
+
+_SPARSE_COMPRESSED = frozenset(
+    {torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc}
+)
 
 
 class ValueIndex:
@@ -30,17 +74,38 @@ class ValueIndex:
     def __init__(self) -> None:
         self._exact: dict[ExactKey, tuple[int, int, weakref.ref]] = {}
         self._latest_write: dict[int, tuple[int, int, int, weakref.ref]] = {}
+        self._math_bits = False
 
     def clear(self) -> None:
         self._exact.clear()
         self._latest_write.clear()
 
+    def track_math_bits(self) -> None:
+        """From now on (for good) tell conjugate and negative views from their base.
+
+        Such a view has its base's memory, shape, stride and version but other values,
+        so its key must also hold the conjugate and negative bits. Reading them costs
+        two calls per tensor, so they join the key only once the program has an op that
+        makes such views (the tracer calls this when it first meets ``_conj`` or
+        ``_neg_view``); until then no tensor can carry them.
+        """
+        self._math_bits = True
+
     def source(self, t: torch.Tensor) -> Source | None:
+        """Where ``t``'s value came from; raises one of :data:`UNKEYABLE_ERRORS` when ``t``
+        cannot be keyed."""
         ptr = t.data_ptr()
-        if ptr == 0:  # empty or storage-less: no value to follow
+        if ptr == 0:  # empty: no value to follow
+            if unkeyable(t) is not None:
+                raise Unkeyable
             return None
         version = t._version
-        hit = self._exact.get((ptr, t.shape, t.stride(), version))
+        # (The key is spelled out here and in ``produced``: a helper call costs more than it.)
+        key: ExactKey = (
+            (ptr, t.shape, t.stride(), version, t.is_conj(), t.is_neg()) if self._math_bits
+            else (ptr, t.shape, t.stride(), version)
+        )
+        hit = self._exact.get(key)
         if hit is not None and hit[2]() is not None:
             return hit[0], hit[1], True
         try:
@@ -60,11 +125,16 @@ class ValueIndex:
         """
         ptr = t.data_ptr()
         if ptr == 0:
+            if unkeyable(t) is not None:
+                raise Unkeyable
             return
         if kind != "written":
-            self._exact[(ptr, t.shape, t.stride(), t._version)] = (
-                op_index, position, weakref.ref(t)
+            version = t._version
+            key: ExactKey = (
+                (ptr, t.shape, t.stride(), version, t.is_conj(), t.is_neg()) if self._math_bits
+                else (ptr, t.shape, t.stride(), version)
             )
+            self._exact[key] = (op_index, position, weakref.ref(t))
         if kind != "view":
             try:
                 storage = t.untyped_storage()
