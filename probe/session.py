@@ -33,7 +33,7 @@ import torch
 
 from probe import __version__
 from probe.errors import ProbeError, warn_once
-from probe.modes.base import Mode, StepResult
+from probe.modes.base import OpObserver, SessionPlugin, StepResult
 from probe.modes.registry import MODES, mode_option_names
 from probe.npu import read_and_clear_overflow_flag
 from probe.options import Options, parse_options, show
@@ -53,13 +53,13 @@ def default_out_dir() -> Path:
     return Path("probe_runs") / time.strftime(f"run-%Y%m%d-%H%M%S-{os.getpid()}")
 
 
-def _build_modes(options: Options) -> list[Mode]:
+def _build_modes(options: Options) -> list[SessionPlugin]:
     modes = []
     for name in options.modes:
         cls = MODES[name]
         kwargs = {k: v for k, v in options.mode_options.items() if k in cls.option_names}
         modes.append(cls(**kwargs))
-    replacing = [m.name for m in modes if m.replaces_execution]
+    replacing = [m.name for m in modes if (o := m.observer()) is not None and o.replaces_execution]
     if len(replacing) > 1:
         raise ProbeError(f"modes {replacing} each replace op execution; combine at most one of them")
     return modes
@@ -88,6 +88,7 @@ class Session:
     def __init__(self, modes: Any = None, **kwargs: Any) -> None:
         self.options = parse_options(modes, kwargs, mode_option_names())
         self.modes = _build_modes(self.options)
+        self._observers: list[OpObserver] = [o for m in self.modes if (o := m.observer()) is not None]
         self.out = self.options.out if self.options.out is not None else default_out_dir()
         self.step_index = 0
         self._tracer: Tracer | None = None
@@ -106,7 +107,7 @@ class Session:
         process = process_info()
         rank = process["rank"]
         self._check_collectives_on_every_rank(process["world_size"])
-        tracer = Tracer(self.options, self.modes, rank)
+        tracer = Tracer(self.options, self._observers, rank)
         if rank in self.options.ranks:
             # Locks the rank directory and writes its first files: an unwritable directory
             # is a ProbeError here, before anything is traced.
@@ -130,7 +131,7 @@ class Session:
                 self._background = BackgroundWriter(max_pending=1)
                 stack.callback(self._background.close)
             # An unselected rank runs its steps untraced: no dispatch mode, no hooks.
-            if self._writer is not None and any(mode.needs_ops for mode in self.modes):
+            if self._writer is not None and self._observers:
                 tracer.modules.install()
                 stack.callback(tracer.modules.uninstall)
                 stack.enter_context(compiled_regions_eager(self.options.compiled))
@@ -270,7 +271,7 @@ class Session:
                 interrupted = e
                 with contextlib.suppress(BaseException):
                     tracer.end_step(wait=False)  # collectives still in flight are dropped
-            ended: list[tuple[Mode, StepResult | None]] = []
+            ended: list[tuple[SessionPlugin, StepResult | None]] = []
             for mode in self.modes:
                 try:
                     if tail or not complete or interrupted is not None:
@@ -299,7 +300,7 @@ class Session:
         step: int,
         tail: bool,
         records: list[OpRecordTuple],
-        ended: list[tuple[Mode, StepResult | None]],
+        ended: list[tuple[SessionPlugin, StepResult | None]],
         complete: bool,
         reason: str | None,
     ) -> Callable[[], None] | None:
@@ -308,7 +309,7 @@ class Session:
         assert tracer is not None
         results = [(mode.name, result) for mode, result in ended]
         # Per-op modes have nothing without op records; hook-based ones say so themselves.
-        collected = any(result is not None for mode, result in ended if not mode.needs_ops)
+        collected = any(result is not None for mode, result in ended if mode.observer() is None)
         if self._writer is None or not (records or collected or not complete):
             return None
         types = tracer.modules.names.types

@@ -1,12 +1,17 @@
-"""The interface between the tracer and the per-op work of a mode.
+"""What a mode is, in two parts: a session plug-in and, for per-op modes, an op observer.
 
-The tracer calls, for each selected op: ``before`` (inputs live, op not yet
-run), then the op itself (or ``run`` of the one mode that replaces execution),
-then ``after`` (inputs and outputs live). At the end of a step the session
-calls ``end_step`` on the training thread, which hands over what the step
-collected and starts afresh, and later calls ``write`` on what it returned, on
-the writer thread. Modes never talk to each other; a mode never holds a tensor
-of the model past ``after`` (its own result buffers are its business).
+A :class:`SessionPlugin` is what the registry names and the session drives: it starts
+with the session, may install its own hooks (the monitor works from hooks alone), and at
+the end of each step hands over what the step collected (``end_step``, on the training
+thread); the writer thread later calls ``write`` on what it returned. An
+:class:`OpObserver` is what the tracer calls for each selected op: ``before`` (inputs
+live, op not yet run), then the op itself (or ``run`` of the one observer that replaces
+execution), then ``after`` (inputs and outputs live). A :class:`Mode` is both: a plug-in
+that observes ops itself. A plug-in without an observer costs training nothing per op: a
+session of only such plug-ins enters no dispatch mode.
+
+Modes never talk to each other; a mode never holds a tensor of the model past ``after``
+(its own result buffers are its business).
 """
 
 from __future__ import annotations
@@ -26,15 +31,31 @@ class StepResult(Protocol):
         ...
 
 
-class Mode:
-    """Base class of per-op work; subclasses set ``name`` and ``option_names``."""
+class OpObserver:
+    """Per-op work, called by the tracer for each selected op."""
+
+    replaces_execution: ClassVar[bool] = False
+
+    def before(self, call: OpCall) -> None:
+        """Inputs are live and unmodified; the op has not run."""
+
+    def run(self, call: OpCall, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run the op in place of the tracer (only when ``replaces_execution``)."""
+        raise NotImplementedError
+
+    def after(self, call: OpCall) -> None:
+        """The op ran; ``call.output_tensors`` holds its results."""
+
+
+class SessionPlugin:
+    """A registered mode's session side; subclasses set ``name`` and ``option_names``."""
 
     name: ClassVar[str]
     option_names: ClassVar[frozenset[str]] = frozenset()
-    replaces_execution: ClassVar[bool] = False
-    needs_ops: ClassVar[bool] = True
-    """False for modes that work from hooks alone: a session of only such modes
-    enters no dispatch mode, so training pays nothing per op."""
+
+    def observer(self) -> OpObserver | None:
+        """The per-op half of this mode, or None when it works from hooks alone."""
+        return None
 
     @property
     def collective_each_step(self) -> bool:
@@ -49,16 +70,6 @@ class Mode:
 
     def begin_step(self, step: int) -> None:
         """A step starts (called on every rank, recorded or not)."""
-
-    def before(self, call: OpCall) -> None:
-        """Inputs are live and unmodified; the op has not run."""
-
-    def run(self, call: OpCall, func: Any, args: tuple, kwargs: dict) -> Any:
-        """Run the op in place of the tracer (only when ``replaces_execution``)."""
-        raise NotImplementedError
-
-    def after(self, call: OpCall) -> None:
-        """The op ran; ``call.output_tensors`` holds its results."""
 
     def end_step(self, step: int) -> StepResult | None:
         """Hand over the step's results and start the next step afresh.
@@ -80,3 +91,10 @@ class Mode:
 
     def close(self) -> None:
         """Release resources at session end (remove hooks)."""
+
+
+class Mode(SessionPlugin, OpObserver):
+    """A mode with per-op work: a session plug-in that observes ops itself."""
+
+    def observer(self) -> OpObserver:
+        return self

@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from probe.errors import ProbeError, warn_once
 from probe.modes.anomaly import Anomaly, AnomalyDetector, Series, anomaly_json
-from probe.modes.base import Mode
+from probe.modes.base import SessionPlugin
 from probe.modes.monitor_config import MONITOR_KEYS, MonitorConfig, Target, parse_monitor_options
 from probe.modes.monitor_metrics import METRIC_COLUMNS, adam_update_row, finalize, raw_row
 from probe.modes.registry import register_mode
@@ -215,12 +215,11 @@ class MonitorStep:
 
 
 @register_mode
-class MonitorMode(Mode):
-    """Training-state statistics from module and optimizer hooks, with anomaly alerts."""
+class MonitorMode(SessionPlugin):
+    """Training-state statistics from module and optimizer hooks, with anomaly alerts (no per-op work)."""
 
     name = "monitor"
     option_names: ClassVar[frozenset[str]] = MONITOR_KEYS
-    needs_ops: ClassVar[bool] = False
 
     @property
     def collective_each_step(self) -> bool:

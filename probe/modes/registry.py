@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from probe.errors import ProbeError
-from probe.modes.base import Mode
+from probe.modes.base import SessionPlugin
 
-MODES: dict[str, type[Mode]] = {}
+MODES: dict[str, type[SessionPlugin]] = {}
 
 
 def _same_class(a: type, b: type) -> bool:
@@ -13,7 +13,7 @@ def _same_class(a: type, b: type) -> bool:
     return a is b or (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
 
 
-def register_mode(cls: type[Mode]) -> type[Mode]:
+def register_mode(cls: type[SessionPlugin]) -> type[SessionPlugin]:
     """Register ``cls`` under ``cls.name``; a different class under a taken name is an error."""
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:

@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from probe.errors import warn_once
-from probe.modes.base import Mode
+from probe.modes.base import OpObserver
 from probe.options import Options
 from probe.tracer.call_sites import CallSites
 from probe.tracer.collectives import GroupCache, PendingCollectives, collective_outputs
@@ -60,13 +60,12 @@ _DTYPE_NAMES = {
 class Tracer:
     """Routing and bookkeeping for one session; the dispatch mode calls :meth:`dispatch`."""
 
-    def __init__(self, options: Options, modes: list[Mode], rank: int) -> None:
+    def __init__(self, options: Options, observers: list[OpObserver], rank: int) -> None:
         self.options = options
-        self.modes = modes
-        self._replacer = next((m for m in modes if m.replaces_execution), None)
-        # Only modes that override a hook are called for it.
-        self._before_modes = [m for m in modes if type(m).before is not Mode.before]
-        self._after_modes = [m for m in modes if type(m).after is not Mode.after]
+        self._replacer = next((o for o in observers if o.replaces_execution), None)
+        # Only observers that override a hook are called for it.
+        self._before_modes = [o for o in observers if type(o).before is not OpObserver.before]
+        self._after_modes = [o for o in observers if type(o).after is not OpObserver.after]
         self.modules = ModuleTracker(options.model)
         self.call_sites = CallSites() if options.stack else None
         self.rank = rank
