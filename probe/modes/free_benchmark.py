@@ -74,7 +74,8 @@ _UP_TO_SIGN: dict[str, tuple[int, ...]] = {
 def eligible(info: OpClass) -> bool:
     return not (
         info.passthrough or info.is_view or info.is_factory or info.is_random or info.is_collective
-        or info.is_host_sync or info.uninitialized_output or info.short in _DATA_MOVEMENT
+        or info.is_host_sync or info.uninitialized_output or info.compiled_region
+        or info.short in _DATA_MOVEMENT
     )
 
 

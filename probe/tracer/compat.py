@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from probe.errors import warn_once
+from probe.tracer.compiled_regions import compiled_regions_recorded
 
 
 def _dynamo_stance_api():
@@ -29,14 +30,18 @@ def _dynamo_stance_api():
 def compiled_regions_eager(policy: str) -> Iterator[None]:
     """While active, ``torch.compile``d code runs eagerly so the tracer sees every op.
 
-    ``policy == "keep"`` leaves compiled code compiled (its fused kernels are
-    invisible to a dispatch mode; ops it falls back to eager for stay visible).
+    ``policy == "keep"`` leaves compiled code compiled: each call of a compiled graph is
+    recorded as one region op (probe.tracer.compiled_regions), as its fused kernels are
+    invisible to a dispatch mode; ops it falls back to eager for stay visible.
     """
-    eval_frame = _dynamo_stance_api() if policy == "eager" else None
+    if policy == "keep":
+        with compiled_regions_recorded():
+            yield
+        return
+    eval_frame = _dynamo_stance_api()
     if eval_frame is None:
-        if policy == "eager":
-            warn_once("stance", "this torch has no torch.compiler.set_stance; compiled "
-                      "regions stay compiled and their fused kernels are not traced")
+        warn_once("stance", "this torch has no torch.compiler.set_stance; compiled "
+                  "regions stay compiled and their fused kernels are not traced")
         yield
         return
     prior = eval_frame._stance

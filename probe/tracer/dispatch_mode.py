@@ -188,6 +188,19 @@ class Tracer:
         else:
             self.modules.exit_region()
 
+    def run_region(self, func: Any, info: OpClass, inputs: list[Any]) -> Any:
+        """One call of a compiled graph (``func(inputs)``, see probe.tracer.compiled_regions),
+        routed and recorded as one op; the graph itself runs untraced."""
+        self._classes.setdefault(func, info)
+        out = self._route(func, info, (inputs,), {})
+        # The graph runs inside an autograd Function's forward, with grad off: the node that
+        # will run its backward is the newest one, which the op could not claim itself.
+        phase, frame = self.modules.locate()
+        if phase == "forward":
+            with torch.enable_grad():
+                self.modules.note_autograd_node(frame)
+        return out
+
     def _route(self, func: Any, info: OpClass, args: tuple, kwargs: dict) -> Any:
         phase, frame = self.modules.locate()
         if self.modules.region is not None and phase != "optimizer":
@@ -231,7 +244,7 @@ class Tracer:
             self._unwritten.add(index)
         for mode in self._before_modes:
             mode.before(call)
-        if self._replacer is not None:
+        if self._replacer is not None and not info.compiled_region:
             out = self._replacer.run(call, func, args, kwargs)
         else:
             out = func(*args, **kwargs)

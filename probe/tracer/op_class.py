@@ -83,6 +83,9 @@ class OpClass:
     """Collectives: position of the ``ProcessGroup`` (or functional ``group_name``) argument."""
     math_bit_view: bool = False
     """Returns a conjugate or negative view (``_conj``, ``_neg_view``): same memory, other values."""
+    compiled_region: bool = False
+    """One call of a compiled graph (``compiled="keep"``, see probe.tracer.compiled_regions): it
+    cannot be re-run by the modes that re-run ops."""
 
     @property
     def mutates(self) -> bool:

@@ -1,0 +1,175 @@
+"""compiled="keep": compiled graphs run compiled, each call recorded as one region op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import probe
+
+
+@torch.compile(fullgraph=True)
+def _mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor
+         ) -> torch.Tensor:
+    return nn.functional.linear(nn.functional.gelu(nn.functional.linear(x, w1, b1)), w2, b2)
+
+
+class Block(nn.Module):
+    """Linear-GELU-Linear whose forward is one compiled function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _mlp(x, self.up.weight, self.up.bias, self.down.weight, self.down.bias)
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.block = Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(torch.relu(self.pre(x)))
+
+
+def _train(model: Model, x: torch.Tensor, steps: int, session=None) -> list[torch.Tensor]:
+    """SGD steps; returns each step's block output (detached) and leaves the grads of the last."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outputs = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        y = model(x)
+        outputs.append(y.detach().clone())
+        y.square().mean().backward()
+        if session is not None:
+            grads = {name: p.grad.clone() for name, p in model.block.named_parameters()}
+            opt.step()
+            session.step()
+            outputs.append(grads)
+        else:
+            opt.step()
+    return outputs
+
+
+def _stats_of(t: torch.Tensor) -> dict[str, float]:
+    t = t.double()
+    return {"min": t.min().item(), "max": t.max().item(), "mean": t.mean().item(),
+            "norm": t.norm().item()}
+
+
+def _assert_stats(recorded: dict, t: torch.Tensor) -> None:
+    ref = _stats_of(t)
+    assert recorded["min"] == pytest.approx(ref["min"], rel=1e-6, abs=1e-7)
+    assert recorded["max"] == pytest.approx(ref["max"], rel=1e-6, abs=1e-7)
+    assert recorded["mean"] == pytest.approx(ref["mean"], rel=1e-5, abs=1e-6)
+    assert recorded["norm"] == pytest.approx(ref["norm"], rel=1e-6)
+
+
+@pytest.fixture
+def model_and_input():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Model()
+    x = torch.randn(4, 8)
+    return model, x
+
+
+def test_keep_trains_bit_identically_and_records_one_region_op_per_compiled_call(tmp_path, model_and_input):
+    model, x = model_and_input
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(model, x, 1)  # compiles forward and backward outside the probe
+    counters = torch._dynamo.utils.counters
+    graphs_before = counters["stats"]["unique_graphs"]
+
+    model.load_state_dict(initial)
+    _train(model, x, 3)
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+
+    model.load_state_dict(initial)
+    with probe.mode("stats", out=tmp_path / "r", compiled="keep", model=model, inputs=True) as session:
+        seen = _train(model, x, 3, session)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, reference[name]), name  # the compiled numerics, bit for bit
+    assert counters["stats"]["unique_graphs"] == graphs_before  # no recompile
+    assert not counters["graph_break"]
+
+    run = probe.load(tmp_path / "r")
+    for step in range(3):
+        block_output, grads = seen[2 * step], seen[2 * step + 1]
+        ops = list(run.ops(step))
+        names = [op.name for op in ops]
+        regions = [op for op in ops if op.name.startswith("compiled.")]
+        assert [(op.name, op.phase) for op in regions] == [
+            ("compiled._mlp", "forward"), ("compiled._mlp", "backward")]
+        assert all(op.module == "block" for op in regions)
+        # The extern kernels the graphs call (mm, addmm) are inside the region, not ops of their own.
+        assert "aten.addmm.default" in names  # self.pre, eager
+        assert not any(name.endswith(".out") for name in names)
+        forward, backward = regions
+        _assert_stats(forward.outputs[0].stats, block_output)
+        x_in = [i for i in forward.inputs if i.shape == (4, 8)]
+        assert x_in and x_in[0].source is not None  # linked to relu's output
+        by_shape = {tuple(g.shape): g for g in grads.values()}
+        assert len(by_shape) == 4
+        for out in backward.outputs:
+            if out.shape in by_shape:
+                _assert_stats(out.stats, by_shape.pop(out.shape))
+        assert not by_shape  # every parameter gradient of the block is a region output
+        # The backward region's inputs include activations its forward saved.
+        assert any(i.source is not None and i.source[0] == forward.index for i in backward.inputs)
+
+
+def test_keep_dump_reads_back_the_region_tensors(tmp_path, model_and_input):
+    model, x = model_and_input
+    with probe.mode("dump", out=tmp_path / "r", compiled="keep", model=model) as session:
+        y = model(x)
+        session.step()
+    run = probe.load(tmp_path / "r")
+    (region,) = [op for op in run.ops(0) if op.name.startswith("compiled.")]
+    assert torch.equal(run.tensor(region.id, "output", 0), y.detach())
+    relu_out = torch.relu(model.pre(x)).detach()
+    positions = [p for p, i in enumerate(region.inputs) if i.shape == (4, 8)]
+    assert torch.equal(run.tensor(region.id, "input", positions[0]), relu_out)
+
+
+def test_free_benchmark_leaves_regions_alone(tmp_path, model_and_input):
+    model, x = model_and_input
+    expected = model(x)
+    with probe.mode("free_benchmark", out=tmp_path / "r", compiled="keep", model=model) as session:
+        y = model(x)
+        session.step()
+    assert torch.equal(y, expected)
+    checked = {c.name for c in probe.load(tmp_path / "r").checks()}
+    assert "aten.addmm.default" in checked
+    assert not any(name.startswith("compiled.") for name in checked)
+
+
+def test_compiled_function_region_is_named_after_the_function(tmp_path):
+    torch._dynamo.reset()
+
+    @torch.compile(fullgraph=True)
+    def gelu_of_product(x, w):
+        return torch.nn.functional.gelu(x @ w)
+
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    with probe.mode("stats", out=tmp_path / "r", compiled="keep") as session:
+        y = gelu_of_product(x, w)
+        session.step()
+    (region,) = [op for op in probe.load(tmp_path / "r").ops(0)]
+    assert region.name == "compiled.gelu_of_product" and region.phase == "forward"
+    _assert_stats(region.outputs[0].stats, y)
+
+
+def test_default_eager_traces_the_compiled_code_op_by_op(tmp_path, model_and_input):
+    model, x = model_and_input
+    with probe.mode("stats", out=tmp_path / "r", model=model) as session:
+        model(x)
+        session.step()
+    names = [op.name for op in probe.load(tmp_path / "r").ops(0)]
+    assert not any(name.startswith("compiled.") for name in names)
+    assert "aten.gelu.default" in names
