@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.console import Console
 
 from probe.errors import ProbeError
-from probe.exporters.console import progress_bar
+from probe.exporters.console import make_console, progress_bar
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -24,6 +24,46 @@ EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse exits 2 too; keep its one line
         self.exit(EXIT_USAGE, f"probe: error: {message}\n")
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is not in 0-65535")
+    return port
+
+
+def _dangling(path: Path) -> bool:
+    return path.is_symlink() and not path.exists()
+
+
+def _output_dir(text: str, option: str) -> Path:
+    """The directory ``option`` names, created if absent; refused before any work when it cannot be."""
+    path = Path(text)
+    if _dangling(path):
+        raise ProbeError(f"{option} {text!r} is a symbolic link to nothing")
+    if path.exists() and not path.is_dir():
+        raise ProbeError(f"{option} {text!r} is a file; give a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ProbeError(f"{option}: cannot create {text!r}: {e.strerror or e}") from None
+    return path
+
+
+def _output_file(text: str, option: str) -> Path:
+    """The file ``option`` names: not a directory, not a dangling link, in an existing directory."""
+    path = Path(text)
+    if path.is_dir():
+        raise ProbeError(f"{option} {text!r} is a directory; give a file name")
+    if _dangling(path):
+        raise ProbeError(f"{option} {text!r} is a symbolic link to nothing")
+    if not path.parent.is_dir():
+        raise ProbeError(f"{option} {text!r}: {str(path.parent)!r} is not a directory")
+    return path
 
 
 def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
@@ -99,7 +139,7 @@ def _cmd_consistency(args: argparse.Namespace, console: Console) -> int:
         raise ProbeError(f"{args.run!r} holds only rank(s) {run.ranks}: a consistency check needs two")
     report = check_consistency(run, steps=_int_list(args.steps), tolerance=args.tolerance)
     if args.out:
-        Path(args.out).write_text(json.dumps(report.summary(), indent=1, default=repr))
+        _output_file(args.out, "-o").write_text(json.dumps(report.summary, indent=1, default=repr))
     render_consistency(console, report, limit=args.top)
     return EXIT_OK if report.consistent else EXIT_CHECK_FAILED
 
@@ -117,6 +157,7 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     import probe
     from probe.exporters.console import render_compare
 
+    out = _output_dir(args.out, "-o") if args.out else None
     with progress_bar(console, "comparing") as bar:
         task = bar.add_task("compare", total=None)
         report = probe.compare(
@@ -124,15 +165,13 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
             module_map=_module_map(args.module_map),
             progress=lambda done, total: bar.update(task, completed=done, total=total),
         )
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         report.to_csv(out / "report.csv")
         report.to_json(out / "report.json")
         report.to_html(out / "report.html")
         (out / "overlay.json").write_text(json.dumps(report.overlay(), default=str))
     render_compare(console, report, args.out)
-    if args.fail_on_divergence and report.divergence is not None:
+    if args.fail_on_divergence and not report.ok:  # a divergence, or ops whose data was missing
         return EXIT_CHECK_FAILED
     return EXIT_OK
 
@@ -140,7 +179,8 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
 def _cmd_graph(args: argparse.Namespace, console: Console) -> int:
     from probe.exporters.graph_export import export_graph
 
-    paths = export_graph(args.run, args.out, args.format, step=_one_int(args.step), rank=_one_int(args.rank),
+    out = _output_file(args.out, "-o")
+    paths = export_graph(args.run, out, args.format, step=_one_int(args.step), rank=_one_int(args.rank),
                          phase=args.phase, level=args.level, compare=args.compare)
     console.print(f"wrote {paths[0]}")
     for extra in paths[1:]:
@@ -160,9 +200,9 @@ def _cmd_view(args: argparse.Namespace, console: Console) -> int:
     run = load(args.run)
     step, rank = run.resolve(_one_int(args.step), _one_int(args.rank))
     label, graphs = model_explorer_graphs(run, step, rank, args.phase, args.compare)
+    kept = _output_dir(args.out, "--out") if args.out else None
     with tempfile.TemporaryDirectory(prefix="probe-view-") as scratch:
-        out = Path(args.out) if args.out else Path(scratch)
-        out.mkdir(parents=True, exist_ok=True)
+        out = kept or Path(scratch)
         paths = write_model_explorer(out / "graph.json", label, graphs)
         console.print(f"graph and {len(paths) - 1} overlay(s) in {out}")
         stdout = Console(file=sys.stdout, soft_wrap=True)  # bound now: the server's output is hidden
@@ -195,7 +235,7 @@ def _cmd_replay(args: argparse.Namespace, console: Console) -> int:
             results = probe.replay_step(run, step, rank, device=args.device, dtype=dtype,
                                         progress=lambda: progress.advance(task))
         ranked = [r for r in results if "skipped" not in r]
-        render_replay(console, ranked[: args.top], skipped=len(results) - len(ranked))
+        render_replay(console, ranked[: args.top], skipped=[r for r in results if "skipped" in r])
         return EXIT_OK
     result = probe.replay(args.run, args.op_id, device=args.device, dtype=dtype, step=step, rank=rank)
     render_replay(console, [result])
@@ -274,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     view.add_argument("--compare", help="colour by a comparison: the directory `probe compare -o` wrote")
     view.add_argument("--out", help="keep the exported files here (default: a temporary directory)")
     view.add_argument("--host", default="localhost")
-    view.add_argument("--port", type=int, default=8080)
+    view.add_argument("--port", type=_port, default=8080)
     view.add_argument("--no-browser", action="store_true", help="print the address, do not open a browser")
     view.set_defaults(func=_cmd_view)
 
@@ -292,11 +332,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console()
+    console = make_console()
     try:
         return args.func(args, console)
     except ProbeError as e:
         print(f"probe: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:  # an output the checks above could not foresee (disk full, a race)
+        where = f" {e.filename!r}" if e.filename else ""
+        print(f"probe: error: cannot write or read{where}: {e.strerror or e}", file=sys.stderr)
         return EXIT_USAGE
 
 

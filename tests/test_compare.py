@@ -65,7 +65,7 @@ def test_two_runs_of_one_program_compare_clean(tmp_path, modes):
     _record(tmp_path / "a", modes, steps=2)
     _record(tmp_path / "b", modes, steps=2)
     report = probe.compare(tmp_path / "a", tmp_path / "b")
-    assert report.counts()["pass"] == len(report.rows) > 100
+    assert report.counts["pass"] == len(report.rows) > 100
     assert report.first_divergence is None and not report.missing
     assert {row["compared"] for row in report.rows} <= ({"data", "stats", "shape"} if "dump" in modes
                                                         else {"stats", "shape"})
@@ -150,15 +150,17 @@ def test_reports_cli_exit_codes_and_bad_input(tmp_path):
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "nope")]) == 2
 
 
-def test_a_corrupted_shard_is_named_and_statistics_take_over(tmp_path):
+def test_a_corrupted_shard_makes_its_rows_not_compared_with_the_reason(tmp_path):
     _record(tmp_path / "a")
     _record(tmp_path / "b")
     shard = next(layout.tensors_dir(tmp_path / "b", 0, 0).glob("shard-*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:100])  # truncated
     report = probe.compare(tmp_path / "a", tmp_path / "b")
-    rows = report.rows
-    assert all(row["compared"] in ("stats", "shape") for row in rows if row["verdict"] != "unmatched")
-    assert report.first_divergence is None
+    uncompared = [row for row in report.rows if row["verdict"] == "not compared"]
+    assert uncompared and report.counts["not compared"] == len(uncompared)
+    assert all(shard.name in row["message"] and "run B" in row["message"] for row in uncompared)
+    assert not any(row["compared"] == "data" for row in uncompared)
+    assert report.first_divergence is None and not report.ok
 
 
 def test_runs_without_a_common_step_are_refused_by_name(tmp_path):

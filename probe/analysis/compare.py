@@ -3,9 +3,13 @@
 ``compare(a, b)`` treats run A as the reference. Per (step, rank) found in both,
 ops are matched (``matching``), each matched pair's outputs are compared on
 dumped data when both runs hold it, else on statistics, else on shape and
-dtype alone (``metrics``, ``verdicts``). The **first divergence** is the earliest
+dtype alone (``metrics``, ``verdicts``). When both runs dumped the step but a
+tensor's data is missing or unreadable on either side, the output is "not
+compared" (with the reason, and the statistics' metrics beside it when known):
+missing data is never taken for agreement. The **first divergence** is the earliest
 op of A, in execution order, whose outputs are an error while the inputs the
-step computed agree (their producers compared clean). Inputs from outside the
+step computed agree (their producers compared clean; a producer that could not
+be compared counts as unknown, and the divergence says its inputs were assumed). Inputs from outside the
 step (weights, data) are the op's own state: when one differs, this op is where
 the difference enters, and the report says so. From it, the **chain** follows
 A's graph through the consumers that diverge too.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -31,8 +36,10 @@ from probe.analysis.matching import Match, match_ops
 from probe.analysis.metrics import stats_metrics, tensor_metrics
 from probe.analysis.verdicts import (
     ERROR,
+    NOT_COMPARED,
     PASS,
     UNMATCHED,
+    VERDICTS,
     WARNING,
     lower_precision_of,
     stats_verdict,
@@ -40,6 +47,7 @@ from probe.analysis.verdicts import (
     worst,
 )
 from probe.errors import ProbeError
+from probe.exporters.compare_report import write_csv, write_html
 from probe.rundir.dump_index import DumpIndex
 from probe.rundir.reader import OpRecord, Run, TensorRecord
 
@@ -56,7 +64,7 @@ class TensorComparison:
     verdict: str
     message: str = ""
     kind: str = "shape"
-    """What was compared: "data", "stats" or only "shape" (and dtype)."""
+    """What was compared: "data", "stats", only "shape" (and dtype), or "none" (not compared)."""
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -92,6 +100,10 @@ class OpComparison:
         return row
 
 
+_NOT_IN_DUMP = "not in the dump"
+_NOT_DUMPABLE = "not dumpable"
+
+
 class _Side:
     """One run's step: its ops, and its dump when it has one."""
 
@@ -99,16 +111,21 @@ class _Side:
         self.ops = run.ops(step, rank)
         self.dump: DumpIndex | None = run.dump(step, rank) if run.has_dump(step, rank) else None
 
-    def data(self, op: OpRecord, io: str, position: int) -> tuple[torch.Tensor | None, str]:
+    def data(self, op: OpRecord, io: str, position: int) -> tuple[torch.Tensor | None, str | None]:
+        """The dumped tensor, or None and why its data is not there (None: never dumped by design)."""
         if self.dump is None:
-            return None, ""
+            return None, None
         entry = self.dump.entries.get((op.index, io, position))
-        if entry is None or entry.status is not None:
-            return None, "" if entry is None else entry.status or ""
+        if entry is None:
+            return None, _NOT_IN_DUMP
+        if entry.status is not None and entry.status.startswith(_NOT_DUMPABLE):  # by design: no bytes
+            return None, None
+        if entry.status is not None:
+            return None, entry.status
         try:
-            return self.dump.tensor(op.index, io, position), ""
+            return self.dump.tensor(op.index, io, position), None
         except ProbeError as e:
-            return None, f"data unreadable: {e}"
+            return None, f"unreadable: {e}"
 
 
 def _is_float(dtype: str) -> bool:
@@ -133,11 +150,22 @@ def compare_tensors(
         m = tensor_metrics(data_a, data_b)
         verdict, message = tensor_verdict(m, dtype)
         return TensorComparison(io, position, verdict, message, "data", m.as_dict())
+    stats = None
     if ta.stats is not None and tb.stats is not None:
         m = stats_metrics(ta.stats, tb.stats)
-        verdict, message = stats_verdict(m, dtype, ta.stats["norm"] or 0.0, ta.numel)
-        return TensorComparison(io, position, verdict, message, "stats", m.as_dict())
-    note = "; ".join(w for w in (why_a, why_b) if w)
+        stats = (*stats_verdict(m, dtype, ta.stats["norm"] or 0.0, ta.numel), m.as_dict())
+    # Both runs dumped this step, and the data of this tensor is missing on a side that
+    # should hold it: whatever the statistics say, the data was not compared.
+    if side_a.dump is not None and side_b.dump is not None and (why_a or why_b) \
+            and not why_a == why_b == _NOT_IN_DUMP:
+        reasons = "; ".join(f"run {name}: {why}" for name, why in (("A", why_a), ("B", why_b)) if why)
+        message = f"no data to compare ({reasons})"
+        if stats is not None:
+            message += f"; statistics alone say {stats[0]}" + (f" ({stats[1]})" if stats[1] else "")
+        return TensorComparison(io, position, NOT_COMPARED, message, "none", stats[2] if stats else {})
+    if stats is not None:
+        return TensorComparison(io, position, stats[0], stats[1], "stats", stats[2])
+    note = "; ".join(f"run {name}: {why}" for name, why in (("A", why_a), ("B", why_b)) if why)
     if ta.dtype != tb.dtype:
         return TensorComparison(io, position, PASS, note or f"dtype {ta.dtype} vs {tb.dtype}")
     return TensorComparison(io, position, PASS, note)
@@ -167,7 +195,7 @@ class Divergence:
     op_b: OpRecord | None
     comparison: OpComparison
     inputs_assumed: bool
-    """True when the producer of some input could not be matched and was assumed to agree."""
+    """True when the producer of some input could not be matched or compared and was assumed to agree."""
     chain: list[str]
     """Op ids (run A) the divergence propagates through, in execution order."""
 
@@ -199,6 +227,8 @@ def _inputs_agree(op: OpComparison, by_index: dict[int, OpComparison]) -> tuple[
         outs = [t for t in producer.outputs if t.position == tensor.source[1]]
         if outs and outs[0].verdict == ERROR:
             return False, assumed
+        if not outs or outs[0].verdict == NOT_COMPARED:  # unknown, not agreement
+            assumed = True
     return True, assumed
 
 
@@ -288,20 +318,22 @@ class Report:
         d = self.divergence
         return None if d is None else (d.op_a, d.op_b)
 
+    @property
     def counts(self) -> dict[str, int]:
-        counts = {PASS: 0, WARNING: 0, ERROR: 0, UNMATCHED: 0}
-        for c in self.comparisons:
-            counts[c.verdict] += 1
-        return counts
+        """Ops per verdict: pass, warning, error, unmatched, not compared."""
+        return _count(self.comparisons)
+
+    @property
+    def ok(self) -> bool:
+        """No divergence found and no op left uncompared: what ``--fail-on-divergence`` checks."""
+        return self.divergence is None and not self.counts[NOT_COMPARED]
 
     def by_rank(self) -> list[dict[str, Any]]:
         """Across ranks: per rank, the steps compared, verdict counts and its first divergence."""
         out = []
         for rank in sorted({s.rank for s in self.steps}):
             steps = [s for s in self.steps if s.rank == rank]
-            counts = {PASS: 0, WARNING: 0, ERROR: 0, UNMATCHED: 0}
-            for c in (c for s in steps for c in s.comparisons):
-                counts[c.verdict] += 1
+            counts = _count([c for s in steps for c in s.comparisons])
             found = [s.divergence for s in steps if s.divergence is not None]
             first = min(found, key=lambda d: d.step) if found else None
             out.append({
@@ -325,12 +357,14 @@ class Report:
                         "verdict", "message", "op_b", *METRIC_KEYS, *STATS_KEYS)}
         return out
 
+    @property
     def summary(self) -> dict[str, Any]:
+        """What the report found, without the rows: counts, per rank, the first divergence."""
         d = self.divergence
         return {
             "run_a": str(self.path_a), "run_b": str(self.path_b),
             "steps": sorted({s.step for s in self.steps}), "ranks": sorted({s.rank for s in self.steps}),
-            "counts": self.counts(), "missing": self.missing, "per_rank": self.by_rank(),
+            "counts": self.counts, "ok": self.ok, "missing": self.missing, "per_rank": self.by_rank(),
             "first_divergence": None if d is None else {
                 "step": d.step, "rank": d.rank, "op_a": d.op_a.id, "op_b": d.op_b.id if d.op_b else None,
                 "name": d.op_a.name, "module": d.op_a.module, "phase": d.op_a.phase,
@@ -341,18 +375,24 @@ class Report:
         }
 
     def to_csv(self, path: str | Path) -> None:
-        from probe.exporters.compare_report import write_csv
-
-        write_csv(self, Path(path))
+        """The rows as CSV, msprobe-like columns (cells escaped against spreadsheet formulas)."""
+        write_csv(self.rows, Path(path))
 
     def to_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({**self.summary(), "rows": self.rows}, indent=1,
+        """The summary and the rows as JSON."""
+        Path(path).write_text(json.dumps({**self.summary, "rows": self.rows}, indent=1,
                                          default=_json_default))
 
     def to_html(self, path: str | Path) -> None:
-        from probe.exporters.compare_report import write_html
+        """A self-contained HTML page: the summary, the first divergence and a sortable table."""
+        write_html(self.summary, self.rows, Path(path))
 
-        write_html(self, Path(path))
+
+def _count(comparisons: list[OpComparison]) -> dict[str, int]:
+    counts = dict.fromkeys(VERDICTS, 0)
+    for c in comparisons:
+        counts[c.verdict] += 1
+    return counts
 
 
 def _json_default(value: Any) -> Any:
@@ -389,7 +429,7 @@ def compare(
     if not any(plan.values()):
         raise ProbeError(f"{str(run_a.path)!r} and {str(run_b.path)!r} have no step and rank in common"
                          + (f" ({'; '.join(missing)})" if missing else ""))
-    sizes = {(s, r): len(run_a.ops(s, r)) for r, ss in plan.items() for s in ss}
+    sizes = {(s, r): _op_count(run_a, s, r) for r, ss in plan.items() for s in ss}
     total, done = sum(sizes.values()), 0
 
     def advance(n: int = 1) -> None:
@@ -400,7 +440,10 @@ def compare(
 
     workers = min(len(plan), processes or len(plan))
     if workers > 1:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
+        # Spawned, not forked: a fork of a process whose OpenMP pool has run (any torch CPU
+        # kernel, the compiled metrics) deadlocks in the child's first parallel region.
+        spawn = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool:
             futures = {pool.submit(_compare_rank, str(run_a.path), str(run_b.path), s, r, module_map): r
                        for r, s in plan.items()}
             results = []
@@ -411,3 +454,9 @@ def compare(
         results = [compare_step(run_a, run_b, s, r, module_map, advance)
                    for r, ss in plan.items() for s in ss]
     return Report(run_a.path, run_b.path, sorted(results, key=lambda s: (s.step, s.rank)), missing)
+
+
+def _op_count(run: Run, step: int, rank: int) -> int:
+    """How many ops a step holds, from its manifest (no need to load them to size a progress bar)."""
+    count = run.step_info(step, rank).manifest.get("ops")
+    return count if type(count) is int and count >= 0 else len(run.ops(step, rank))

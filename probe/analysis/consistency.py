@@ -98,7 +98,9 @@ class ConsistencyReport:
     def consistent(self) -> bool:
         return not self.findings
 
+    @property
     def summary(self) -> dict[str, Any]:
+        """The findings as plain data (what ``probe consistency -o`` writes)."""
         return {
             "ranks": self.ranks, "steps": self.steps, "checked": self.checked,
             "consistent": self.consistent, "notes": self.notes,

@@ -1,6 +1,6 @@
 """What the modes found, attached to the nodes of an op graph.
 
-The op graph (``probe.analysis.op_graph``) already carries each op's output
+The op graph (``probe.rundir.op_graph``) already carries each op's output
 statistics. This module adds the free-benchmark verdicts of the step and, when
 given, the verdicts and metrics of a comparison against another run, so that
 every exporter (GraphML, DOT, Model Explorer overlays) reads findings from one

@@ -19,6 +19,7 @@ import torch
 from probe.analysis.metrics import tensor_metrics
 from probe.errors import ProbeError
 from probe.rundir.call_args import decode_args
+from probe.rundir.dump_index import DumpIndex
 from probe.rundir.reader import OpRecord, Run
 from probe.tracer.op_class import classify, resolve_op
 from probe.tracer.op_tensors import results_of
@@ -100,8 +101,8 @@ def replay_step(
 ) -> list[dict[str, Any]]:
     """Replay every op of a step whose inputs and outputs were dumped; worst first.
 
-    Ops that cannot be replayed (random, views of nothing dumped, unknown ops)
-    are listed last with the reason.
+    Ops that cannot be replayed are listed last, each with ``"reason"`` (its kind:
+    "not dumped", "random", "unknown op", "no output", "no dump", "failed") and ``"skipped"`` (the detail).
     """
     run = run if isinstance(run, Run) else Run(run)
     ops = run.ops(step, rank)
@@ -110,15 +111,34 @@ def replay_step(
     for op in ops:
         if progress is not None:
             progress()
-        needed = [(op.index, "input", i) for i in range(len(op.inputs))]
-        needed += [(op.index, "output", i) for i in range(len(op.outputs))]
-        if dump is None or not op.outputs or any(
-            dump.entries.get(key) is None or dump.entries[key].status is not None for key in needed
-        ):
-            continue
-        try:
-            ranked.append(_replay(run, op, torch.device(device), dtype).as_dict())
-        except (ProbeError, RuntimeError, TypeError, ValueError) as e:
-            skipped.append({"op_id": op.id, "name": op.name, "skipped": f"{type(e).__name__}: {e}"})
+        reason, detail = _why_not_replayable(dump, op)
+        if reason is None:
+            try:
+                ranked.append(_replay(run, op, torch.device(device), dtype).as_dict())
+                continue
+            except (ProbeError, RuntimeError, TypeError, ValueError) as e:
+                reason, detail = "failed", f"{type(e).__name__}: {e}"
+        skipped.append({"op_id": op.id, "name": op.name, "reason": reason, "skipped": detail})
     ranked.sort(key=lambda r: (-(r["max_ulp"] if math.isfinite(r["max_ulp"]) else math.inf), r["op_id"]))
     return ranked + skipped
+
+
+def _why_not_replayable(dump: DumpIndex | None, op: OpRecord) -> tuple[str | None, str]:
+    """(reason, detail) when ``op`` cannot be replayed from the dump; (None, "") when it can."""
+    if dump is None:
+        return "no dump", "the step has no dump"
+    if not op.outputs:
+        return "no output", "the op returns no tensor"
+    try:
+        if classify(resolve_op(op.name)).is_random:
+            return "random", "it draws random numbers: its result cannot be reproduced"
+    except ProbeError as e:
+        return "unknown op", str(e)
+    for io, records in (("input", op.inputs), ("output", op.outputs)):
+        for position in range(len(records)):
+            entry = dump.entries.get((op.index, io, position))
+            if entry is None:
+                return "not dumped", f"{io} {position} is not in the dump"
+            if entry.status is not None:
+                return "not dumped", f"{io} {position}: {entry.status}"
+    return None, ""

@@ -1,12 +1,17 @@
-"""What ``probe summary`` reports for each (step, rank) of a run."""
+"""What ``probe summary`` reports for each (step, rank) of a run, one step at a time.
+
+:func:`summarize` yields step by step and decodes only the ops a step summary names, so
+summarizing a run of any length holds a few steps in memory (the run's cache).
+"""
 
 from __future__ import annotations
 
-import math
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from probe.analysis.nonfinite import first_nonfinite_in
+import numpy as np
+
 from probe.rundir.reader import AnomalyRecord, CheckRecord, OpRecord, Run
 
 
@@ -36,33 +41,55 @@ class StepSummary:
     anomalies: list[AnomalyRecord] = field(default_factory=list)
 
 
-def _largest(ops: list[OpRecord], key: str, top: int) -> list[Extreme]:
-    found = []
-    for op in ops:
-        values = [t.abs_max if key == "abs_max" else t.stats["norm"] for t in op.outputs if t.stats]
-        values = [v for v in values if v is not None and not math.isnan(v)]
-        if values:
-            found.append(Extreme(op, max(values)))
-    found.sort(key=lambda e: e.value, reverse=True)
-    return found[:top]
+def _largest(op_of_row: np.ndarray, values: np.ndarray, top: int) -> list[tuple[int, float]]:
+    """(op index, value) of the ``top`` ops with the largest output value, NaN ignored."""
+    known = ~np.isnan(values)
+    ops, values = op_of_row[known], values[known]
+    found: dict[int, float] = {}
+    for row in np.argsort(-values, kind="stable"):
+        op = int(ops[row])
+        if op not in found:
+            found[op] = float(values[row])
+            if len(found) == top:
+                break
+    return list(found.items())
+
+
+def _phase_counts(run: Run, step: int, rank: int, manifest: dict) -> dict[str, int]:
+    phases = manifest.get("phases")
+    if isinstance(phases, dict) and all(type(n) is int for n in phases.values()):
+        return {phase: n for phase, n in phases.items() if n}
+    return dict(Counter(op.phase for op in run.ops(step, rank)))
 
 
 def summarize_step(run: Run, step: int, rank: int, top: int = 5) -> StepSummary:
-    ops = run.ops(step, rank)
+    """One step's summary, from its manifest and statistics table; only the ops it names are decoded."""
     info = run.step_info(step, rank)
     checks = run.checks(step, rank)
     failed = [c for c in checks if c.verdict == "fail"]
     failed.sort(key=lambda c: -(c.ratio or 0.0) / (c.threshold or 1.0))
+    stats = run.output_stats(step, rank)
+    first, by_abs_max, by_norm = None, [], []
+    if stats is not None:
+        op_of_row, rows = stats
+        lo, hi = np.abs(rows[:, 0]), np.abs(rows[:, 1])
+        # max(|min|, |max|) as TensorRecord.abs_max computes it (NaN when |min| is NaN)
+        abs_max = np.where(hi > lo, hi, lo)
+        nonfinite = op_of_row[rows[:, 4] + rows[:, 5] > 0]
+        first = int(nonfinite.min()) if nonfinite.size else None
+        by_abs_max, by_norm = _largest(op_of_row, abs_max, top), _largest(op_of_row, rows[:, 3], top)
+    named = sorted({i for i, _ in by_abs_max + by_norm} | ({first} if first is not None else set()))
+    records = dict(zip(named, run.ops_at(named, step, rank), strict=True))
     return StepSummary(
         step=step,
         rank=rank,
         complete=info.complete,
         reason=info.reason,
-        phase_counts=dict(Counter(op.phase for op in ops)),
-        has_stats=any(t.stats is not None for op in ops for t in op.outputs),
-        first_nonfinite=first_nonfinite_in(ops),
-        largest_abs_max=_largest(ops, "abs_max", top),
-        largest_norm=_largest(ops, "norm", top),
+        phase_counts=_phase_counts(run, step, rank, info.manifest),
+        has_stats=stats is not None and len(stats[0]) > 0,
+        first_nonfinite=None if first is None else records[first],
+        largest_abs_max=[Extreme(records[i], value) for i, value in by_abs_max],
+        largest_norm=[Extreme(records[i], value) for i, value in by_norm],
         check_counts=dict(Counter(c.verdict for c in checks)),
         failed_checks=failed[:top],
         monitored=len(run.monitor(step, rank)),
@@ -70,9 +97,8 @@ def summarize_step(run: Run, step: int, rank: int, top: int = 5) -> StepSummary:
     )
 
 
-def summarize(run: Run, top: int = 5) -> list[StepSummary]:
-    return [
-        summarize_step(run, step, rank, top)
-        for rank in run.ranks
-        for step in run.steps_of(rank)
-    ]
+def summarize(run: Run, top: int = 5) -> Iterator[StepSummary]:
+    """The summary of every (step, rank), rank by rank, each step as it is read."""
+    for rank in run.ranks:
+        for step in run.steps_of(rank):
+            yield summarize_step(run, step, rank, top)

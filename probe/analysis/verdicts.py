@@ -12,7 +12,10 @@ all ``pass`` and a real numerical difference is an ``error``:
   pass or warning bound; the mean is held to the same bound scaled by
   ``norm / sqrt(numel)`` (a mean near zero has no useful relative error);
 - anything else is an error, and so is any difference in NaN or Inf, shape, or
-  a float-vs-integer dtype.
+  a float-vs-integer dtype;
+- "not compared": both runs dumped the step but a tensor's data is missing or
+  unreadable on one side (a lost or deleted shard, a skipped blob). It is never
+  a pass: nothing is known about that tensor.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ import torch
 
 from probe.analysis.metrics import StatsMetrics, TensorMetrics, lower_precision
 
-PASS, WARNING, ERROR, UNMATCHED = "pass", "warning", "error", "unmatched"
-SEVERITY = {PASS: 0, UNMATCHED: 1, WARNING: 2, ERROR: 3}
+PASS, WARNING, ERROR, UNMATCHED, NOT_COMPARED = "pass", "warning", "error", "unmatched", "not compared"
+VERDICTS = (PASS, WARNING, ERROR, UNMATCHED, NOT_COMPARED)
+"""Every verdict, in the order reports count them."""
+SEVERITY = {PASS: 0, UNMATCHED: 1, WARNING: 2, NOT_COMPARED: 3, ERROR: 4}
 
 
 @dataclass(frozen=True)

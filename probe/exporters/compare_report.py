@@ -1,4 +1,8 @@
-"""Compare reports as files: CSV (msprobe-like columns), and a self-contained HTML page."""
+"""Compare reports as files: CSV (msprobe-like columns), and a self-contained HTML page.
+
+Plain data in (a report's rows and summary dicts), files out: this module depends
+on nothing of the probe, so ``Report.to_csv``/``to_html`` call it without a cycle.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,7 @@ import html
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from probe.analysis.compare import Report
+from typing import Any
 
 # Our row keys and the CSV headers, close to msprobe's compare columns where one exists.
 CSV_COLUMNS = (
@@ -32,17 +33,30 @@ def _cell(value: Any) -> str:
         return "N/A"
     if isinstance(value, float):
         return repr(value) if not math.isfinite(value) else f"{value:.6g}"
-    if isinstance(value, list):
-        return str(value)
     return str(value)
 
 
-def write_csv(report: Report, path: Path) -> None:
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_safe(text: str) -> str:
+    """``text`` as a spreadsheet shows it, never as a formula: a leading = + - @ tab or CR
+    gets a quote in front (OWASP's CSV-injection rule), except plain numbers such as -0.5."""
+    if text.startswith(_FORMULA_STARTS):
+        try:
+            float(text)
+        except ValueError:
+            return "'" + text
+    return text
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    """One line per row under :data:`CSV_COLUMNS`' headers."""
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow([header for _, header in CSV_COLUMNS])
-        for row in report.rows:
-            writer.writerow([_cell(row.get(key)) for key, _ in CSV_COLUMNS])
+        for row in rows:
+            writer.writerow([csv_safe(_cell(row.get(key))) for key, _ in CSV_COLUMNS])
 
 
 _STYLE = """
@@ -51,6 +65,7 @@ h1{font-size:1.3em}table{border-collapse:collapse;font-size:12px}
 th,td{border:1px solid #ddd;padding:3px 6px;text-align:left;white-space:nowrap}
 th{background:#f3f3f3;cursor:pointer;position:sticky;top:0}
 tr.error td{background:#fde2e2}tr.warning td{background:#fff4d6}tr.unmatched td{background:#eef}
+tr.not-compared td{background:#e8e8e8;font-style:italic}
 .box{border:1px solid #ccc;padding:.8em;margin:1em 0;background:#fafafa}
 code{font-size:12px}
 """
@@ -68,8 +83,8 @@ document.querySelectorAll('th').forEach((th, col) => th.addEventListener('click'
 """
 
 
-def write_html(report: Report, path: Path) -> None:
-    summary = report.summary()
+def write_html(summary: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
+    """The page: both runs, counts, the first divergence and every row (sortable by column)."""
     counts = summary["counts"]
     d = summary["first_divergence"]
     parts = [
@@ -83,7 +98,12 @@ def write_html(report: Report, path: Path) -> None:
     ]
     if summary["missing"]:
         parts.append("<p>not compared: " + html.escape("; ".join(summary["missing"])) + "</p>")
-    if d is None:
+    uncompared = counts.get("not compared", 0)
+    if d is None and uncompared:
+        parts.append(f"<div class='box'>No divergence among the ops compared, but {uncompared} op(s) could "
+                     "not be compared (their data is missing or unreadable): see the rows marked "
+                     "<b>not compared</b>.</div>")
+    elif d is None:
         parts.append("<div class='box'>No divergence: every matched op compared clean.</div>")
     else:
         chain = " &rarr; ".join(html.escape(op) for op in d["chain"][:20])
@@ -93,7 +113,7 @@ def write_html(report: Report, path: Path) -> None:
             "<code>{op}</code> in module <code>{module}</code> ({phase})<br>{message}<br>"
             "{assumed}<br><b>Propagates through</b>: {chain}<br>{stack}</div>".format(
                 step=d["step"], rank=d["rank"], op=html.escape(d["op_a"]),
-                module=html.escape(d["module"] or "<outside modules>"), phase=d["phase"],
+                module=html.escape(d["module"] or "<outside modules>"), phase=html.escape(d["phase"]),
                 message=html.escape(d["message"]),
                 assumed="some inputs could not be compared and were assumed equal"
                 if d["inputs_assumed"] else "its inputs compared clean",
@@ -103,8 +123,8 @@ def write_html(report: Report, path: Path) -> None:
     parts.append("<table><thead><tr>")
     parts += [f"<th>{html.escape(header)}</th>" for _, header in CSV_COLUMNS]
     parts.append("</tr></thead><tbody>")
-    for row in report.rows:
-        parts.append(f"<tr class='{row['verdict']}'>")
+    for row in rows:
+        parts.append(f"<tr class='{html.escape(str(row['verdict']).replace(' ', '-'))}'>")
         parts += [f"<td>{html.escape(_cell(row.get(key)))}</td>" for key, _ in CSV_COLUMNS]
         parts.append("</tr>")
     parts.append(f"</tbody></table><script>{_SCRIPT}</script>")

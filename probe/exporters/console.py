@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+from collections import Counter
+from collections.abc import Iterable
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -9,8 +13,20 @@ from rich.table import Table
 from probe.analysis.compare import Report
 from probe.analysis.consistency import ConsistencyReport, check_consistency
 from probe.analysis.summary import Extreme, StepSummary
+from probe.analysis.verdicts import NOT_COMPARED, VERDICTS
 from probe.options import PHASES
 from probe.rundir.reader import OpRecord, Run
+
+LOG_WIDTH = 200
+"""Columns when the output is not a terminal (a log, CI): wide enough that op ids stay on one line."""
+
+
+def make_console(file: object = None) -> Console:
+    """The console of the ``probe`` command: the terminal's width on a terminal, else
+    :data:`LOG_WIDTH`, so tables in logs do not wrap op ids over several lines."""
+    stream = sys.stdout if file is None else file
+    is_terminal = hasattr(stream, "isatty") and stream.isatty()
+    return Console(file=stream, width=None if is_terminal else LOG_WIDTH)  # type: ignore[arg-type]
 
 
 def progress_bar(console: Console, label: str = "{task.description}") -> Progress:
@@ -85,11 +101,55 @@ def render_step(console: Console, summary: StepSummary) -> None:
             console.print(f"  ... {len(alerts) - 5} more in anomalies.jsonl")
 
 
-def render_run(console: Console, run: Run, summaries: list[StepSummary]) -> None:
+DETAILED_STEPS = 10
+"""Runs with more (step, rank) pairs than this are summarized one line a step (tables are slow
+and unreadable by the thousand); the first step with a non-finite op still gets its tables."""
+
+
+def _ranges(values: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    spans: list[list[int]] = []
+    for v in values:
+        if spans and v == spans[-1][1] + 1:
+            spans[-1][1] = v
+        else:
+            spans.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _step_line(summary: StepSummary) -> str:
+    parts = [f"step {summary.step} rank {summary.rank}: {sum(summary.phase_counts.values())} ops"]
+    if not summary.complete:
+        parts.append(f"INCOMPLETE ({summary.reason})")
+    if summary.first_nonfinite is not None:
+        parts.append(f"first non-finite {summary.first_nonfinite.id}")
+    elif summary.has_stats:
+        parts.append("finite")
+    if summary.largest_abs_max:
+        top = summary.largest_abs_max[0]
+        parts.append(f"largest |max| {_fmt(top.value)} ({top.op.id})")
+    if summary.check_counts:
+        parts.append("checks " + ", ".join(f"{k} {v}" for k, v in sorted(summary.check_counts.items())))
+    if summary.monitored:
+        parts.append(f"{summary.monitored} series, {len(summary.anomalies)} anomalies")
+    return " | ".join(parts)
+
+
+def render_run(console: Console, run: Run, summaries: Iterable[StepSummary]) -> None:
+    """The run's header, then each step's summary as it comes (steps are read one at a time)."""
     modes = run.info.get("modes")
-    console.print(f"[bold]{run.path}[/bold]  modes {modes}  ranks {run.ranks}  steps {run.steps}")
+    pairs = sum(len(run.steps_of(rank)) for rank in run.ranks)
+    console.print(f"[bold]{run.path}[/bold]  modes {modes}  ranks {run.ranks}  steps {_ranges(run.steps)}")
+    detailed_nonfinite = False
     for summary in summaries:
-        render_step(console, summary)
+        if pairs <= DETAILED_STEPS:
+            render_step(console, summary)
+            continue
+        style = "red" if summary.first_nonfinite is not None or not summary.complete else None
+        console.print(_step_line(summary), style=style, markup=False, highlight=False)
+        if summary.first_nonfinite is not None and not detailed_nonfinite:
+            detailed_nonfinite = True
+            render_step(console, summary)
     for step, rank in run.unfinished_steps:
         console.print(f"[red]step {step} rank {rank}: flush never finished (the process died)[/red]")
     if len(run.ranks) > 1:
@@ -97,27 +157,33 @@ def render_run(console: Console, run: Run, summaries: list[StepSummary]) -> None
 
 
 def render_compare(console: Console, report: Report, out: str | None) -> None:
-    counts = report.counts()
+    counts = report.counts
     console.print(f"[bold]compare[/bold] {report.path_a} (reference) vs {report.path_b}")
     console.print("  ".join(f"{k} {v}" for k, v in counts.items()))
+    if counts[NOT_COMPARED]:
+        console.print(f"[yellow]{counts[NOT_COMPARED]} op(s) not compared: their data is missing or "
+                      "unreadable (see the rows marked 'not compared')[/yellow]")
     for line in report.missing:
         console.print(f"[yellow]not compared: {line}[/yellow]")
     d = report.divergence
-    if d is None:
+    if d is None and counts[NOT_COMPARED]:
+        console.print("first divergence: [yellow]none among the ops compared[/yellow]")
+    elif d is None:
         console.print("first divergence: [green]none[/green]")
     else:
         console.print(f"first divergence: [red]{_op_label(d.op_a)}[/red] step {d.step} rank {d.rank}")
         console.print(f"  id {d.op_a.id}")
         console.print(f"  {d.comparison.message}")
         if d.inputs_assumed:
-            console.print("  [yellow]the producer of an input was not matched: assumed to agree[/yellow]")
+            console.print("  [yellow]the producer of an input was not matched or not compared: "
+                          "assumed to agree[/yellow]")
         if len(d.chain) > 1:
             console.print(f"  propagates through {len(d.chain) - 1} ops: " + ", ".join(d.chain[1:6])
                           + (" ..." if len(d.chain) > 6 else ""))
     per_rank = report.by_rank()
     if len(per_rank) > 1:
         table = Table(title="per rank", title_justify="left", show_edge=False, pad_edge=False)
-        for column in ("rank", "steps", "pass", "warning", "error", "unmatched", "first divergence"):
+        for column in ("rank", "steps", *VERDICTS, "first divergence"):
             table.add_column(column, justify="left" if column == "first divergence" else "right",
                              overflow="fold")
         for row in per_rank:
@@ -146,7 +212,8 @@ def render_consistency(console: Console, report: ConsistencyReport, limit: int =
         console.print(f"  ... {len(report.findings) - limit} more")
 
 
-def render_replay(console: Console, results: list[dict], skipped: int = 0) -> None:
+def render_replay(console: Console, results: list[dict], skipped: list[dict] | None = None) -> None:
+    """The replayed ops, worst first, then the ops that could not be replayed, counted by reason."""
     table = Table(title="replay (worst first)", title_justify="left", show_edge=False, pad_edge=False)
     for column in ("op id", "max ULP", "max abs err", "max rel err", "cosine"):
         table.add_column(column, justify="left" if column == "op id" else "right", overflow="fold")
@@ -155,4 +222,8 @@ def render_replay(console: Console, results: list[dict], skipped: int = 0) -> No
                       _fmt(r["cosine"]))
     console.print(table)
     if skipped:
-        console.print(f"{skipped} ops could not be replayed (random, or not fully dumped)")
+        console.print(f"{len(skipped)} ops could not be replayed:")
+        for reason, n in Counter(r["reason"] for r in skipped).most_common():
+            example = next(r for r in skipped if r["reason"] == reason)
+            console.print(f"  {n} {reason} (e.g. {example['op_id']}: {example['skipped']})",
+                          markup=False, highlight=False)

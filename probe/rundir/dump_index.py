@@ -146,5 +146,5 @@ class DumpIndex:
                     expect(row["args"], list, "args"), expect(row["kwargs"], dict, "kwargs")
             self._calls = calls
         if op not in self._calls:
-            raise ProbeError(f"op #{op} has no recorded call")
+            raise ProbeError(f"op #{op} has no recorded call in {str(self._step_dir / layout.CALLS_FILE)!r}")
         return self._calls[op]

@@ -16,7 +16,7 @@ import networkx as nx
 
 from probe.errors import ProbeError
 from probe.options import PHASES
-from probe.rundir.reader import OpRecord, TensorRecord
+from probe.rundir.records import OpRecord, TensorRecord
 
 
 def _largest(values: list[float | int | None]) -> float | int | None:
