@@ -173,7 +173,7 @@ def run_rounds(
 ) -> dict[str, list[Sample]]:
     """Round-robin: each round runs one step of every configuration, starting one later each round."""
     samples: dict[str, list[Sample]] = {config.name: [] for config in configs}
-    pairs = list(zip(configs, trainers))
+    pairs = list(zip(configs, trainers, strict=True))
     for round_index in range(warmup + steps):
         shift = round_index % len(pairs)
         for config, trainer in pairs[shift:] + pairs[:shift]:

@@ -94,7 +94,7 @@ class ResNet50(nn.Module):
         super().__init__()
         self.stem = nn.Sequential(_conv(3, 64, 7, 2), nn.MaxPool2d(3, 2, 1))
         stages, cin = [], 64
-        for i, (blocks, width) in enumerate(zip((3, 4, 6, 3), (64, 128, 256, 512))):
+        for i, (blocks, width) in enumerate(zip((3, 4, 6, 3), (64, 128, 256, 512), strict=True)):
             for j in range(blocks):
                 stages.append(Bottleneck(cin, width, 2 if j == 0 and i > 0 else 1))
                 cin = 4 * width
@@ -137,7 +137,7 @@ class YOLOHead(nn.Module):
         p3 = self.p3(self.stem(x))
         p4 = self.p4(p3)
         p5 = self.p5(p4)
-        return [conv(p) for conv, p in zip(self.detect, (p3, p4, p5))]
+        return [conv(p) for conv, p in zip(self.detect, (p3, p4, p5), strict=True)]
 
 
 # -- trainers ----------------------------------------------------------------------------

@@ -45,7 +45,7 @@ def test_passive_modes_are_bitwise_transparent_on_cuda(tmp_path, name):
     mode = name.split("-")[0]
     plain = _train(2)
     traced = _train(2, lambda m: probe.mode(mode, out=tmp_path / "run", model=m, **PASSIVE[name]))
-    for a, b in zip(plain[0], traced[0]):
+    for a, b in zip(plain[0], traced[0], strict=True):
         assert torch.equal(a, b)
     for key in plain[1]:
         assert torch.equal(plain[1][key], traced[1][key]), key

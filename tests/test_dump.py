@@ -61,7 +61,7 @@ def test_every_dtype_and_layout_round_trips_bitwise_with_its_strides(tmp_path):
                                     and False)]
     kept = [op for op in ops if op.outputs[0].dtype in {str(d).removeprefix("torch.") for d in DTYPES}]
     assert len(kept) == len(produced)
-    for op, original in zip(kept, produced):
+    for op, original in zip(kept, produced, strict=True):
         loaded = run.tensor(op.id, "output", 0)
         assert _bitwise_equal(loaded, original), (op.id, original.dtype)
         if original.numel():
@@ -99,7 +99,7 @@ def test_training_is_bitwise_identical_with_the_dump(tmp_path):
     dumped = train_under(
         lambda m: probe.mode(["stats", "dump"], out=tmp_path / "r", model=m, checksum=True), seed=7
     )
-    assert all(torch.equal(a, b) for a, b in zip(plain[0], dumped[0]))
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], dumped[0], strict=True))
     assert all(torch.equal(plain[1][k], dumped[1][k]) for k in plain[1])
     assert torch.equal(plain[3], dumped[3])
     run_dir = probe.load(tmp_path / "r")
@@ -189,7 +189,7 @@ def test_memory_budget_waits_or_skips(tmp_path):
         session.step()
     run = probe.load(tmp_path / "w")
     exps = [op for op in run.ops(0) if op.name == "aten.exp.default"]
-    assert all(torch.equal(run.tensor(op.id), r) for op, r in zip(exps, results))
+    assert all(torch.equal(run.tensor(op.id), r) for op, r in zip(exps, results, strict=True))
 
     with probe.mode("dump", out=tmp_path / "s", memory_budget=1, on_budget="skip",
                     tensors="outputs", async_flush=False) as session:

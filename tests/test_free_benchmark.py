@@ -33,7 +33,7 @@ def test_check_mode_is_bitwise_transparent(tmp_path, perturb):
     checked = train_under(
         lambda m: probe.mode("free_benchmark", out=tmp_path / "r", model=m, perturb=perturb), seed=3
     )
-    assert all(torch.equal(a, b) for a, b in zip(plain[0], checked[0]))
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], checked[0], strict=True))
     for name in plain[1]:
         assert torch.equal(plain[1][name], checked[1][name]), name
         assert torch.equal(plain[2][name], checked[2][name]), name

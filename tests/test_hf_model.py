@@ -44,9 +44,9 @@ def test_hf_llama_two_steps_bitwise_transparent_and_attributed(tmp_path):
     model = _model()
     with probe.mode("stats", out=tmp_path / "r", model=model) as session:
         traced = _train(model, session)
-    assert all(torch.equal(a, b) for a, b in zip(plain, traced))
+    assert all(torch.equal(a, b) for a, b in zip(plain, traced, strict=True))
     assert torch.equal(rng, torch.get_rng_state())
-    for (name, p), q in zip(plain_model.named_parameters(), model.parameters()):
+    for (name, p), q in zip(plain_model.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(p, q), name
 
     run = probe.load(tmp_path / "r")

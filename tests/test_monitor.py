@@ -170,11 +170,11 @@ def test_training_is_bit_identical_with_the_monitor_on(tmp_path):
                     wg_distribution=True, mv_distribution=True, ur_distribution=True,
                     param_distribution=True) as session:
         traced = train_steps(model, 3, session=session)
-    for a, b in zip(plain[0], traced[0]):
+    for a, b in zip(plain[0], traced[0], strict=True):
         assert torch.equal(a, b)
     for name in plain[1]:
         assert torch.equal(plain[1][name], traced[1][name]), name
-    for (name, p), q in zip(plain_model.named_parameters(), model.parameters()):
+    for (name, p), q in zip(plain_model.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(p, q), name
     assert torch.equal(rng_plain, torch.get_rng_state())
     assert probe.load(tmp_path / "run").ops(0) == []  # hooks only: no op was traced

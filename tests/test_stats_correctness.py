@@ -73,7 +73,7 @@ def test_stats_match_fp64_reference(tmp_path, backend, dtype):
         return [torch.ops.aten.clone.default(t) for t in inputs.values()]
 
     tensors, records = _traced_outputs(tmp_path, backend, make)
-    for name, tensor, record in zip(inputs, tensors, records):
+    for name, tensor, record in zip(inputs, tensors, records, strict=True):
         assert record.dtype == str(dtype).removeprefix("torch."), name
         assert record.shape == tuple(tensor.shape), name
         _check(record, tensor, rel=1e-5)
@@ -88,7 +88,7 @@ def test_views_and_expanded_outputs_reduce_without_copying_their_values(tmp_path
         transposed = base.transpose(0, 2)
         sliced = base[2:7]
     ops = probe.load(out).ops(0)
-    for op, tensor in zip(ops, (expanded, transposed, sliced)):
+    for op, tensor in zip(ops, (expanded, transposed, sliced), strict=True):
         _check(op.outputs[0], tensor, rel=1e-6)
 
 
@@ -119,5 +119,5 @@ def test_nonfinite_counts_and_fp16_norm_that_would_overflow(tmp_path, backend):
     assert math.isfinite(mask_stats["norm"]) and math.isfinite(mask_stats["mean"])
     assert mask_stats["norm"] == pytest.approx(abs(torch.finfo(torch.float32).min) * 8.0, rel=1e-6)
     assert mask_stats["mean"] == pytest.approx(torch.finfo(torch.float32).min, rel=1e-6)
-    for record, tensor in zip(records[3:], tensors[3:]):
+    for record, tensor in zip(records[3:], tensors[3:], strict=True):
         _check(record, tensor, rel=1e-6)

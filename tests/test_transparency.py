@@ -17,7 +17,7 @@ def _run(session_factory, checkpointed: bool):
 def _assert_bitwise_equal(a, b):
     losses_a, grads_a, params_a, rng_a = a
     losses_b, grads_b, params_b, rng_b = b
-    for la, lb in zip(losses_a, losses_b):
+    for la, lb in zip(losses_a, losses_b, strict=True):
         assert torch.equal(la, lb)
     assert grads_a.keys() == grads_b.keys()
     for name in grads_a:

@@ -123,7 +123,7 @@ def nan_run(tmp_path_factory) -> Path:
 
 def _colour_near(colours, rgb, tolerance=12) -> int:
     """Pixels within ``tolerance`` of ``rgb``; ``colours`` as PIL's ``getcolors`` gives them."""
-    return sum(n for n, c in colours if all(abs(a - b) <= tolerance for a, b in zip(c, rgb)))
+    return sum(n for n, c in colours if all(abs(a - b) <= tolerance for a, b in zip(c[:3], rgb, strict=True)))
 
 
 def test_viewer_renders_the_exported_graph_in_chromium(nan_run, tmp_path):

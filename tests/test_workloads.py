@@ -19,7 +19,7 @@ def test_each_workload_trains_a_step(name):
     before = [p.detach().clone() for p in trainer.model.parameters()]
     losses = [trainer.step() for _ in range(2)]
     assert all(torch.isfinite(loss) for loss in losses)
-    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters(), strict=True))
     assert QUICK[name].flops_per_step(trainer) > 0
 
 

@@ -97,13 +97,13 @@ def _attrs(pairs: Mapping[str, Any]) -> list[dict[str, str]]:
 
 def _op_node(op_id: str, node: Mapping[str, Any], incoming: list[dict[str, str]]) -> dict[str, Any]:
     outputs = []
-    for i, (dtype, shape) in enumerate(zip(node["output_dtypes"], node["output_shapes"])):
+    for i, (dtype, shape) in enumerate(zip(node["output_dtypes"], node["output_shapes"], strict=True)):
         stats = node["output_stats"][i] or {}
         outputs.append({"id": str(i), "attrs": [{"key": "tensor_shape", "value": _tensor(dtype, shape)},
                                                  *_attrs({k: stats.get(k) for k in STAT_KEYS})]})
     inputs = [
         {"id": str(i), "attrs": [{"key": "tensor_shape", "value": _tensor(dtype, shape)}]}
-        for i, (dtype, shape) in enumerate(zip(node["input_dtypes"], node["input_shapes"]))
+        for i, (dtype, shape) in enumerate(zip(node["input_dtypes"], node["input_shapes"], strict=True))
     ]
     findings = {k: node.get(k) for k in ("check_verdict", "check_excess", "check_perturb",
                                          "compare_verdict", "compare_cosine", "compare_max_rel_err",

@@ -112,7 +112,7 @@ class _StepExport:
         data: dict[str, Any] = {}
         construct: dict[str, str | None] = {}
         stacks: dict[tuple[str, ...], list[str]] = {}
-        for op, entry in zip(self.ops, names):
+        for op, entry in zip(self.ops, names, strict=True):
             inputs = [self.tensor_dict(op, "input", i, t, entry) for i, t in enumerate(op.inputs)]
             outputs = [self.tensor_dict(op, "output", i, t, entry) for i, t in enumerate(op.outputs)]
             if entry.endswith(".forward"):

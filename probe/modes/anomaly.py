@@ -89,8 +89,8 @@ class AnomalyDetector:
     def scan(self, step: int, rank: int, series: list[Series], values: np.ndarray) -> list[Anomaly]:
         found: list[Anomaly] = []
         rule = self.config.turbulence
-        for s, row in zip(series, values):
-            metrics = {name: float(v) for name, v in zip(METRIC_COLUMNS, row)}
+        for s, row in zip(series, values, strict=True):
+            metrics = {name: float(v) for name, v in zip(METRIC_COLUMNS, row, strict=True)}
             nonfinite = metrics["nans"] + metrics["infs"]
             if self.config.nonfinite and nonfinite > 0 and s not in self._nonfinite:
                 reason = f"{int(metrics['nans'])} NaN, {int(metrics['infs'])} Inf"

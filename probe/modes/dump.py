@@ -92,7 +92,8 @@ def _layout_of(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def byte_span(t: torch.Tensor) -> tuple[int, int]:
     """``[lo, hi)``: the bytes of its storage a (dense, strided) tensor reaches."""
     itemsize = t.element_size()
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 1)
+    reach = zip(t.shape, t.stride(), strict=True)
+    extent = 1 + sum((size - 1) * stride for size, stride in reach if size > 1)
     lo = t.storage_offset() * itemsize
     return lo, lo + extent * itemsize
 

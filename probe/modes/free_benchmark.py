@@ -190,7 +190,11 @@ class FreeBenchmarkMode(Mode):
             self._skip(call, f"{type(e).__name__}: {str(e)[:200]}")
             return
         up_to_sign = _UP_TO_SIGN.get(call.info.short, ())
-        for position, (original, perturbed) in enumerate(zip(call.output_tensors or (), perturbed_out)):
+        originals = call.output_tensors or ()
+        if len(originals) != len(perturbed_out):
+            self._skip(call, f"the re-run gave {len(perturbed_out)} results, the op {len(originals)}")
+            return
+        for position, (original, perturbed) in enumerate(zip(originals, perturbed_out, strict=True)):
             if not (original.is_floating_point() and perturbed.is_floating_point()):
                 continue
             if position in up_to_sign and original.numel():

@@ -199,7 +199,7 @@ class MonitorStep:
         assert self.values is not None
         series, values = self._rows.series, self.values
         lines = ["kind,name,slot,call," + ",".join(METRIC_COLUMNS)]
-        for s, row in zip(series, values):
+        for s, row in zip(series, values, strict=True):
             lines.append(f"{s.kind},{s.name},{s.slot},{s.call}," + ",".join(repr(float(v)) for v in row))
         writer.write_text(layout.MONITOR_FILE, "\n".join(lines) + "\n")
         writer.write_jsonl(layout.ANOMALIES_FILE, (anomaly_json(a) for a in self.anomalies))
