@@ -173,3 +173,40 @@ def test_default_eager_traces_the_compiled_code_op_by_op(tmp_path, model_and_inp
     names = [op.name for op in probe.load(tmp_path / "r").ops(0)]
     assert not any(name.startswith("compiled.") for name in names)
     assert "aten.gelu.default" in names
+
+
+class _CompiledSubmoduleModel(nn.Module):
+    """A model whose block is ``torch.compile(submodule, fullgraph=True)``: the probe's global
+    module hooks fire inside the code dynamo traces and must not break the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        inner = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+        self.block = torch.compile(inner, fullgraph=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(torch.relu(self.pre(x)))
+
+
+@pytest.mark.parametrize("policy", ["keep", "eager"])
+def test_a_fullgraph_compiled_submodule_trains_under_the_probe(tmp_path, policy: str) -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _CompiledSubmoduleModel()
+    x = torch.randn(4, 8)
+    reference = _CompiledSubmoduleModel()
+    reference.load_state_dict(model.state_dict())
+    # "eager" trades the compiled numerics for seeing every op: its reference runs eagerly too.
+    with torch.compiler.set_stance("force_eager" if policy == "eager" else "default"):
+        expected = _train(reference, x, 2)
+    with probe.mode("stats", out=tmp_path / "run", model=model, compiled=policy) as session:
+        got = _train(model, x, 2, session=session)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got[::2], strict=True))
+    ops = probe.load(tmp_path / "run").ops(0)
+    regions = [op for op in ops if op.name.startswith("compiled.")]
+    if policy == "keep":
+        assert [op.phase for op in regions] == ["forward", "backward"]
+        assert {op.module for op in regions} == {"block"}
+    else:
+        assert not regions and any(op.name == "aten.gelu.default" for op in ops)

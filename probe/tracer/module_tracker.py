@@ -28,6 +28,10 @@ _FSDP_REGION = re.compile(r"FSDP::\w+ \((?P<fqn>[^()]*)\)|FSDP::\w+_prefetch for
 # every op is then attributed as forward outside any backward node.
 _get_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", lambda: 0)
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+# Global module hooks also fire inside code dynamo traces (a compiled submodule's children
+# under compiled="keep"); there they must be no-ops: dynamo cannot trace the autograd queries,
+# and the compiled call is recorded as one region op of the module that called it.
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 _current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 _is_grad_enabled = torch.is_grad_enabled
 _top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -161,7 +165,7 @@ class ModuleTracker:
         return call
 
     def _enter_module(self, module: nn.Module, args: Any) -> None:
-        if not self.enabled:
+        if not self.enabled or _is_compiling():
             return
         parent = self.stack[-1] if self.stack else self.outside
         fqn = self.names.name(module, parent if self.stack else None)
@@ -178,7 +182,7 @@ class ModuleTracker:
         self._frame_modules.append(frame_module)
 
     def _exit_module(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self.enabled or not self.stack:
+        if not self.enabled or not self.stack or _is_compiling():
             return None
         # Pop down to this module's frame: with always_call the exit hook also
         # runs when forward raised, possibly after inner frames were left open.
