@@ -281,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--steps", help="comma-separated steps (default: all in common)")
     compare.add_argument("--ranks", help="comma-separated ranks (default: all in common)")
     compare.add_argument("--module-map", help="rename run B's modules: b_name=a_name,...")
-    compare.add_argument("--fail-on-divergence", action="store_true", help="exit 1 if a divergence is found")
+    compare.add_argument("--fail-on-divergence", action="store_true",
+                         help="exit 1 if a divergence is found or an op could not be compared")
     compare.set_defaults(func=_cmd_compare)
 
     consistency = sub.add_parser(

@@ -56,7 +56,9 @@ def annotate(
     (of this run) to a comparison row (``Report.overlay()`` for this step and rank).
     Nodes get ``check_verdict`` (worst over the op's outputs: fail, pass, skip),
     ``check_excess`` (largest measured deviation over its bound: above 1 failed),
-    ``compare_verdict`` and ``compare_<metric>``.
+    ``compare_verdict`` (pass, warning, error, unmatched, or "not compared" when the data
+    of an output is missing or unreadable in either run), ``compare_message`` (why, for
+    a verdict other than pass; else None) and ``compare_<metric>``.
     """
     by_op: dict[str, list[CheckRecord]] = {}
     for check in checks:
@@ -73,6 +75,7 @@ def annotate(
             continue
         node = graph.nodes[op_id]
         node["compare_verdict"] = row.get("verdict")
+        node["compare_message"] = row.get("message") or None
         for metric in COMPARE_METRICS:
             node[f"compare_{metric}"] = row.get(metric)
     return graph

@@ -21,7 +21,7 @@ from probe.analysis.module_graph import build_module_graph
 from probe.errors import ProbeError
 from probe.exporters import graph_formats, model_explorer
 from probe.options import PHASES
-from probe.rundir.reader import Run
+from probe.rundir.reader import Run, load
 
 FORMATS = ("graphml", "dot", "json", "model-explorer")
 LEVELS = ("op", "module")
@@ -62,8 +62,6 @@ def export_graph(
     (``"all"`` keeps the whole step in one graph). ``model-explorer`` writes every
     phase present (or only ``phase``), op and module level, and the overlays.
     """
-    from probe.rundir.reader import load
-
     if format not in FORMATS:
         raise ProbeError(f"format {format!r} is not one of {list(FORMATS)}")
     run = run if isinstance(run, Run) else load(run)

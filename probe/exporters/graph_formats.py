@@ -22,23 +22,27 @@ from typing import Any
 import networkx as nx
 
 from probe.analysis.module_graph import module_namespace
+from probe.analysis.verdicts import ERROR, NOT_COMPARED, WARNING
 
 _NATIVE = (str, int, float)
 JSON_NODE_KEYS, JSON_EDGE_KEYS = "probe_json_node_keys", "probe_json_edge_keys"
 
-# Fill colours by severity, light to strong; the legend is in docs/graph.md.
-COLOURS = {"nonfinite": "#e53935", "fail": "#fb8c00", "error": "#fb8c00", "warning": "#fdd835"}
+# Fill colours of findings; the legend is in docs/graph.md. "not compared" (an output's data is
+# missing in either run) gets a hue of its own: it is unknown, neither agreement nor an error.
+COLOURS = {"nonfinite": "#e53935", "fail": "#fb8c00", ERROR: "#fb8c00", NOT_COMPARED: "#8e7cc3",
+           WARNING: "#fdd835"}
 
 
 def finding_colour(node: Mapping[str, Any]) -> str | None:
-    """The fill of an op or module node: NaN/Inf red, a failed check or comparison
-    error orange, a comparison warning yellow; None when nothing was found."""
+    """The fill of an op or module node, the most severe finding first: NaN/Inf red, a
+    failed check or comparison error orange, not compared violet, a comparison warning
+    yellow; None when nothing was found."""
     if node.get("nonfinite"):
         return COLOURS["nonfinite"]
-    if node.get("check_verdict") == "fail" or node.get("compare_verdict") == "error":
+    if node.get("check_verdict") == "fail" or node.get("compare_verdict") == ERROR:
         return COLOURS["fail"]
-    if node.get("compare_verdict") == "warning":
-        return COLOURS["warning"]
+    if node.get("compare_verdict") in (NOT_COMPARED, WARNING):
+        return COLOURS[node["compare_verdict"]]
     return None
 
 
@@ -120,7 +124,10 @@ def _dot_label(node: Mapping[str, Any], module_call: bool) -> tuple[str, str]:
     short = node["name"].removeprefix("aten.").removesuffix(".default")
     outputs = node["output_dtypes"]
     first = f"\n{_tensor_label(outputs[0], node['output_shapes'][0])}" if outputs else ""
-    return short + first, f"{node['name']} @ {node['module'] or '<outside modules>'}"
+    tooltip = f"{node['name']} @ {node['module'] or '<outside modules>'}"
+    if node.get("compare_message"):
+        tooltip += f"\n{node['compare_verdict']}: {node['compare_message']}"
+    return short + first, tooltip
 
 
 def write_dot(graph: nx.DiGraph, path: str | Path, name: str = "probe") -> Path:

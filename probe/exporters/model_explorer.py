@@ -40,6 +40,7 @@ from urllib.parse import quote
 import networkx as nx
 
 from probe.analysis.module_graph import module_namespace
+from probe.analysis.verdicts import ERROR, NOT_COMPARED, PASS, UNMATCHED, WARNING
 from probe.errors import ProbeError
 from probe.exporters.graph_formats import COLOURS
 
@@ -71,8 +72,8 @@ OVERLAYS = (
             {"thresholds": [{"value": 1, "bgColor": _PASS_COLOUR},
                             {"value": 1e300, "bgColor": COLOURS["fail"]}]}),
     Overlay("compare verdict", "compare_verdict",
-            {"categories": {"pass": _PASS_COLOUR, "warning": COLOURS["warning"], "error": COLOURS["fail"],
-                            "unmatched": _SKIP_COLOUR}}),
+            {"categories": {PASS: _PASS_COLOUR, WARNING: COLOURS[WARNING], ERROR: COLOURS[ERROR],
+                            NOT_COMPARED: COLOURS[NOT_COMPARED], UNMATCHED: _SKIP_COLOUR}}),
     Overlay("compare max relative error", "compare_max_rel_err", {"gradient": _GRADIENT}),
     Overlay("compare cosine", "compare_cosine",
             {"gradient": [{"stop": 0, "bgColor": COLOURS["nonfinite"]}, {"stop": 1, "bgColor": "#ffffff"}]}),
@@ -106,8 +107,8 @@ def _op_node(op_id: str, node: Mapping[str, Any], incoming: list[dict[str, str]]
         for i, (dtype, shape) in enumerate(zip(node["input_dtypes"], node["input_shapes"], strict=True))
     ]
     findings = {k: node.get(k) for k in ("check_verdict", "check_excess", "check_perturb",
-                                         "compare_verdict", "compare_cosine", "compare_max_rel_err",
-                                         "compare_max_ulp")}
+                                         "compare_verdict", "compare_message", "compare_cosine",
+                                         "compare_max_rel_err", "compare_max_ulp")}
     return {
         "id": op_id,
         "label": node["name"].removeprefix("aten.").removesuffix(".default"),
@@ -206,11 +207,14 @@ def write_model_explorer(path: str | Path, label: str, graphs: Mapping[str, nx.D
 
 
 # What the viewer opens on, most severe first (the order of ``finding_colour``),
-# and the overlay it then shows.
+# and the overlay it then shows. The earliest comparison error of a step is its first
+# divergence (its producers are earlier, so none is an error); ops whose data is missing
+# come after it: they are shown by the same overlay, in their own colour.
 _FOCUS_FINDINGS = (
     (lambda node: bool(node.get("nonfinite")), "nan-inf count"),
     (lambda node: node.get("check_verdict") == "fail", "free-benchmark verdict"),
-    (lambda node: node.get("compare_verdict") == "error", "compare verdict"),
+    (lambda node: node.get("compare_verdict") == ERROR, "compare verdict"),
+    (lambda node: node.get("compare_verdict") == NOT_COMPARED, "compare verdict"),
 )
 
 
@@ -224,9 +228,10 @@ class Focus:
 
 
 def focus(graphs: Mapping[str, nx.DiGraph]) -> Focus:
-    """The earliest op with the most severe finding (NaN/Inf, then a failed check,
-    then a comparison error), coloured by that finding; else the first graph, coloured
-    by the comparison if there is one, else by NaN/Inf counts."""
+    """The earliest op with the most severe finding (NaN/Inf, then a failed check, then
+    a comparison error: the first divergence, then an op not compared), coloured by that
+    finding; else the first graph, coloured by the comparison if there is one, else by
+    NaN/Inf counts."""
     op_graphs = {gid: g for gid, g in graphs.items() if g.graph.get("level") != "module"}
     for found, overlay in _FOCUS_FINDINGS:
         hits = [(node["index"], gid, key) for gid, g in op_graphs.items()
