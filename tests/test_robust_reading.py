@@ -504,7 +504,7 @@ def test_a_long_run_is_read_with_a_bounded_cache_and_the_fast_summary_agrees(tmp
         largest = max((t.abs_max for op in ops for t in op.outputs
                        if t.abs_max is not None and t.abs_max == t.abs_max), default=None)
         assert (summary.largest_abs_max[0].value if summary.largest_abs_max else None) == largest
-        assert len(run._ops) <= STEPS_KEPT and len(run._stats) <= STEPS_KEPT
+        assert len(run._ops) <= STEPS_KEPT and len(run._files) <= STEPS_KEPT
     assert [s.step for s in summarize(run) if s.first_nonfinite is not None] == \
         [s for s in range(steps) if s % 97 == 5]
     assert main(["summary", str(tmp_path / "long")]) == 0

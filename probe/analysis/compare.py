@@ -48,7 +48,7 @@ from probe.analysis.verdicts import (
 )
 from probe.errors import ProbeError
 from probe.exporters.compare_report import write_csv, write_html
-from probe.rundir.dump_index import DumpIndex
+from probe.modes.dump import DumpIndex
 from probe.rundir.reader import OpRecord, Run, TensorRecord
 
 METRIC_KEYS = ("cosine", "max_abs_err", "max_rel_err", "one_thousandth_ratio",

@@ -18,8 +18,8 @@ import torch
 
 from probe.analysis.metrics import tensor_metrics
 from probe.errors import ProbeError
+from probe.modes.dump import DumpIndex
 from probe.rundir.call_args import decode_args
-from probe.rundir.dump_index import DumpIndex
 from probe.rundir.reader import OpRecord, Run
 from probe.tracer.op_class import classify, resolve_op
 from probe.tracer.op_tensors import results_of

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from probe.rundir import layout
 from probe.rundir.reader import AnomalyRecord, CheckRecord, OpRecord, Run
 
 
@@ -102,3 +103,28 @@ def summarize(run: Run, top: int = 5) -> Iterator[StepSummary]:
     for rank in run.ranks:
         for step in run.steps_of(rank):
             yield summarize_step(run, step, rank, top)
+
+
+
+def lost_steps(run: Run) -> list[str]:
+    """One line per step the run lost: each one the writer gave up (``write_failures.jsonl``:
+    the file and the error), then each whose flush never finished for another reason (the
+    process died while writing it)."""
+    failures = run.write_failures()
+    given_up = {(f.step, f.rank) for f in failures if not f.tail}
+    return [failure.describe() for failure in failures] + [
+        f"step {step} rank {rank}: flush never finished (the process died)"
+        for step, rank in run.unfinished_steps if (step, rank) not in given_up
+    ]
+
+
+def tails(run: Run) -> list[str]:
+    """One line per rank with a tail (ops recorded after the last ``session.step()``)."""
+    lines = []
+    for rank in run.ranks:
+        tail = run.tail(rank)
+        if tail:
+            directory = layout.tail_dir(run.path, rank, tail[0].step).relative_to(run.path)
+            lines.append(f"rank {rank}: a tail of {len(tail)} ops recorded after the last session.step() "
+                         f"({directory}; run.tail({rank}))")
+    return lines

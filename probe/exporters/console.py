@@ -12,7 +12,7 @@ from rich.table import Table
 
 from probe.analysis.compare import Report
 from probe.analysis.consistency import ConsistencyReport, check_consistency
-from probe.analysis.summary import Extreme, StepSummary
+from probe.analysis.summary import Extreme, StepSummary, lost_steps, tails
 from probe.analysis.verdicts import NOT_COMPARED, VERDICTS
 from probe.options import PHASES
 from probe.rundir.reader import OpRecord, Run
@@ -150,8 +150,10 @@ def render_run(console: Console, run: Run, summaries: Iterable[StepSummary]) -> 
         if summary.first_nonfinite is not None and not detailed_nonfinite:
             detailed_nonfinite = True
             render_step(console, summary)
-    for step, rank in run.unfinished_steps:
-        console.print(f"[red]step {step} rank {rank}: flush never finished (the process died)[/red]")
+    for line in lost_steps(run):
+        console.print(line, style="red", markup=False, highlight=False)
+    for line in tails(run):
+        console.print(line, markup=False, highlight=False)
     if len(run.ranks) > 1:
         render_consistency(console, check_consistency(run), limit=3)
 

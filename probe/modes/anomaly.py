@@ -24,12 +24,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from probe.modes.monitor_metrics import METRIC_COLUMNS
-from probe.rundir.reader import AnomalyRecord as Anomaly  # what the monitor writes is what load() reads
+from probe.rundir.reading import read_jsonl, reading, record_from_row
+from probe.rundir.records import AnomalyRecord as Anomaly  # what the monitor writes is what load() reads
 
 if TYPE_CHECKING:
     from probe.modes.monitor_config import MonitorConfig
@@ -68,6 +70,14 @@ def anomaly_json(anomaly: Anomaly) -> dict[str, Any]:
         if isinstance(out[key], float) and not math.isfinite(out[key]):
             out[key] = repr(out[key])
     return out
+
+
+def read_anomalies(path: Path) -> list[Anomaly]:
+    """The lines of an ``anomalies.jsonl`` (:func:`anomaly_json`'s), in detection order; none
+    when the file is absent."""
+    rows = read_jsonl(path)
+    with reading(path):
+        return [record_from_row(Anomaly, row) for row in rows]
 
 
 @dataclass

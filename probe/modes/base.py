@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+from probe.rundir.mode_files import ModeFiles
 from probe.rundir.writer import StepWriter
 from probe.tracer.op_call import OpCall
 
@@ -52,6 +53,9 @@ class SessionPlugin:
 
     name: ClassVar[str]
     option_names: ClassVar[frozenset[str]] = frozenset()
+    files: ClassVar[type[ModeFiles] | None] = None
+    """The reader of the files this mode writes in a step (beside its writer), for ``probe.load``;
+    None when it writes none."""
 
     def observer(self) -> OpObserver | None:
         """The per-op half of this mode, or None when it works from hooks alone."""

@@ -44,6 +44,9 @@ from probe.modes.perturbations import (
 from probe.modes.registry import register_mode
 from probe.options import parse_bool, parse_choice, parse_int
 from probe.rundir import layout
+from probe.rundir.mode_files import ModeFiles
+from probe.rundir.reading import read_jsonl, reading, record_from_row
+from probe.rundir.records import CheckRecord
 from probe.rundir.writer import StepWriter
 from probe.tracer.dispatch_mode import dtype_name
 from probe.tracer.op_call import OpCall
@@ -102,11 +105,24 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(-1) if t.numel() else t.detach().reshape(-1)
 
 
+class ChecksFiles(ModeFiles):
+    """``checks.jsonl`` of one step (written by :class:`ChecksStep`), read back."""
+
+    def checks(self) -> list[CheckRecord]:
+        """The step's checks in execution order; keys a reader does not know are ignored."""
+        path = self.where.directory / layout.CHECKS_FILE
+        rows = read_jsonl(path)
+        with reading(path):
+            return [record_from_row(CheckRecord, row, {"op": "op_index"}, step=self.where.step,
+                                    rank=self.where.rank) for row in rows]
+
+
 @register_mode
 class FreeBenchmarkMode(Mode):
     """Perturb-and-compare checks (and fixes) of selected ops."""
 
     name = "free_benchmark"
+    files = ChecksFiles
     option_names = frozenset(
         {"perturb", "handler", "preheat", "preheat_steps", "max_sample", "max_checks_per_op"}
     )

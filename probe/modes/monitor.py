@@ -32,6 +32,8 @@ tensors around an anomalous module can be saved, or training stopped by
 
 from __future__ import annotations
 
+import csv
+import io
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -46,12 +48,15 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from probe.errors import ProbeError, warn_once
-from probe.modes.anomaly import Anomaly, AnomalyDetector, Series, anomaly_json
+from probe.modes.anomaly import Anomaly, AnomalyDetector, Series, anomaly_json, read_anomalies
 from probe.modes.base import SessionPlugin
 from probe.modes.monitor_config import MONITOR_KEYS, MonitorConfig, Target, parse_monitor_options
 from probe.modes.monitor_metrics import METRIC_COLUMNS, adam_update_row, finalize, raw_row
 from probe.modes.registry import register_mode
 from probe.rundir import layout
+from probe.rundir.mode_files import ModeFiles
+from probe.rundir.reading import reading
+from probe.rundir.records import MonitorRecord
 from probe.rundir.writer import StepWriter
 
 log = logging.getLogger("probe.monitor")
@@ -214,11 +219,32 @@ class MonitorStep:
                 "reduced": self._reduction is not None}
 
 
+class MonitorFiles(ModeFiles):
+    """``monitor.csv`` and ``anomalies.jsonl`` of one step (written by :class:`MonitorStep`), read back."""
+
+    def series(self) -> list[MonitorRecord]:
+        """The step's series in collection order (metrics in fp64)."""
+        path = self.where.directory / layout.MONITOR_FILE
+        if not path.exists():
+            return []
+        step, rank = self.where.step, self.where.rank
+        with reading(path):
+            rows = csv.DictReader(io.StringIO(path.read_bytes().decode("utf-8"), newline=""))
+            return [MonitorRecord(step, rank, row["kind"], row["name"], row["slot"], int(row["call"]),
+                                  **{column: float(row[column]) for column in METRIC_COLUMNS})
+                    for row in rows]
+
+    def anomalies(self) -> list[Anomaly]:
+        """The step's alerts in detection order."""
+        return read_anomalies(self.where.directory / layout.ANOMALIES_FILE)
+
+
 @register_mode
 class MonitorMode(SessionPlugin):
     """Training-state statistics from module and optimizer hooks, with anomaly alerts (no per-op work)."""
 
     name = "monitor"
+    files = MonitorFiles
     option_names: ClassVar[frozenset[str]] = MONITOR_KEYS
 
     @property

@@ -24,10 +24,16 @@ from probe.modes.stat_rows import PendingRows, StepRows
 from probe.modes.tensor_stats import BACKENDS, TensorStats, finalize
 from probe.options import show
 from probe.rundir import layout
+from probe.rundir.mode_files import ModeFiles
+from probe.rundir.reading import reading
+from probe.rundir.records import OpRecord
 from probe.rundir.writer import StepWriter
 from probe.tracer.op_call import OpCall
 
 INPUT, OUTPUT = 0, 1
+STAT_NAMES = ("min", "max", "mean", "norm", "nan", "inf")
+"""The columns of ``stats.npy``; an empty tensor's min, max and mean are NaN there, None when read."""
+_EMPTY_STATS = {"min": None, "max": None, "mean": None, "norm": 0.0, "nan": 0, "inf": 0}
 # Views whose elements may overlap or repeat even with the same numel as the base.
 _NOT_SAME_ELEMENTS = frozenset({"as_strided", "unfold", "diagonal"})
 
@@ -45,12 +51,71 @@ def _same_elements(view: torch.Tensor, base: torch.Tensor) -> bool:
     )
 
 
+class StatsFiles(ModeFiles):
+    """``stats.npy`` (rows of :data:`STAT_NAMES`) and ``stats_index.npy`` (rows of op index,
+    INPUT/OUTPUT, position, stats row) of one step, read back and attached to its op records."""
+
+    _arrays: tuple[np.ndarray, np.ndarray] | None = None
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(stats rows, index rows), checked against each other and the step's op count."""
+        if self._arrays is None:
+            self._arrays = self._read()
+        return self._arrays
+
+    def _read(self) -> tuple[np.ndarray, np.ndarray]:
+        stats_path = self.where.directory / layout.STATS_FILE
+        index_path = self.where.directory / layout.STATS_INDEX_FILE
+        op_count = self.where.op_count()
+        with reading(stats_path):
+            stats = np.load(stats_path, allow_pickle=False)
+            if stats.ndim != 2 or stats.shape[1] != len(STAT_NAMES) or stats.dtype.kind != "f":
+                raise ValueError(f"statistics are an array of shape {stats.shape} and dtype {stats.dtype}, "
+                                 f"expected (rows, {len(STAT_NAMES)}) floats")
+        with reading(index_path):
+            index = np.load(index_path, allow_pickle=False)
+            if index.ndim != 2 or index.shape[1] != 4 or index.dtype.kind not in "iu":
+                raise ValueError(f"the index is an array of shape {index.shape} and dtype {index.dtype}, "
+                                 "expected (entries, 4) integers")
+            if index.size and (index.min() < 0 or index[:, 0].max() >= op_count or index[:, 1].max() > 1
+                               or index[:, 3].max() >= len(stats)):
+                raise ValueError(f"the index points past the {op_count} ops of {layout.OPS_FILE} or the "
+                                 f"{len(stats)} rows of {layout.STATS_FILE}")
+        return stats, index
+
+    def output_stats(self) -> tuple[np.ndarray, np.ndarray]:
+        """(op index per row, rows) of the op outputs, without decoding any op record."""
+        stats, index = self.arrays()
+        outputs = index[index[:, 1] == OUTPUT]
+        return outputs[:, 0], stats[outputs[:, 3]]
+
+    def attach(self, records: dict[int, OpRecord]) -> None:
+        stats, index = self.arrays()
+        if len(records) < self.where.op_count():
+            index = index[np.isin(index[:, 0], list(records))]
+        with reading(self.where.directory / layout.STATS_INDEX_FILE):
+            rows: dict[int, dict[str, float | int | None]] = {}  # a row shared by tensors is one dict
+            for op_index, io, position, row in index.tolist():
+                record = records.get(op_index)
+                if record is None:
+                    continue
+                tensor = (record.inputs if io == INPUT else record.outputs)[position]
+                if tensor.numel == 0:
+                    tensor.stats = dict(_EMPTY_STATS)
+                    continue
+                if row not in rows:
+                    rows[row] = {name: int(value) if name in ("nan", "inf") else float(value)
+                                 for name, value in zip(STAT_NAMES, stats[row].tolist(), strict=True)}
+                tensor.stats = rows[row]
+
+
 @register_mode
 class StatsMode(Mode):
     """Per-op tensor statistics, computed on device in fp32, one transfer per step."""
 
     name = "stats"
     option_names = frozenset({"inputs", "stats_backend", "saturation"})
+    files = StatsFiles
 
     def __init__(
         self, inputs: bool = False, stats_backend: str = "auto", saturation: bool | str = "auto"

@@ -35,6 +35,7 @@ WRITE_FAILURES_FILE = "write_failures.jsonl"
 _RANK_RE = re.compile(r"rank(\d+)")
 _STEP_RE = re.compile(r"step(\d+)")
 _PARTIAL_RE = re.compile(r"\.step(\d+)\.partial")
+_TAIL_RE = re.compile(r"tail(\d+)")
 
 
 def rank_dir(out: Path, rank: int) -> Path:
@@ -84,6 +85,12 @@ def list_steps(out: Path, rank: int) -> tuple[list[int], list[int]]:
         elif m := _PARTIAL_RE.fullmatch(entry.name):
             unfinished.append(int(m.group(1)))
     return sorted(flushed), sorted(unfinished)
+
+
+def list_tails(out: Path, rank: int) -> list[int]:
+    """The step numbers of the committed tails of one rank (one per session, so at most one)."""
+    return sorted(int(m.group(1)) for entry in rank_dir(out, rank).iterdir()
+                  if (m := _TAIL_RE.fullmatch(entry.name)))
 
 
 def is_probe_entry(name: str) -> bool:

@@ -2,9 +2,16 @@
 
 Steps are loaded lazily, and only the few most recently used steps stay in
 memory (:data:`STEPS_KEPT`), so reading a run of any length takes the memory of a
-few steps. Statistics rows written by the stats mode are attached to the tensor
-records; an input that was produced by a traced op in the same step shares that
-op's output statistics even when input statistics were not collected.
+few steps.
+
+This module reads the files every step has (manifest, op records, call sites,
+modules); a mode's own files are read by the mode's reader, kept beside its writer
+and found through the mode registry (:mod:`probe.rundir.mode_files`): the stats mode's
+reader attaches statistics to the op records (an input that was produced by a traced
+op in the same step shares that op's output statistics even when input statistics
+were not collected), free_benchmark's reads the checks, monitor's the series and
+alerts, dump's the dump index. A step listing a mode the registry does not know is
+read without that mode's files, with one warning.
 
 Every file is read through :mod:`probe.rundir.reading`: damage to a run's metadata
 is a :class:`ProbeError` naming the file, never another exception.
@@ -12,14 +19,12 @@ is a :class:`ProbeError` naming the file, never another exception.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar, cast
 
 import networkx as nx
 import numpy as np
@@ -27,7 +32,7 @@ import torch
 
 from probe.errors import ProbeError, warn_once
 from probe.rundir import layout
-from probe.rundir.dump_index import DumpIndex
+from probe.rundir.mode_files import ModeFiles, StepFiles
 from probe.rundir.op_graph import build_graph
 from probe.rundir.op_records import decode as decode_op_record
 from probe.rundir.reading import expect, read_json, read_jsonl, reading, record_from_row
@@ -38,24 +43,43 @@ from probe.rundir.records import (
     OpRecord,
     StepInfo,
     TensorRecord,
+    WriteFailure,
     first_nonfinite_in,
 )
 
+if TYPE_CHECKING:  # the modes sit above the run directory: their readers are found at run time
+    from probe.modes.dump import DumpIndex
+    from probe.modes.free_benchmark import ChecksFiles
+    from probe.modes.monitor import MonitorFiles
+    from probe.modes.stats import StatsFiles
+
 __all__ = ["AnomalyRecord", "CheckRecord", "MonitorRecord", "OpRecord", "Run", "StepInfo", "TensorRecord",
-           "load"]
+           "WriteFailure", "load"]
 
 STEPS_KEPT = 8
 """How many (step, rank) entries of each per-step cache a Run keeps (least recently used goes)."""
 
-_STAT_NAMES = ("min", "max", "mean", "norm", "nan", "inf")
-_EMPTY_STATS = {"min": None, "max": None, "mean": None, "norm": 0.0, "nan": 0, "inf": 0}
-
-# The modes whose files this reader knows. A step written by a newer probe may list
-# others: their files are left alone, with a warning naming the mode.
-KNOWN_MODES = frozenset({"structure", "stats", "dump", "free_benchmark", "monitor", "upcast"})
-
 K = TypeVar("K")
 V = TypeVar("V")
+
+
+class _Place(NamedTuple):
+    """A flushed step of a rank, or (``tail``) the rank's tail numbered as that step."""
+
+    step: int
+    rank: int
+    tail: bool = False
+
+    def directory(self, run: Path) -> Path:
+        return (layout.tail_dir if self.tail else layout.step_dir)(run, self.rank, self.step)
+
+
+def _registered_modes() -> dict[str, Any]:
+    """Mode name -> plug-in class, from the registry (imported here, not at module level: the
+    modes import the run directory's writer and records, never this reader)."""
+    from probe.modes.registry import MODES
+
+    return MODES
 
 
 class _Recent(Generic[K, V]):
@@ -83,13 +107,6 @@ class _Recent(Generic[K, V]):
         return len(self._values)
 
 
-def _stats_dict(row: list[float]) -> dict[str, float | int | None]:
-    return {
-        name: int(value) if name in ("nan", "inf") else float(value)
-        for name, value in zip(_STAT_NAMES, row, strict=True)
-    }
-
-
 def _check_version(path: Path, version: Any) -> None:
     if type(version) is not int or not 1 <= version <= layout.FORMAT_VERSION:
         hint = ": upgrade probe to read it" if type(version) is int and version > 0 else ""
@@ -112,12 +129,11 @@ class Run:
         _check_version(run_file, self.info.get("format_version"))
         with reading(run_file):
             expect(self.info.get("modes", []), list, "modes")
-        self._ops = _Recent[tuple[int, int], list[OpRecord]](lambda key: self._load_ops(*key))
-        self._step_info = _Recent[tuple[int, int], StepInfo](lambda key: self._load_step_info(*key))
-        self._dumps = _Recent[tuple[int, int], DumpIndex](lambda key: DumpIndex(self.path, key[1], key[0]))
-        self._lines = _Recent[tuple[int, int], tuple[Path, list[str]]](lambda key: self._read_op_lines(*key))
-        self._stats = _Recent[tuple[int, int], tuple[np.ndarray, np.ndarray] | None](
-            lambda key: self._stats_arrays(*key))
+        self._ops = _Recent[_Place, list[OpRecord]](self._load_ops)
+        self._step_info = _Recent[_Place, StepInfo](self._load_step_info)
+        self._lines = _Recent[_Place, tuple[Path, list[str]]](self._read_op_lines)
+        # Per step: each mode's reader, made when first asked for (None: the step has no such files).
+        self._files = _Recent[_Place, dict[str, ModeFiles | None]](lambda place: {})
 
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r}, steps={self.steps}, ranks={self.ranks})"
@@ -166,26 +182,79 @@ class Run:
 
     def step_info(self, step: int, rank: int = 0) -> StepInfo:
         """The manifest of one flushed step: complete or not, why, and what each mode wrote."""
-        return self._step_info((step, rank))
+        return self._step_info(_Place(step, rank))
 
-    def _load_step_info(self, step: int, rank: int) -> StepInfo:
-        path = self._step_path(step, rank) / layout.MANIFEST_FILE
+    def _load_step_info(self, place: _Place) -> StepInfo:
+        path = place.directory(self.path) / layout.MANIFEST_FILE
         manifest = read_json(path)
         _check_version(path, manifest.get("format_version"))
         with reading(path):
             complete = expect(manifest.get("complete"), bool, "complete")
             reason = expect(manifest.get("reason"), (str, type(None)), "reason")
             modes = expect(manifest.get("modes", {}), dict, "modes")
-        for name in sorted(set(modes) - KNOWN_MODES):
-            warn_once(f"unknown-mode-{name}", f"{str(path)!r} lists mode {name!r}, whose files this probe "
-                      "does not read (written by a newer probe?): reading the rest of the step")
-        return StepInfo(step, rank, complete, reason, manifest)
+            if place.tail and manifest.get("tail") is not True:
+                raise ValueError("a tail's manifest must say \"tail\": true")
+        registered = _registered_modes()
+        for name in sorted(set(modes) - set(registered)):
+            warn_once(f"unknown-mode-{name}", f"{str(path)!r} lists mode {name!r}, which this probe does not "
+                      "know (written by a newer probe, or a plug-in not imported?): reading the step "
+                      "without its files")
+        return StepInfo(place.step, place.rank, complete, reason, manifest)
+
+    # -- the modes' files ------------------------------------------------------------
+
+    def mode_files(self, mode: str, step: int | None = None, rank: int | None = None) -> ModeFiles | None:
+        """The reader of mode ``mode``'s files of one step (the class its plug-in names as
+        ``files``), or None when the step's manifest does not list the mode, the mode is not
+        registered, or it writes no files."""
+        return self._mode_files(_Place(*self.resolve(step, rank)), mode)
+
+    def _mode_files(self, place: _Place, mode: str) -> ModeFiles | None:
+        readers = self._files(place)
+        if mode not in readers:
+            readers[mode] = None
+            summary = self._step_info(place).manifest.get("modes", {}).get(mode)
+            plugin = _registered_modes().get(mode)
+            files = None if plugin is None else plugin.files
+            if summary is not None and files is not None:
+                where = StepFiles(self.path, place.rank, place.step, place.directory(self.path),
+                                  summary if isinstance(summary, dict) else {},
+                                  lambda: len(self._lines(place)[1]))
+                readers[mode] = files(where)
+        return readers[mode]
 
     # -- records -----------------------------------------------------------------
 
     def ops(self, step: int | None = None, rank: int | None = None) -> list[OpRecord]:
         """Op records of one step and rank in execution order (default: first step, rank 0)."""
-        return self._ops(self.resolve(step, rank))
+        return self._ops(_Place(*self.resolve(step, rank)))
+
+    def tail(self, rank: int | None = None) -> list[OpRecord] | None:
+        """The op records of the rank's tail (the ops after the last ``session.step()`` of a
+        session that ended normally, ``rankR/tailN/``; numbered as step N, which is not among
+        :attr:`steps`), or None when the rank has none."""
+        place = self._tail_place(rank)
+        return None if place is None else self._ops(place)
+
+    def _tail_place(self, rank: int | None) -> _Place | None:
+        rank = self.resolve(None, rank)[1] if rank is None else rank
+        if rank not in self._steps_by_rank:
+            raise ProbeError(f"rank {rank} is not in {str(self.path)!r}; ranks: {self.ranks}")
+        with reading(layout.rank_dir(self.path, rank)):
+            tails = layout.list_tails(self.path, rank)
+        return _Place(tails[-1], rank, tail=True) if tails else None
+
+    def write_failures(self, rank: int | None = None) -> list[WriteFailure]:
+        """The steps (and tails) whose files could not be written, in the order they failed
+        (``rankR/write_failures.jsonl``; every rank when ``rank`` is None). Each was given up:
+        its ``.stepN.partial`` directory stays, emptied."""
+        found = []
+        for r in self.ranks if rank is None else [rank]:
+            path = layout.rank_dir(self.path, r) / layout.WRITE_FAILURES_FILE
+            rows = read_jsonl(path)
+            with reading(path):
+                found += [record_from_row(WriteFailure, row, rank=r) for row in rows]
+        return found
 
     def op(self, op_id: str, step: int | None = None, rank: int | None = None) -> OpRecord:
         """The record of ``op_id`` (default: the first step and rank)."""
@@ -208,29 +277,15 @@ class Run:
         """Free-benchmark checks, in execution order (every step and rank when not given)."""
         if step is None and rank is None:
             return [c for r in self.ranks for s in self.steps_of(r) for c in self.checks(s, r)]
-        step, rank = self.resolve(step, rank)
-        path = self._step_path(step, rank) / layout.CHECKS_FILE
-        rows = read_jsonl(path)
-        with reading(path):
-            return [record_from_row(CheckRecord, row, {"op": "op_index"}, step=step, rank=rank)
-                    for row in rows]
+        files = cast("ChecksFiles | None", self.mode_files("free_benchmark", step, rank))
+        return [] if files is None else files.checks()
 
     def monitor(self, step: int | None = None, rank: int | None = None) -> list[MonitorRecord]:
         """The monitor's series, per step in collection order (every step and rank when not given)."""
         if step is None and rank is None:
             return [m for r in self.ranks for s in self.steps_of(r) for m in self.monitor(s, r)]
-        step, rank = self.resolve(step, rank)
-        path = self._step_path(step, rank) / layout.MONITOR_FILE
-        if not path.exists():
-            return []
-        with reading(path):
-            rows = list(csv.DictReader(io.StringIO(path.read_bytes().decode("utf-8"), newline="")))
-            return [
-                MonitorRecord(step, rank, row["kind"], row["name"], row["slot"], int(row["call"]),
-                              *(float(row[c]) for c in ("min", "max", "mean", "norm", "zeros", "nans", "infs",
-                                                        "numel")))
-                for row in rows
-            ]
+        files = cast("MonitorFiles | None", self.mode_files("monitor", step, rank))
+        return [] if files is None else files.series()
 
     def anomalies(self) -> list[AnomalyRecord]:
         """The monitor's alerts, in step order, then rank, then detection order."""
@@ -239,15 +294,12 @@ class Run:
 
     def anomalies_of(self, step: int, rank: int) -> list[AnomalyRecord]:
         """The monitor's alerts of one step and rank, in detection order."""
-        path = self._step_path(step, rank) / layout.ANOMALIES_FILE
-        rows = read_jsonl(path)
-        with reading(path):
-            return [record_from_row(AnomalyRecord, row) for row in rows]
+        files = cast("MonitorFiles | None", self.mode_files("monitor", step, rank))
+        return [] if files is None else files.anomalies()
 
     def module_types(self, step: int | None = None, rank: int | None = None) -> dict[str, str]:
         """Module FQN -> class name for the modules of one step."""
-        step, rank = self.resolve(step, rank)
-        path = self._step_path(step, rank) / layout.MODULES_FILE
+        path = _Place(*self.resolve(step, rank)).directory(self.path) / layout.MODULES_FILE
         if not path.exists():
             return {}
         types = read_json(path)
@@ -257,12 +309,18 @@ class Run:
         return types
 
     def has_dump(self, step: int | None = None, rank: int | None = None) -> bool:
-        step, rank = self.resolve(step, rank)
-        return (self._step_path(step, rank) / layout.TENSOR_INDEX_FILE).exists()
+        """Whether the step holds a dump (dump mode)."""
+        return self.mode_files("dump", step, rank) is not None
 
     def dump(self, step: int | None = None, rank: int | None = None) -> DumpIndex:
         """The dump index of one step (dump mode)."""
-        return self._dumps(self.resolve(step, rank))
+        place = _Place(*self.resolve(step, rank))
+        index = cast("DumpIndex | None", self._mode_files(place, "dump"))
+        if index is None:
+            raise ProbeError(f"step {place.step} of rank {place.rank} has no dump (its manifest lists no "
+                             f"dump: {str(place.directory(self.path) / layout.MANIFEST_FILE)!r})")
+        index.complete  # noqa: B018  (read the index now: its damage is this call's error)
+        return index
 
     def tensor(
         self, op_id: str, io: str = "output", index: int = 0,
@@ -313,26 +371,24 @@ class Run:
             )
         return step, rank
 
-    def _step_path(self, step: int, rank: int) -> Path:
-        return layout.step_dir(self.path, rank, step)
+    def _load_ops(self, place: _Place) -> list[OpRecord]:
+        return list(self._decode_ops(place, None).values())
 
-    def _load_ops(self, step: int, rank: int) -> list[OpRecord]:
-        return list(self._decode_ops(step, rank, None).values())
-
-    def _read_op_lines(self, step: int, rank: int) -> tuple[Path, list[str]]:
+    def _read_op_lines(self, place: _Place) -> tuple[Path, list[str]]:
         """``ops.jsonl`` of a step and its records' lines (op #i is line i, blank lines aside)."""
-        path = self._step_path(step, rank) / layout.OPS_FILE
+        path = place.directory(self.path) / layout.OPS_FILE
         with reading(path):
             return path, [line for line in path.read_bytes().decode("utf-8").split("\n") if line.strip()]
 
-    def _decode_ops(self, step: int, rank: int, only: Collection[int] | None) -> dict[int, OpRecord]:
-        """Op #i -> its record with statistics attached: every op, or ``only`` these and the
-        producers of their inputs (whose output statistics those inputs share)."""
-        self.step_info(step, rank)  # a step is read only under a readable manifest (written last)
-        directory = self._step_path(step, rank)
-        sites_path = directory / layout.CALLSITES_FILE
+    def _decode_ops(self, place: _Place, only: Collection[int] | None) -> dict[int, OpRecord]:
+        """Op #i -> its record with what each mode knows of it attached (statistics): every op,
+        or ``only`` these and the producers of their inputs (whose output statistics those
+        inputs share)."""
+        info = self._step_info(place)  # a step is read only under a readable manifest (written last)
+        step, rank = place.step, place.rank
+        sites_path = place.directory(self.path) / layout.CALLSITES_FILE
         sites = read_json(sites_path) if sites_path.exists() else {}
-        ops_path, lines = self._lines((step, rank))
+        ops_path, lines = self._lines(place)
         records: dict[int, OpRecord] = {}
         exact: dict[int, list[bool]] = {}  # per input: shares its producer's statistics row
 
@@ -378,7 +434,10 @@ class Run:
                 records[number] = decode(number)
         with reading(ops_path):
             _check_references(records)
-        self._attach_stats(step, rank, records)
+        for mode in info.manifest.get("modes", {}):
+            files = self._mode_files(place, mode)
+            if files is not None:
+                files.attach(records)
         # Inputs without their own row share their exact producer's output row.
         for number, record in records.items():
             for tensor, shares in zip(record.inputs, exact[number], strict=True):
@@ -390,13 +449,14 @@ class Run:
                ) -> list[OpRecord]:
         """The records of ops #``indices`` of a step, decoding only those (and the producers of
         their inputs, for their statistics): for scans of long runs that need a few ops a step."""
-        step, rank = self.resolve(step, rank)
-        cached = self._ops.peek((step, rank))
+        place = _Place(*self.resolve(step, rank))
+        cached = self._ops.peek(place)
         if cached is not None:
             if any(not 0 <= i < len(cached) for i in indices):
-                raise ProbeError(f"step {step} rank {rank} holds {len(cached)} ops: no op #{max(indices)}")
+                raise ProbeError(f"step {place.step} rank {place.rank} holds {len(cached)} ops: "
+                                 f"no op #{max(indices)}")
             return [cached[i] for i in indices]
-        records = self._decode_ops(step, rank, indices)
+        records = self._decode_ops(place, indices)
         return [records[i] for i in indices]
 
     def output_stats(self, step: int | None = None, rank: int | None = None
@@ -404,58 +464,8 @@ class Run:
         """The stats mode's rows of one step's op outputs, without decoding the op records:
         ``(op index per row, rows)``, rows of min, max, mean, norm, nan, inf (an empty tensor's
         min, max and mean are NaN). None when the step has no statistics."""
-        step, rank = self.resolve(step, rank)
-        arrays = self._stats((step, rank))
-        if arrays is None:
-            return None
-        stats, index = arrays
-        outputs = index[index[:, 1] == 1]
-        return outputs[:, 0], stats[outputs[:, 3]]
-
-    def _stats_arrays(self, step: int, rank: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """(stats rows, index rows of [op, io (0 in, 1 out), position, row]), checked; None without."""
-        directory = self._step_path(step, rank)
-        op_count = len(self._lines((step, rank))[1])
-        stats_path = directory / layout.STATS_FILE
-        if not stats_path.exists():
-            return None
-        index_path = directory / layout.STATS_INDEX_FILE
-        with reading(stats_path):
-            stats = np.load(stats_path, allow_pickle=False)
-            if stats.ndim != 2 or stats.shape[1] != len(_STAT_NAMES) or stats.dtype.kind != "f":
-                raise ValueError(f"statistics are an array of shape {stats.shape} and dtype {stats.dtype}, "
-                                 f"expected (rows, {len(_STAT_NAMES)}) floats")
-        with reading(index_path):
-            index = np.load(index_path, allow_pickle=False)
-            if index.ndim != 2 or index.shape[1] != 4 or index.dtype.kind not in "iu":
-                raise ValueError(f"the index is an array of shape {index.shape} and dtype {index.dtype}, "
-                                 "expected (entries, 4) integers")
-            if index.size and (index.min() < 0 or index[:, 0].max() >= op_count or index[:, 1].max() > 1
-                               or index[:, 3].max() >= len(stats)):
-                raise ValueError(f"the index points past the {op_count} ops of ops.jsonl or the "
-                                 f"{len(stats)} rows of stats.npy")
-        return stats, index
-
-    def _attach_stats(self, step: int, rank: int, records: dict[int, OpRecord]) -> None:
-        arrays = self._stats((step, rank))
-        if arrays is None:
-            return
-        stats, index = arrays
-        if len(records) < len(self._lines((step, rank))[1]):
-            index = index[np.isin(index[:, 0], list(records))]
-        with reading(self._step_path(step, rank) / layout.STATS_INDEX_FILE):
-            rows: dict[int, dict[str, float | int | None]] = {}
-            for op_index, io, position, row in index.tolist():
-                record = records.get(op_index)
-                if record is None:
-                    continue
-                tensor = (record.inputs if io == 0 else record.outputs)[position]
-                if tensor.numel == 0:
-                    tensor.stats = dict(_EMPTY_STATS)
-                    continue
-                if row not in rows:
-                    rows[row] = _stats_dict(stats[row].tolist())
-                tensor.stats = rows[row]
+        files = cast("StatsFiles | None", self.mode_files("stats", step, rank))
+        return None if files is None else files.output_stats()
 
 
 def load(path: str | Path) -> Run:
@@ -476,3 +486,4 @@ def _check_references(records: dict[int, OpRecord]) -> None:
             if not (0 <= producer < number and (known is None or 0 <= output < len(known.outputs))):
                 raise ValueError(f"op #{number} reads output {output} of op #{producer}, "
                                  "which is not an earlier op's output")
+

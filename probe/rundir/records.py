@@ -1,5 +1,5 @@
 """The records a run holds, as ``probe.load`` returns them: ops, their tensors, checks,
-monitor series and alerts, step manifests.
+monitor series and alerts, step manifests, steps the writer gave up.
 
 Plain data with no reading logic, so the reader, the op graph and every analysis
 share them without depending on one another.
@@ -165,6 +165,35 @@ class AnomalyRecord:
         why = f": {self.reason}" if self.reason else ""
         return (f"step {self.step} rank {self.rank} {self.rule}: {self.module} {self.metric} = "
                 f"{self.value:.4g}{base}{why}")
+
+
+@dataclass(slots=True)
+class WriteFailure:
+    """A step (or tail) whose files could not be written: given up, training went on
+    (``run.write_failures()``, from ``rankR/write_failures.jsonl``)."""
+
+    rank: int
+    step: int
+    error: str
+    """The OS error's message (``No space left on device``)."""
+    tail: bool = False
+    """The tail after the last ``session.step()``, not a step."""
+    directory: str | None = None
+    """The partial directory left behind, emptied (``.step2.partial``); None if never created."""
+    file: str | None = None
+    """The file that failed, relative to the rank directory."""
+    errno: int | None = None
+    ops: int = 0
+    """How many op records the step had (all lost)."""
+    modes: tuple[str, ...] = ()
+    """The modes whose results the step held."""
+    time: str = ""
+
+    def describe(self) -> str:
+        what = f"tail {self.step}" if self.tail else f"step {self.step}"
+        where = f"{self.file}: " if self.file else ""
+        return (f"{what} rank {self.rank}: lost, not written ({where}{self.error}); {self.ops} ops"
+                + (f", modes {', '.join(self.modes)}" if self.modes else ""))
 
 
 @dataclass
