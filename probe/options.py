@@ -287,6 +287,8 @@ def parse_options(modes: Any, kwargs: dict[str, Any], mode_option_names: dict[st
         elif key == "compiled":
             opts.compiled = parse_choice(key, value, COMPILED_POLICIES)
 
+    if "monitor" in mode_names and "targets" not in kwargs and opts.modules.globs is not None:
+        kwargs["targets"] = list(opts.modules.globs)  # API.md: modules= serves as the monitor's targets
     accepted = set().union(*(mode_option_names[m] for m in mode_names))
     for key in kwargs:
         if key not in accepted:

@@ -9,11 +9,15 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from probe import errors
 from probe.errors import ProbeWarning
 
 
 @pytest.fixture(autouse=True)
 def _quiet_probe_notices():
+    # warn_once warns once per process: each test starts with none said, so a test that
+    # expects a notice sees it whatever ran before it.
+    errors._warned.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ProbeWarning)
         yield

@@ -7,13 +7,19 @@ summarizing a run of any length holds a few steps in memory (the run's cache).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from probe.rundir import layout
 from probe.rundir.reader import AnomalyRecord, CheckRecord, OpRecord, Run
+from probe.rundir.records import NonfiniteParameterRecord, TensorRecord, first_nonfinite_in
+
+MASK_FRACTION = 0.5
+"""An output whose largest magnitude reaches this fraction of its dtype's largest finite value
+is a fill (an attention mask of ``finfo.min``, or what adding one gives), not a magnitude."""
 
 
 @dataclass
@@ -37,23 +43,52 @@ class StepSummary:
     """Free-benchmark verdicts (empty without that mode)."""
     failed_checks: list[CheckRecord]
     """The failed checks, worst (largest deviation over its bound) first."""
+    nonfinite_parameters: NonfiniteParameterRecord | None = None
+    """Parameters non-finite at the step's start, gradients before its optimizer step (stats mode)."""
     monitored: int = 0
     """Series the monitor collected (0 without that mode)."""
     anomalies: list[AnomalyRecord] = field(default_factory=list)
 
 
-def _largest(op_of_row: np.ndarray, values: np.ndarray, top: int) -> list[tuple[int, float]]:
-    """(op index, value) of the ``top`` ops with the largest output value, NaN ignored."""
-    known = ~np.isnan(values)
+def ranked(tensor: TensorRecord) -> bool:
+    """Whether an output takes part in the magnitude rankings: floating point, finite, and not
+    a mask fill (see :data:`MASK_FRACTION`). Integer and bool tensors (token ids, positions,
+    masks) and tensors holding Inf or NaN (the non-finite report's business) do not."""
+    if not tensor.floating or tensor.finite is not True or tensor.abs_max is None:
+        return False
+    try:
+        largest = float(torch.finfo(getattr(torch, tensor.dtype)).max)
+    except (AttributeError, TypeError):  # a dtype this torch does not know
+        return True
+    return tensor.abs_max < MASK_FRACTION * largest
+
+
+def _largest(run: Run, step: int, rank: int, op_of_row: np.ndarray, values: np.ndarray, top: int,
+             value_of: Callable[[TensorRecord], float | None]) -> list[tuple[OpRecord, float]]:
+    """The ``top`` ops with the largest ranked output value (:func:`ranked`), largest first.
+
+    Candidates are decoded a batch at a time in the order of their raw rows (an op's ranked
+    value is at most its largest raw row), until no op left can beat the ``top`` found."""
+    known = np.isfinite(values)
     ops, values = op_of_row[known], values[known]
-    found: dict[int, float] = {}
-    for row in np.argsort(-values, kind="stable"):
-        op = int(ops[row])
-        if op not in found:
-            found[op] = float(values[row])
-            if len(found) == top:
-                break
-    return list(found.items())
+    order = np.argsort(-values, kind="stable")
+    best: dict[int, float] = {}
+    for op, value in zip(ops[order].tolist(), values[order].tolist(), strict=True):
+        best.setdefault(op, value)  # each op's largest raw value, in descending order
+    candidates = list(best.items())
+    found: list[tuple[OpRecord, float]] = []
+    batch = max(2 * top, 16)
+    for start in range(0, len(candidates), batch):
+        chunk = candidates[start:start + batch]
+        for record in run.ops_at([op for op, _ in chunk], step, rank):
+            eligible = [v for t in record.outputs if ranked(t) and (v := value_of(t)) is not None]
+            if eligible:
+                found.append((record, max(eligible)))
+        found.sort(key=lambda item: -item[1])
+        following = candidates[start + batch][1] if start + batch < len(candidates) else -np.inf
+        if len(found) >= top and found[top - 1][1] >= following:
+            break
+    return found[:top]
 
 
 def _phase_counts(run: Run, step: int, rank: int, manifest: dict) -> dict[str, int]:
@@ -64,7 +99,9 @@ def _phase_counts(run: Run, step: int, rank: int, manifest: dict) -> dict[str, i
 
 
 def summarize_step(run: Run, step: int, rank: int, top: int = 5) -> StepSummary:
-    """One step's summary, from its manifest and statistics table; only the ops it names are decoded."""
+    """One step's summary, from its manifest and statistics table. Only the ops it names are
+    decoded, and the whole step when its statistics hold a NaN or Inf (the first non-finite
+    op is found in the step's graph)."""
     info = run.step_info(step, rank)
     checks = run.checks(step, rank)
     failed = [c for c in checks if c.verdict == "fail"]
@@ -76,11 +113,11 @@ def summarize_step(run: Run, step: int, rank: int, top: int = 5) -> StepSummary:
         lo, hi = np.abs(rows[:, 0]), np.abs(rows[:, 1])
         # max(|min|, |max|) as TensorRecord.abs_max computes it (NaN when |min| is NaN)
         abs_max = np.where(hi > lo, hi, lo)
-        nonfinite = op_of_row[rows[:, 4] + rows[:, 5] > 0]
-        first = int(nonfinite.min()) if nonfinite.size else None
-        by_abs_max, by_norm = _largest(op_of_row, abs_max, top), _largest(op_of_row, rows[:, 3], top)
-    named = sorted({i for i, _ in by_abs_max + by_norm} | ({first} if first is not None else set()))
-    records = dict(zip(named, run.ops_at(named, step, rank), strict=True))
+        if np.any(rows[:, 4] + rows[:, 5] > 0):  # only then is the step's graph needed
+            first = first_nonfinite_in(run.ops(step, rank))
+        by_abs_max = _largest(run, step, rank, op_of_row, abs_max, top, lambda t: t.abs_max)
+        by_norm = _largest(run, step, rank, op_of_row, rows[:, 3], top,
+                           lambda t: None if t.stats is None else t.stats["norm"])
     return StepSummary(
         step=step,
         rank=rank,
@@ -88,11 +125,12 @@ def summarize_step(run: Run, step: int, rank: int, top: int = 5) -> StepSummary:
         reason=info.reason,
         phase_counts=_phase_counts(run, step, rank, info.manifest),
         has_stats=stats is not None and len(stats[0]) > 0,
-        first_nonfinite=None if first is None else records[first],
-        largest_abs_max=[Extreme(records[i], value) for i, value in by_abs_max],
-        largest_norm=[Extreme(records[i], value) for i, value in by_norm],
+        first_nonfinite=first,
+        largest_abs_max=[Extreme(op, value) for op, value in by_abs_max],
+        largest_norm=[Extreme(op, value) for op, value in by_norm],
         check_counts=dict(Counter(c.verdict for c in checks)),
         failed_checks=failed[:top],
+        nonfinite_parameters=run.nonfinite_parameters(step, rank),
         monitored=len(run.monitor(step, rank)),
         anomalies=run.anomalies_of(step, rank),
     )

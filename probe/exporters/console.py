@@ -14,6 +14,7 @@ from probe.analysis.compare import Report
 from probe.analysis.consistency import ConsistencyReport, check_consistency
 from probe.analysis.summary import Extreme, StepSummary, lost_steps, tails
 from probe.analysis.verdicts import NOT_COMPARED, VERDICTS
+from probe.modes.anomaly import incidents
 from probe.options import PHASES
 from probe.rundir.reader import OpRecord, Run
 
@@ -73,9 +74,13 @@ def render_step(console: Console, summary: StepSummary) -> None:
     elif bad is None:
         console.print("first non-finite op: [green]none[/green]")
     else:
-        finite = {True: "finite", False: "non-finite", None: "unknown"}[bad.inputs_finite]
+        finite = {True: "finite", False: "non-finite",
+                  None: "not all known (add inputs=True to record them)"}[bad.inputs_finite]
         console.print(f"first non-finite op: [red]{_op_label(bad)}[/red]  id {bad.id}")
         console.print(f"  its inputs were {finite}")
+    if summary.nonfinite_parameters is not None:
+        for line in summary.nonfinite_parameters.describe():
+            console.print(line, style="red", markup=False, highlight=False)
     if summary.largest_abs_max:
         console.print(_extremes_table("largest |max|", summary.largest_abs_max))
         console.print(_extremes_table("largest norm", summary.largest_norm))
@@ -94,11 +99,15 @@ def render_step(console: Console, summary: StepSummary) -> None:
     if summary.monitored:
         alerts = summary.anomalies
         verdict = "[green]none[/green]" if not alerts else f"[red]{len(alerts)}[/red]"
+        # One line per incident, at the step it began (a gradient explosion is dozens of alerts,
+        # all in run.anomalies()); the alerts of an incident going on are counted in this header.
+        grouped = incidents(alerts)
+        going_on = [i.first_step for i in grouped if i.first_step != summary.step]
+        verdict += f" (the incident of step {going_on[0]} goes on)" if going_on else ""
         console.print(f"monitor: {summary.monitored} series, anomalies: {verdict}")
-        for anomaly in alerts[:5]:
-            console.print(f"  {anomaly.describe()}", style="red", markup=False, highlight=False)
-        if len(alerts) > 5:
-            console.print(f"  ... {len(alerts) - 5} more in anomalies.jsonl")
+        for incident in grouped:
+            if incident.first_step == summary.step:
+                console.print(f"  {incident.describe()}", style="red", markup=False, highlight=False)
 
 
 DETAILED_STEPS = 10
@@ -125,6 +134,8 @@ def _step_line(summary: StepSummary) -> str:
         parts.append(f"first non-finite {summary.first_nonfinite.id}")
     elif summary.has_stats:
         parts.append("finite")
+    if summary.nonfinite_parameters is not None:
+        parts += summary.nonfinite_parameters.describe()
     if summary.largest_abs_max:
         top = summary.largest_abs_max[0]
         parts.append(f"largest |max| {_fmt(top.value)} ({top.op.id})")
@@ -173,8 +184,8 @@ def render_compare(console: Console, report: Report, out: str | None) -> None:
     elif d is None:
         console.print("first divergence: [green]none[/green]")
     else:
-        console.print(f"first divergence: [red]{_op_label(d.op_a)}[/red] step {d.step} rank {d.rank}")
-        console.print(f"  id {d.op_a.id}")
+        console.print(f"first divergence: [red]{_op_label(d.op)}[/red] step {d.step} rank {d.rank}")
+        console.print(f"  id {d.op.id} (rule: {d.rule})")
         console.print(f"  {d.comparison.message}")
         if d.inputs_assumed:
             console.print("  [yellow]the producer of an input was not matched or not compared: "

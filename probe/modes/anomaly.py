@@ -17,12 +17,20 @@
 
 A rule's verdict is an :class:`Anomaly`: step, rank, module (or parameter) name,
 metric (``"output_grad.norm"``), value, baseline (the running average, or 0).
+
+Alerts are grouped into **incidents**: the alerts of one step form one incident, and an
+incident goes on into the next collected step while one of its series is still anomalous
+(alerting again, out of its band or still non-finite), so the alerts of consecutive steps
+join it. One fault (a gradient explosion: dozens of series in a step, their effects the
+step after) is one incident, logged once; its **root** is the alert of the series recorded
+earliest in its first step (collection order: forward, then backward, then the optimizer).
+Each alert carries its incident's id, the step it began at.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -80,6 +88,46 @@ def read_anomalies(path: Path) -> list[Anomaly]:
         return [record_from_row(Anomaly, row) for row in rows]
 
 
+@dataclass(frozen=True)
+class Incident:
+    """Alerts of one fault: consecutive steps of one rank (see the module's docstring)."""
+
+    rank: int
+    first_step: int
+    last_step: int
+    root: Anomaly
+    """The alert of the series recorded earliest in the incident's first step (among the
+    alerts given: of a later step when only those were)."""
+    alerts: int
+    series: int
+    """Distinct series (module or parameter, call, metric) among its alerts."""
+
+    def describe(self) -> str:
+        steps = (f"step {self.first_step}" if self.first_step == self.last_step
+                 else f"steps {self.first_step}-{self.last_step}")
+        root = self.root
+        base = "" if root.baseline is None else f" (baseline {root.baseline:.4g})"
+        alerts = f"{self.alerts} alert{'s' * (self.alerts != 1)}"
+        return (f"incident at {steps} rank {self.rank}: {alerts} on {self.series} series, "
+                f"root {root.rule}: {root.module} {root.metric} = {root.value:.4g}{base}")
+
+
+def incidents(anomalies: Iterable[Anomaly]) -> list[Incident]:
+    """The incidents of these alerts (given in step, then detection order, as ``run.anomalies()``
+    returns them), in order of their first alert. Alerts written without an incident id (older
+    runs) are grouped by step."""
+    groups: dict[tuple[int, int], list[Anomaly]] = {}
+    for a in anomalies:
+        groups.setdefault((a.rank, a.step if a.incident is None else a.incident), []).append(a)
+    found = []
+    for (rank, began), alerts in groups.items():
+        first = min(a.step for a in alerts)
+        root = next(a for a in alerts if a.step == first)
+        series = {(a.kind, a.module, a.call, a.metric) for a in alerts}
+        found.append(Incident(rank, began, max(a.step for a in alerts), root, len(alerts), len(series)))
+    return found
+
+
 @dataclass
 class _Average:
     ema: float = 0.0
@@ -95,6 +143,8 @@ class AnomalyDetector:
         self.config = config
         self._averages: dict[tuple[Series, str], _Average] = {}
         self._nonfinite: set[Series] = set()
+        self._incident: int | None = None
+        """The first step of the incident still going on, if any."""
 
     def scan(self, step: int, rank: int, series: list[Series], values: np.ndarray) -> list[Anomaly]:
         found: list[Anomaly] = []
@@ -122,7 +172,18 @@ class AnomalyDetector:
                     name = getattr(user_rule, "__name__", type(user_rule).__name__)
                     found.append(Anomaly(step, rank, s.name, f"{s.label}.norm", metrics["norm"], None,
                                          f"rule:{name}", s.kind, s.call, reason))
+        self._group(step, found)
         return found
+
+    def _group(self, step: int, found: list[Anomaly]) -> None:
+        """Give the step's alerts their incident; keep it open while anything is still anomalous."""
+        if found and self._incident is None:
+            self._incident = step
+        for anomaly in found:
+            anomaly.incident = self._incident
+        ongoing = bool(found) or bool(self._nonfinite) or any(a.outliers for a in self._averages.values())
+        if not ongoing:
+            self._incident = None
 
     def _turbulence(self, step: int, rank: int, s: Series, metric: str, value: float) -> Anomaly | None:
         rule = self.config.turbulence

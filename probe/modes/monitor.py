@@ -48,9 +48,15 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from probe.errors import ProbeError, warn_once
-from probe.modes.anomaly import Anomaly, AnomalyDetector, Series, anomaly_json, read_anomalies
+from probe.modes.anomaly import Anomaly, AnomalyDetector, Series, anomaly_json, incidents, read_anomalies
 from probe.modes.base import SessionPlugin
-from probe.modes.monitor_config import MONITOR_KEYS, MonitorConfig, Target, parse_monitor_options
+from probe.modes.monitor_config import (
+    MONITOR_KEYS,
+    MonitorConfig,
+    Target,
+    describe_value,
+    parse_monitor_options,
+)
 from probe.modes.monitor_metrics import METRIC_COLUMNS, adam_update_row, finalize, raw_row
 from probe.modes.registry import register_mode
 from probe.rundir import layout
@@ -130,7 +136,12 @@ class _WriteSide:
             prefix = f"{s.kind}/{s.name}" + (f"/{s.slot}" if s.slot else "")
             prefix += f"#{s.call}" if s.call else ""
             for metric in self.metrics:
-                value = float(row[METRIC_COLUMNS.index(metric)])
+                if metric == "id":  # msprobe's identity metric: the value of a one-element tensor
+                    if row[METRIC_COLUMNS.index("numel")] != 1:
+                        continue
+                    value = float(row[METRIC_COLUMNS.index("mean")])
+                else:
+                    value = float(row[METRIC_COLUMNS.index(metric)])
                 self.tensorboard.add_scalar(f"{prefix}/{metric}", value, step)
         self.tensorboard.flush()
 
@@ -212,8 +223,13 @@ class MonitorStep:
             from safetensors.torch import save
 
             writer.write_bytes(layout.ANOMALY_TENSORS_FILE, save(self.dumped))
-        for anomaly in self.anomalies:
-            log.warning("probe monitor: %s", anomaly.describe())
+        # One line per incident (a gradient explosion is dozens of alerts); the rest at INFO.
+        for incident in incidents(self.anomalies):
+            if incident.first_step == self.step:
+                log.warning("probe monitor: %s", incident.describe())
+            else:
+                log.info("probe monitor: %d more alert(s) at step %d in the incident of step %d",
+                         incident.alerts, self.step, incident.first_step)
         self._sink.write_tensorboard(self.step, series, values)
         return {"series": len(series), "anomalies": len(self.anomalies), "dumped": len(self.dumped),
                 "reduced": self._reduction is not None}
@@ -275,12 +291,15 @@ class MonitorMode(SessionPlugin):
                              "targets name)")
         self.rank = self._sink.rank = rank
         matched = self._install_module_hooks(model)
-        if not matched:
+        self._params = {id(p): name for name, p in _named_parameters(model)}
+        # msprobe's targets may name a parameter ("embedding.word_embeddings.weight": {}): its
+        # series are the parameter kinds, which cover every parameter the optimizer steps.
+        named_params = any(t.matches(name) for t in self.config.targets for name in self._params.values())
+        if not matched and not named_params:
             patterns = [t.pattern for t in self.config.targets]
             names = [n for n, _ in _named_modules(model)][:12]
-            raise ProbeError(f"monitor option 'targets': {patterns} match no module; "
+            raise ProbeError(f"monitor option 'targets': {patterns} match no module or parameter; "
                              f"modules are named like {names}")
-        self._params = {id(p): name for name, p in _named_parameters(model)}
         if self.config.wg or self.config.param or self.config.mv or self.config.ur:
             from torch.optim.optimizer import (
                 register_optimizer_step_post_hook,
@@ -502,15 +521,31 @@ class _ModuleWatcher:
         self._capture(output, "output")
 
     def _capture(self, value: Any, slot: str) -> None:
-        """Record the ``slot`` ("input"/"output") tensor now and hook its gradient for ``slot_grad``."""
+        """Record the ``slot`` ("input"/"output") tensor now and hook its gradient for ``slot_grad``
+        (the gradient tuple autograd passes matches the value element for element)."""
         spec = self.slots.get(slot)
         if spec is not None and self.forward:
             t = spec.select(value)
             if t is not None:
                 self.mode._record("activation", self.fqn, slot, self._current, t)
-        spec = self.slots.get(f"{slot}_grad")
+            else:
+                self._unmatched(slot, spec, value)
+        grad_slot = f"{slot}_grad"
+        spec = self.slots.get(grad_slot)
         if spec is not None and self.backward:
             t = spec.select(value)
-            if t is not None and t.requires_grad:
-                t.register_hook(self._grad_hook(f"{slot}_grad", self._current))
+            if t is None:
+                self._unmatched(grad_slot, spec, value)
+            elif t.requires_grad:
+                t.register_hook(self._grad_hook(grad_slot, self._current))
+
+    def _unmatched(self, slot: str, spec: Any, value: Any) -> None:
+        """A spec that does not fit what the module passes gives no series: said once, never silent
+        (raising here would stop the user's training step)."""
+        grad = " (its gradient tuple matches it element for element)" if slot.endswith("_grad") else ""
+        forward = slot.removesuffix("_grad")
+        warn_once(f"monitor-spec:{slot}:{spec}",  # once per slot and spec: "*" targets many modules
+                  f"monitor target {self.fqn!r} {slot}: {str(spec)!r} does not fit its {forward}, "
+                  f"{describe_value(value)}{grad}, so it has no {slot} series; give a spec that selects a "
+                  "tensor ('tensor', 'tuple[N]:i')")
 

@@ -11,10 +11,16 @@ msprobe users write::
 The same keys are ``probe.mode("monitor", ...)`` options (``ops``, which is the
 session's op filter, is spelled ``metrics`` there), and a file of this form is
 accepted as ``config=``. Target names may be globs over module names
-(``"layers.*"``). A slot spec is ``"tensor"`` (the value itself) or
-``"tuple[N]:i"`` (element ``i`` of an N-tuple); a module's input is the tuple of
-its positional arguments, its input and output gradients the tuples autograd
-passes.
+(``"layers.*"``) or parameter names. A slot spec is ``"tensor"`` (the value itself)
+or ``"tuple[N]:i"`` (element ``i`` of an N-tuple; ``"tuple[N]"`` is element 0); a
+module's input is the tuple of its positional arguments, its output a tensor (a
+1-tuple to a ``tuple`` spec) or a tuple, and ``input_grad`` / ``output_grad`` are the
+tuples autograd passes, element for element those of the input and output.
+
+In a file of msprobe's form, an empty or absent ``targets`` watches every module
+(msprobe's "full monitoring"), ``all_xy`` adds every module's four slots to the
+targets, ``xy_distribution`` defaults to msprobe's false when no target names a slot,
+and a disabled block (``"cc_distribution": {"enable": false}``) is accepted.
 """
 
 from __future__ import annotations
@@ -31,8 +37,15 @@ from probe.errors import ProbeError, warn_once
 from probe.options import IntSet, parse_bool, parse_choice, parse_int, parse_number, show
 
 SLOTS = ("input", "output", "input_grad", "output_grad")
-METRICS = ("min", "max", "mean", "norm", "zeros", "nans")
-_SPEC = re.compile(r"tuple\[(\d{1,9})\]:(\d{1,9})")
+ALERT_METRICS = ("min", "max", "mean", "norm", "zeros", "nans")
+METRICS = (*ALERT_METRICS, "id")
+"""What ``metrics`` (msprobe's ``ops``) may name; ``id`` is the value of a one-element tensor
+(msprobe's identity metric, a loss or a scale), written for those series only."""
+_MSPROBE_OPS_NOT_RECORDED = {
+    "shape": "monitor.csv has each series' element count (numel), not its shape",
+    "dtype": "monitor.csv does not record dtypes",
+}
+_SPEC = re.compile(r"tuple\[(\d{1,9})\](?::(\d{1,9}))?")
 
 # msprobe monitor keys that change nothing here: a one-time notice each.
 _IGNORED_KEYS = {
@@ -42,17 +55,27 @@ _IGNORED_KEYS = {
     "ndigits": "values are written at full precision",
     "collect_times": "use steps= or stop the session",
     "step_count_per_record": "every collected step is written",
-    "all_xy": "use a target glob such as '*'",
     "stack_info": "use stack=True with the stats mode",
     "dynamic_on": "the session starts and stops where its with block does",
+    "append_output": "each session writes its own run directory",
+    "sa_order": "attention L2 features are not implemented",
 }
 _UNSUPPORTED_KEYS = {
     "cc_distribution": "collective communication monitoring is not implemented",
     "mg_direction": "momentum/gradient direction is not implemented",
+    "mg_distribution": "momentum/gradient direction is not implemented",
     "l2_targets": "attention L2 features are not implemented",
     "recording_l2_features": "attention L2 features are not implemented",
     "monitor_mbs_grad": "micro-batch gradients are not implemented",
 }
+# Keys only msprobe's monitor form has: a config holding one of them (and no ``task`` or
+# ``mode``) is read as that form even without ``targets``, which msprobe 26 makes optional.
+_MSPROBE_MONITOR_MARKERS = frozenset({
+    "targets", "module_ranks", "xy_distribution", "wg_distribution", "mv_distribution", "param_distribution",
+    "ur_distribution", "all_xy", "print_struct", "alert", *_UNSUPPORTED_KEYS,
+})
+ALL_SLOTS_SPEC = {slot: "tuple[1]:0" for slot in SLOTS}
+"""Every slot of every module: msprobe's full monitoring (element 0 of each tuple)."""
 
 MONITOR_KEYS = frozenset({
     "targets", "module_ranks", "xy_distribution", "wg_distribution", "mv_distribution",
@@ -62,30 +85,77 @@ MONITOR_KEYS = frozenset({
 
 
 def is_monitor_config(config: Mapping[str, Any]) -> bool:
-    """msprobe's monitor form: ``targets`` without a ``task`` (msprobe's dump form) or a ``mode`` (ours)."""
-    return "targets" in config and "task" not in config and "mode" not in config
+    """msprobe's monitor form: one of its keys (``targets``, ``*_distribution``, ...) without a
+    ``task`` (msprobe's dump form) or a ``mode`` (ours)."""
+    return (not _MSPROBE_MONITOR_MARKERS.isdisjoint(config) and "task" not in config
+            and "mode" not in config)
+
+
+def _disabled(value: Any) -> bool:
+    """An msprobe feature block that asks for nothing: false, empty, or ``{"enable": false, ...}``."""
+    if value is None or value is False or (isinstance(value, (dict, list, str)) and not value):
+        return True
+    return isinstance(value, Mapping) and value.get("enable") is False
+
+
+def _msprobe_ops(value: Any) -> tuple[str, ...]:
+    """msprobe's ``ops``, checked under that name: its metric names, ``shape`` and ``dtype`` refused."""
+    names = [value] if isinstance(value, str) else value
+    if isinstance(names, (list, tuple)):
+        for name in names:
+            if isinstance(name, str) and name in _MSPROBE_OPS_NOT_RECORDED:
+                raise ProbeError(f"msprobe monitor key 'ops': {name!r} cannot be honoured: "
+                                 f"{_MSPROBE_OPS_NOT_RECORDED[name]} (the stats mode records shapes and "
+                                 "dtypes per op); remove it")
+    return _metrics("ops", value)
+
+
+def _msprobe_targets(config: Mapping[str, Any]) -> Any:
+    """msprobe's targets: empty or absent is every module; ``all_xy`` adds every module's slots
+    under the named targets (whose own specs win, slot by slot)."""
+    targets = config.get("targets")
+    if targets is None or (isinstance(targets, Mapping) and not targets):
+        return {"*": dict(ALL_SLOTS_SPEC)}
+    if config.get("all_xy") is True and isinstance(targets, Mapping):
+        return {"*": dict(ALL_SLOTS_SPEC), **targets}
+    return targets
+
+
+def _names_slots(targets: Any) -> bool:
+    """Whether a target names a slot (msprobe's ``{module: {}}`` names parameters only)."""
+    if isinstance(targets, (list, tuple)):
+        return True
+    return isinstance(targets, Mapping) and any(isinstance(v, Mapping) and v for v in targets.values())
 
 
 def from_msprobe_monitor(config: Mapping[str, Any]) -> dict[str, Any]:
     """Our ``probe.mode`` keyword options (``mode`` included) for an msprobe monitor config."""
     options: dict[str, Any] = {"mode": ["monitor"]}
+    if "all_xy" in config:
+        parse_bool("all_xy", config["all_xy"])
+    options["targets"] = _msprobe_targets(config)
+    if "xy_distribution" not in config and not _names_slots(config.get("targets")):
+        options["xy_distribution"] = False  # msprobe's default: {} and {module: {}} name parameters
     for key, value in config.items():
         if key in _UNSUPPORTED_KEYS:
-            if not (value is None or value is False or (isinstance(value, (dict, list, str)) and not value)):
-                raise ProbeError(f"msprobe monitor key {key!r}: {_UNSUPPORTED_KEYS[key]}")
+            if not _disabled(value):
+                raise ProbeError(f"msprobe monitor key {key!r} = {show(value)}: {_UNSUPPORTED_KEYS[key]}; "
+                                 "disable it (false, or {\"enable\": false})")
+            continue
+        if key in ("targets", "all_xy"):
             continue
         if key in _IGNORED_KEYS:
             warn_once(f"monitor-key-{key}", f"msprobe monitor key {key!r} ignored: {_IGNORED_KEYS[key]}")
             continue
         if key == "ops":
-            options["metrics"] = value
+            options["metrics"] = _msprobe_ops(value)
         elif key == "module_ranks":
             options["ranks"] = _ranks(value)
         elif key in MONITOR_KEYS:
             options[key] = value
         else:
-            raise ProbeError(f"msprobe monitor key {key!r} is unknown; accepted: "
-                             f"{sorted((MONITOR_KEYS - {'metrics'}) | {'ops'} | set(_IGNORED_KEYS))}")
+            accepted = (MONITOR_KEYS - {"metrics"}) | {"ops", "all_xy"} | set(_IGNORED_KEYS)
+            raise ProbeError(f"msprobe monitor key {key!r} is unknown; accepted: {sorted(accepted)}")
     return options
 
 
@@ -109,23 +179,42 @@ class SlotSpec:
         if isinstance(text, str) and text == "tensor":
             return cls(None)
         match = _SPEC.fullmatch(text) if isinstance(text, str) else None
-        if match is None or int(match.group(2)) >= int(match.group(1)):
-            raise ProbeError(f"monitor target {where}: {show(text)} is not 'tensor' or 'tuple[N]:i' "
-                             "with i < N")
-        return cls(int(match.group(1)), int(match.group(2)))
+        if match is None or int(match.group(2) or 0) >= int(match.group(1)):
+            raise ProbeError(f"monitor target {where}: {show(text)} is not 'tensor', 'tuple[N]' or "
+                             "'tuple[N]:i' with i < N")
+        return cls(int(match.group(1)), int(match.group(2) or 0))
+
+    def __str__(self) -> str:
+        return "tensor" if self.length is None else f"tuple[{self.length}]:{self.index}"
 
     def select(self, value: Any) -> torch.Tensor | None:
-        """The monitored tensor of ``value``, or None if ``value`` does not have that shape."""
+        """The monitored tensor of ``value``, or None if ``value`` does not have that shape.
+
+        A tensor is a 1-tuple to a ``tuple`` spec: autograd passes a module's one output
+        gradient as ``(grad,)``, so ``"output_grad": "tuple[1]:0"`` is that output's gradient.
+        """
         if self.length is None:
             if isinstance(value, torch.Tensor):
                 return value
             if isinstance(value, (tuple, list)) and len(value) == 1 and isinstance(value[0], torch.Tensor):
                 return value[0]  # a module's input is always a tuple, "tensor" means its only element
             return None
+        if isinstance(value, torch.Tensor):
+            value = (value,)
         if isinstance(value, (tuple, list)) and len(value) > self.index:
             chosen = value[self.index]
             return chosen if isinstance(chosen, torch.Tensor) else None
         return None
+
+
+def describe_value(value: Any) -> str:
+    """What a module passed, for a spec that does not fit it: "a tensor", "a tuple of 2 (tensor, int)"."""
+    if isinstance(value, torch.Tensor):
+        return "a tensor"
+    if isinstance(value, (tuple, list)):
+        kinds = ", ".join("tensor" if isinstance(v, torch.Tensor) else type(v).__name__ for v in value[:6])
+        return f"a {type(value).__name__} of {len(value)} ({kinds}{', ...' if len(value) > 6 else ''})"
+    return f"a {type(value).__name__}"
 
 
 @dataclass(frozen=True)
@@ -225,7 +314,7 @@ def _turbulence(args: Any) -> TurbulenceRule:
         if not kwargs["decay"] < 1:
             raise ProbeError(f"{where}: decay must be in [0, 1), got {show(args['decay'])}")
     if "metrics" in args:
-        kwargs["metrics"] = _metrics("alert metrics", args["metrics"])
+        kwargs["metrics"] = _metrics("alert metrics", args["metrics"], ALERT_METRICS)
     if "kinds" in args:
         kwargs["kinds"] = _kinds(args["kinds"])
     return TurbulenceRule(**kwargs)
@@ -267,12 +356,12 @@ def _kinds(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def _metrics(key: str, value: Any) -> tuple[str, ...]:
+def _metrics(key: str, value: Any, accepted: tuple[str, ...] = METRICS) -> tuple[str, ...]:
     names = [value] if isinstance(value, str) else value
     if (not isinstance(names, (list, tuple)) or not names
-            or not all(isinstance(n, str) and n in METRICS for n in names)):
+            or not all(isinstance(n, str) and n in accepted for n in names)):
         raise ProbeError(f"monitor option {key!r}: {show(value)} is not a non-empty list "
-                         f"from {list(METRICS)}")
+                         f"from {list(accepted)}")
     return tuple(dict.fromkeys(names))
 
 

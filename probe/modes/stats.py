@@ -12,6 +12,7 @@ no row.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,14 +20,15 @@ import torch
 
 from probe.errors import ProbeError
 from probe.modes.base import Mode
+from probe.modes.nonfinite_params import NonfiniteParameters, NonfiniteParametersStep
 from probe.modes.registry import register_mode
 from probe.modes.stat_rows import PendingRows, StepRows
 from probe.modes.tensor_stats import BACKENDS, TensorStats, finalize
 from probe.options import show
 from probe.rundir import layout
 from probe.rundir.mode_files import ModeFiles
-from probe.rundir.reading import reading
-from probe.rundir.records import OpRecord
+from probe.rundir.reading import expect, reading
+from probe.rundir.records import NonfiniteParameterRecord, OpRecord
 from probe.rundir.writer import StepWriter
 from probe.tracer.op_call import OpCall
 
@@ -83,6 +85,21 @@ class StatsFiles(ModeFiles):
                                  f"{len(stats)} rows of {layout.STATS_FILE}")
         return stats, index
 
+    def nonfinite_parameters(self) -> NonfiniteParameterRecord:
+        """The parameters and gradients the step found holding NaN or Inf (from the manifest)."""
+        with reading(self.where.directory / layout.MANIFEST_FILE):
+            # Steps written before these checks have no entry: nothing was checked.
+            checks = expect(self.where.summary.get("nonfinite_parameters", {}), dict, "nonfinite_parameters")
+            found: dict[str, tuple[list[str], int] | None] = {}
+            for key in ("parameters", "gradients"):
+                check = expect(checks.get(key), (dict, type(None)), f"nonfinite_parameters.{key}")
+                found[key] = None if check is None else (
+                    [expect(n, str, f"a name in nonfinite_parameters.{key}")
+                     for n in expect(check.get("names"), list, f"nonfinite_parameters.{key}.names")],
+                    expect(check.get("count"), int, f"nonfinite_parameters.{key}.count"))
+        return NonfiniteParameterRecord(self.where.step, self.where.rank, found["parameters"],
+                                        found["gradients"])
+
     def output_stats(self) -> tuple[np.ndarray, np.ndarray]:
         """(op index per row, rows) of the op outputs, without decoding any op record."""
         stats, index = self.arrays()
@@ -132,7 +149,20 @@ class StatsMode(Mode):
         self._rows = StepRows(
             TensorStats(stats_backend), stage=stats_backend == "auto", saturation=saturation
         )
+        self._parameters = NonfiniteParameters()
         self._reset()
+
+    def attach(self, model: Any, out: Path, rank: int) -> None:
+        """With ``model=``: name its parameters that hold NaN/Inf at each step's start and the
+        gradients that do before each optimizer step (see ``nonfinite_params``)."""
+        if model is not None:
+            self._parameters.attach(model)
+
+    def begin_step(self, step: int) -> None:
+        self._parameters.begin_step()
+
+    def close(self) -> None:
+        self._parameters.close()
 
     def _reset(self) -> None:
         self._index: list[tuple[int, int, int, int]] = []  # (op index, INPUT/OUTPUT, position, row)
@@ -187,7 +217,7 @@ class StatsMode(Mode):
             self._index.append((call.index, OUTPUT, position, row))
 
     def end_step(self, step: int) -> StatsStep:
-        result = StatsStep(self._rows.end_step(), self._index)
+        result = StatsStep(self._rows.end_step(), self._index, self._parameters.end_step())
         self._reset()
         return result
 
@@ -195,8 +225,9 @@ class StatsMode(Mode):
 class StatsStep:
     """One step's statistics: rows still on their devices, and which tensor uses which row."""
 
-    def __init__(self, rows: PendingRows, index: list[tuple[int, int, int, int]]) -> None:
-        self.rows, self.index = rows, index
+    def __init__(self, rows: PendingRows, index: list[tuple[int, int, int, int]],
+                 parameters: NonfiniteParametersStep) -> None:
+        self.rows, self.index, self.parameters = rows, index, parameters
 
     def write(self, writer: StepWriter) -> dict[str, Any]:
         stats = finalize(*self.rows.to_host())
@@ -204,4 +235,5 @@ class StatsStep:
         writer.write_array(layout.STATS_FILE, stats)
         writer.write_array(layout.STATS_INDEX_FILE, index)
         nonfinite = int(np.count_nonzero((stats[:, 4] + stats[:, 5]) > 0))
-        return {"rows": len(stats), "tensors": len(index), "nonfinite_rows": nonfinite}
+        return {"rows": len(stats), "tensors": len(index), "nonfinite_rows": nonfinite,
+                "nonfinite_parameters": self.parameters.summary()}

@@ -40,11 +40,13 @@ from probe.rundir.records import (
     AnomalyRecord,
     CheckRecord,
     MonitorRecord,
+    NonfiniteParameterRecord,
     OpRecord,
     StepInfo,
     TensorRecord,
     WriteFailure,
     first_nonfinite_in,
+    nonfinite_origins_in,
 )
 
 if TYPE_CHECKING:  # the modes sit above the run directory: their readers are found at run time
@@ -333,11 +335,13 @@ class Run:
         return self.dump(op.step, op.rank).tensor(op.index, io, index)
 
     def first_nonfinite(self, step: int | None = None, rank: int | None = None) -> OpRecord | None:
-        """The earliest op whose output holds a NaN or Inf, or None.
+        """The earliest op where a non-finite fault starts, or None.
 
-        "Earliest" is execution order within a step (forward before the backward of the
-        same step), the earliest step first; across ranks, the lowest rank at that step.
-        Ops without statistics are not considered.
+        A NaN or Inf is a fault when it reaches the loss, a gradient, a parameter or a result
+        (see :func:`probe.rundir.records.nonfinite_origins_in`): an ``-inf`` mask that softmax
+        absorbs is not one. "Earliest" is execution order within a step (forward before the
+        backward of the same step), the earliest step first; across ranks, the lowest rank at
+        that step. Ops without statistics are not considered.
         """
         for s in self.steps if step is None else [step]:
             for r in self.ranks if rank is None else [rank]:
@@ -346,6 +350,18 @@ class Run:
                     if found is not None:
                         return found
         return None
+
+    def nonfinite_origins(self, step: int | None = None, rank: int | None = None) -> list[OpRecord]:
+        """Every op of one step where a non-finite fault starts, in execution order (the first
+        is :meth:`first_nonfinite` of the step)."""
+        return nonfinite_origins_in(self.ops(step, rank))
+
+    def nonfinite_parameters(self, step: int | None = None, rank: int | None = None
+                             ) -> NonfiniteParameterRecord | None:
+        """The parameters that held NaN or Inf at the step's start and the gradients that did
+        before its optimizer step, by name (stats mode with ``model=``); None without statistics."""
+        files = cast("StatsFiles | None", self.mode_files("stats", step, rank))
+        return None if files is None else files.nonfinite_parameters()
 
     # -- loading -------------------------------------------------------------------
 

@@ -11,6 +11,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+_FLOATING_PREFIXES = ("float", "bfloat", "complex")
+"""Dtype names (``TensorRecord.dtype``) of tensors that can hold NaN or Inf."""
+
 
 @dataclass(slots=True)
 class TensorRecord:
@@ -29,10 +32,16 @@ class TensorRecord:
     "sparse", "nested", "zero", "meta" or "no storage"; None for a tensor it could key."""
 
     @property
+    def floating(self) -> bool:
+        """Whether the dtype holds real numbers that can be NaN or Inf (float and complex dtypes)."""
+        return self.dtype.startswith(_FLOATING_PREFIXES)
+
+    @property
     def finite(self) -> bool | None:
-        """False if the tensor held a NaN or Inf; None without statistics."""
+        """False if the tensor held a NaN or Inf; True for integer and bool tensors (they cannot);
+        None without statistics."""
         if self.stats is None:
-            return None
+            return None if self.floating else True
         return self.stats["nan"] == 0 and self.stats["inf"] == 0
 
     @property
@@ -52,6 +61,13 @@ class TensorRecord:
         if self.stats is None:
             return None
         return int(self.stats["nan"]) + int(self.stats["inf"])
+
+
+def _all_finite(tensors: list[TensorRecord]) -> bool | None:
+    known = [t.finite for t in tensors]
+    if False in known:
+        return False
+    return None if None in known else True
 
 
 @dataclass(slots=True)
@@ -76,18 +92,15 @@ class OpRecord:
 
     @property
     def inputs_finite(self) -> bool | None:
-        """Whether every input with known statistics was finite; None if none are known."""
-        known = [t.finite for t in self.inputs if t.finite is not None]
-        if not known:
-            return None
-        return all(known)
+        """False if an input held a NaN or Inf; otherwise None if any input's statistics are
+        unknown (never a guess: a weight read from outside the traced step, without
+        ``inputs=True``, is unknown); True when every input is known finite (or there are none)."""
+        return _all_finite(self.inputs)
 
     @property
     def outputs_finite(self) -> bool | None:
-        known = [t.finite for t in self.outputs if t.finite is not None]
-        if not known:
-            return None
-        return all(known)
+        """As :attr:`inputs_finite`, for the outputs."""
+        return _all_finite(self.outputs)
 
     def __repr__(self) -> str:
         return f"OpRecord({self.id!r}, step={self.step}, rank={self.rank})"
@@ -159,6 +172,9 @@ class AnomalyRecord:
     kind: str
     call: int = 0
     reason: str = ""
+    incident: int | None = None
+    """The step its incident began at (the incident's id within the rank); None in runs
+    written before incidents existed."""
 
     def describe(self) -> str:
         base = "" if self.baseline is None else f" (baseline {self.baseline:.4g})"
@@ -196,6 +212,31 @@ class WriteFailure:
                 + (f", modes {', '.join(self.modes)}" if self.modes else ""))
 
 
+@dataclass(slots=True)
+class NonfiniteParameterRecord:
+    """The parameters that held NaN or Inf when a step started, and the gradients that did
+    before its optimizer step, by name (``run.nonfinite_parameters()``; stats mode)."""
+
+    step: int
+    rank: int
+    parameters: tuple[list[str], int] | None
+    """(names, how many): names kept up to 100, the count exact; None when not checked (no
+    ``model=`` given to the session)."""
+    gradients: tuple[list[str], int] | None
+    """(names, how many) of the gradients about to be applied; None when no optimizer stepped."""
+
+    def describe(self, names_shown: int = 5) -> list[str]:
+        """One line per non-empty finding, naming the first ``names_shown``."""
+        lines = []
+        for (found, what) in ((self.parameters, "parameters non-finite at the step's start"),
+                              (self.gradients, "gradients non-finite before the optimizer step")):
+            if found is not None and found[1]:
+                count, names = found[1], found[0][:names_shown]
+                more = f" ... {count - len(names)} more" if count > len(names) else ""
+                lines.append(f"{what}: {count} ({', '.join(names)}{more})")
+        return lines
+
+
 @dataclass
 class StepInfo:
     """The manifest of one flushed step."""
@@ -207,9 +248,71 @@ class StepInfo:
     manifest: dict[str, Any] = field(repr=False)
 
 
-def first_nonfinite_in(ops: list[OpRecord]) -> OpRecord | None:
-    """The first op of ``ops`` with an output that held a NaN or Inf (ops without statistics never)."""
+_READS_SHAPE_ONLY = frozenset({
+    "ones_like", "zeros_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
+    "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full",
+})
+"""Ops that read only a tensor's shape and dtype (``loss.backward()`` seeds its gradient with
+``ones_like(loss)``): reading a non-finite value this way passes nothing on."""
+
+
+def _short_name(op: OpRecord) -> str:
+    parts = op.name.split(".")
+    return parts[1] if len(parts) > 2 else parts[-1]
+
+
+def _passes_on(reader: OpRecord, on_path: list[bool]) -> bool:
+    """Whether a non-finite value ``reader`` read may go on to a fault: the reader is on a fault
+    path, or its outputs are unknown, or it has none (``.item()`` hands the value to Python)."""
+    return on_path[reader.index] or not reader.outputs or reader.outputs_finite is None
+
+
+def nonfinite_origins_in(ops: list[OpRecord]) -> list[OpRecord]:
+    """The ops of one step (``ops``: its records in execution order) where a non-finite fault
+    starts, in execution order.
+
+    An op with a NaN or Inf output is on a *fault path* when one of its non-finite outputs
+
+    - is read by no later op of the step, other than for its shape: it is the loss, a
+      gradient, a parameter or optimizer state the optimizer wrote, or a result handed to
+      the user; or
+    - is read by an op that is itself on a fault path, or whose outputs are unknown, or that
+      has no tensor outputs (``.item()`` hands the value to Python).
+
+    A non-finite value read only by ops whose outputs are all finite is *absorbed*: an
+    ``-inf`` attention mask that softmax turns into zeros is no fault. The origins are the
+    ops on a fault path that no non-finite output of another op on it leads to (the first
+    op of each path); the earliest of them is where the fault entered the step.
+    """
+    readers: dict[tuple[int, int], list[int]] = {}
     for op in ops:
-        if any(t.finite is False for t in op.outputs):
-            return op
-    return None
+        for tensor in op.inputs:
+            if tensor.source is not None and _short_name(op) not in _READS_SHAPE_ONLY:
+                readers.setdefault(tensor.source, []).append(op.index)
+    on_path = [False] * len(ops)
+    for op in reversed(ops):  # a reader comes after what it reads
+        for position, tensor in enumerate(op.outputs):
+            if tensor.finite is not False:
+                continue
+            values = readers.get((op.index, position), [])
+            if not values or any(_passes_on(ops[c], on_path) for c in values):
+                on_path[op.index] = True
+                break
+    origins = []
+    fed: set[int] = set()  # ops on a path that a non-finite output of another such op reaches
+    for op in ops:
+        if not on_path[op.index]:
+            continue
+        if op.index not in fed:
+            origins.append(op)
+        for position, tensor in enumerate(op.outputs):
+            if tensor.finite is False:
+                fed.update(c for c in readers.get((op.index, position), []) if on_path[c])
+    return origins
+
+
+def first_nonfinite_in(ops: list[OpRecord]) -> OpRecord | None:
+    """The first op of one step's ``ops`` where a non-finite fault starts (see
+    :func:`nonfinite_origins_in`), or None; ops without statistics never are."""
+    origins = nonfinite_origins_in(ops)
+    return origins[0] if origins else None

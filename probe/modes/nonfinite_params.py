@@ -1,0 +1,138 @@
+"""Which parameters hold NaN or Inf at a step's start, and which gradients do before the
+optimizer steps, by parameter name (the stats mode's ``nonfinite_parameters``).
+
+Each check is one ``torch._foreach_norm(..., inf)`` over the tensors of a device (NaN and
+Inf survive a max-norm, finite values never overflow it), stacked into one small tensor
+that stays on the device until the writer thread moves it to the host with the step's
+statistics: no host sync per tensor, nor per step on the training thread. The probe's own
+reductions run outside the dispatch mode (they are not the model's ops) and without
+autograd (no node is created for the tracer to attribute).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from probe.errors import warn_once
+
+NAMES_KEPT = 100
+"""Names written per list and step; the count is always exact."""
+
+
+def _untraced() -> contextlib.AbstractContextManager[Any]:
+    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
+
+
+def _named_parameters(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    roots = model.items() if isinstance(model, dict) else [("", model)]
+    for prefix, root in roots:
+        for name, param in root.named_parameters():
+            yield (f"{prefix}.{name}" if prefix else name), param
+
+
+@dataclass
+class _Pending:
+    """One check's names and, per device, the max-norms still on that device."""
+
+    names: list[str] = field(default_factory=list)
+    norms: list[torch.Tensor] = field(default_factory=list)
+
+    def nonfinite(self) -> list[str]:
+        """The names whose tensor held NaN or Inf (reads the device: writer thread only)."""
+        values = [v for part in self.norms for v in part.to("cpu", torch.float32).tolist()]
+        return [name for name, value in zip(self.names, values, strict=True) if not math.isfinite(value)]
+
+
+def _queue_check(named: list[tuple[str, torch.Tensor]], into: _Pending) -> None:
+    """Queue the max-norm of each (floating, dense) tensor on its device; no sync."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named:
+        floating = t.is_floating_point() or t.is_complex()
+        if floating and t.layout == torch.strided and t.device.type != "meta":
+            by_device.setdefault(t.device, []).append((name, t))
+    with _untraced(), torch.no_grad():
+        for group in by_device.values():
+            try:
+                norms = torch._foreach_norm([t.detach() for _, t in group], float("inf"), dtype=torch.float32)
+            except (RuntimeError, TypeError, NotImplementedError) as e:  # DTensor shards, exotic layouts
+                warn_once("nonfinite-params", f"stats: cannot check parameters for NaN/Inf ({e}); "
+                          "their names are not recorded")
+                continue
+            into.names += [name for name, _ in group]
+            into.norms.append(torch.stack(list(norms)))
+
+
+class NonfiniteParameters:
+    """Queues, per step, the check of the model's parameters at the step's start and of the
+    gradients each ``optimizer.step()`` is about to apply."""
+
+    def __init__(self) -> None:
+        self._params: list[tuple[str, torch.Tensor]] = []
+        self._names: dict[int, str] = {}
+        self._handles: list[Any] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self._at_start: _Pending | None = None
+        self._gradients: _Pending | None = None
+
+    def attach(self, model: Any) -> None:
+        """Name the parameters of ``model`` (a module or a dict of prefix -> module) and watch
+        every optimizer's step."""
+        self._params = list(_named_parameters(model))
+        self._names = {id(p): name for name, p in self._params}
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._handles.append(register_optimizer_step_pre_hook(self._before_optimizer_step))
+
+    def begin_step(self) -> None:
+        self._reset()
+        if self._params:
+            self._at_start = _Pending()
+            _queue_check(self._params, self._at_start)
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        named = []
+        for g, group in enumerate(optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                if param.grad is not None:
+                    name = self._names.get(id(param), f"{type(optimizer).__name__}.param_groups[{g}][{i}]")
+                    named.append((name, param.grad))
+        if self._gradients is None:
+            self._gradients = _Pending()
+        _queue_check(named, self._gradients)
+
+    def end_step(self) -> NonfiniteParametersStep:
+        step = NonfiniteParametersStep(self._at_start, self._gradients)
+        self._reset()
+        return step
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class NonfiniteParametersStep:
+    """One step's queued checks, resolved on the writer thread into the manifest's summary."""
+
+    def __init__(self, at_start: _Pending | None, gradients: _Pending | None) -> None:
+        self.at_start, self.gradients = at_start, gradients
+
+    def summary(self) -> dict[str, Any]:
+        """``{"parameters": ..., "gradients": ...}``, each ``{"checked", "count", "names"}`` (the
+        first :data:`NAMES_KEPT` names), or None when the step had no such check."""
+        return {key: None if pending is None else _described(pending)
+                for key, pending in (("parameters", self.at_start), ("gradients", self.gradients))}
+
+
+def _described(pending: _Pending) -> dict[str, Any]:
+    names = pending.nonfinite()
+    return {"checked": len(pending.names), "count": len(names), "names": names[:NAMES_KEPT]}
