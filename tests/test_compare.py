@@ -94,12 +94,14 @@ def test_a_bf16_round_trip_of_one_layer_is_found_at_that_layer(tmp_path):
     report = probe.compare(tmp_path / "a", tmp_path / "b")
     op_a, _ = report.first_divergence
     assert op_a.module == "rounding" and op_a.name == "aten._to_copy.default"
-    # The first copy, to bf16, is within bf16's own rounding: a pass at bf16 thresholds.
+    # The first copy, to bf16, rounds as bf16 should, but computing at bf16 in an fp32 run is
+    # itself the finding (before the precision-aware rules it passed, and the copy back was blamed).
     first_copy = next(c for c in report.comparisons if c.a is not None and c.a.module == "rounding")
-    assert first_copy.verdict == "pass" and first_copy.a.index < op_a.index
+    assert first_copy.a is op_a and first_copy.rule == "lowered precision"
+    assert "precision lowered in rounding: float32 -> bfloat16 by an explicit cast" in first_copy.message
 
 
-def test_autocast_against_fp32_still_matches_and_follows_the_thresholds(tmp_path):
+def test_autocast_against_fp32_matches_and_its_rounding_is_no_divergence(tmp_path):
     _record(tmp_path / "a")
     _record(tmp_path / "b", autocast=True)
     report = probe.compare(tmp_path / "a", tmp_path / "b")
@@ -109,27 +111,14 @@ def test_autocast_against_fp32_still_matches_and_follows_the_thresholds(tmp_path
     assert {r["dtype_b"] for r in addmm} == {"bfloat16"}
     unmatched = [r for r in rows if r["verdict"] == "unmatched"]
     assert unmatched and all(r["name"] == "aten._to_copy.default" for r in unmatched)
-    checked = 0
-    for c in report.comparisons:
-        if c.verdict == "unmatched":
-            continue
-        for t in c.outputs:
-            if t.kind != "data" or "NaN/Inf" in t.message:
-                continue
-            dtypes = (c.a.outputs[t.position].dtype, c.b.outputs[t.position].dtype)
-            lower = thresholds_for(getattr(torch, "bfloat16" if "bfloat16" in dtypes else dtypes[0]))
-            m = t.metrics
-            if m["max_ulp"] <= lower.pass_ulp:
-                expected = "pass"
-            elif (m["cosine"] >= lower.warn_cosine and m["five_thousandth_ratio"] >= lower.warn_ratio
-                  and m["max_abs_err"] <= lower.warn_scaled_err * m["ref_rms"]):
-                expected = "warning"
-            else:
-                expected = "error"
-            assert t.verdict == expected, (c.a.id, t)
-            checked += 1
-    assert checked > 20
+    # Judged with each run's precision (not the fixed thresholds, which made errors of bf16
+    # rounding): what differs is explained, a warning that says by which rule.
+    assert report.first_divergence is None and report.counts["error"] == 0
+    warned = [r for r in rows if r["verdict"] == "warning"]
+    assert len(warned) > 20 and {r["rule"] for r in warned} <= {"replay", "propagation"}
+    assert report.conclusion == "no divergence: differences consistent with bf16 autocast"
     assert THRESHOLDS[torch.bfloat16].warn_cosine < THRESHOLDS[torch.float32].warn_cosine
+    assert thresholds_for(torch.float8_e4m3fn) is THRESHOLDS[torch.bfloat16]
 
 
 def test_reports_cli_exit_codes_and_bad_input(tmp_path):

@@ -6,13 +6,18 @@ dumped data when both runs hold it, else on statistics, else on shape and
 dtype alone (``metrics``, ``verdicts``). When both runs dumped the step but a
 tensor's data is missing or unreadable on either side, the output is "not
 compared" (with the reason, and the statistics' metrics beside it when known):
-missing data is never taken for agreement. The **first divergence** is the earliest
-op of A, in execution order, whose outputs are an error while the inputs the
-step computed agree (their producers compared clean; a producer that could not
-be compared counts as unknown, and the divergence says its inputs were assumed). Inputs from outside the
-step (weights, data) are the op's own state: when one differs, this op is where
-the difference enters, and the report says so. From it, the **chain** follows
-A's graph through the consumers that diverge too.
+missing data is never taken for agreement. What is not a pass is then judged with the
+precision each run computed it in (``_judge``, ``probe.analysis.precision``): a
+difference that the inputs' differences and each run's rounding explain is a warning
+(by an fp64 replay of the op on each run's dumped inputs, else by a bound on the
+propagation), an op of B lowering precision unexplained by B's policy is an error, and so
+is a difference that enters at an op. Each verdict records its ``rule``. The **first
+divergence** is the earliest op where a divergence enters (an op of B only when it
+enters through one); an input whose difference is unknown (a producer that could not
+be compared) leaves the thresholds to decide, and the divergence says its inputs were
+assumed. Inputs from outside the step (weights, data) are the op's own state: when one
+differs, this op is where the difference enters, and the report says so. From it, the
+**chain** follows A's graph through the consumers that diverge too.
 
 Ranks are compared in parallel processes; tensors are read one op at a time
 through memory maps, so memory is bounded by the largest op, not the run.
@@ -32,12 +37,26 @@ from typing import Any
 
 import torch
 
+from probe.analysis import precision
 from probe.analysis.matching import Match, match_ops
 from probe.analysis.metrics import stats_metrics, tensor_metrics
+from probe.analysis.replay import recompute
 from probe.analysis.verdicts import (
     ERROR,
     NOT_COMPARED,
     PASS,
+    RULE_CARRIED,
+    RULE_LOWERED,
+    RULE_NONFINITE,
+    RULE_NOT_COMPARED,
+    RULE_OUTSIDE,
+    RULE_PROPAGATION,
+    RULE_REPLAY,
+    RULE_SHAPE,
+    RULE_STATS,
+    RULE_THRESHOLDS,
+    RULE_ULP,
+    RULE_UNMATCHED,
     UNMATCHED,
     VERDICTS,
     WARNING,
@@ -49,6 +68,7 @@ from probe.analysis.verdicts import (
 from probe.errors import ProbeError
 from probe.exporters.compare_report import write_csv, write_html
 from probe.modes.dump import DumpIndex
+from probe.modes.perturbations import reduction_length
 from probe.rundir.reader import OpRecord, Run, TensorRecord
 
 METRIC_KEYS = ("cosine", "max_abs_err", "max_rel_err", "one_thousandth_ratio",
@@ -66,6 +86,8 @@ class TensorComparison:
     kind: str = "shape"
     """What was compared: "data", "stats", only "shape" (and dtype), or "none" (not compared)."""
     metrics: dict[str, float] = field(default_factory=dict)
+    rule: str = RULE_SHAPE
+    """The rule that decided the verdict (``probe.analysis.verdicts.RULE_*``)."""
 
 
 @dataclass
@@ -78,6 +100,11 @@ class OpComparison:
     verdict: str
     message: str = ""
     outputs: list[TensorComparison] = field(default_factory=list)
+    rule: str = ""
+    """The rule that decided the verdict (``probe.analysis.verdicts.RULE_*``)."""
+    enters: bool = False
+    """A divergence enters at this op: its difference is more than its inputs and each run's
+    precision explain (or it lowers precision unexplained)."""
 
     def row(self) -> dict[str, Any]:
         op = self.a or self.b
@@ -91,7 +118,7 @@ class OpComparison:
             "dtype_a": ref.dtype if ref else None, "dtype_b": test.dtype if test else None,
             "shape_a": list(ref.shape) if ref else None, "shape_b": list(test.shape) if test else None,
             "compared": ",".join(sorted({t.kind for t in self.outputs})) or None,
-            "verdict": self.verdict, "message": self.message,
+            "verdict": self.verdict, "rule": self.rule, "message": self.message,
         }
         for key in (*METRIC_KEYS, *STATS_KEYS):
             values = [t.metrics[key] for t in self.outputs if key in t.metrics]
@@ -108,6 +135,7 @@ class _Side:
     """One run's step: its ops, and its dump when it has one."""
 
     def __init__(self, run: Run, step: int, rank: int) -> None:
+        self.run = run
         self.ops = run.ops(step, rank)
         self.dump: DumpIndex | None = run.dump(step, rank) if run.has_dump(step, rank) else None
 
@@ -140,16 +168,18 @@ def compare_tensors(
     ta: TensorRecord = records[position]
     tb: TensorRecord = others[position]
     if ta.shape != tb.shape:
-        return TensorComparison(io, position, ERROR, f"shape {list(ta.shape)} vs {list(tb.shape)}")
+        return TensorComparison(io, position, ERROR, f"shape {list(ta.shape)} vs {list(tb.shape)}",
+                                rule=RULE_SHAPE)
     if _is_float(ta.dtype) != _is_float(tb.dtype):
-        return TensorComparison(io, position, ERROR, f"dtype {ta.dtype} vs {tb.dtype}")
+        return TensorComparison(io, position, ERROR, f"dtype {ta.dtype} vs {tb.dtype}", rule=RULE_SHAPE)
     dtype = lower_precision_of(ta.dtype, tb.dtype)
     data_a, why_a = side_a.data(op_a, io, position)
     data_b, why_b = side_b.data(op_b, io, position)
     if data_a is not None and data_b is not None:
         m = tensor_metrics(data_a, data_b)
         verdict, message = tensor_verdict(m, dtype)
-        return TensorComparison(io, position, verdict, message, "data", m.as_dict())
+        rule = RULE_NONFINITE if m.nonfinite_mismatch else RULE_ULP if verdict == PASS else RULE_THRESHOLDS
+        return TensorComparison(io, position, verdict, message, "data", m.as_dict(), rule)
     stats = None
     if ta.stats is not None and tb.stats is not None:
         m = stats_metrics(ta.stats, tb.stats)
@@ -162,9 +192,12 @@ def compare_tensors(
         message = f"no data to compare ({reasons})"
         if stats is not None:
             message += f"; statistics alone say {stats[0]}" + (f" ({stats[1]})" if stats[1] else "")
-        return TensorComparison(io, position, NOT_COMPARED, message, "none", stats[2] if stats else {})
+        return TensorComparison(io, position, NOT_COMPARED, message, "none", stats[2] if stats else {},
+                                RULE_NOT_COMPARED)
     if stats is not None:
-        return TensorComparison(io, position, stats[0], stats[1], "stats", stats[2])
+        nonfinite = stats[2]["nan_diff"] or stats[2]["inf_diff"]
+        rule = RULE_NONFINITE if nonfinite else RULE_STATS if stats[0] == PASS else RULE_THRESHOLDS
+        return TensorComparison(io, position, stats[0], stats[1], "stats", stats[2], rule)
     note = "; ".join(f"run {name}: {why}" for name, why in (("A", why_a), ("B", why_b)) if why)
     if ta.dtype != tb.dtype:
         return TensorComparison(io, position, PASS, note or f"dtype {ta.dtype} vs {tb.dtype}")
@@ -174,30 +207,44 @@ def compare_tensors(
 def _compare_pair(side_a: _Side, side_b: _Side, match: Match, step: int, rank: int) -> OpComparison:
     if match.a is None or match.b is None:
         which = "only in run A" if match.b is None else "only in run B"
-        return OpComparison(step, rank, match.a, match.b, match.how, UNMATCHED, which)
+        return OpComparison(step, rank, match.a, match.b, match.how, UNMATCHED, which, rule=RULE_UNMATCHED)
     outputs = [
         compare_tensors(side_a, side_b, match.a, match.b, "output", i)
         for i in range(min(len(match.a.outputs), len(match.b.outputs)))
     ]
     verdict = worst([t.verdict for t in outputs])
     messages = [f"output {t.position}: {t.message}" for t in outputs if t.message and t.verdict != PASS]
+    decisive = [t for t in outputs if t.verdict == verdict]
+    rule = decisive[0].rule if decisive else RULE_SHAPE
     if len(match.a.outputs) != len(match.b.outputs):
-        verdict = ERROR
+        verdict, rule = ERROR, RULE_SHAPE
         messages.append(f"{len(match.a.outputs)} outputs vs {len(match.b.outputs)}")
-    return OpComparison(step, rank, match.a, match.b, match.how, verdict, "; ".join(messages), outputs)
+    return OpComparison(step, rank, match.a, match.b, match.how, verdict, "; ".join(messages), outputs, rule)
 
 
 @dataclass
 class Divergence:
     step: int
     rank: int
-    op_a: OpRecord
+    op_a: OpRecord | None
+    """Run A's op where the divergence enters; None when it enters through ops of run B only."""
     op_b: OpRecord | None
     comparison: OpComparison
     inputs_assumed: bool
     """True when the producer of some input could not be matched or compared and was assumed to agree."""
     chain: list[str]
-    """Op ids (run A) the divergence propagates through, in execution order."""
+    """Op ids the divergence propagates through, in execution order (run A's, after a B-only start)."""
+
+    @property
+    def op(self) -> OpRecord:
+        """The op where the divergence enters (run A's, or run B's when it exists in B only)."""
+        op = self.op_a or self.op_b
+        assert op is not None
+        return op
+
+    @property
+    def rule(self) -> str:
+        return self.comparison.rule
 
 
 @dataclass
@@ -206,6 +253,8 @@ class StepComparison:
     rank: int
     comparisons: list[OpComparison]
     divergence: Divergence | None
+    policy: str = ""
+    """How run B's precision differs from run A's, in words ("bf16 autocast")."""
 
 
 def _inputs_agree(op: OpComparison, by_index: dict[int, OpComparison]) -> tuple[bool, bool]:
@@ -232,17 +281,6 @@ def _inputs_agree(op: OpComparison, by_index: dict[int, OpComparison]) -> tuple[
     return True, assumed
 
 
-def _external_inputs_that_differ(side_a: _Side, side_b: _Side, op: OpComparison) -> list[str]:
-    assert op.a is not None and op.b is not None
-    differ = []
-    for position, tensor in enumerate(op.a.inputs):
-        if tensor.source is None and position < len(op.b.inputs):
-            result = compare_tensors(side_a, side_b, op.a, op.b, "input", position)
-            if result.verdict == ERROR:
-                differ.append(f"input {position} (from outside the step) differs: {result.message}")
-    return differ
-
-
 def _chain(run: Run, step: int, rank: int, start: OpRecord, by_index: dict[int, OpComparison],
            limit: int = 100) -> list[str]:
     graph = run.graph(step, rank)
@@ -259,6 +297,226 @@ def _chain(run: Run, step: int, rank: int, start: OpRecord, by_index: dict[int, 
     return sorted(chain, key=index_of.__getitem__)
 
 
+def _tainted(op: OpComparison, by_index: dict[int, OpComparison]) -> bool:
+    """Whether an input computed in the step comes from an op where the runs diverged."""
+    agree, _ = _inputs_agree(op, by_index)
+    return not agree
+
+
+def _error_of(t: TensorComparison, a: TensorRecord, b: TensorRecord) -> float | None:
+    """One relative number for a compared tensor pair (None: nothing known of its values)."""
+    if t.kind == "stats" and a.stats is not None and b.stats is not None:
+        return precision.stats_error(a.stats, b.stats, a.numel)
+    if t.kind == "data":
+        return precision.data_error(t.metrics)
+    return None
+
+
+def _reduction(op: OpRecord) -> int:
+    """Terms per output element of a contraction (1 for other ops), from the recorded shapes."""
+    args = [torch.empty(t.shape, device="meta") for t in op.inputs]
+    return reduction_length(op.name, args)
+
+
+def _dtype(record: TensorRecord) -> torch.dtype:
+    dtype = getattr(torch, record.dtype)
+    return dtype if dtype.is_floating_point else torch.float64
+
+
+def _replayable(side: _Side, op: OpRecord) -> bool:
+    if side.dump is None or not op.outputs:
+        return False
+    for io, records in (("input", op.inputs), ("output", op.outputs)):
+        for position in range(len(records)):
+            entry = side.dump.entries.get((op.index, io, position))
+            if entry is None or entry.status is not None:
+                return False
+    return True
+
+
+def _judge_by_replay(side_a: _Side, side_b: _Side, c: OpComparison) -> tuple[bool, str] | None:
+    """(enters, message) from an fp64 replay of the op on each run's own dumped inputs.
+
+    A run's result far from the exact result on its own inputs (beyond the rounding
+    bound of its dtype) was computed badly: the divergence enters here. Otherwise the
+    difference is the inputs' difference carried through the op plus rounding.
+    None when the op cannot be replayed (not fully dumped, random, unknown).
+    """
+    assert c.a is not None and c.b is not None
+    if not (_replayable(side_a, c.a) and _replayable(side_b, c.b)):
+        return None
+    cpu = torch.device("cpu")
+    try:
+        exact_a = recompute(side_a.run, c.a, cpu, torch.float64)
+        exact_b = recompute(side_b.run, c.b, cpu, torch.float64)
+    except (ProbeError, RuntimeError, TypeError, ValueError, NotImplementedError):
+        return None
+    worst_note, carried = "", 0.0
+    for t in c.outputs:
+        p = t.position
+        if p >= len(exact_a) or p >= len(exact_b) or not c.a.outputs[p].dtype.startswith(("float", "bfloat")):
+            continue
+        for name, side, op, exact in (("A", side_a, c.a, exact_a[p]), ("B", side_b, c.b, exact_b[p])):
+            result, _ = side.data(op, "output", p)
+            if result is None or tuple(result.shape) != tuple(exact.shape):
+                return None
+            error = precision.own_error(result, exact)
+            bound = precision.rounding(_dtype(op.outputs[p]), _reduction(op))
+            if error > bound:
+                return True, (f"output {p}: run {name}'s result is {error:.3g} (relative) from the "
+                              f"exact result on its own inputs (fp64 replay), beyond the rounding bound "
+                              f"{bound:.3g} of {op.outputs[p].dtype}")
+        if tuple(exact_a[p].shape) == tuple(exact_b[p].shape):
+            carried = max(carried, precision.own_error(exact_b[p], exact_a[p]))
+            worst_note = (f"consistent with precision (fp64 replay): each run's result is within its "
+                          f"own rounding bound; the inputs' difference carried through the op gives "
+                          f"{carried:.3g}")
+    return False, worst_note or "consistent with precision (fp64 replay)"
+
+
+def _producer_error(by_index: dict[int, OpComparison], source: tuple[int, int]) -> float | None:
+    producer = by_index.get(source[0])
+    if producer is None or producer.a is None or producer.b is None:
+        return None
+    for t in producer.outputs:
+        if t.position == source[1] and t.verdict == PASS:
+            return 0.0 if t.kind == "data" or t.metrics.get("max_rel") == 0 else None
+        if t.position == source[1] and source[1] < len(producer.b.outputs):
+            return _error_of(t, producer.a.outputs[source[1]], producer.b.outputs[source[1]])
+    return None
+
+
+def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
+                          by_index: dict[int, OpComparison]) -> tuple[bool, str] | None:
+    """(enters, message) from the inputs' difference: beyond ``CONDITION`` x it plus each run's
+    rounding, the difference enters here. None when an input computed in the step is unknown."""
+    assert c.a is not None and c.b is not None
+    in_error = 0.0
+    for position, record in enumerate(c.a.inputs):
+        if record.source is None or position >= len(c.b.inputs):
+            continue
+        t = compare_tensors(side_a, side_b, c.a, c.b, "input", position)
+        if t.verdict == ERROR and t.rule in (RULE_SHAPE, RULE_NONFINITE):
+            return None
+        error = _error_of(t, record, c.b.inputs[position])
+        if error is None:  # the input's own record holds nothing: its producer's output may
+            error = _producer_error(by_index, record.source)
+        if error is None:
+            return None
+        in_error = max(in_error, error)
+    out_error, out_dtypes = 0.0, (torch.float64, torch.float64)
+    for t in c.outputs:
+        error = _error_of(t, c.a.outputs[t.position], c.b.outputs[t.position])
+        if error is None:
+            return None
+        if error >= out_error:
+            out_error = error
+            out_dtypes = (_dtype(c.a.outputs[t.position]), _dtype(c.b.outputs[t.position]))
+    rounding = (precision.rounding(out_dtypes[0], _reduction(c.a), floor=False)
+                + precision.rounding(out_dtypes[1], _reduction(c.b), floor=False))
+    bound = precision.CONDITION * in_error + rounding
+    detail = (f"output differs by {out_error:.3g} (relative), {precision.CONDITION:g} x the inputs' "
+              f"{in_error:.3g} + rounding {rounding:.3g} = {bound:.3g}")
+    if out_error > bound:
+        return True, f"{detail}: beyond what the inputs and each run's precision explain"
+    return False, f"consistent with precision: {detail}"
+
+
+def _external_inputs_differ(side_a: _Side, side_b: _Side, c: OpComparison) -> list[str]:
+    """Inputs from outside the step (in run A) that differ beyond rounding."""
+    assert c.a is not None and c.b is not None
+    differ = []
+    for position, record in enumerate(c.a.inputs):
+        if record.source is None and position < len(c.b.inputs):
+            t = compare_tensors(side_a, side_b, c.a, c.b, "input", position)
+            if t.verdict in (ERROR, WARNING):
+                differ.append(f"input {position} (from outside the step) differs: {t.message}")
+    return differ
+
+
+def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
+           lowerings: dict[int, precision.Lowering]) -> None:
+    """Re-judges each op, in execution order, with the precision each run computed it in.
+
+    Sets ``verdict``, ``rule`` and ``enters``: an op lowering precision unexplained is an
+    error that enters there; a difference that the inputs' differences and each run's
+    rounding explain is a warning; one they do not explain enters there (error); beyond
+    the thresholds and downstream of a divergence, it is an error carried from it.
+    """
+    by_index = {c.a.index: c for c in comparisons if c.a is not None}
+    # Ops a divergence reached, by index in each run (through errors or warnings).
+    reached_a: set[int] = set()
+    reached_b: set[int] = set()
+    for c in comparisons:
+        tainted = (c.a is not None and (_tainted(c, by_index) or _reads(c.a, reached_a))) \
+            or (c.b is not None and _reads(c.b, reached_b))
+        _judge_op(side_a, side_b, c, by_index, lowerings, tainted)
+        if tainted or c.verdict == ERROR:
+            reached_a.update([c.a.index] if c.a is not None else [])
+            reached_b.update([c.b.index] if c.b is not None else [])
+
+
+def _reads(op: OpRecord, indices: set[int]) -> bool:
+    return any(t.source is not None and t.source[0] in indices for t in op.inputs)
+
+
+def _judge_op(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int, OpComparison],
+              lowerings: dict[int, precision.Lowering], tainted: bool) -> None:
+    """Sets ``c``'s verdict, rule and ``enters``; ``tainted``: an input comes from a divergence."""
+    if c.b is not None and c.b.index in lowerings:
+        message = lowerings[c.b.index].message
+        c.verdict, c.rule, c.enters = ERROR, RULE_LOWERED, True
+        c.message = f"{message}; {c.message}" if c.message else message
+        return
+    if c.a is None or c.b is None or c.verdict in (PASS, NOT_COMPARED, UNMATCHED):
+        return
+    magnitude = c.verdict
+    if c.rule in (RULE_SHAPE, RULE_NONFINITE):
+        c.enters = magnitude == ERROR and not tainted
+        return
+    outside = _external_inputs_differ(side_a, side_b, c)
+    if outside:
+        c.verdict, c.rule, c.enters = ERROR, RULE_OUTSIDE, not tainted
+        c.message = "; ".join([c.message, *outside] if c.message else outside)
+        return
+    # Downstream of a divergence a replay would only say where it grows: the cheap bound does.
+    judged, rule = (None if tainted else _judge_by_replay(side_a, side_b, c)), RULE_REPLAY
+    if judged is None:
+        judged, rule = _judge_by_propagation(side_a, side_b, c, by_index), RULE_PROPAGATION
+    if judged is None:  # an input unknown: the thresholds alone decide
+        c.enters = magnitude == ERROR and not tainted
+        return
+    enters, note = judged
+    if enters:
+        c.verdict, c.rule, c.enters = ERROR, rule, True
+    elif tainted and magnitude == ERROR:
+        c.verdict, c.rule = ERROR, RULE_CARRIED
+        note = f"carried from a divergence upstream ({note})"
+    else:
+        c.verdict, c.rule = WARNING, rule
+    c.message = f"{note}; {c.message}" if c.message else note
+    for t in c.outputs:  # consumers read their inputs' verdicts from here
+        if t.verdict in (ERROR, WARNING):
+            t.verdict, t.rule = c.verdict, c.rule
+
+
+def _divergence(run_a: Run, step: int, rank: int, comparisons: list[OpComparison]) -> Divergence | None:
+    by_index = {c.a.index: c for c in comparisons if c.a is not None}
+    for position, c in enumerate(comparisons):
+        if not c.enters:
+            continue
+        assumed = _inputs_agree(c, by_index)[1] if c.a is not None else False
+        start = c.a
+        if start is None:  # entered through ops of run B only: follow run A from the next error
+            start = next((later.a for later in comparisons[position + 1:]
+                          if later.a is not None and later.verdict == ERROR), None)
+        chain = _chain(run_a, step, rank, start, by_index) if start is not None else []
+        if c.a is None and c.b is not None:
+            chain = [c.b.id, *chain]
+        return Divergence(step, rank, c.a, c.b, c, assumed, chain)
+    return None
+
+
 def compare_step(run_a: Run, run_b: Run, step: int, rank: int,
                  module_map: dict[str, str] | None = None,
                  on_op: Callable[[], None] | None = None) -> StepComparison:
@@ -269,20 +527,12 @@ def compare_step(run_a: Run, run_b: Run, step: int, rank: int,
         comparisons.append(_compare_pair(side_a, side_b, m, step, rank))
         if on_op is not None and m.a is not None:
             on_op()
-    by_index = {c.a.index: c for c in comparisons if c.a is not None}
-    divergence = None
-    for c in comparisons:
-        if c.a is None or c.b is None or c.verdict != ERROR:
-            continue
-        agree, assumed = _inputs_agree(c, by_index)
-        if agree:
-            notes = _external_inputs_that_differ(side_a, side_b, c)
-            if notes:
-                c.message = "; ".join([c.message, *notes]) if c.message else "; ".join(notes)
-            chain = _chain(run_a, step, rank, c.a, by_index)
-            divergence = Divergence(step, rank, c.a, c.b, c, assumed, chain)
-            break
-    return StepComparison(step, rank, comparisons, divergence)
+    partner_of_b = {m.b.index: m.a for m in matches if m.a is not None and m.b is not None}
+    lowerings = precision.lowered_precision(side_a.ops, side_b.ops, partner_of_b)
+    _judge(side_a, side_b, comparisons, lowerings)
+    divergence = _divergence(run_a, step, rank, comparisons)
+    policy = precision.describe_policy(side_a.ops, side_b.ops)
+    return StepComparison(step, rank, comparisons, divergence, policy)
 
 
 def _compare_rank(path_a: str, path_b: str, steps: list[int], rank: int,
@@ -328,6 +578,28 @@ class Report:
         """No divergence found and no op left uncompared: what ``--fail-on-divergence`` checks."""
         return self.divergence is None and not self.counts[NOT_COMPARED]
 
+    @property
+    def conclusion(self) -> str:
+        """What the comparison concludes, in one sentence.
+
+        "no divergence: differences consistent with bf16 autocast" when every difference
+        is explained by the precision each run computed in.
+        """
+        d = self.divergence
+        if d is not None:
+            return (f"first divergence at {d.op.id} in {d.op.module or '<outside modules>'} "
+                    f"(rule: {d.rule})")
+        uncompared = self.counts[NOT_COMPARED]
+        explained = [c for c in self.comparisons if c.verdict == WARNING]
+        if not explained:
+            text = "no divergence: every matched op compared clean"
+        else:
+            policies = sorted({s.policy for s in self.steps if s.policy})
+            text = f"no divergence: differences consistent with {' / '.join(policies) or 'rounding'}"
+        if uncompared:
+            text += f" among the ops compared ({uncompared} not compared)"
+        return text
+
     def by_rank(self) -> list[dict[str, Any]]:
         """Across ranks: per rank, the steps compared, verdict counts and its first divergence."""
         out = []
@@ -339,8 +611,9 @@ class Report:
             out.append({
                 "rank": rank, "steps": [s.step for s in steps], "counts": counts,
                 "first_divergence": None if first is None else {
-                    "step": first.step, "op_a": first.op_a.id, "name": first.op_a.name,
-                    "module": first.op_a.module, "message": first.comparison.message,
+                    "step": first.step, "op_a": first.op_a.id if first.op_a else None,
+                    "op_b": first.op_b.id if first.op_b else None, "name": first.op.name,
+                    "module": first.op.module, "rule": first.rule, "message": first.comparison.message,
                 },
             })
         return out
@@ -365,10 +638,11 @@ class Report:
             "run_a": str(self.path_a), "run_b": str(self.path_b),
             "steps": sorted({s.step for s in self.steps}), "ranks": sorted({s.rank for s in self.steps}),
             "counts": self.counts, "ok": self.ok, "missing": self.missing, "per_rank": self.by_rank(),
+            "conclusion": self.conclusion,
             "first_divergence": None if d is None else {
-                "step": d.step, "rank": d.rank, "op_a": d.op_a.id, "op_b": d.op_b.id if d.op_b else None,
-                "name": d.op_a.name, "module": d.op_a.module, "phase": d.op_a.phase,
-                "stack": d.op_a.stack, "message": d.comparison.message,
+                "step": d.step, "rank": d.rank, "op_a": d.op_a.id if d.op_a else None,
+                "op_b": d.op_b.id if d.op_b else None, "name": d.op.name, "module": d.op.module,
+                "phase": d.op.phase, "stack": d.op.stack, "rule": d.rule, "message": d.comparison.message,
                 "inputs_assumed": d.inputs_assumed, "chain": d.chain,
                 "metrics": d.comparison.row(),
             },

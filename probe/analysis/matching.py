@@ -77,7 +77,9 @@ def match_ops(
     taken: set[int] = set()
     for op in ops_a:
         other = by_id.get(op.id)
-        if other is not None:
+        # Same id, other output shapes: ids shifted (an extra op of that name on one side,
+        # e.g. a detach autocast adds in backward); alignment pairs them better.
+        if other is not None and _token(other, True) == _token(op, True):
             partner[op.index], how[op.index] = other, "id"
             taken.add(other.index)
 

@@ -62,7 +62,13 @@ def replay(
     return _replay(run, op, torch.device(device), dtype).as_dict()
 
 
-def _replay(run: Run, op: OpRecord, device: torch.device, dtype: torch.dtype | None) -> ReplayResult:
+def recompute(run: Run, op: OpRecord, device: torch.device, dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """``op``'s results, computed again from its dumped inputs and recorded arguments.
+
+    ``dtype`` converts the floating inputs first (``torch.float64``: the op's exact result
+    on those inputs, as near as fp64 gets). Raises ``ProbeError`` for ops that draw random
+    numbers or that are not in the dump.
+    """
     func = resolve_op(op.name)
     info = classify(func)
     if info.is_random:
@@ -72,7 +78,11 @@ def _replay(run: Run, op: OpRecord, device: torch.device, dtype: torch.dtype | N
               for i in range(len(op.inputs))]
     args, kwargs = decode_args(dump.call(op.index), inputs.__getitem__, device=device)
     out = func(*args, **kwargs)
-    results = results_of(info, args, kwargs, out)
+    return list(results_of(info, args, kwargs, out))
+
+
+def _replay(run: Run, op: OpRecord, device: torch.device, dtype: torch.dtype | None) -> ReplayResult:
+    results = recompute(run, op, device, dtype)
     compared = []
     for position, result in enumerate(results[: len(op.outputs)]):
         expected = run.tensor(op.id, "output", position, op.step, op.rank)

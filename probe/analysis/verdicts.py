@@ -28,6 +28,20 @@ import torch
 from probe.analysis.metrics import StatsMetrics, TensorMetrics, lower_precision
 
 PASS, WARNING, ERROR, UNMATCHED, NOT_COMPARED = "pass", "warning", "error", "unmatched", "not compared"
+
+# The rule that decided a verdict (the ``rule`` of a row; docs/compare.md has the table).
+RULE_ULP = "ulp"                      # data within 4 ULP of the pair's lower dtype
+RULE_STATS = "stats rounding"         # statistics within the pair's pass bound
+RULE_SHAPE = "shape"                  # only shape and dtype known (or they differ)
+RULE_NONFINITE = "nonfinite"          # NaN/Inf at different positions, or in different numbers
+RULE_THRESHOLDS = "thresholds"        # the fixed magnitude thresholds (inputs unknown)
+RULE_NOT_COMPARED = "not compared"    # data missing or unreadable
+RULE_UNMATCHED = "unmatched"          # only in one run
+RULE_OUTSIDE = "outside input"        # an input from outside the step differs: it enters here
+RULE_REPLAY = "replay"                # fp64 replay on each run's inputs: own rounding vs carried
+RULE_PROPAGATION = "propagation"      # inputs' difference x 32 + each run's rounding
+RULE_LOWERED = "lowered precision"    # computed lower than run A, unexplained by B's policy
+RULE_CARRIED = "carried"              # downstream of a divergence, beyond the thresholds
 VERDICTS = (PASS, WARNING, ERROR, UNMATCHED, NOT_COMPARED)
 """Every verdict, in the order reports count them."""
 SEVERITY = {PASS: 0, UNMATCHED: 1, WARNING: 2, NOT_COMPARED: 3, ERROR: 4}
@@ -59,20 +73,31 @@ def thresholds_for(dtype: torch.dtype) -> Thresholds:
 
 
 def tensor_verdict(m: TensorMetrics, dtype: torch.dtype) -> tuple[str, str]:
+    """The magnitude verdict of a dumped tensor pair; the message names the failed bound."""
     t = thresholds_for(dtype)
+    name = str(dtype).removeprefix("torch.")
     if m.nonfinite_mismatch:
         return ERROR, f"{m.nonfinite_mismatch} NaN/Inf positions differ"
     if m.max_ulp <= t.pass_ulp:
         return PASS, ""
     scaled = m.max_abs_err / m.ref_rms if m.ref_rms > 0 else (0.0 if m.max_abs_err == 0 else math.inf)
-    if m.cosine >= t.warn_cosine and m.five_thousandth_ratio >= t.warn_ratio and scaled <= t.warn_scaled_err:
-        return WARNING, f"max error {m.max_ulp:.3g} ULP of {str(dtype).removeprefix('torch.')}"
-    return ERROR, (f"cosine {m.cosine:.9g}, max error {m.max_ulp:.3g} ULP of "
-                   f"{str(dtype).removeprefix('torch.')} ({scaled:.3g} x the reference rms)")
+    failed = [f"cosine {m.cosine:.9g} < {t.warn_cosine:.9g}" if m.cosine < t.warn_cosine else "",
+              f"{m.five_thousandth_ratio:.4g} within 5e-3 < {t.warn_ratio:.4g}"
+              if m.five_thousandth_ratio < t.warn_ratio else "",
+              f"max error {scaled:.3g} x the reference rms > {t.warn_scaled_err:.3g}"
+              if scaled > t.warn_scaled_err else ""]
+    failed = [f for f in failed if f]
+    if not failed:
+        return WARNING, (f"max error {m.max_ulp:.3g} ULP of {name} (> {t.pass_ulp:g}; {name} warning "
+                         "thresholds hold)")
+    return ERROR, (f"cosine {m.cosine:.9g}, max error {m.max_ulp:.3g} ULP of {name} ({scaled:.3g} x the "
+                   f"reference rms); {name} thresholds failed: {', '.join(failed)}")
 
 
 def stats_verdict(m: StatsMetrics, dtype: torch.dtype, norm: float, numel: int) -> tuple[str, str]:
+    """The magnitude verdict of a pair of statistics; the message names the bound."""
     t = thresholds_for(dtype)
+    name = str(dtype).removeprefix("torch.")
     if m.nan_diff or m.inf_diff:
         return ERROR, f"NaN count differs by {m.nan_diff}, Inf count by {m.inf_diff}"
     rel = max(m.max_rel, m.min_rel, m.norm_rel)
@@ -84,8 +109,10 @@ def stats_verdict(m: StatsMetrics, dtype: torch.dtype, norm: float, numel: int) 
     if rel <= t.pass_stats and mean_ok(t.pass_stats):
         return PASS, ""
     if rel <= t.warn_stats and mean_ok(t.warn_stats):
-        return WARNING, f"statistics differ by up to {rel:.3g} (relative)"
-    return ERROR, f"statistics differ by up to {max(rel, m.mean_rel):.3g} (relative)"
+        return WARNING, (f"statistics differ by up to {rel:.3g} (relative; {name} warning bound "
+                         f"{t.warn_stats:.3g})")
+    return ERROR, (f"statistics differ by up to {max(rel, m.mean_rel):.3g} (relative; {name} "
+                   f"warning bound {t.warn_stats:.3g})")
 
 
 def lower_precision_of(dtype_a: str, dtype_b: str) -> torch.dtype:

@@ -24,7 +24,7 @@ CSV_COLUMNS = (
     ("five_thousandth_ratio", "Five Thousandths Err Ratio"), ("rmse", "RMSE"), ("max_ulp", "Max ULP"),
     ("max_rel", "MaxRelativeDiff"), ("min_rel", "MinRelativeDiff"), ("mean_rel", "MeanRelativeDiff"),
     ("norm_rel", "NormRelativeDiff"), ("nan_diff", "NaN Count Diff"), ("inf_diff", "Inf Count Diff"),
-    ("verdict", "Result"), ("message", "Err_message"),
+    ("verdict", "Result"), ("rule", "Rule"), ("message", "Err_message"),
 )
 
 
@@ -96,6 +96,8 @@ def write_html(summary: dict[str, Any], rows: list[dict[str, Any]], path: Path) 
         f"ranks {summary['ranks']}</p>",
         "<p>" + " &nbsp; ".join(f"<b>{k}</b> {v}" for k, v in counts.items()) + "</p>",
     ]
+    if summary.get("conclusion"):
+        parts.append(f"<p><b>{html.escape(summary['conclusion'])}</b></p>")
     if summary["missing"]:
         parts.append("<p>not compared: " + html.escape("; ".join(summary["missing"])) + "</p>")
     uncompared = counts.get("not compared", 0)
@@ -110,9 +112,10 @@ def write_html(summary: dict[str, Any], rows: list[dict[str, Any]], path: Path) 
         stack = "<br>".join(html.escape(line) for line in (d["stack"] or []))
         parts.append(
             "<div class='box'><b>First divergence</b> (step {step}, rank {rank}): "
-            "<code>{op}</code> in module <code>{module}</code> ({phase})<br>{message}<br>"
+            "<code>{op}</code> in module <code>{module}</code> ({phase}), rule <b>{rule}</b><br>{message}<br>"
             "{assumed}<br><b>Propagates through</b>: {chain}<br>{stack}</div>".format(
-                step=d["step"], rank=d["rank"], op=html.escape(d["op_a"]),
+                step=d["step"], rank=d["rank"], op=html.escape(d["op_a"] or d["op_b"] or ""),
+                rule=html.escape(str(d.get("rule") or "")),
                 module=html.escape(d["module"] or "<outside modules>"), phase=html.escape(d["phase"]),
                 message=html.escape(d["message"]),
                 assumed="some inputs could not be compared and were assumed equal"

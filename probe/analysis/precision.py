@@ -1,0 +1,262 @@
+"""What each run's precision explains: policies, lowered precision, and rounding bounds.
+
+Two runs that differ only in precision policy (bf16 autocast, a model-wide fp16, another
+device's kernels) never agree bit for bit; ``compare`` asks of each op whether its
+difference is what its inputs' differences, carried through the op, plus each run's own
+rounding of the op give. This module holds the parts of that judgement that do not need
+the compare machinery:
+
+- :func:`lowered_precision`: the ops of run B that compute at a lower precision than run
+  A where B's own policy does not explain it. Explained are autocast (a matmul-like op
+  computed lower, and the casts feeding one), a model-wide dtype (B's parameters are of
+  that dtype), gradients (they take the dtype of their forward tensors) and inherited
+  precision (an op whose inputs arrived lower). Anything else is a finding: a bf16
+  RMSNorm inside an fp32 or autocast run is a real bug even though each of its ops
+  rounds as bf16 should.
+- :func:`rounding` and :func:`own_error`: how far one run's result of an op may sit from
+  its exact (fp64) result on that run's own inputs (the free benchmark's bound, from
+  ``probe.modes.perturbations``), and how far it does.
+- :func:`describe_policy`: the words for a report whose differences precision explains.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from probe.analysis.metrics import TensorMetrics
+from probe.modes.perturbations import CONDITION, ROUNDING_ULPS, eps, threshold
+from probe.rundir.reader import OpRecord
+
+__all__ = [
+    "CONDITION",
+    "Lowering",
+    "data_error",
+    "describe_policy",
+    "lowered_precision",
+    "own_error",
+    "rounding",
+    "stats_error",
+]
+
+# Ops autocast computes in the lower dtype (torch's CUDA/CPU "lower_precision_fp" lists,
+# short names): a lower precision here, or a cast feeding one, is the policy at work.
+AUTOCAST_LOWERED = frozenset({
+    "mm", "bmm", "addmm", "addbmm", "baddbmm", "matmul", "linear", "mv", "addmv", "dot", "vdot",
+    "chain_matmul", "multi_dot", "convolution", "_convolution", "conv1d", "conv2d", "conv3d",
+    "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "conv_tbc", "prelu", "_thnn_fused_lstm_cell",
+    "_thnn_fused_gru_cell", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+    "scaled_dot_product_attention", "_scaled_dot_product_attention_math",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_native_multi_head_attention", "_weight_norm",
+})
+# Ops that move values without computing on them: a cast's consumers are looked for past them.
+_PASS_THROUGH = frozenset({
+    "t", "view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "permute", "expand", "contiguous",
+    "clone", "detach", "alias", "unsqueeze", "squeeze", "slice", "select", "split", "split_with_sizes",
+    "chunk", "unbind", "as_strided", "lift_fresh", "dropout", "native_dropout", "expand_as", "view_as",
+})
+_CASTS = frozenset({"_to_copy", "to", "copy_", "_to_dtype", "type_as"})
+
+
+def short_name(name: str) -> str:
+    """``aten.mm.default`` -> ``mm``."""
+    parts = name.split(".")
+    return parts[1] if len(parts) >= 3 else parts[-1]
+
+
+def _floating(dtype: str) -> torch.dtype | None:
+    value = getattr(torch, dtype, None)
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else None
+
+
+_RANKS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3}
+
+
+def _lowest(dtypes: list[torch.dtype]) -> torch.dtype | None:
+    return min(dtypes, key=lambda d: _RANKS.get(d, 0)) if dtypes else None
+
+
+def output_precision(op: OpRecord) -> torch.dtype | None:
+    """The lowest precision any floating result of ``op`` is held in (None: no floating result)."""
+    return _lowest([d for t in op.outputs if (d := _floating(t.dtype)) is not None])
+
+
+def input_precision(op: OpRecord) -> torch.dtype | None:
+    return _lowest([d for t in op.inputs if (d := _floating(t.dtype)) is not None])
+
+
+def model_dtype(ops: list[OpRecord]) -> torch.dtype | None:
+    """The floating dtype most inputs from outside the step (parameters, data) have."""
+    counts = Counter(d for op in ops for t in op.inputs
+                     if t.source is None and (d := _floating(t.dtype)) is not None)
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def _lower(a: torch.dtype, b: torch.dtype) -> bool:
+    """Whether ``a`` is less precise than ``b``."""
+    return _RANKS.get(a, 0) < _RANKS.get(b, 0)
+
+
+def _dtype_word(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class Lowering:
+    """An op of run B that computes at a lower precision than run A, unexplained by B's policy."""
+
+    op: OpRecord
+    before: torch.dtype
+    after: torch.dtype
+    only_in_b: bool
+
+    @property
+    def message(self) -> str:
+        how = "by an explicit cast" if short_name(self.op.name) in _CASTS else f"by {self.op.name}"
+        where = self.op.module or "<outside modules>"
+        extra = " (an op of run B only)" if self.only_in_b else ""
+        return (f"precision lowered in {where}: {_dtype_word(self.before)} -> {_dtype_word(self.after)} "
+                f"{how}{extra}, which neither autocast nor run B's model dtype explains")
+
+
+def _terminal_consumers(op: OpRecord, consumers: dict[int, list[OpRecord]]) -> list[OpRecord]:
+    """Who computes on ``op``'s result, looking past views, copies and dropout."""
+    seen, found, stack = {op.index}, [], list(consumers.get(op.index, []))
+    while stack:
+        other = stack.pop()
+        if other.index in seen:
+            continue
+        seen.add(other.index)
+        if short_name(other.name) in _PASS_THROUGH:
+            stack += consumers.get(other.index, [])
+        else:
+            found.append(other)
+    return found
+
+
+def lowered_precision(ops_a: list[OpRecord], ops_b: list[OpRecord],
+                      partner_of_b: dict[int, OpRecord]) -> dict[int, Lowering]:
+    """B ops (by index) that lower precision where B's policy does not explain it.
+
+    An op lowers precision when its result is less precise than its floating inputs in
+    B and than the matched op's result in A (a B-only op: than its inputs). Explained:
+    matmul-like ops autocast lowers and the casts that feed one, results in B's
+    model-wide dtype when it is lower than A's, and backward ops (a gradient takes
+    the dtype of its forward tensor; the forward lowering is what gets reported).
+    """
+    consumers: dict[int, list[OpRecord]] = defaultdict(list)
+    for op in ops_b:
+        for t in op.inputs:
+            if t.source is not None:
+                consumers[t.source[0]].append(op)
+    dtype_a, dtype_b = model_dtype(ops_a), model_dtype(ops_b)
+    model_lowered = dtype_a is not None and dtype_b is not None and _lower(dtype_b, dtype_a)
+    found: dict[int, Lowering] = {}
+    for op in ops_b:
+        out, inp = output_precision(op), input_precision(op)
+        if out is None or inp is None or not _lower(out, inp) or op.phase != "forward":
+            continue  # not a new lowering: created in its dtype, inherited, or a gradient's
+        partner = partner_of_b.get(op.index)
+        reference = output_precision(partner) if partner is not None else inp
+        if reference is None or not _lower(out, reference):
+            continue  # run A lowers here too
+        if short_name(op.name) in AUTOCAST_LOWERED or (model_lowered and out == dtype_b):
+            continue
+        targets = _terminal_consumers(op, consumers)
+        if targets and all(short_name(t.name) in AUTOCAST_LOWERED for t in targets):
+            continue  # autocast's cast at the input of the ops it lowers
+        found[op.index] = Lowering(op, reference, out, partner is None)
+    return found
+
+
+def describe_policy(ops_a: list[OpRecord], ops_b: list[OpRecord]) -> str:
+    """How run B's precision differs from run A's, in words ("bf16 autocast", ...)."""
+    dtype_a, dtype_b = model_dtype(ops_a), model_dtype(ops_b)
+    if dtype_a is not None and dtype_b is not None and dtype_a != dtype_b:
+        return f"the precision of run B ({_dtype_word(dtype_b)} throughout, run A {_dtype_word(dtype_a)})"
+    lowered = Counter(out for op in ops_b if short_name(op.name) in AUTOCAST_LOWERED
+                      and (out := output_precision(op)) is not None
+                      and dtype_b is not None and _lower(out, dtype_b))
+    if lowered:
+        dtype = lowered.most_common(1)[0][0]
+        word = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "low-precision")
+        return f"{word} autocast"
+    return "rounding (other kernels or another device)"
+
+
+def rounding(dtype: torch.dtype, reduction: int = 1, floor: bool = True) -> float:
+    """How far (relative) one run's result of an op may sit from the exact result on its inputs.
+
+    The free benchmark's bound: ``ROUNDING_ULPS`` ULPs of the result's dtype, times
+    ``sqrt(K)`` for a contraction over K terms; ``floor`` adds its relative floor (1e-5),
+    below which no error matters for training. Statistics of bit-identical runs are
+    judged without the floor (``floor=False``), so one changed weight element shows.
+    """
+    if floor:
+        return threshold(0.0, dtype, reduction)
+    return ROUNDING_ULPS * eps(dtype) * math.sqrt(max(reduction, 1))
+
+
+def own_error(result: torch.Tensor, exact: torch.Tensor) -> float:
+    """``max |result - exact| / max(|exact|, rms(exact))`` over the finite elements (0 when none).
+
+    The free benchmark's deviation measure: elements smaller than the tensor's rms are
+    judged against the rms, so a cancellation to a small value in a large tensor is
+    judged by what it does to that tensor.
+    """
+    r = result.detach().to("cpu", torch.float64).reshape(-1)
+    x = exact.detach().to("cpu", torch.float64).reshape(-1)
+    finite = torch.isfinite(r) & torch.isfinite(x)
+    if not bool(finite.any()):
+        return 0.0
+    r, x = r[finite], x[finite]
+    rms = float(x.square().mean().sqrt())
+    scale = torch.clamp(x.abs(), min=rms)
+    diff = (r - x).abs()
+    inf_or_zero = torch.where(diff > 0, math.inf, 0.0)
+    ratio = torch.where(scale > 0, diff / torch.where(scale > 0, scale, 1.0), inf_or_zero)
+    return float(ratio.max())
+
+
+def data_error(m: TensorMetrics | dict) -> float:
+    """A tensor pair's difference as one relative number: largest error over the reference rms."""
+    get = m.get if isinstance(m, dict) else m.__getattribute__
+    max_abs, rms = get("max_abs_err"), get("ref_rms")
+    if max_abs == 0:
+        return 0.0
+    return max_abs / rms if rms > 0 else math.inf
+
+
+def stats_error(a: dict, b: dict, numel: int) -> float:
+    """Two tensors' statistics apart, as one relative number.
+
+    The norm relatively; max, min and mean against ``max(|a|, |b|, rms)`` (rms =
+    ``norm / sqrt(numel)``): like :func:`own_error`, a statistic near zero (the min of a
+    square, a mean) is judged by what its difference does to the tensor, not relatively.
+    """
+    def known(key: str) -> tuple[float, float] | None:
+        x, y = a.get(key), b.get(key)
+        if x is None or y is None or not (math.isfinite(x) and math.isfinite(y)):
+            return None
+        return float(x), float(y)
+
+    norms = known("norm")
+    if norms is None:
+        return 0.0 if a.get("norm") == b.get("norm") else math.inf
+    rms = max(norms) / math.sqrt(numel) if numel else 0.0
+    worst = abs(norms[0] - norms[1]) / max(norms) if max(norms) > 0 else 0.0
+    for key in ("max", "min", "mean"):
+        pair = known(key)
+        if pair is None:
+            if a.get(key) != b.get(key):
+                return math.inf
+            continue
+        scale = max(abs(pair[0]), abs(pair[1]), rms)
+        if pair[0] != pair[1]:
+            worst = max(worst, abs(pair[0] - pair[1]) / scale if scale > 0 else math.inf)
+    return worst

@@ -1,0 +1,141 @@
+"""Precision-aware compare on HF models with planted faults: the planted module is the answer,
+and two runs that differ only in precision policy report no divergence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import probe
+
+transformers = pytest.importorskip("transformers", reason="transformers is an optional test dependency")
+
+DUMP, STATS = ("stats", "dump"), ("stats",)
+NORM = "model.layers.1.post_attention_layernorm"
+O_PROJ = "model.layers.1.self_attn.o_proj"
+
+
+def _llama():
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _norm_in_bf16_without_eps(norm: torch.nn.Module) -> None:
+    """A re-implemented RMSNorm computing in bf16, without eps, cast back at the end."""
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.bfloat16)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True))
+        return (norm.weight.to(torch.bfloat16) * h).to(x.dtype)
+    norm.forward = forward
+
+
+def _bf16_round_trip_after(linear: torch.nn.Module) -> None:
+    forward = linear.forward
+    linear.forward = lambda x: forward(x).to(torch.bfloat16).to(torch.float32)
+
+
+def _record(out, modes, autocast=False, fault=None):
+    model = _llama()
+    if fault == "norm":
+        _norm_in_bf16_without_eps(model.get_submodule(NORM))
+    elif fault == "o_proj":
+        _bf16_round_trip_after(model.get_submodule(O_PROJ))
+    elif fault == "weight":
+        with torch.no_grad():
+            model.model.layers[2].self_attn.o_proj.weight[3, 5] += 1e-3
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(1))
+    with probe.mode(list(modes), out=out, model=model):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reference")
+    return {modes: _record(root / "-".join(modes), modes) for modes in (DUMP, STATS)}
+
+
+@pytest.mark.parametrize("modes", [DUMP, STATS], ids=["dump", "stats"])
+def test_bf16_autocast_against_fp32_is_no_divergence_and_says_why(references, tmp_path, modes):
+    report = probe.compare(references[modes], _record(tmp_path / "b", modes, autocast=True))
+    assert report.first_divergence is None and report.ok
+    assert report.counts["error"] == 0 and report.counts["warning"] > 100  # differ, explained
+    assert report.conclusion == "no divergence: differences consistent with bf16 autocast"
+    assert report.summary["conclusion"] == report.conclusion
+    warned = [row for row in report.rows if row["verdict"] == "warning"]
+    assert {row["rule"] for row in warned} <= {"replay", "propagation"}
+    if modes == DUMP:  # matched ops with dumped inputs are judged by an fp64 replay
+        assert sum(row["rule"] == "replay" for row in warned) > 100
+    assert all("consistent with precision" in row["message"] for row in warned)
+
+
+@pytest.mark.parametrize("modes", [DUMP, STATS], ids=["dump", "stats"])
+def test_a_bf16_rmsnorm_inside_an_autocast_run_is_lowered_precision(references, tmp_path, modes):
+    report = probe.compare(references[modes], _record(tmp_path / "b", modes, autocast=True, fault="norm"))
+    d = report.divergence
+    assert d is not None and d.op.module == NORM and d.rule == "lowered precision"
+    assert d.op_a is None and d.op_b.name == "aten._to_copy.default"  # the cast exists in run B only
+    assert report.first_divergence == (None, d.op_b)
+    assert f"precision lowered in {NORM}: float32 -> bfloat16 by an explicit cast" in d.comparison.message
+    assert report.summary["first_divergence"]["module"] == NORM
+    assert report.summary["first_divergence"]["rule"] == "lowered precision"
+
+
+@pytest.mark.parametrize("modes", [DUMP, STATS], ids=["dump", "stats"])
+@pytest.mark.parametrize("fault, module", [("norm", NORM), ("o_proj", O_PROJ)])
+def test_a_module_computed_in_bf16_in_an_fp32_run_is_blamed_on_itself(references, tmp_path, modes, fault,
+                                                                        module):
+    report = probe.compare(references[modes], _record(tmp_path / "b", modes, fault=fault))
+    d = report.divergence
+    assert d is not None and d.op.module == module, (d.op.id, d.comparison.message)
+    assert d.rule == "lowered precision" and d.op.name == "aten._to_copy.default"
+    # Nothing before it is an error, and what it causes downstream is.
+    order = report.comparisons
+    assert all(c.verdict != "error" for c in order[:order.index(d.comparison)])
+    assert report.counts["error"] > 1 and d.chain[0] == d.op_b.id and len(d.chain) > 5
+
+
+def test_stats_only_a_changed_weight_element_is_found_at_its_module(references, tmp_path):
+    report = probe.compare(references[STATS], _record(tmp_path / "b", STATS, fault="weight"))
+    d = report.divergence
+    assert d is not None and d.op.module == "model.layers.2.self_attn.o_proj", d.op.id
+    assert d.op_a.name == "aten.t.default" and d.rule == "propagation"  # the op reading the weight
+    assert "beyond what the inputs and each run's precision explain" in d.comparison.message
+    rows = [row for row in report.rows if row["op_a"] == d.op_a.id]
+    assert rows[0]["verdict"] == "error" and rows[0]["rule"] == "propagation"
+
+
+def test_report_files_carry_the_rule(references, tmp_path):
+    report = probe.compare(references[STATS], _record(tmp_path / "b", STATS, fault="weight"))
+    report.to_csv(tmp_path / "r.csv")
+    report.to_html(tmp_path / "r.html")
+    header = (tmp_path / "r.csv").read_text().splitlines()[0].split(",")
+    assert "Rule" in header
+    page = (tmp_path / "r.html").read_text()
+    assert "rule <b>propagation</b>" in page and "first divergence at" in page
+
+
+def _gpt2_run(out, dtype):
+    config = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                                     attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).to(dtype)
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(1))
+    with probe.mode(list(DUMP), out=out, model=model):
+        model(input_ids=ids, labels=ids).loss.backward()
+    return out
+
+
+def test_gpt2_fp16_against_fp32_is_no_divergence(tmp_path):
+    report = probe.compare(_gpt2_run(tmp_path / "a", torch.float32), _gpt2_run(tmp_path / "b", torch.float16))
+    assert report.first_divergence is None, report.conclusion
+    assert report.counts["error"] == 0 and report.counts["warning"] > 50
+    assert report.conclusion.startswith("no divergence: differences consistent with the precision of run B "
+                                        "(float16 throughout")
