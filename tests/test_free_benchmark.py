@@ -73,7 +73,8 @@ def test_a_cancellation_is_flagged_in_forward_and_in_backward(tmp_path):
     failed = [c for c in probe.load(tmp_path / "r").checks() if c.verdict == "fail"]
     forward = [c for c in failed if c.phase == "forward"]
     backward = [c for c in failed if c.phase == "backward"]
-    assert forward and forward[0].name == "aten.sub.Tensor" and forward[0].ratio > 10 * forward[0].threshold
+    # fp16 1000 + x keeps x to 0.25: about 2 of its 11 bits, the ratio 4x the 4-bit bound
+    assert forward and forward[0].name == "aten.sub.Tensor" and forward[0].ratio > 3 * forward[0].threshold
     assert backward and {c.name for c in backward} & {"aten.sub.Tensor", "aten.add.Tensor"}
 
 

@@ -2,9 +2,11 @@
 
 Without a reference run: each selected op is run a second time with a small
 perturbation (``perturbations``) and its output compared with the original one.
-An op that amplifies its input change far beyond its conditioning, or whose
-low-precision result differs from a higher-precision one by more than
-rounding, is reported as ``fail``. With ``handler="check"`` the original
+An op whose output keeps fewer than ``MIN_BITS`` significant bits given its
+inputs' rounding (the bits rule: a cancellation), or whose result differs from a
+higher-precision or CPU one by more than rounding (the rounding rule: a kernel
+that computes badly), is reported as ``fail``; ``improve_precision`` (the
+default) re-runs twice to apply both rules. With ``handler="check"`` the original
 output always flows on, so training is bit-identical to a run without the probe;
 with ``handler="fix"`` the output is replaced by the higher-precision
 (``improve_precision``) or CPU (``to_cpu``) result, cast back into the original
@@ -19,11 +21,13 @@ computed on the device and read with the step's results, without host syncs
 
 Preheat (``preheat=True``): for the first ``preheat_steps`` steps at most
 ``max_sample`` calls per op are measured and not judged; afterwards an op's
-bound is the larger of the default and twice the largest deviation it showed.
+bound under each rule is the larger of the default and twice the largest deviation that
+rule measured for it.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -35,10 +39,17 @@ from probe.errors import ProbeError
 from probe.modes.base import Mode
 from probe.modes.cpu_reference import cpu_reference
 from probe.modes.perturbations import (
+    BITS_BOUND,
+    JUDGES_BITS,
+    MIN_BITS,
     PERTURBATIONS,
     Perturbation,
+    bits_kept,
     higher_precision,
+    one_ulp_up,
     reduction_length,
+    rounding_scale,
+    significant_bits,
     threshold,
 )
 from probe.modes.registry import register_mode
@@ -82,8 +93,18 @@ def eligible(info: OpClass) -> bool:
     )
 
 
-def _deviation(original: torch.Tensor, perturbed: torch.Tensor) -> torch.Tensor:
-    """``[max |p - o| / max(|o|, rms(o)), NaN/Inf mismatches, sign flips]``, fused once compiled."""
+_TINY = torch.finfo(torch.float64).tiny
+_RATIO_CAP = 1e30  # "no bits kept" needs no larger number, and JSON has no Infinity
+
+
+def _deviation(original: torch.Tensor, perturbed: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
+    """``[max_i ratio_i, NaN/Inf mismatches, sign flips]``, fused once compiled.
+
+    ``floors`` (fp64): the output dtype's smallest normal, and the inputs' rounding scale.
+    ``ratio_i = |p_i - o_i| / max(|o_i|, rms(o), smallest normal)``; where ``o`` is zero
+    everywhere it is ``|p_i| / floor``, or 0 when ``|p_i|`` is below ``floor``, the larger
+    of the two floors.
+    """
     o, p = original.to(torch.float64), perturbed.to(torch.float64)  # sums and ratios in fp64
     fo, fp = (o - o) == 0, (p - p) == 0
     same = (o == p) | ((o != o) & (p != p))
@@ -92,10 +113,16 @@ def _deviation(original: torch.Tensor, perturbed: torch.Tensor) -> torch.Tensor:
     zero = torch.zeros((), dtype=torch.float64, device=o.device)
     zo, zp = torch.where(both, o, zero), torch.where(both, p, zero)
     rms = torch.sqrt((zo * zo).sum() / both.to(torch.int64).sum().clamp(min=1))
-    scale = torch.maximum(zo.abs(), rms)
-    ratio = torch.where(scale > 0, (zp - zo).abs() / torch.where(scale > 0, scale, 1.0), zero)
+    # Below the smallest normal a dtype keeps an absolute precision, not a relative one:
+    # underflow is not a loss of significant bits to the op's conditioning.
+    tiny, floor = floors[0], floors.max()
+    change = (zp - zo).abs()
+    relative = change / torch.maximum(torch.maximum(zo.abs(), rms), tiny)
+    absolute = torch.where(change > floor, change / floor.clamp(min=_TINY), zero)
+    ratio = torch.where(rms > 0, relative, absolute)
     flips = ((zo * zp) < 0).to(torch.int64).sum()
-    return torch.stack([ratio.max(), mismatch.to(torch.float64), flips.to(torch.float64)])
+    return torch.stack([ratio.max().clamp(max=_RATIO_CAP), mismatch.to(torch.float64),
+                        flips.to(torch.float64)])
 
 
 _DEVIATION = CompiledKernel(_deviation)
@@ -155,8 +182,8 @@ class FreeBenchmarkMode(Mode):
         self.max_sample = max_sample
         self.max_checks_per_op = max_checks_per_op
         self._step = 0
-        # Preheat: per op name, the largest deviation seen (the writer thread keeps it).
-        self._preheat_max: dict[str, float] = defaultdict(float)
+        # Preheat: per (rule, op name), the largest deviation seen (the writer thread keeps it).
+        self._preheat_max: dict[tuple[str, str], float] = defaultdict(float)
         self._reset()
 
     def _reset(self) -> None:
@@ -197,20 +224,36 @@ class FreeBenchmarkMode(Mode):
             io, position, reason = call.skipped[0]
             self._skip(call, f"{io}put {position} is a {reason} tensor: not checked")
             return
+        name = self.perturbation.name
+        originals = list(call.output_tensors or ())
         try:
-            perturbed_out, delta = self._rerun(call, snapshot)
+            rerun, delta, inputs = self._rerun(call, snapshot)
+            # improve_precision measures the op's own rounding against its higher-precision
+            # result, and its inputs' rounding by a second run with every input one ULP up.
+            nudged, bits_delta = (self._rerun(call, snapshot, nudge=True)[:2] if name == "improve_precision"
+                                  else (None, 0.0))
         except torch.OutOfMemoryError:
             self._skip(call, "out of memory during the check")
             return
         except Exception as e:  # whatever the re-run raises (ValueError: _scaled_mm), training goes on
             self._skip(call, f"{type(e).__name__}: {str(e)[:200]}")
             return
+        for results in (rerun, nudged):
+            if results is not None and len(results) != len(originals):
+                self._skip(call, f"the re-run gave {len(results)} results, the op {len(originals)}")
+                return
+        # Which pairs each rule compares: (reference, re-run) per output.
+        with_originals = list(zip(originals, rerun, strict=True))
+        if nudged is not None:
+            rounding_pairs, bits_pairs = with_originals, list(zip(rerun, nudged, strict=True))
+        elif name in JUDGES_BITS:
+            rounding_pairs, bits_pairs = [], with_originals
+            bits_delta, delta = delta, 0.0
+        else:
+            rounding_pairs, bits_pairs = with_originals, []
+        floor = rounding_scale(inputs) if any(o.numel() for o in originals) else None
         up_to_sign = _UP_TO_SIGN.get(call.info.short, ())
-        originals = call.output_tensors or ()
-        if len(originals) != len(perturbed_out):
-            self._skip(call, f"the re-run gave {len(perturbed_out)} results, the op {len(originals)}")
-            return
-        for position, (original, perturbed) in enumerate(zip(originals, perturbed_out, strict=True)):
+        for position, (original, perturbed) in enumerate(zip(originals, rerun, strict=True)):
             if not (original.is_floating_point() and perturbed.is_floating_point()):
                 continue
             if position in up_to_sign and original.numel():
@@ -219,45 +262,66 @@ class FreeBenchmarkMode(Mode):
                 continue
             if original.shape != perturbed.shape:
                 continue
-            if original.numel():
-                # One working dtype for both: the kernel is compiled for two dtypes only.
-                work = torch.float64 if torch.float64 in (original.dtype, perturbed.dtype) else torch.float32
-                other = _flat(perturbed.to(original.device)).to(work)
-                self._results.append(_DEVIATION(_flat(original).to(work), other))
-                result_row = len(self._results) - 1
-            else:
-                result_row = -1
+            rows = {
+                rule: self._measure(pairs[position], original.dtype, floor) if pairs and original.numel()
+                else -1
+                for rule, pairs in (("rounding", rounding_pairs), ("bits", bits_pairs))
+            }
             self._pending.append({
                 "op": call.index, "op_id": call.op_id, "name": call.info.name, "module": call.module,
                 "phase": call.phase, "output": position, "dtype": dtype_name(original.dtype),
-                "shape": list(original.shape), "row": result_row, "delta": delta,
-                "reduction": reduction_length(call.info.name, call.args),
+                "shape": list(original.shape), "rows": rows, "delta": delta, "bits_delta": bits_delta,
+                "reduction": reduction_length(call.info.name, call.args, position),
+                "measured": [rule for rule, pairs in (("rounding", rounding_pairs), ("bits", bits_pairs))
+                             if pairs],
             })
             if self.handler == "fix":
                 with torch.no_grad():
                     original.copy_(perturbed.to(original.device))
 
+    def _measure(self, pair: tuple[torch.Tensor, torch.Tensor], out_dtype: torch.dtype,
+                 floor: torch.Tensor | None) -> int:
+        """Queue the deviation of ``pair[1]`` from ``pair[0]``; its row in the step's results."""
+        reference, other = pair
+        # One working dtype for both: the kernel is compiled for two dtypes only.
+        work = torch.float64 if torch.float64 in (reference.dtype, other.dtype) else torch.float32
+        device = reference.device
+        tiny = torch.full((1,), torch.finfo(out_dtype).tiny, dtype=torch.float64, device=device)
+        floors = torch.cat([tiny, tiny if floor is None else floor.to(device).reshape(1)])
+        self._results.append(_DEVIATION(_flat(reference).to(work), _flat(other.to(device)).to(work), floors))
+        return len(self._results) - 1
+
     def _skip(self, call: OpCall, reason: str, output: int | None = None) -> None:
         self._pending.append({
             "op": call.index, "op_id": call.op_id, "name": call.info.name, "module": call.module,
-            "phase": call.phase, "output": output, "dtype": None, "shape": None, "row": -1, "delta": 0.0,
-            "skip": reason,
+            "phase": call.phase, "output": output, "dtype": None, "shape": None, "skip": reason,
         })
 
-    def _rerun(self, call: OpCall, snapshot: dict[int, torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
-        """Run the op again on perturbed copies of its inputs; (its results, the input change)."""
+    def _rerun(self, call: OpCall, snapshot: dict[int, torch.Tensor], nudge: bool = False,
+               ) -> tuple[list[torch.Tensor], Any, list[torch.Tensor]]:
+        """Run the op again on perturbed copies of its inputs.
+
+        Returns its results, the relative input change, and the floating inputs as the op
+        read them. ``nudge`` (improve_precision's second run): every floating input is
+        moved one ULP up in its own dtype before it is computed in the higher precision.
+        """
         pert = self.perturbation
         target_device = torch.device("cpu") if pert.name == "to_cpu" else None
         deltas: list[Any] = []
+        inputs: list[torch.Tensor] = []
 
         def convert(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
                 t = snapshot.get(id(value), value)
                 if t.is_floating_point():
+                    inputs.append(t)
                     compute = higher_precision(t.dtype) if pert.name == "improve_precision" else None
+                    if nudge:
+                        t = one_ulp_up(t)
+                        deltas.append(torch.finfo(t.dtype).eps)
                     if compute is not None:
                         t = t.to(compute)
-                    else:
+                    elif not nudge:
                         t, delta = pert.perturb(t)
                         deltas.append(delta)
                 elif id(value) in snapshot:
@@ -281,7 +345,7 @@ class FreeBenchmarkMode(Mode):
         tensor_deltas = [d for d in deltas if isinstance(d, torch.Tensor)]
         if tensor_deltas:
             delta = torch.stack([*tensor_deltas]).max().clamp(min=delta)
-        return results, delta
+        return results, delta, inputs
 
     # -- step end -------------------------------------------------------------------
 
@@ -293,15 +357,33 @@ class FreeBenchmarkMode(Mode):
         return result
 
 
+# What the rounding rule compares each perturbation's run with, for the reasons of failed checks.
+_ROUNDING_REFERENCE = {"improve_precision": "the higher-precision result", "to_cpu": "the CPU result",
+                       "no_change": "a re-run", "change_value": "the run with swapped inputs"}
+
+
+def _fail_reason(rule: str, ratio: float, bound: float, mismatch: int, perturb: str,
+                 dtype: torch.dtype) -> str:
+    if mismatch:
+        return f"rule {rule}: {mismatch} elements became or stopped being NaN/Inf"
+    if rule == "bits":
+        return (f"rule bits: keeps {bits_kept(ratio, dtype):.1f} of {significant_bits(dtype)} significant "
+                f"bits given its inputs' rounding (relative change {ratio:.3g} > {bound:.3g}; "
+                f"fewer than {MIN_BITS} bits fail)")
+    return (f"rule rounding: differs from {_ROUNDING_REFERENCE.get(perturb, 'the re-run')} by {ratio:.3g} "
+            f"relative, more than its rounding allows ({bound:.3g})")
+
+
 class ChecksStep:
     """One step's checks: deviations still on their devices until written.
 
-    ``preheat_max`` (with preheat): each op's largest deviation while preheating, kept
-    across steps by the writes alone (one step at a time, in order), never by the mode.
+    ``preheat_max`` (with preheat): each (rule, op)'s largest deviation while preheating,
+    kept across steps by the writes alone (one step at a time, in order), never by the mode.
     """
 
     def __init__(self, step: int, pending: list[dict[str, Any]], results: list[torch.Tensor],
-                 perturb: str, handler: str, preheating: bool, preheat_max: dict[str, float] | None) -> None:
+                 perturb: str, handler: str, preheating: bool,
+                 preheat_max: dict[tuple[str, str], float] | None) -> None:
         self.step, self.pending, self.results = step, pending, results
         self.perturb, self.handler = perturb, handler
         self.preheating, self.preheat_max = preheating, preheat_max
@@ -309,31 +391,54 @@ class ChecksStep:
     def write(self, writer: StepWriter) -> dict[str, Any]:
         values = (torch.stack([r.to("cpu") for r in self.results]).numpy() if self.results
                   else np.zeros((0, 3)))
-        preheating, preheat_max = self.preheating, self.preheat_max
         counts = {PASS: 0, FAIL: 0, SKIP: 0}
         records = []
         for entry in self.pending:
-            record = {k: v for k, v in entry.items() if k not in ("row", "delta", "skip")}
+            record = {k: v for k, v in entry.items()
+                      if k not in ("rows", "delta", "bits_delta", "measured", "skip")}
             record["perturb"] = self.perturb
             if "skip" in entry:
                 record.update(verdict=SKIP, reason=entry["skip"])
             else:
-                delta = entry["delta"]
-                delta = float(delta) if not isinstance(delta, torch.Tensor) else float(delta.cpu())
-                ratio, mismatch, flips = values[entry["row"]] if entry["row"] >= 0 else (0.0, 0, 0)
-                bound = threshold(delta, getattr(torch, entry["dtype"]), entry["reduction"])
-                if preheat_max is not None and not preheating:
-                    bound = max(bound, 2 * preheat_max.get(entry["name"], 0.0))
-                record.update(ratio=float(ratio), threshold=bound, input_change=delta,
-                              nonfinite_mismatch=int(mismatch), sign_flips=int(flips))
-                if preheating and preheat_max is not None:
-                    preheat_max[entry["name"]] = max(preheat_max.get(entry["name"], 0.0), float(ratio))
-                    record.update(verdict=SKIP, reason="preheat")
-                elif mismatch or not ratio <= bound:
-                    record["verdict"] = FAIL
-                else:
-                    record["verdict"] = PASS
+                self._judge(entry, record, values)
             counts[record["verdict"]] += 1
             records.append(record)
         writer.write_jsonl(layout.CHECKS_FILE, records)
         return {"checks": len(records), **counts, "perturb": self.perturb, "handler": self.handler}
+
+    def _judge(self, entry: dict[str, Any], record: dict[str, Any], values: np.ndarray) -> None:
+        """The verdict of one check under each rule it measured; the record shows the deciding one."""
+        preheating, preheat_max = self.preheating, self.preheat_max
+        delta = entry["delta"]
+        delta = float(delta) if not isinstance(delta, torch.Tensor) else float(delta.cpu())
+        dtype = getattr(torch, entry["dtype"])
+        judged: dict[str, tuple[float, float, int, int]] = {}
+        for rule in entry["measured"]:
+            row = entry["rows"][rule]
+            ratio, mismatch, flips = values[row] if row >= 0 else (0.0, 0, 0)
+            bound = threshold(delta, dtype, entry["reduction"]) if rule == "rounding" else BITS_BOUND
+            if preheat_max is not None and not preheating:
+                bound = max(bound, 2 * preheat_max.get((rule, entry["name"]), 0.0))
+            judged[rule] = (float(ratio), bound, int(mismatch), int(flips))
+
+        def excess(rule: str) -> float:
+            ratio, bound, mismatch, _ = judged[rule]
+            return math.inf if mismatch or not ratio <= bound else ratio / bound
+
+        deciding = max(judged, key=excess)
+        ratio, bound, mismatch, flips = judged[deciding]
+        record.update(ratio=ratio, threshold=bound, input_change=max(delta, float(entry["bits_delta"])),
+                      nonfinite_mismatch=max(j[2] for j in judged.values()),
+                      sign_flips=max(j[3] for j in judged.values()), rule=deciding)
+        if "bits" in judged:
+            record["bits_kept"] = bits_kept(judged["bits"][0], dtype)
+        if preheating and preheat_max is not None:
+            for rule, (rule_ratio, *_) in judged.items():
+                key = (rule, entry["name"])
+                preheat_max[key] = max(preheat_max.get(key, 0.0), rule_ratio)
+            record.update(verdict=SKIP, reason="preheat")
+        elif excess(deciding) > 1:
+            reason = _fail_reason(deciding, ratio, bound, mismatch, self.perturb, dtype)
+            record.update(verdict=FAIL, reason=reason)
+        else:
+            record["verdict"] = PASS

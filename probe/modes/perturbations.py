@@ -1,26 +1,28 @@
-"""Input perturbations of the free-benchmark mode, and the checks' error bound.
+"""Input perturbations of the free-benchmark mode, and the checks' error bounds.
 
 Each perturbation turns an op's floating inputs into perturbed copies (or picks a
-higher compute precision) and says how large its own input change is, so the
-check can tell an op that merely passes a small change on (well-conditioned)
-from one that amplifies it (fragile):
+higher compute precision) and says how large its own input change is:
 
 | name | what changes | input change ``delta`` |
 | --- | --- | --- |
-| improve_precision | computed in fp32 (fp64 for fp32 inputs) | 0 |
+| improve_precision | computed in fp32 (fp64 for fp32 inputs); once more with inputs one ULP up | 0, 1 ULP |
 | add_noise | every normal element moved one ULP up (deterministic, no RNG) | 1 ULP |
 | bit_noise | the lowest mantissa bit of every normal element flipped | 1 ULP |
 | change_value | first and last element of each input swapped | measured |
 | no_change | nothing (a re-run: catches nondeterministic kernels) | 0 |
 | to_cpu | computed on the CPU (with a registered reference for custom ops) | 0 |
 
-The check fails when ``max_i |p_i - o_i| / max(|o_i|, rms(o))`` exceeds
-``CONDITION * delta + max(ROUNDING_ULPS * eps(out) * sqrt(K), RELATIVE_FLOOR)``:
-an op may amplify its input change 32-fold and round 4 ULPs of its output dtype
-(4 sqrt(K) for a contraction over K terms; and relative errors below 1e-5 never
-matter for training) before it is called fragile. Errors are measured against
-the tensor's rms for elements smaller than it, so a cancellation that leaves a
-small result in a large tensor is judged by what it does to that tensor.
+Two rules judge a check (docs/free_benchmark.md gives them in full):
+
+- **bits**: an input change of one ULP is twice the bound of the inputs' own rounding
+  (half an ULP), so half the output change it causes, relative to the output, says how
+  many significant bits the output keeps given that rounding: ``-log2(ratio / 2)``.
+  Fewer than ``MIN_BITS`` (a ratio above ``BITS_BOUND = 2 * 2**-MIN_BITS``) fails, in
+  every dtype: a total cancellation keeps none, fp32 ``sin`` of arguments near 1e4 keeps ten.
+- **rounding**: a result computed another way (higher precision, CPU, again) may
+  differ by ``CONDITION * delta + max(ROUNDING_ULPS * eps(out) * sqrt(K), RELATIVE_FLOOR)``
+  (4 sqrt(K) ULPs for a contraction over K terms; ``delta`` is 0 except for
+  ``change_value``); more means the op computed badly.
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ PERTURBATIONS = ("improve_precision", "add_noise", "bit_noise", "change_value", 
 CONDITION = 32.0
 ROUNDING_ULPS = 4.0
 RELATIVE_FLOOR = 1e-5
+MIN_BITS = 4
+# The bits rule's input change is one ULP; the inputs' own rounding is at most half of one:
+# the output change that rounding can make is this fraction of the measured one.
+ROUNDING_PER_ULP = 0.5
+BITS_BOUND = 2.0 ** -MIN_BITS / ROUNDING_PER_ULP
+# The perturbations whose input change is a rounding-sized one ULP: judged by the bits rule.
+JUDGES_BITS = ("improve_precision", "add_noise", "bit_noise")
 
 _HIGHER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
 
@@ -48,8 +57,37 @@ def eps(dtype: torch.dtype) -> float:
 
 
 def threshold(delta: float, out_dtype: torch.dtype, reduction: int = 1) -> float:
+    """The rounding rule's bound on the relative output change (see the module docstring)."""
     rounding = ROUNDING_ULPS * eps(out_dtype) * math.sqrt(max(reduction, 1))
     return CONDITION * delta + max(rounding, RELATIVE_FLOOR)
+
+
+def significant_bits(dtype: torch.dtype) -> int:
+    """Significant bits of a floating dtype (the stored mantissa and the implicit one)."""
+    return round(-math.log2(torch.finfo(dtype).eps)) + 1
+
+
+def bits_kept(ratio: float, dtype: torch.dtype) -> float:
+    """Significant bits an output keeps when a one-ULP input change moves it by ``ratio``."""
+    if ratio <= 0:
+        return float(significant_bits(dtype))
+    return min(float(significant_bits(dtype)), max(0.0, -math.log2(ratio * ROUNDING_PER_ULP)))
+
+
+def rounding_scale(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Half an ULP of the largest finite input element (fp64, 0-dim, on the device: no sync).
+
+    An all-zero output whose perturbed run is not zero is judged against it: a change
+    below the inputs' own rounding is no loss of bits (a change of an output that is
+    0 everywhere has no other yardstick).
+    """
+    scales = [
+        torch.where(t.isfinite(), t.detach().abs(), 0).amax().to(torch.float64) * (eps(t.dtype) / 2)
+        for t in tensors if t.is_floating_point() and t.numel()
+    ]
+    if not scales:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack([s.to(scales[0].device) for s in scales]).max()
 
 
 # Contractions: (argument holding the left operand, its contracted dimension).
@@ -61,13 +99,20 @@ _CONTRACTIONS = {
 }
 
 
-def reduction_length(name: str, args: Sequence[Any]) -> int:
-    """How many products each output element of a contraction sums (1 for other ops).
+def reduction_length(name: str, args: Sequence[Any], output: int = 0) -> int:
+    """How many terms each element of output ``output`` of a contraction sums (1 for other ops).
 
     Two runs of a sum of K terms round differently by about sqrt(K) ULPs (the
     random-walk model of floating-point summation), and libraries differ in how
     they block the sum (cuBLAS splits K where MKL does not): the bound grows with it.
+    Layer norm's backward sums over the normalized elements for the input's gradient
+    and over the rows for the weight's and the bias's.
     """
+    if name == "aten.native_layer_norm_backward.default":
+        if len(args) < 3 or not isinstance(args[0], torch.Tensor) or not isinstance(args[2], (list, tuple)):
+            return 1
+        normalized = math.prod(int(n) for n in args[2])
+        return max(normalized if output == 0 else args[0].numel() // max(normalized, 1), 1)
     where = _CONTRACTIONS.get(name)
     if where is None or len(args) <= where[0] or not isinstance(args[where[0]], torch.Tensor):
         return 1
@@ -111,6 +156,11 @@ def _flip_low_bit(t: torch.Tensor) -> torch.Tensor:
 # weight on CPU); small ones stay eager, where a compiled call costs more than it saves.
 _COMPILED = {"add_noise": CompiledKernel(_one_ulp_up), "bit_noise": CompiledKernel(_flip_low_bit)}
 _EAGER = {"add_noise": _one_ulp_up, "bit_noise": _flip_low_bit}
+
+
+def one_ulp_up(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with every finite normal element moved one ULP up (``add_noise``)."""
+    return _noise("add_noise", t)
 
 
 def _noise(name: str, t: torch.Tensor) -> torch.Tensor:
