@@ -163,6 +163,7 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
         report = probe.compare(
             args.run_a, args.run_b, steps=_int_list(args.steps), ranks=_int_list(args.ranks),
             module_map=_module_map(args.module_map),
+            **({} if args.replay_limit is None else {"replay_limit": args.replay_limit}),
             progress=lambda done, total: bar.update(task, completed=done, total=total),
         )
     if out is not None:
@@ -281,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--steps", help="comma-separated steps (default: all in common)")
     compare.add_argument("--ranks", help="comma-separated ranks (default: all in common)")
     compare.add_argument("--module-map", help="rename run B's modules: b_name=a_name,...")
+    compare.add_argument("--replay-limit", type=int, metavar="N",
+                         help="replay an op in fp64 to judge it only when its inputs hold at most N "
+                              "elements (default: probe.compare's, 4M; 0: never)")
     compare.add_argument("--fail-on-divergence", action="store_true",
                          help="exit 1 if a divergence is found or an op could not be compared")
     compare.set_defaults(func=_cmd_compare)

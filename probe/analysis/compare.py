@@ -57,6 +57,7 @@ from probe.analysis.verdicts import (
     RULE_THRESHOLDS,
     RULE_ULP,
     RULE_UNMATCHED,
+    RULE_UNMATCHED_PRODUCER,
     UNMATCHED,
     VERDICTS,
     WARNING,
@@ -74,6 +75,8 @@ from probe.rundir.reader import OpRecord, Run, TensorRecord
 METRIC_KEYS = ("cosine", "max_abs_err", "max_rel_err", "one_thousandth_ratio",
                "five_thousandth_ratio", "rmse", "max_ulp", "ref_rms")
 STATS_KEYS = ("max_rel", "min_rel", "mean_rel", "norm_rel", "nan_diff", "inf_diff")
+REPLAY_LIMIT = 4_000_000
+"""Default ``replay_limit``: inputs (elements) up to which an op is replayed in fp64 to judge it."""
 _WORSE_IS_LOWER = {"cosine", "one_thousandth_ratio", "five_thousandth_ratio"}
 
 
@@ -374,6 +377,16 @@ def _judge_by_replay(side_a: _Side, side_b: _Side, c: OpComparison) -> tuple[boo
     return False, worst_note or "consistent with precision (fp64 replay)"
 
 
+def _replay_skipped(c: OpComparison, replay_limit: int) -> str | None:
+    """Why the replay of ``c`` is skipped for its size (None: it is not)."""
+    assert c.a is not None and c.b is not None
+    elements = max(sum(t.numel for t in c.a.inputs), sum(t.numel for t in c.b.inputs))
+    if elements <= replay_limit:
+        return None
+    return (f"replay skipped: inputs of {elements} elements exceed replay_limit={replay_limit}"
+            if replay_limit else "replay disabled (replay_limit=0)")
+
+
 def _producer_error(by_index: dict[int, OpComparison], source: tuple[int, int]) -> float | None:
     producer = by_index.get(source[0])
     if producer is None or producer.a is None or producer.b is None:
@@ -384,6 +397,19 @@ def _producer_error(by_index: dict[int, OpComparison], source: tuple[int, int]) 
         if t.position == source[1] and source[1] < len(producer.b.outputs):
             return _error_of(t, producer.a.outputs[source[1]], producer.b.outputs[source[1]])
     return None
+
+
+def _input_error(side_a: _Side, side_b: _Side, c: OpComparison, position: int,
+                 t: TensorComparison) -> float | None:
+    """Input ``position``'s difference for the propagation bound: on data, over the elements
+    that differ (a mask's fill would otherwise dilute it); else as :func:`_error_of` says."""
+    assert c.a is not None and c.b is not None
+    if t.kind == "data" and t.verdict != PASS:
+        data_a, _ = side_a.data(c.a, "input", position)
+        data_b, _ = side_b.data(c.b, "input", position)
+        if data_a is not None and data_b is not None:
+            return precision.differing_error(data_a, data_b)
+    return _error_of(t, c.a.inputs[position], c.b.inputs[position])
 
 
 def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
@@ -398,7 +424,7 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
         t = compare_tensors(side_a, side_b, c.a, c.b, "input", position)
         if t.verdict == ERROR and t.rule in (RULE_SHAPE, RULE_NONFINITE):
             return None
-        error = _error_of(t, record, c.b.inputs[position])
+        error = _input_error(side_a, side_b, c, position, t)
         if error is None:  # the input's own record holds nothing: its producer's output may
             error = _producer_error(by_index, record.source)
         if error is None:
@@ -434,8 +460,155 @@ def _external_inputs_differ(side_a: _Side, side_b: _Side, c: OpComparison) -> li
     return differ
 
 
+def _one_run_producers(op: OpRecord, position: int, ops: dict[int, OpRecord], only: set[int],
+                       limit: int = 64) -> tuple[list[OpRecord], list[tuple[int, int]]] | None:
+    """The ops of one run only that produced input ``position`` of ``op`` (walking up through such
+    ops, earliest first), and the sources at their boundary: outputs of matched ops, whose
+    differences are known. None when more than ``limit`` such ops would have to be walked."""
+    source = op.inputs[position].source
+    if source is None or source[0] not in only:
+        return [], [] if source is None else [source]
+    found: dict[int, OpRecord] = {}
+    boundary: list[tuple[int, int]] = []
+    stack = [source[0]]
+    while stack:
+        index = stack.pop()
+        if index in found:
+            continue
+        if len(found) == limit:
+            return None
+        producer = found[index] = ops[index]
+        for record in producer.inputs:
+            if record.source is not None:
+                if record.source[0] in only:
+                    stack.append(record.source[0])
+                else:
+                    boundary.append(record.source)
+    return sorted(found.values(), key=lambda o: o.index), boundary
+
+
+def _edge_error(side_a: _Side, side_b: _Side, c: OpComparison, position: int,
+                records: tuple[TensorRecord | None, TensorRecord | None]) -> float | None:
+    """The difference of input ``position`` of ``c`` between the runs, as one relative number.
+
+    From the input's own data or statistics; when they were not recorded, from the
+    statistics of the producers' outputs that the input is (``records``, one per run).
+    """
+    assert c.a is not None and c.b is not None
+    t = compare_tensors(side_a, side_b, c.a, c.b, "input", position)
+    if t.rule == RULE_SHAPE and t.verdict == ERROR:
+        return None
+    if t.rule == RULE_NONFINITE:
+        return math.inf
+    error = _input_error(side_a, side_b, c, position, t)
+    ra, rb = records
+    if error is None and ra is not None and rb is not None and ra.stats is not None \
+            and rb.stats is not None and ra.numel == rb.numel:
+        error = precision.stats_error(ra.stats, rb.stats, ra.numel)
+    return error
+
+
+@dataclass
+class _RunView:
+    """One run's side of a step as the unmatched-producer rule walks it."""
+
+    side: _Side
+    ops: dict[int, OpRecord]
+    """The step's ops by index."""
+    comparisons: dict[int, OpComparison]
+    """Comparison rows by this run's op index."""
+    only: set[int]
+    """Indices of the ops that exist in this run only."""
+
+    def output_record(self, source: tuple[int, int] | None) -> TensorRecord | None:
+        producer = self.ops.get(source[0]) if source is not None else None
+        if producer is None or source is None or source[1] >= len(producer.outputs):
+            return None
+        return producer.outputs[source[1]]
+
+
+def _upstream_error(view: _RunView, boundary: list[tuple[int, int]]) -> float | None:
+    """The largest difference of the matched outputs at ``boundary`` (None: one is unknown)."""
+    upstream = 0.0
+    for source in boundary:
+        error = _producer_error(view.comparisons, source)
+        if error is None:
+            return None
+        upstream = max(upstream, error)
+    return upstream
+
+
+def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
+                               ) -> tuple[OpComparison, str] | None:
+    """(the one-run-only op to blame, why) when an input of ``c`` produced by ops of one run
+    only differs by more than the matched ops upstream of them and rounding explain.
+
+    Each input whose producer exists in one run only is traced up to the matched ops
+    feeding those producers. Its difference at ``c`` is bounded by ``CONDITION`` x their
+    difference plus each run's rounding of the input's dtype over that chain; beyond it,
+    the difference entered in the one-run-only ops (a re-implemented module). The earliest
+    of them in the module that holds them all is blamed (run B's when both runs have some).
+    None when no such input differs beyond its bound or a difference is unknown.
+    """
+    assert c.a is not None and c.b is not None
+    ops = (c.a, c.b)
+    for position in range(min(len(c.a.inputs), len(c.b.inputs))):
+        walks = [_one_run_producers(op, position, view.ops, view.only)
+                 for op, view in zip(ops, views, strict=True)]
+        if not any(w is None or w[0] for w in walks):
+            continue  # both runs' producers are matched: the ordinary rules judge this input
+        upstream = [_upstream_error(view, w[1]) if w is not None else None
+                    for view, w in zip(views, walks, strict=True)]
+        if any(w is None for w in walks) or any(u is None for u in upstream):
+            continue  # a chain too long to bound, or an input of it unknown: judged as before
+        sources = [op.inputs[position].source for op in ops]
+        difference = _edge_error(views[0].side, views[1].side, c, position,
+                                 (views[0].output_record(sources[0]), views[1].output_record(sources[1])))
+        if difference is None:
+            continue
+        on_data = views[0].side.dump is not None and views[1].side.dump is not None
+        rounding = sum(precision.rounding(_chain_precision(op.inputs[position], w[0]), len(w[0]) + 1,
+                                          floor=on_data)
+                       for op, w in zip(ops, walks, strict=True) if w is not None)
+        worst_upstream = max(u for u in upstream if u is not None)
+        bound = precision.CONDITION * worst_upstream + rounding
+        if difference <= bound:
+            continue
+        k = 1 if walks[1] and walks[1][0] else 0  # run B's re-implementation when both runs have some
+        producers = walks[k][0]  # type: ignore[index]
+        module = _common_module([p.module for p in producers])
+        blamed = next((p for p in producers if p.module == module), producers[0])
+        names = ", ".join(sorted({p.name for p in producers}))
+        message = (f"input {position} of {c.a.id} differs by {difference:.3g} (relative), beyond "
+                   f"{precision.CONDITION:g} x the {worst_upstream:.3g} of the matched ops upstream + "
+                   f"rounding {rounding:.3g} = {bound:.3g}: it was produced by ops that exist in run "
+                   f"{'AB'[k]} only ({len(producers)} op(s): {names}, in {module or '<outside modules>'})")
+        return views[k].comparisons[blamed.index], message
+    return None
+
+
+def _chain_precision(record: TensorRecord, producers: list[OpRecord]) -> torch.dtype:
+    """The lowest precision a value was held in on its way through ``producers`` to ``record``:
+    a cast to bf16 and back rounds as bf16 even though both ends are fp32."""
+    held = [_dtype(record)] + [d for op in producers
+                               for d in (precision.input_precision(op), precision.output_precision(op))
+                               if d is not None]
+    return max(held, key=lambda d: torch.finfo(d).eps)
+
+
+def _common_module(modules: list[str]) -> str:
+    """The innermost module holding all of ``modules`` ('' when none does)."""
+    parts = [m.split(".") if m else [] for m in modules]
+    common: list[str] = []
+    for names in zip(*parts, strict=False):  # stops at the shortest
+        if len(set(names)) != 1:
+            break
+        common.append(names[0])
+    return ".".join(common)
+
+
 def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
-           lowerings: dict[int, precision.Lowering]) -> None:
+           lowerings: dict[int, precision.Lowering], replay_limit: int = 0) -> None:
     """Re-judges each op, in execution order, with the precision each run computed it in.
 
     Sets ``verdict``, ``rule`` and ``enters``: an op lowering precision unexplained is an
@@ -444,13 +617,28 @@ def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
     the thresholds and downstream of a divergence, it is an error carried from it.
     """
     by_index = {c.a.index: c for c in comparisons if c.a is not None}
+    views = (
+        _RunView(side_a, {op.index: op for op in side_a.ops}, by_index,
+                 {c.a.index for c in comparisons if c.a is not None and c.b is None}),
+        _RunView(side_b, {op.index: op for op in side_b.ops},
+                 {c.b.index: c for c in comparisons if c.b is not None},
+                 {c.b.index for c in comparisons if c.b is not None and c.a is None}),
+    )
     # Ops a divergence reached, by index in each run (through errors or warnings).
     reached_a: set[int] = set()
     reached_b: set[int] = set()
     for c in comparisons:
         tainted = (c.a is not None and (_tainted(c, by_index) or _reads(c.a, reached_a))) \
             or (c.b is not None and _reads(c.b, reached_b))
-        _judge_op(side_a, side_b, c, by_index, lowerings, tainted)
+        if not tainted and c.a is not None and c.b is not None \
+                and (_reads(c.a, views[0].only) or _reads(c.b, views[1].only)):
+            entered = _entered_through_unmatched(c, views)
+            if entered is not None:
+                blamed, message = entered
+                blamed.verdict, blamed.rule, blamed.enters = ERROR, RULE_UNMATCHED_PRODUCER, True
+                blamed.message = f"{message}; {blamed.message}" if blamed.message else message
+                tainted = True
+        _judge_op(side_a, side_b, c, by_index, lowerings, tainted, replay_limit)
         if tainted or c.verdict == ERROR:
             reached_a.update([c.a.index] if c.a is not None else [])
             reached_b.update([c.b.index] if c.b is not None else [])
@@ -461,7 +649,7 @@ def _reads(op: OpRecord, indices: set[int]) -> bool:
 
 
 def _judge_op(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int, OpComparison],
-              lowerings: dict[int, precision.Lowering], tainted: bool) -> None:
+              lowerings: dict[int, precision.Lowering], tainted: bool, replay_limit: int) -> None:
     """Sets ``c``'s verdict, rule and ``enters``; ``tainted``: an input comes from a divergence."""
     if c.b is not None and c.b.index in lowerings:
         message = lowerings[c.b.index].message
@@ -480,9 +668,12 @@ def _judge_op(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int,
         c.message = "; ".join([c.message, *outside] if c.message else outside)
         return
     # Downstream of a divergence a replay would only say where it grows: the cheap bound does.
-    judged, rule = (None if tainted else _judge_by_replay(side_a, side_b, c)), RULE_REPLAY
+    skipped = None if tainted else _replay_skipped(c, replay_limit)
+    judged, rule = (None if tainted or skipped else _judge_by_replay(side_a, side_b, c)), RULE_REPLAY
     if judged is None:
         judged, rule = _judge_by_propagation(side_a, side_b, c, by_index), RULE_PROPAGATION
+        if judged is not None and skipped and _replayable(side_a, c.a) and _replayable(side_b, c.b):
+            judged = (judged[0], f"{judged[1]} ({skipped})")
     if judged is None:  # an input unknown: the thresholds alone decide
         c.enters = magnitude == ERROR and not tainted
         return
@@ -519,7 +710,8 @@ def _divergence(run_a: Run, step: int, rank: int, comparisons: list[OpComparison
 
 def compare_step(run_a: Run, run_b: Run, step: int, rank: int,
                  module_map: dict[str, str] | None = None,
-                 on_op: Callable[[], None] | None = None) -> StepComparison:
+                 on_op: Callable[[], None] | None = None,
+                 replay_limit: int = REPLAY_LIMIT) -> StepComparison:
     side_a, side_b = _Side(run_a, step, rank), _Side(run_b, step, rank)
     matches = match_ops(side_a.ops, side_b.ops, module_map)
     comparisons = []
@@ -529,16 +721,16 @@ def compare_step(run_a: Run, run_b: Run, step: int, rank: int,
             on_op()
     partner_of_b = {m.b.index: m.a for m in matches if m.a is not None and m.b is not None}
     lowerings = precision.lowered_precision(side_a.ops, side_b.ops, partner_of_b)
-    _judge(side_a, side_b, comparisons, lowerings)
+    _judge(side_a, side_b, comparisons, lowerings, replay_limit)
     divergence = _divergence(run_a, step, rank, comparisons)
     policy = precision.describe_policy(side_a.ops, side_b.ops)
     return StepComparison(step, rank, comparisons, divergence, policy)
 
 
 def _compare_rank(path_a: str, path_b: str, steps: list[int], rank: int,
-                  module_map: dict[str, str] | None) -> list[StepComparison]:
+                  module_map: dict[str, str] | None, replay_limit: int) -> list[StepComparison]:
     run_a, run_b = Run(path_a), Run(path_b)
-    return [compare_step(run_a, run_b, step, rank, module_map) for step in steps]
+    return [compare_step(run_a, run_b, step, rank, module_map, replay_limit=replay_limit) for step in steps]
 
 
 class Report:
@@ -679,11 +871,16 @@ def compare(
     a: str | Path | Run, b: str | Path | Run, steps: list[int] | None = None,
     ranks: list[int] | None = None, module_map: dict[str, str] | None = None,
     processes: int | None = None, progress: Callable[[int, int], None] | None = None,
+    replay_limit: int = REPLAY_LIMIT,
 ) -> Report:
     """Compare run ``b`` against the reference run ``a``; see the module docstring.
 
-    ``progress(done, total)`` is called as ops of run A are compared.
+    ``progress(done, total)`` is called as ops of run A are compared. ``replay_limit``:
+    ops whose inputs hold more elements (in either run) are judged by the propagation
+    bound instead of an fp64 replay; 0 disables the replay.
     """
+    if type(replay_limit) is not int or replay_limit < 0:
+        raise ProbeError(f"replay_limit must be a non-negative int, got {replay_limit!r}")
     run_a = a if isinstance(a, Run) else Run(a)
     run_b = b if isinstance(b, Run) else Run(b)
     missing: list[str] = []
@@ -718,14 +915,15 @@ def compare(
         # kernel, the compiled metrics) deadlocks in the child's first parallel region.
         spawn = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool:
-            futures = {pool.submit(_compare_rank, str(run_a.path), str(run_b.path), s, r, module_map): r
+            futures = {pool.submit(_compare_rank, str(run_a.path), str(run_b.path), s, r, module_map,
+                                   replay_limit): r
                        for r, s in plan.items()}
             results = []
             for future in as_completed(futures):
                 results += future.result()
                 advance(sum(n for (_, r), n in sizes.items() if r == futures[future]))
     else:
-        results = [compare_step(run_a, run_b, s, r, module_map, advance)
+        results = [compare_step(run_a, run_b, s, r, module_map, advance, replay_limit)
                    for r, ss in plan.items() for s in ss]
     return Report(run_a.path, run_b.path, sorted(results, key=lambda s: (s.step, s.rank)), missing)
 

@@ -36,6 +36,7 @@ __all__ = [
     "Lowering",
     "data_error",
     "describe_policy",
+    "differing_error",
     "lowered_precision",
     "own_error",
     "rounding",
@@ -230,6 +231,23 @@ def data_error(m: TensorMetrics | dict) -> float:
     if max_abs == 0:
         return 0.0
     return max_abs / rms if rms > 0 else math.inf
+
+
+def differing_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |b - a| / rms(a)``, both over the finite elements where the runs differ (0 when none).
+
+    For an input's difference in the propagation bound: elements equal in both runs (a
+    mask's fill of ``finfo.min``, padding) say nothing of how far the runs are apart and,
+    in the rms, would make any difference look negligible.
+    """
+    x = a.detach().to("cpu", torch.float64).reshape(-1)
+    y = b.detach().to("cpu", torch.float64).reshape(-1)
+    differ = torch.isfinite(x) & torch.isfinite(y) & (x != y)
+    if not bool(differ.any()):
+        return 0.0
+    x, y = x[differ], y[differ]
+    rms = float(x.square().mean().sqrt())
+    return float((y - x).abs().max()) / rms if rms > 0 else math.inf
 
 
 def stats_error(a: dict, b: dict, numel: int) -> float:

@@ -42,6 +42,7 @@ RULE_REPLAY = "replay"                # fp64 replay on each run's inputs: own ro
 RULE_PROPAGATION = "propagation"      # inputs' difference x 32 + each run's rounding
 RULE_LOWERED = "lowered precision"    # computed lower than run A, unexplained by B's policy
 RULE_CARRIED = "carried"              # downstream of a divergence, beyond the thresholds
+RULE_UNMATCHED_PRODUCER = "unmatched producer"  # entered through ops that exist in one run only
 VERDICTS = (PASS, WARNING, ERROR, UNMATCHED, NOT_COMPARED)
 """Every verdict, in the order reports count them."""
 SEVERITY = {PASS: 0, UNMATCHED: 1, WARNING: 2, NOT_COMPARED: 3, ERROR: 4}

@@ -1,0 +1,123 @@
+"""Ops that exist in one run only are not a blind spot: a module re-implemented in run B (same
+dtype, other ops) that computes wrongly is the first divergence, a faithful re-implementation
+is rounding only; and the fp64 replay can be bounded (``replay_limit``) without losing the answers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import probe
+from probe.cli import main
+from probe.errors import ProbeError
+
+transformers = pytest.importorskip("transformers", reason="transformers is an optional test dependency")
+
+from test_precision_divergence import DUMP, NORM, O_PROJ, STATS, _llama, _record  # noqa: E402
+
+ACT = "model.layers.1.mlp.act_fn"
+MLP_MUL = "forward:model.layers.1.mlp[0]:aten.mul.Tensor:0"  # act_fn(gate_proj(x)) * up_proj(x)
+
+
+def _silu_by_hand(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(x)
+
+
+def _silu_with_a_bug(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.1 * x)
+
+
+def _run(out, modes, act=None):
+    """Both runs fp32; in B, ``layers.1.mlp.act_fn`` (SiLU, one aten op) replaced by ``act``."""
+    model = _llama()
+    if act is not None:
+        model.get_submodule(ACT).forward = act
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(1))
+    with probe.mode(list(modes), out=out, model=model):
+        model(input_ids=ids, labels=ids).loss.backward()
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reference")
+    return {modes: _run(root / "-".join(modes), modes) for modes in (DUMP, STATS)}
+
+
+@pytest.mark.parametrize("modes", [DUMP, STATS], ids=["dump", "stats"])
+def test_a_wrong_reimplementation_of_a_module_is_the_first_divergence(references, tmp_path, modes):
+    report = probe.compare(references[modes], _run(tmp_path / "b", modes, _silu_with_a_bug))
+    d = report.divergence
+    assert d is not None, report.conclusion
+    assert d.op.module == ACT and d.rule == "unmatched producer", (d.op.id, d.comparison.message)
+    assert d.op_a is None and d.op_b is not None  # the re-implementation's ops exist in run B only
+    assert report.first_divergence == (None, d.op_b)
+    message = d.comparison.message
+    assert "exist in run B only" in message and f"in {ACT})" in message
+    assert "aten.sigmoid.default" in message and f"input 0 of {MLP_MUL}" in message
+    assert report.summary["first_divergence"]["module"] == ACT
+    assert report.conclusion == f"first divergence at {d.op_b.id} in {ACT} (rule: unmatched producer)"
+    # Nothing before it is an error, and what it causes downstream is (its consumer first).
+    order = report.comparisons
+    assert all(c.verdict != "error" for c in order[:order.index(d.comparison)])
+    consumer = next(c for c in order if c.a is not None and c.a.id == MLP_MUL)
+    assert consumer.verdict == "error" and consumer.rule in ("carried", "propagation", "replay")
+    assert not consumer.enters
+
+
+def test_the_faulty_modules_ops_are_unmatched_on_both_sides(references, tmp_path):
+    """Why the rule is needed: no op of the faulty module is matched (silu in A; mul, sigmoid, mul
+    in B), and each matched op computes correctly on its own inputs."""
+    report = probe.compare(references[DUMP], _run(tmp_path / "b", DUMP, _silu_with_a_bug))
+    unmatched_b = [c for c in report.comparisons if c.a is None and c.b is not None and c.b.module == ACT]
+    assert unmatched_b and {c.b.name for c in unmatched_b} >= {"aten.sigmoid.default", "aten.mul.Tensor"}
+    unmatched_a = [c for c in report.comparisons if c.b is None and c.a is not None and c.a.module == ACT]
+    assert [c.a.name for c in unmatched_a if c.a.phase == "forward"] == ["aten.silu.default"]
+
+
+@pytest.mark.parametrize("modes", [DUMP, STATS], ids=["dump", "stats"])
+def test_a_faithful_reimplementation_is_rounding_only(references, tmp_path, modes):
+    report = probe.compare(references[modes], _run(tmp_path / "b", modes, _silu_by_hand))
+    assert report.divergence is None, report.conclusion
+    assert report.counts["error"] == 0 and report.ok
+    assert report.counts["unmatched"] > 0  # the two implementations' ops stay unmatched
+    assert not any(row["rule"] == "unmatched producer" for row in report.rows)
+
+
+def test_replay_limit_zero_keeps_the_answers_and_says_why(tmp_path):
+    reference = _record(tmp_path / "a", DUMP)
+    healthy = probe.compare(reference, _record(tmp_path / "autocast", DUMP, autocast=True), replay_limit=0)
+    assert healthy.divergence is None and healthy.counts["error"] == 0
+    assert healthy.conclusion == "no divergence: differences consistent with bf16 autocast"
+    warned = [row for row in healthy.rows if row["verdict"] == "warning"]
+    assert len(warned) > 100 and {row["rule"] for row in warned} == {"propagation"}
+    assert sum("replay disabled (replay_limit=0)" in row["message"] for row in warned) > 100
+    for fault, module in (("norm", NORM), ("o_proj", O_PROJ)):
+        report = probe.compare(reference, _record(tmp_path / fault, DUMP, fault=fault), replay_limit=0)
+        d = report.divergence
+        assert d is not None and d.op.module == module and d.rule == "lowered precision", fault
+    report = probe.compare(reference, _run(tmp_path / "act", DUMP, _silu_with_a_bug), replay_limit=0)
+    assert report.divergence is not None and report.divergence.op.module == ACT
+
+
+def test_replay_limit_by_size(tmp_path):
+    """Ops whose inputs exceed the limit fall back to propagation and say so; smaller ones replay."""
+    reference = _record(tmp_path / "a", DUMP)
+    report = probe.compare(reference, _record(tmp_path / "b", DUMP, autocast=True), replay_limit=2048)
+    warned = [row for row in report.rows if row["verdict"] == "warning"]
+    skipped = [row for row in warned if "exceed replay_limit=2048" in row["message"]]
+    assert skipped and all(row["rule"] == "propagation" for row in skipped)
+    assert any(row["rule"] == "replay" for row in warned)
+    assert report.divergence is None and report.counts["error"] == 0
+    with pytest.raises(ProbeError, match="replay_limit"):
+        probe.compare(reference, reference, replay_limit=-1)
+
+
+def test_cli_replay_limit(references, tmp_path, capsys):
+    b = _run(tmp_path / "b", DUMP, _silu_with_a_bug)
+    out = tmp_path / "report"
+    code = main(["compare", str(references[DUMP]), str(b), "--replay-limit", "0", "-o", str(out),
+                 "--fail-on-divergence"])
+    assert code == 1
+    summary = (out / "report.json").read_text()
+    assert '"rule": "unmatched producer"' in summary and ACT in summary
