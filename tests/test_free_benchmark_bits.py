@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
+from hf_models import tiny_gpt2, tiny_llama
 from torch import nn
 
 import probe
@@ -86,16 +87,11 @@ def test_an_exactly_zero_output_that_stays_zero_passes(tmp_path, perturb):
 
 
 def _llama() -> nn.Module:
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, attn_implementation="eager",
-    ))
+    return tiny_llama(seed=None, hidden_size=64, intermediate_size=128, max_position_embeddings=256)
 
 
 def _gpt2() -> nn.Module:
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=0, eos_token_id=0,
-    ))
+    return tiny_gpt2(seed=None, n_embd=64, n_positions=256, bos_token_id=0, eos_token_id=0)
 
 
 @pytest.mark.parametrize("perturb", [DEFAULT, "add_noise"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_models import tiny_llama
 
 import probe
 
@@ -11,13 +12,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is an op
 
 
 def _model():
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
+    return tiny_llama()
 
 
 def _train(model, session=None):

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from hf_models import tiny_gpt2
 
 import probe
 from probe import ProbeError
@@ -44,10 +45,7 @@ DETAILED = {
 
 
 def _gpt2():
-    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2,
-                                     attn_implementation="eager")
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config)
+    return tiny_gpt2(vocab_size=64, n_positions=32, n_embd=16, n_head=2, attn_implementation="eager")
 
 
 def _train(model, session, steps=2, plant=None, lr=1e-3):

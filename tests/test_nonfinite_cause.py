@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_models import tiny_gpt2
 
 import probe
 from probe.analysis.summary import summarize_step
@@ -20,10 +21,7 @@ VOCAB = 128
 
 
 def _gpt2() -> torch.nn.Module:
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=3, n_head=4,
-                                     bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config).to(torch.float16)
+    return tiny_gpt2(vocab_size=VOCAB, n_layer=3, bos_token_id=0, eos_token_id=0).to(torch.float16)
 
 
 def _train(model: torch.nn.Module, out, steps: int = 1) -> probe.Run:

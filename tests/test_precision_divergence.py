@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_models import tiny_gpt2, tiny_llama
 
 import probe
 
@@ -16,13 +17,7 @@ O_PROJ = "model.layers.1.self_attn.o_proj"
 
 
 def _llama():
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
+    return tiny_llama(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_key_value_heads=4)
 
 
 def _norm_in_bf16_without_eps(norm: torch.nn.Module) -> None:
@@ -123,10 +118,7 @@ def test_report_files_carry_the_rule(references, tmp_path):
 
 
 def _gpt2_run(out, dtype):
-    config = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=4,
-                                     attn_implementation="eager")
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).to(dtype)
+    model = tiny_gpt2(n_positions=32, n_embd=64, attn_implementation="eager").to(dtype)
     ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(1))
     with probe.mode(list(DUMP), out=out, model=model):
         model(input_ids=ids, labels=ids).loss.backward()

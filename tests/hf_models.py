@@ -1,0 +1,34 @@
+"""Tiny HF transformers models from a config, random weights, for tests (nothing downloaded).
+
+Each test file passes the sizes it needs; ``seed`` makes the weights reproducible (None: the
+caller seeds, or does not care).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def tiny_llama(seed: int | None = 0, **config: Any) -> torch.nn.Module:
+    """A ``LlamaForCausalLM`` with eager attention; ``config`` overrides the sizes below."""
+    import transformers
+
+    sizes: dict[str, Any] = dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
+    )
+    if seed is not None:
+        torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**sizes, **config}))
+
+
+def tiny_gpt2(seed: int | None = 0, **config: Any) -> torch.nn.Module:
+    """A ``GPT2LMHeadModel``; ``config`` overrides the sizes below."""
+    import transformers
+
+    sizes: dict[str, Any] = dict(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4)
+    if seed is not None:
+        torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**sizes, **config}))
