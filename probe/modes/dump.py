@@ -34,7 +34,7 @@ import torch
 from probe.errors import ProbeError
 from probe.modes.base import Mode
 from probe.modes.registry import register_mode
-from probe.options import host_memory_bytes, show
+from probe.options import host_memory_bytes, parse_bool, parse_choice, parse_int
 from probe.rundir import layout
 from probe.rundir.call_args import encode_args
 from probe.rundir.mode_files import ModeFiles
@@ -54,18 +54,6 @@ CONJ, NEG = 1, 2
 # A view's span is widened to its whole storage when that costs at most this
 # factor more bytes: later views of the same storage then need no copy.
 _WHOLE_STORAGE_FACTOR = 2
-
-
-def _positive_int(option: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ProbeError(f"option {option!r}: expected a positive number of bytes, got {show(value)}")
-    return value
-
-
-def _choice(option: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ProbeError(f"option {option!r}: {show(value)} is not one of {list(choices)}")
-    return value
 
 
 def not_dumpable(t: torch.Tensor) -> str | None:
@@ -299,18 +287,16 @@ class DumpMode(Mode):
         on_error: str = "warn",
         checksum: bool = False,
     ) -> None:
-        self.tensors = _choice("tensors", tensors, TENSOR_CHOICES)
-        self.shard_size = _positive_int("shard_size", shard_size)
-        self.memory_budget = _positive_int("memory_budget", memory_budget)
+        self.tensors = parse_choice("tensors", tensors, TENSOR_CHOICES)
+        self.shard_size = parse_int("shard_size", shard_size, 1)
+        self.memory_budget = parse_int("memory_budget", memory_budget, 1)
         host = host_memory_bytes()
         if host is not None and self.memory_budget > host:  # its buffers would fail to allocate mid-run
             raise ProbeError(f"option 'memory_budget': {memory_budget} bytes is more than this machine's "
                              f"memory ({host} bytes)")
-        self.on_budget = _choice("on_budget", on_budget, BUDGET_POLICIES)
-        self.on_error = _choice("on_error", on_error, ERROR_POLICIES)
-        if not isinstance(checksum, bool):
-            raise ProbeError(f"option 'checksum': expected True or False, got {show(checksum)}")
-        self.checksum = checksum
+        self.on_budget = parse_choice("on_budget", on_budget, BUDGET_POLICIES)
+        self.on_error = parse_choice("on_error", on_error, ERROR_POLICIES)
+        self.checksum = parse_bool("checksum", checksum)
         self._dump_inputs = tensors in ("all", "inputs")
         self._dump_outputs = tensors in ("all", "outputs")
         self._writer: ShardWriter | None = None

@@ -24,7 +24,7 @@ from probe.modes.nonfinite_params import NonfiniteParameters, NonfiniteParameter
 from probe.modes.registry import register_mode
 from probe.modes.stat_rows import PendingRows, StepRows
 from probe.modes.tensor_stats import BACKENDS, TensorStats, finalize
-from probe.options import show
+from probe.options import parse_bool, parse_choice, show
 from probe.rundir import layout
 from probe.rundir.mode_files import ModeFiles
 from probe.rundir.reading import expect, reading
@@ -139,10 +139,8 @@ class StatsMode(Mode):
     ) -> None:
         """``saturation``: count values at +-max of their dtype as Inf ("auto": on devices whose
         overflow saturates, i.e. an Ascend NPU without inf/nan support; True: everywhere)."""
-        if not isinstance(inputs, bool):
-            raise ProbeError(f"option 'inputs': expected True or False, got {show(inputs)}")
-        if stats_backend not in BACKENDS:
-            raise ProbeError(f"option 'stats_backend': {show(stats_backend)} is not one of {list(BACKENDS)}")
+        parse_bool("inputs", inputs)
+        parse_choice("stats_backend", stats_backend, BACKENDS)
         if not (isinstance(saturation, bool) or (isinstance(saturation, str) and saturation == "auto")):
             raise ProbeError(f"option 'saturation': expected True, False or 'auto', got {show(saturation)}")
         self.inputs = inputs
