@@ -244,7 +244,7 @@ class Tracer:
             self._unwritten.add(index)
         for mode in self._before_modes:
             mode.before(call)
-        if self._replacer is not None and not info.compiled_region:
+        if self._replacer is not None:
             out = self._replacer.run(call, func, args, kwargs)
         else:
             out = func(*args, **kwargs)
