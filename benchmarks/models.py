@@ -1,8 +1,9 @@
 """The models the overhead benchmark trains.
 
-Both are ``probe.demo.model.TinyLlama``: the demo's default size, and one
-decoder layer at LLaMA2-7B width with a small vocabulary, sized so that a
-training step takes seconds on a CPU.
+``demo`` and ``llama7b-shaped`` are ``probe.demo.model.TinyLlama``: the demo's default
+size, and one decoder layer at LLaMA2-7B width with a small vocabulary, sized so that a
+training step takes seconds on a CPU. ``hf-llama-small`` and ``hf-llama7b-width`` are
+HF transformers Llamas of ``benchmarks.workloads`` (random weights from a config).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from benchmarks.workloads import HF_LLAMA7B_WIDTH, HF_LLAMA_SMALL, Trainer, _hf_llama
 from probe.demo.model import LlamaConfig, TinyLlama
 from probe.demo.train import DemoTraining
 
@@ -66,4 +68,41 @@ LLAMA7B_SHAPED = ModelSpec(
     foreach=False,
 )
 
-MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (DEMO, LLAMA7B_SHAPED)}
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """A workload of ``benchmarks.workloads`` (an HF model) in the overhead benchmark's terms."""
+
+    name: str
+    shape: tuple[str, int, int, int, int, int, int, int]
+    """The arguments of ``workloads._hf_llama``: name, hidden, intermediate, layers, heads,
+    vocab, batch, seq."""
+    dtype_mode: str = "fp32"
+
+    def with_seq(self, seq: int) -> WorkloadSpec:
+        return replace(self, shape=(*self.shape[:7], seq))  # type: ignore[arg-type]
+
+    def with_dtype(self, dtype_mode: str) -> WorkloadSpec:
+        return replace(self, dtype_mode=dtype_mode)
+
+    def trainer(self, seed: int = 0, device: str = "cpu") -> Trainer:
+        torch.manual_seed(seed)
+        return _hf_llama(*self.shape).build(device, self.dtype_mode)
+
+    def num_params(self) -> int:
+        _, hidden, inter, layers, _, vocab, _, _ = self.shape
+        return 2 * vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden) + hidden
+
+    def describe(self) -> str:
+        _, hidden, inter, layers, heads, vocab, batch, seq = self.shape
+        return (
+            f"HF LlamaForCausalLM hidden {hidden}, heads {heads}, intermediate {inter}, layers {layers}, "
+            f"vocab {vocab}; batch {batch}, seq {seq}; {self.dtype_mode}; AdamW foreach=default"
+        )
+
+
+HF_LLAMA_SMALL_SPEC = WorkloadSpec("hf-llama-small", HF_LLAMA_SMALL)
+HF_LLAMA7B_WIDTH_SPEC = WorkloadSpec("hf-llama7b-width", HF_LLAMA7B_WIDTH, dtype_mode="bf16")
+
+MODELS: dict[str, ModelSpec | WorkloadSpec] = {
+    spec.name: spec for spec in (DEMO, LLAMA7B_SHAPED, HF_LLAMA_SMALL_SPEC, HF_LLAMA7B_WIDTH_SPEC)
+}

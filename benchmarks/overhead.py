@@ -2,8 +2,9 @@
 
 Run from the repository root::
 
-    python -m benchmarks.overhead [--quick] [--model demo|llama7b-shaped|all]
-                                  [--steps N] [--warmup N] [--threads N] [--markdown]
+    python -m benchmarks.overhead [--quick] [--model demo|llama7b-shaped|hf-llama-small|
+                                  hf-llama7b-width|all] [--steps N] [--warmup N]
+                                  [--threads N] [--dtype fp32|bf16] [--peers] [--markdown]
 
 Configurations (each trains its own model and optimizer, built from the same seed):
 
@@ -15,7 +16,9 @@ Configurations (each trains its own model and optimizer, built from the same see
 - ``probe-structure``: inside ``probe.mode("structure")``, every op recorded
   with no per-op work: the tracer's bookkeeping;
 - ``probe-stats``: inside ``probe.mode("stats")``;
-- ``probe-stats-eager`` (with ``--eager``): the same with ``stats_backend="eager"``.
+- ``probe-stats-eager`` (with ``--eager``): the same with ``stats_backend="eager"``;
+- ``debugmode`` (with ``--peers``): inside torch's ``DebugMode`` (an op log), a peer
+  measured in the same rounds (msprobe runs in its own venv: ``benchmarks.report``).
 
 All run in one process, alternating step by step (one step of each configuration
 per round, the starting configuration rotating from round to round), so that
@@ -50,7 +53,7 @@ from rich.table import Table
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import probe
-from benchmarks.models import MODELS, ModelSpec
+from benchmarks.models import MODELS, ModelSpec, WorkloadSpec
 from probe.demo.train import DemoTraining
 
 # -- configurations -------------------------------------------------------------
@@ -131,9 +134,10 @@ class ProbeConfig:
     def run_step(self, trainer: DemoTraining) -> Sample:
         out = Path(tempfile.mkdtemp(prefix=f"{self.name}-", dir=self.scratch))
         try:
-            with probe.mode(
-                self.mode, out=out, overwrite=True, model=trainer.model, **self.options
-            ) as session:
+            # A session per step would charge the once-per-session parameter checksums of model=
+            # to every step; benchmarks.checksums measures them on their own.
+            options = {"checksums": False, **self.options}
+            with probe.mode(self.mode, out=out, overwrite=True, model=trainer.model, **options) as session:
                 start = time.perf_counter()
                 trainer.step()
                 session.step()
@@ -144,11 +148,28 @@ class ProbeConfig:
             shutil.rmtree(out, ignore_errors=True)
 
 
+@dataclass(frozen=True)
+class DebugModeConfig:
+    """torch's ``DebugMode`` around the step: a peer's per-op cost in the same rounds."""
+
+    name: str = "debugmode"
+
+    def run_step(self, trainer: DemoTraining) -> Sample:
+        from torch.utils._debug_mode import DebugMode
+
+        with DebugMode():
+            start = time.perf_counter()
+            trainer.step()
+            trainer.synchronize()
+            seconds = time.perf_counter() - start
+        return Sample(seconds, None)
+
+
 # Every ratio is taken against these two, so a --configs selection always keeps them.
 REQUIRED_CONFIGS = ("baseline", "passthrough")
 
 
-def configurations(scratch: Path, eager: bool) -> list[Config]:
+def configurations(scratch: Path, eager: bool, peers: bool = False) -> list[Config]:
     configs: list[Config] = [
         Baseline(),
         Passthrough(),
@@ -158,6 +179,8 @@ def configurations(scratch: Path, eager: bool) -> list[Config]:
     ]
     if eager:
         configs.append(ProbeConfig("probe-stats-eager", scratch, options={"stats_backend": "eager"}))
+    if peers:
+        configs.append(DebugModeConfig())
     return configs
 
 
@@ -227,11 +250,11 @@ def summary_row(
 
 
 def measure(
-    spec: ModelSpec, warmup: int, steps: int, eager: bool, only: set[str] | None, console: Console,
-    device: str = "cpu",
+    spec: ModelSpec | WorkloadSpec, warmup: int, steps: int, eager: bool, only: set[str] | None,
+    console: Console, device: str = "cpu", peers: bool = False,
 ) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="probe-overhead-") as scratch:
-        configs = configurations(Path(scratch), eager)
+        configs = configurations(Path(scratch), eager, peers)
         if only is not None:
             configs = [c for c in configs if c.name in only or c.name in REQUIRED_CONFIGS]
         with console.status(f"{spec.name}: building {len(configs)} models"):
@@ -277,7 +300,7 @@ def row_cells(row: Row) -> list[str]:
     ]
 
 
-def caption(spec: ModelSpec, warmup: int, steps: int) -> str:
+def caption(spec: ModelSpec | WorkloadSpec, warmup: int, steps: int) -> str:
     return (
         f"{spec.name}: {spec.num_params() / 1e6:.1f}M params; {spec.describe()}; "
         f"{steps} timed step(s) per config after {warmup} warm-up"
@@ -359,13 +382,14 @@ def machine_line(device: str = "cpu") -> str:
 
 @dataclass(frozen=True)
 class Plan:
-    models: list[ModelSpec]
+    models: list[ModelSpec | WorkloadSpec]
     warmup: int
     steps: int
     markdown: bool
     eager: bool
     only: set[str] | None
     device: str
+    peers: bool = False
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Plan, int | None]:
@@ -388,6 +412,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Plan, int | None]:
     parser.add_argument("--seq", type=int, default=None,
                         help="train on sequences of N tokens instead of the model's default")
     parser.add_argument("--device", default="cpu", help="device to train on (cpu, cuda, npu; default cpu)")
+    parser.add_argument("--peers", action="store_true",
+                        help="also time torch's DebugMode in the same rounds")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                        help="dtype of the HF workloads (default: fp32; hf-llama7b-width: bf16)")
     parser.add_argument("--configs", default=None,
                         help="comma-separated configurations to time (baseline and passthrough always)")
     args = parser.parse_args(argv)
@@ -398,16 +426,22 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Plan, int | None]:
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be at least 1")
     model = args.model or ("demo" if args.quick else "all")
-    models = list(MODELS.values()) if model == "all" else [MODELS[model]]
+    if model == "all":  # the 7B-wide seq-2048 HF model is for accelerators
+        models = [s for s in MODELS.values() if s.name != "hf-llama7b-width" or args.device != "cpu"]
+    else:
+        models = [MODELS[model]]
+    if args.dtype is not None:
+        models = [s.with_dtype(args.dtype) if isinstance(s, WorkloadSpec) else s for s in models]
     if args.seq is not None:
         if args.seq < 1:
             parser.error("--seq must be at least 1")
         models = [spec.with_seq(args.seq) for spec in models]
     only = {c.strip() for c in args.configs.split(",")} if args.configs else None
-    known = {c.name for c in configurations(Path("."), eager=True)}
+    known = {c.name for c in configurations(Path("."), eager=True, peers=True)}
     if only is not None and not only <= known:
         parser.error(f"--configs: unknown {sorted(only - known)}; known: {sorted(known)}")
-    return Plan(models, warmup, steps, args.markdown, args.eager, only, args.device), args.threads
+    plan = Plan(models, warmup, steps, args.markdown, args.eager, only, args.device, args.peers)
+    return plan, args.threads
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -421,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if plan.warmup == 0:
         console.print("[yellow]--warmup 0: the first probe-stats step includes torch.compile[/]")
     for spec in plan.models:
-        rows = measure(spec, plan.warmup, plan.steps, plan.eager, plan.only, console, plan.device)
+        rows = measure(spec, plan.warmup, plan.steps, plan.eager, plan.only, console, plan.device, plan.peers)
         title = caption(spec, plan.warmup, plan.steps)
         console.print(rich_table(title, rows))
         note = ROUTED_NOTE if any(row.per_routed_op for row in rows) else ""

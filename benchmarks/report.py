@@ -193,7 +193,10 @@ class _ProbeSteps:
         import probe
 
         run = self.out / f"session{self.calls}"
-        with probe.mode(self.spec["modes"], out=run, model=self.model, **self.spec.get("options", {})) as s:
+        # A session per step: the once-per-session parameter checksums of model= would be charged
+        # to every step (benchmarks.checksums measures them on their own).
+        options = {"checksums": False, **self.spec.get("options", {})}
+        with probe.mode(self.spec["modes"], out=run, model=self.model, **options) as s:
             step()
             s.step()
         shutil.rmtree(self.out / f"session{self.calls - 1}", ignore_errors=True)

@@ -9,7 +9,12 @@ or samples) and how many FLOPs it costs, for throughput and MFU:
 - ``gpt-small``: a GPT-2-style decoder (learned positions, LayerNorm, GELU MLP);
 - ``resnet50``: ResNet-50's bottleneck stack (3-4-6-3 blocks, 64 to 2048 channels);
 - ``yolo-head``: a YOLOv5-style stack (Conv-BN-SiLU, C3 blocks, three detection
-  scales) with a regression loss on synthetic targets.
+  scales) with a regression loss on synthetic targets;
+- ``hf-llama-small``: an HF transformers ``LlamaForCausalLM`` from a config (hidden 256,
+  4 layers, batch 4 x 128; about 1,300 aten ops a step: launch- and host-bound);
+  ``hf-llama7b-width``: the same at LLaMA2-7B width, 2 layers, batch 1 x 2048 (for a
+  GPU, in bf16). Both train with AdamW's default ``foreach`` (multi-tensor updates on
+  GPUs), as HF training does.
 
 Decoder FLOPs follow the PaLM paper: ``6 * params * tokens`` plus attention,
 ``12 * layers * seq * hidden`` per token (forward and backward, causal mask not
@@ -166,10 +171,11 @@ class Trainer:
         loss: Callable[[nn.Module, Any], torch.Tensor],
         device: str,
         dtype_mode: str,
+        foreach: bool | None = False,
     ) -> None:
         self.device, self.dtype_mode = device, dtype_mode
         self.model = model.to(device=device, dtype=_cast(dtype_mode))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=foreach)
         self._batch, self._loss = batch, loss
         self.data = torch.Generator().manual_seed(1)
 
@@ -290,6 +296,48 @@ def _yolo(batch: int, size: int) -> Workload:
     return Workload("yolo-head", "yolo", build, batch, "images")
 
 
+def _import_transformers() -> Any:
+    """``transformers``; in a peer's venv without it (msprobe's), the copy of this
+    repository's ``.venv`` (same Python), appended after the venv's own packages."""
+    try:
+        import transformers
+    except ImportError:
+        import sys
+        from pathlib import Path
+
+        version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+        site = Path(__file__).resolve().parent.parent / ".venv" / "lib" / version / "site-packages"
+        if not site.is_dir():
+            raise
+        sys.path.append(str(site))
+        import transformers
+    return transformers
+
+
+def _hf_llama(name: str, hidden: int, inter: int, layers: int, heads: int, vocab: int, batch: int,
+              seq: int) -> Workload:
+    """An HF ``LlamaForCausalLM`` with random weights from a config (nothing downloaded)."""
+
+    def build(device: str, dtype_mode: str) -> Trainer:
+        transformers = _import_transformers()
+        config = transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=seq,
+        )
+        model = transformers.LlamaForCausalLM(config)
+
+        def loss(m: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+            return m(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss
+
+        return Trainer(model, _token_batch(vocab, batch, seq, device), loss, device, dtype_mode, foreach=None)
+
+    return Workload(name, "llama", build, batch * seq, "tokens", (layers, seq, hidden))
+
+
+HF_LLAMA_SMALL = ("hf-llama-small", 256, 688, 4, 4, 1024, 4, 128)
+HF_LLAMA7B_WIDTH = ("hf-llama7b-width", 4096, 11008, 2, 32, 32000, 1, 2048)
+
+
 def workloads(quick: bool = False) -> dict[str, Workload]:
     """Name -> workload; ``quick``: small shapes for a CI smoke run."""
     if quick:
@@ -301,7 +349,10 @@ def workloads(quick: bool = False) -> dict[str, Workload]:
             _gpt(768, 2, 12, 4096, 4, 256),
             _resnet(2, 160),
             _yolo(2, 320),
+            _hf_llama(*HF_LLAMA_SMALL),
         ]
+        if torch.accelerator.is_available():  # a 7B-wide seq-2048 step is minutes on a CPU
+            found.append(_hf_llama(*HF_LLAMA7B_WIDTH))
     return {w.name: w for w in found}
 
 

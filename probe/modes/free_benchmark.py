@@ -16,8 +16,9 @@ Safety: arguments the schema marks as written are copied before the real op
 runs, and the perturbed run works on copies; factory ops, views, random ops,
 collectives, host syncs and pure data movement are never re-run; running out
 of memory during a check skips that check, with a record. Deviations are
-computed on the device and read with the step's results, without host syncs
-(except ``to_cpu`` on a device, which copies to the CPU by definition).
+computed on the device, many pairs per reduction (``probe.modes.deviation``), and
+read with the step's results, without host syncs (except ``to_cpu`` on a device,
+which copies to the CPU by definition).
 
 Preheat (``preheat=True``): for the first ``preheat_steps`` steps at most
 ``max_sample`` calls per op are measured and not judged; afterwards an op's
@@ -34,10 +35,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from probe.compiled import CompiledKernel
 from probe.errors import ProbeError
 from probe.modes.base import Mode
 from probe.modes.cpu_reference import cpu_reference
+from probe.modes.deviation import DeviationQueue
 from probe.modes.perturbations import (
     BITS_BOUND,
     JUDGES_BITS,
@@ -91,45 +92,6 @@ def eligible(info: OpClass) -> bool:
         or info.is_host_sync or info.uninitialized_output or info.compiled_region
         or info.short in _DATA_MOVEMENT
     )
-
-
-_TINY = torch.finfo(torch.float64).tiny
-_RATIO_CAP = 1e30  # "no bits kept" needs no larger number, and JSON has no Infinity
-
-
-def _deviation(original: torch.Tensor, perturbed: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
-    """``[max_i ratio_i, NaN/Inf mismatches, sign flips]``, fused once compiled.
-
-    ``floors`` (fp64): the output dtype's smallest normal, and the inputs' rounding scale.
-    ``ratio_i = |p_i - o_i| / max(|o_i|, rms(o), smallest normal)``; where ``o`` is zero
-    everywhere it is ``|p_i| / floor``, or 0 when ``|p_i|`` is below ``floor``, the larger
-    of the two floors.
-    """
-    o, p = original.to(torch.float64), perturbed.to(torch.float64)  # sums and ratios in fp64
-    fo, fp = (o - o) == 0, (p - p) == 0
-    same = (o == p) | ((o != o) & (p != p))
-    mismatch = ((fo != fp) | (~fo & ~fp & ~same)).to(torch.int64).sum()
-    both = fo & fp
-    zero = torch.zeros((), dtype=torch.float64, device=o.device)
-    zo, zp = torch.where(both, o, zero), torch.where(both, p, zero)
-    rms = torch.sqrt((zo * zo).sum() / both.to(torch.int64).sum().clamp(min=1))
-    # Below the smallest normal a dtype keeps an absolute precision, not a relative one:
-    # underflow is not a loss of significant bits to the op's conditioning.
-    tiny, floor = floors[0], floors.max()
-    change = (zp - zo).abs()
-    relative = change / torch.maximum(torch.maximum(zo.abs(), rms), tiny)
-    absolute = torch.where(change > floor, change / floor.clamp(min=_TINY), zero)
-    ratio = torch.where(rms > 0, relative, absolute)
-    flips = ((zo * zp) < 0).to(torch.int64).sum()
-    return torch.stack([ratio.max().clamp(max=_RATIO_CAP), mismatch.to(torch.float64),
-                        flips.to(torch.float64)])
-
-
-_DEVIATION = CompiledKernel(_deviation)
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(-1) if t.numel() else t.detach().reshape(-1)
 
 
 class ChecksFiles(ModeFiles):
@@ -190,7 +152,7 @@ class FreeBenchmarkMode(Mode):
         self._snapshots: dict[int, dict[int, torch.Tensor]] = {}
         self._counts: dict[str, int] = defaultdict(int)
         self._pending: list[dict[str, Any]] = []
-        self._results: list[torch.Tensor] = []
+        self._deviations = DeviationQueue()
 
     def begin_step(self, step: int) -> None:
         self._step = step
@@ -281,15 +243,12 @@ class FreeBenchmarkMode(Mode):
 
     def _measure(self, pair: tuple[torch.Tensor, torch.Tensor], out_dtype: torch.dtype,
                  floor: torch.Tensor | None) -> int:
-        """Queue the deviation of ``pair[1]`` from ``pair[0]``; its row in the step's results."""
-        reference, other = pair
-        # One working dtype for both: the kernel is compiled for two dtypes only.
-        work = torch.float64 if torch.float64 in (reference.dtype, other.dtype) else torch.float32
-        device = reference.device
-        tiny = torch.full((1,), torch.finfo(out_dtype).tiny, dtype=torch.float64, device=device)
-        floors = torch.cat([tiny, tiny if floor is None else floor.to(device).reshape(1)])
-        self._results.append(_DEVIATION(_flat(reference).to(work), _flat(other.to(device)).to(work), floors))
-        return len(self._results) - 1
+        """Queue the deviation of ``pair[1]`` from ``pair[0]``; its row in the step's results.
+
+        Queued pairs are copied (small ones) or reduced at once (large ones): an in-place
+        write to the original output after this op cannot change what is measured.
+        """
+        return self._deviations.add(pair[0], pair[1], out_dtype, floor)
 
     def _skip(self, call: OpCall, reason: str, output: int | None = None) -> None:
         self._pending.append({
@@ -317,11 +276,11 @@ class FreeBenchmarkMode(Mode):
                     inputs.append(t)
                     compute = higher_precision(t.dtype) if pert.name == "improve_precision" else None
                     if nudge:
-                        t = one_ulp_up(t)
                         deltas.append(torch.finfo(t.dtype).eps)
-                    if compute is not None:
+                        t = one_ulp_up(t, compute)  # moved and upcast in one pass
+                    elif compute is not None:
                         t = t.to(compute)
-                    elif not nudge:
+                    else:
                         t, delta = pert.perturb(t)
                         deltas.append(delta)
                 elif id(value) in snapshot:
@@ -350,7 +309,8 @@ class FreeBenchmarkMode(Mode):
     # -- step end -------------------------------------------------------------------
 
     def end_step(self, step: int) -> ChecksStep:
-        result = ChecksStep(step, self._pending, self._results, self.perturbation.name, self.handler,
+        self._deviations.finish()  # reduce what is staged, on the training stream, and free the buffers
+        result = ChecksStep(step, self._pending, self._deviations, self.perturbation.name, self.handler,
                             self.preheat and step < self.preheat_steps,
                             self._preheat_max if self.preheat else None)
         self._reset()
@@ -381,16 +341,15 @@ class ChecksStep:
     kept across steps by the writes alone (one step at a time, in order), never by the mode.
     """
 
-    def __init__(self, step: int, pending: list[dict[str, Any]], results: list[torch.Tensor],
+    def __init__(self, step: int, pending: list[dict[str, Any]], deviations: DeviationQueue,
                  perturb: str, handler: str, preheating: bool,
                  preheat_max: dict[tuple[str, str], float] | None) -> None:
-        self.step, self.pending, self.results = step, pending, results
+        self.step, self.pending, self.deviations = step, pending, deviations
         self.perturb, self.handler = perturb, handler
         self.preheating, self.preheat_max = preheating, preheat_max
 
     def write(self, writer: StepWriter) -> dict[str, Any]:
-        values = (torch.stack([r.to("cpu") for r in self.results]).numpy() if self.results
-                  else np.zeros((0, 3)))
+        values = self.deviations.values()
         counts = {PASS: 0, FAIL: 0, SKIP: 0}
         records = []
         for entry in self.pending:

@@ -1,16 +1,18 @@
 """Mode ``"monitor"``: the always-on training-state monitor.
 
 Unlike the per-op modes it needs no dispatch mode: it watches module
-boundaries and the optimizer step through hooks, so a step costs one small
-reduction per monitored tensor and nothing per op (when it is the only mode
-the session does not trace ops at all). Per collected step it reduces, on the
-device and without a host sync (``probe.modes.monitor_metrics``):
+boundaries and the optimizer step through hooks, so a step costs a queued
+reference per monitored tensor, reduced later in batches, and nothing per op
+(when it is the only mode the session does not trace ops at all). Per collected
+step it reduces, on the device and without a host sync
+(``probe.modes.monitor_reduction``, ``probe.modes.monitor_metrics``):
 
 - activations: the ``input`` / ``output`` of each target module (forward hooks)
   and their gradients ``input_grad`` / ``output_grad`` (tensor hooks on the
   same tensors), per module call; checkpoint recompute is skipped;
 - with ``wg_distribution``: weight gradients, as the optimizer sees them (after
-  any clipping and data-parallel reduction), at the optimizer's step pre-hook;
+  any clipping and data-parallel reduction), at the optimizer's step pre-hook, or
+  with ``optimizer.step(closure)`` when the closure (forward, backward) returns;
 - with ``param_distribution``: weights after the update; ``mv_distribution``:
   Adam's moments ``exp_avg`` / ``exp_avg_sq``; ``ur_distribution``: the norm of
   Adam's update over the norm of the weight.
@@ -48,6 +50,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from probe.errors import ProbeError, warn_once
+from probe.modes import monitor_distribution
 from probe.modes.anomaly import Anomaly, AnomalyDetector, Series, anomaly_json, incidents, read_anomalies
 from probe.modes.base import SessionPlugin
 from probe.modes.monitor_config import (
@@ -57,7 +60,8 @@ from probe.modes.monitor_config import (
     describe_value,
     parse_monitor_options,
 )
-from probe.modes.monitor_metrics import METRIC_COLUMNS, adam_update_row, finalize, raw_row
+from probe.modes.monitor_metrics import METRIC_COLUMNS, adam_update_row, finalize
+from probe.modes.monitor_reduction import StepRows, Volatility
 from probe.modes.registry import register_mode
 from probe.rundir import layout
 from probe.rundir.mode_files import ModeFiles
@@ -128,32 +132,36 @@ class _WriteSide:
         self.detector, self.metrics = detector, metrics
         self.rank = 0
         self.tensorboard: Any = None
+        self._tag_cache: tuple[tuple[Series, ...], tuple[str, ...]] | None = None
 
     def write_tensorboard(self, step: int, series: list[Series], values: np.ndarray) -> None:
+        """The step's scalars as one event (``<kind>/<name>[/<slot>][#call]/<metric>``)."""
         if self.tensorboard is None:
             return
-        for s, row in zip(series, values, strict=True):
-            prefix = f"{s.kind}/{s.name}" + (f"/{s.slot}" if s.slot else "")
-            prefix += f"#{s.call}" if s.call else ""
-            for metric in self.metrics:
-                if metric == "id":  # msprobe's identity metric: the value of a one-element tensor
-                    if row[METRIC_COLUMNS.index("numel")] != 1:
-                        continue
-                    value = float(row[METRIC_COLUMNS.index("mean")])
-                else:
-                    value = float(row[METRIC_COLUMNS.index(metric)])
-                self.tensorboard.add_scalar(f"{prefix}/{metric}", value, step)
+        tags, columns = self._tags(series)
+        grid = values[:, columns]
+        if "id" in self.metrics:  # msprobe's identity metric: the value of a one-element tensor
+            keep = np.ones(grid.shape, dtype=bool)
+            keep[:, self.metrics.index("id")] = values[:, METRIC_COLUMNS.index("numel")] == 1
+            picked = np.flatnonzero(keep.ravel())
+            self.tensorboard.add_scalars(step, [tags[i] for i in picked], grid.ravel()[picked])
+        else:
+            self.tensorboard.add_scalars(step, tags, grid.ravel())
         self.tensorboard.flush()
 
-
-@dataclass
-class _Rows:
-    """One step's series and their raw rows, still on the device."""
-
-    series: list[Series]
-    rows: list[torch.Tensor]
-    numel: list[int]
-    held: dict[int, torch.Tensor] | None  # row index -> tensor, for on_anomaly="dump"
+    def _tags(self, series: list[Series]) -> tuple[tuple[str, ...], list[int]]:
+        """Every series' tags, metric after metric, and the value columns they take (cached: the
+        same series come step after step, and the same tag objects let the writer reuse its bytes)."""
+        key = tuple(series)
+        if self._tag_cache is None or self._tag_cache[0] != key:
+            tags = []
+            for s in series:
+                prefix = f"{s.kind}/{s.name}" + (f"/{s.slot}" if s.slot else "")
+                prefix += f"#{s.call}" if s.call else ""
+                tags.extend(f"{prefix}/{metric}" for metric in self.metrics)
+            self._tag_cache = (key, tuple(tags))
+        columns = [METRIC_COLUMNS.index("mean" if m == "id" else m) for m in self.metrics]
+        return self._tag_cache[1], columns
 
 
 class MonitorStep:
@@ -162,7 +170,10 @@ class MonitorStep:
     Holds plain data: the rows (on their device), the cross-rank reduction in flight if
     any, and the monitor's write side; nothing of the mode's per-step state."""
 
-    def __init__(self, step: int, rows: _Rows, reduction: _Reduction | None, sink: _WriteSide) -> None:
+    distribution: monitor_distribution.PendingDistribution | None = None
+    """With ``distribution=``/``histogram=``: the step's distribution rows (not reduced over ranks)."""
+
+    def __init__(self, step: int, rows: StepRows, reduction: _Reduction | None, sink: _WriteSide) -> None:
         self.step, self._rows, self._reduction, self._sink = step, rows, reduction, sink
         self.values: np.ndarray | None = None
         self.anomalies: list[Anomaly] = []
@@ -176,11 +187,8 @@ class MonitorStep:
         if self._reduction is not None:
             host = self._reduction.result().cpu().numpy()
             raw, numel = host[:, :-1], host[:, -1]
-        elif not rows.rows:
-            raw = np.zeros((0, 7))
         else:
-            # The step's one transfer.
-            raw = torch.stack([r.to(torch.float64) for r in rows.rows]).cpu().numpy()
+            raw = rows.host_rows()  # the step's one transfer
         self.values = finalize(raw, numel)
         self._add_update_ratios()
         self.anomalies = self._sink.detector.scan(self.step, self._sink.rank, rows.series, self.values)
@@ -215,8 +223,8 @@ class MonitorStep:
         assert self.values is not None
         series, values = self._rows.series, self.values
         lines = ["kind,name,slot,call," + ",".join(METRIC_COLUMNS)]
-        for s, row in zip(series, values, strict=True):
-            lines.append(f"{s.kind},{s.name},{s.slot},{s.call}," + ",".join(repr(float(v)) for v in row))
+        for s, row in zip(series, values.tolist(), strict=True):
+            lines.append(f"{s.kind},{s.name},{s.slot},{s.call}," + ",".join(map(repr, row)))
         writer.write_text(layout.MONITOR_FILE, "\n".join(lines) + "\n")
         writer.write_jsonl(layout.ANOMALIES_FILE, (anomaly_json(a) for a in self.anomalies))
         if self.dumped:
@@ -231,8 +239,12 @@ class MonitorStep:
                 log.info("probe monitor: %d more alert(s) at step %d in the incident of step %d",
                          incident.alerts, self.step, incident.first_step)
         self._sink.write_tensorboard(self.step, series, values)
-        return {"series": len(series), "anomalies": len(self.anomalies), "dumped": len(self.dumped),
-                "reduced": self._reduction is not None}
+        summary = {"series": len(series), "anomalies": len(self.anomalies), "dumped": len(self.dumped),
+                   "reduced": self._reduction is not None}
+        if self.distribution is not None:
+            summary.update(monitor_distribution.write_step(writer, self.distribution, series,
+                                                           self._sink.tensorboard, self.step))
+        return summary
 
 
 class MonitorFiles(ModeFiles):
@@ -246,9 +258,11 @@ class MonitorFiles(ModeFiles):
         step, rank = self.where.step, self.where.rank
         with reading(path):
             rows = csv.DictReader(io.StringIO(path.read_bytes().decode("utf-8"), newline=""))
-            return [MonitorRecord(step, rank, row["kind"], row["name"], row["slot"], int(row["call"]),
+            records = [MonitorRecord(step, rank, row["kind"], row["name"], row["slot"], int(row["call"]),
                                   **{column: float(row[column]) for column in METRIC_COLUMNS})
-                    for row in rows]
+                       for row in rows]
+        monitor_distribution.attach_series(self.where.directory, records)
+        return records
 
     def anomalies(self) -> list[Anomaly]:
         """The step's alerts in detection order."""
@@ -274,12 +288,17 @@ class MonitorMode(SessionPlugin):
         self.rank = 0
         self.step = 0
         self._collecting = False
+        self._collecting_before_pause = False
         self._alone = False
         self._handles: list[Any] = []
         self._lock = threading.Lock()
+        self._volatility = Volatility()
         self._rows = self._new_rows()
+        self._distribution = self._new_distribution()
         self._params: dict[int, str] = {}
         self._pending_stop: list[Anomaly] = []
+        self._closure_unread: set[int] = set()
+        """Optimizers (ids) in a step whose closure has not run yet (weight grads not read)."""
         if self.config.tensorboard:
             self._tensorboard_class()  # fail now, naming the package, not at the first step
 
@@ -317,6 +336,13 @@ class MonitorMode(SessionPlugin):
         self.step = step
         self._collecting = self.config.collects(step)
 
+    def pause(self) -> None:
+        # The hooks stay installed; they check _collecting (evaluation forwards pass unseen).
+        self._collecting_before_pause, self._collecting = self._collecting, False
+
+    def resume(self) -> None:
+        self._collecting = self._collecting_before_pause
+
     def ending_alone(self) -> None:
         self._alone = True
 
@@ -324,12 +350,18 @@ class MonitorMode(SessionPlugin):
         alone, self._alone = self._alone, False
         with self._lock:
             rows, self._rows = self._rows, self._new_rows()
-        if not rows.rows and not self._collecting:
+            distribution, self._distribution = self._distribution, self._new_distribution()
+        if not len(rows) and not self._collecting:
             return None
+        with torch.no_grad(), _untraced():
+            rows.end()  # what the hooks queued, reduced in batches on the training thread
         # On the training thread, where the model's collectives are issued: the writer thread
         # issuing its own would interleave with them differently on each rank.
         reduction = self._start_reduction(rows) if self.config.reduce_ranks and not alone else None
         result = MonitorStep(step, rows, reduction, self._sink)
+        if distribution is not None:
+            with torch.no_grad(), _untraced():
+                result.distribution = distribution.end_step()
         if self.config.on_anomaly in ("dump", "stop"):
             result.resolve()  # now, on the training thread: the tensors are still here
             if self.config.on_anomaly == "stop" and result.anomalies:
@@ -337,7 +369,7 @@ class MonitorMode(SessionPlugin):
         return result
 
     def has_pending(self) -> bool:
-        return bool(self._rows.rows)
+        return len(self._rows) > 0
 
     def after_step(self) -> None:
         if self._pending_stop:
@@ -354,15 +386,24 @@ class MonitorMode(SessionPlugin):
 
     # -- collection ------------------------------------------------------------
 
-    def _new_rows(self) -> _Rows:
-        return _Rows([], [], [], {} if self.config.on_anomaly == "dump" else None)
+    def _new_distribution(self) -> monitor_distribution.SeriesDistribution | None:
+        config = self.config
+        if not (config.distribution or config.histogram):
+            return None
+        return monitor_distribution.SeriesDistribution(config.histogram)
+
+    def _new_rows(self) -> StepRows:
+        return StepRows(self.config.eps, self._volatility, {} if self.config.on_anomaly == "dump" else None,
+                        untraced=_untraced)
 
     def _record(self, kind: str, name: str, slot: str, call: int, tensor: torch.Tensor) -> None:
         if not (tensor.is_floating_point() or tensor.is_complex()):
             return
-        with torch.no_grad(), _untraced():
-            row, numel = raw_row(tensor, self.config.eps)
-        self._append(kind, name, slot, call, row, numel, tensor)
+        with self._lock:  # a queued reference, most steps: no op issued
+            if self._distribution is not None:  # opt-in: counted now, on the device
+                with torch.no_grad(), _untraced():
+                    self._distribution.capture(len(self._rows), tensor)
+            self._rows.capture(Series(kind, name, slot, call), tensor)
 
     def _record_adam_update(self, name: str, group: dict[str, Any], state: dict[str, Any]) -> bool:
         m, v, step = state.get("exp_avg"), state.get("exp_avg_sq"), state.get("step")
@@ -372,18 +413,15 @@ class MonitorMode(SessionPlugin):
         with torch.no_grad(), _untraced():
             row, numel = adam_update_row(m, v, float(group["lr"]), beta1, beta2, group["eps"], step,
                                          self.config.eps)
-        self._append("update", name, "", 0, row, numel, None)
+        with self._lock:
+            self._rows.add_row(Series("update", name), row, numel)
         return True
 
-    def _append(self, kind: str, name: str, slot: str, call: int, row: torch.Tensor, numel: int,
-                tensor: torch.Tensor | None) -> None:
-        with self._lock:
-            rows = self._rows
-            if rows.held is not None and tensor is not None:
-                rows.held[len(rows.rows)] = tensor
-            rows.series.append(Series(kind, name, slot, call))
-            rows.rows.append(row)
-            rows.numel.append(numel)
+    def _flush(self) -> None:
+        """Reduce the queued tensors now (the optimizer changes its gradients, weights and moments
+        in place)."""
+        with self._lock, torch.no_grad(), _untraced():
+            self._rows.flush()
 
     def _install_module_hooks(self, model: Any) -> int:
         matched = 0
@@ -407,14 +445,46 @@ class MonitorMode(SessionPlugin):
                 if name is not None:
                     yield name, param
 
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._collecting or not self.config.wg:
-            return
+    def _record_weight_grads(self, optimizer: torch.optim.Optimizer, call: int) -> None:
         for name, param in self._parameters(optimizer):
             if param.grad is not None:
-                self._record("weight_grad", name, "", 0, param.grad)
+                self._record("weight_grad", name, "", call, param.grad)
+        self._flush()
+
+    def _before_optimizer_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if not self._collecting or not self.config.wg:
+            return None
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
+        if not callable(closure):
+            self._record_weight_grads(optimizer, 0)
+            return None
+        # optimizer.step(closure) (LBFGS, Lightning's automatic optimization): the closure's
+        # backward makes the gradients the update uses, so they are read when it returns (the
+        # grads here are the previous step's, or none). Each evaluation is a call of the series.
+        calls = 0
+        self._closure_unread.add(id(optimizer))
+
+        def closure_then_grads() -> Any:
+            nonlocal calls
+            result = closure()
+            self._closure_unread.discard(id(optimizer))
+            if self._collecting:
+                self._record_weight_grads(optimizer, calls)
+            calls += 1
+            return result
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_grads}
+        return (args[0], closure_then_grads, *args[2:]), kwargs
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if id(optimizer) in self._closure_unread:
+            # A step given a closure it never called: its gradients are those it was given.
+            self._closure_unread.discard(id(optimizer))
+            if self._collecting:
+                self._record_weight_grads(optimizer, 0)
         if not self._collecting:
             return
         config = self.config
@@ -437,10 +507,11 @@ class MonitorMode(SessionPlugin):
                         continue
                     if not config.param:  # the ratio's denominator
                         self._record("weight", name, "", 0, param)
+        self._flush()
 
     # -- step end ----------------------------------------------------------------
 
-    def _start_reduction(self, rows: _Rows) -> _Reduction | None:
+    def _start_reduction(self, rows: StepRows) -> _Reduction | None:
         """Start the element-wise reduction over ranks (min of mins, max of maxes, sums of the
         rest, element counts included so the mean is over every rank's elements)."""
         import torch.distributed as dist
@@ -450,8 +521,8 @@ class MonitorMode(SessionPlugin):
                       "each rank writes its own values")
             return None
         with torch.no_grad(), _untraced():
-            if rows.rows:
-                stacked = torch.stack([r.to(torch.float64) for r in rows.rows])
+            if len(rows):
+                stacked = rows.stacked()
                 counts = torch.tensor(rows.numel, dtype=torch.float64, device=stacked.device)
                 stacked = torch.cat([stacked, counts[:, None]], dim=1)
             else:
@@ -477,11 +548,14 @@ class MonitorMode(SessionPlugin):
 
     @staticmethod
     def _tensorboard_class() -> Any:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
+        """The event writer, where the ``tensorboard`` package (that reads the files) is installed."""
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
             return None
-        return SummaryWriter
+        from probe.exporters.tensorboard_events import ScalarEventWriter
+
+        return ScalarEventWriter
 
 
 class _ModuleWatcher:

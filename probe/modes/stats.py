@@ -1,6 +1,8 @@
 """Mode "stats": min, max, mean, L2 norm, NaN and Inf counts of op outputs (inputs optional).
 
-Raw rows stay on the tensor's device until the step ends (see ``stat_rows``);
+Large results are queued and reduced many at a time, small ones staged (see
+``stat_rows``): the per-op work is a list append or one copy. Raw rows stay on the
+tensor's device until the step ends;
 the writer thread moves them to the host and turns raw moments into
 statistics. A value is reduced once per step: an input produced by a traced
 op reuses that op's output row, and a view that covers exactly the elements of
@@ -19,6 +21,8 @@ import numpy as np
 import torch
 
 from probe.errors import ProbeError
+from probe.modes import distribution as distribution_files
+from probe.modes import fp8_scales as fp8_files
 from probe.modes.base import Mode
 from probe.modes.nonfinite_params import NonfiniteParameters, NonfiniteParametersStep
 from probe.modes.registry import register_mode
@@ -31,6 +35,7 @@ from probe.rundir.reading import expect, reading
 from probe.rundir.records import NonfiniteParameterRecord, OpRecord
 from probe.rundir.writer import StepWriter
 from probe.tracer.op_call import OpCall
+from probe.tracer.op_tensors import written_tensors
 
 INPUT, OUTPUT = 0, 1
 STAT_NAMES = ("min", "max", "mean", "norm", "nan", "inf")
@@ -124,6 +129,8 @@ class StatsFiles(ModeFiles):
                     rows[row] = {name: int(value) if name in ("nan", "inf") else float(value)
                                  for name, value in zip(STAT_NAMES, stats[row].tolist(), strict=True)}
                 tensor.stats = rows[row]
+        distribution_files.attach_files(self.where.directory, index, records, len(stats))
+        fp8_files.attach_file(self.where.directory, records)
 
 
 @register_mode
@@ -131,15 +138,22 @@ class StatsMode(Mode):
     """Per-op tensor statistics, computed on device in fp32, one transfer per step."""
 
     name = "stats"
-    option_names = frozenset({"inputs", "stats_backend", "saturation"})
+    option_names = frozenset({"inputs", "stats_backend", "saturation", "distribution", "histogram"})
     files = StatsFiles
 
     def __init__(
-        self, inputs: bool = False, stats_backend: str = "auto", saturation: bool | str = "auto"
+        self, inputs: bool = False, stats_backend: str = "auto", saturation: bool | str = "auto",
+        distribution: bool = False, histogram: bool = False,
     ) -> None:
         """``saturation``: count values at +-max of their dtype as Inf ("auto": on devices whose
         overflow saturates, i.e. an Ascend NPU without inf/nan support; True: everywhere)."""
         parse_bool("inputs", inputs)
+        parse_bool("distribution", distribution)
+        parse_bool("histogram", histogram)
+        # Opt-in: a few more reductions per recorded tensor (docs/stats.md, "Distribution").
+        self._distribution = (distribution_files.DistributionRows(histogram)
+                              if distribution or histogram else None)
+        self._fp8 = fp8_files.Fp8Scales()
         parse_choice("stats_backend", stats_backend, BACKENDS)
         if not (isinstance(saturation, bool) or (isinstance(saturation, str) and saturation == "auto")):
             raise ProbeError(f"option 'saturation': expected True, False or 'auto', got {show(saturation)}")
@@ -178,6 +192,9 @@ class StatsMode(Mode):
 
     def before(self, call: OpCall) -> None:
         self._input_rows = {}
+        if call.info.mutates:
+            # Queued results about to be overwritten are reduced first (see stat_rows).
+            self._rows.before_write(written_tensors(call.info, call.args, call.kwargs))
         if not self.inputs:
             return
         for position, t in enumerate(call.input_tensors or ()):
@@ -186,6 +203,8 @@ class StatsMode(Mode):
             row = self._input_row(call, position)
             if row is None:
                 row = self._rows.add(t)
+                if row is not None and self._distribution is not None:
+                    self._distribution.add(t, row)
             if row is not None:
                 self._input_rows[position] = row
                 self._index.append((call.index, INPUT, position, row))
@@ -195,6 +214,7 @@ class StatsMode(Mode):
             return
         outputs = call.output_tensors or ()
         inputs = call.input_tensors or ()
+        self._fp8.add(call.index, call.func, call.args, call.kwargs, inputs)
         reuse_base = (
             call.info.is_view and inputs and call.info.short not in _NOT_SAME_ELEMENTS
         )
@@ -209,6 +229,8 @@ class StatsMode(Mode):
                 row = self._input_row(call, 0)
             if row is None:
                 row = self._rows.add(t)
+                if row is not None and self._distribution is not None:
+                    self._distribution.add(t, row)
             if row is None:
                 continue
             self._output_rows[(call.index, position)] = row
@@ -216,12 +238,17 @@ class StatsMode(Mode):
 
     def end_step(self, step: int) -> StatsStep:
         result = StatsStep(self._rows.end_step(), self._index, self._parameters.end_step())
+        result.distribution = self._distribution.end_step() if self._distribution is not None else None
+        result.fp8_scales = self._fp8.take()
         self._reset()
         return result
 
 
 class StatsStep:
     """One step's statistics: rows still on their devices, and which tensor uses which row."""
+
+    distribution: distribution_files.PendingDistribution | None = None
+    fp8_scales: Any = ()  # each step sets its own list
 
     def __init__(self, rows: PendingRows, index: list[tuple[int, int, int, int]],
                  parameters: NonfiniteParametersStep) -> None:
@@ -233,5 +260,9 @@ class StatsStep:
         writer.write_array(layout.STATS_FILE, stats)
         writer.write_array(layout.STATS_INDEX_FILE, index)
         nonfinite = int(np.count_nonzero((stats[:, 4] + stats[:, 5]) > 0))
-        return {"rows": len(stats), "tensors": len(index), "nonfinite_rows": nonfinite,
-                "nonfinite_parameters": self.parameters.summary()}
+        summary = {"rows": len(stats), "tensors": len(index), "nonfinite_rows": nonfinite,
+                   "nonfinite_parameters": self.parameters.summary()}
+        if self.distribution is not None:
+            summary.update(distribution_files.write_files(writer, self.distribution, len(stats)))
+        summary.update(fp8_files.write_file(writer, self.fp8_scales))
+        return summary

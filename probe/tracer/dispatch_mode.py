@@ -109,7 +109,9 @@ class Tracer:
         records = self.records
         if self._step_recorded and not records:
             self._warn_if_filters_match_nothing()
-        self.recording = False
+        # Until the next begin_step nothing is recorded, even when end_step ran inside paused():
+        # the step's write (without a writer thread) would otherwise be traced into the next step.
+        self.recording = self._step_recorded = False
         self.modules.enabled = False
         self.records = []
         self.values.clear()
@@ -146,7 +148,7 @@ class Tracer:
         try:
             yield
         finally:
-            self.recording = recording
+            self.recording = recording and self._step_recorded
 
     # -- per op ------------------------------------------------------------------
 
@@ -337,6 +339,14 @@ class ProbeDispatchMode(TorchDispatchMode):
     def __init__(self, tracer: Tracer) -> None:
         super().__init__()
         self.tracer = tracer
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Torch would wrap __torch_dispatch__ in torch._disable_dynamo (~3 us on every op). The
+        # probe never lets dynamo into its handler another way: the user's compiled code runs
+        # eagerly or as whole regions (probe.tracer.compiled_regions), and the probe's own
+        # compiled kernels are called with the default stance (probe.compiled).
+        return False
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:

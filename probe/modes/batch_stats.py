@@ -1,0 +1,127 @@
+"""Raw statistics rows of many tensors at once: the queued path of the stats mode.
+
+The stats mode does not reduce a large tensor when the op producing it returns: it
+queues it (see ``stat_rows.ReductionQueue``) and reduces a batch of queued tensors
+with a handful of calls, so that the per-op host work is a list append. Nothing here
+is compiled: a ``torch.compile``d call costs tens of microseconds of guard evaluation
+and wrapper code per call, more than the reduction of a tensor of a few hundred
+thousand elements.
+
+- **CPU** (:func:`cpu_rows`): one pass per tensor computing min, max, sum and sum of
+  squares (fp32 accumulation; fp64 for fp64 tensors): a C++ loop generated once per
+  process and dtype by inductor (``standalone_compile`` of a symbolically traced
+  graph: no dynamo frame, no guards, about 15 us of host time a call against 100+
+  for a ``torch.compile``d function), or where that is unavailable, ``_foreach_max``
+  and ``_foreach_powsum`` over the batch with an ``amin`` and a ``sum`` per tensor. The
+  rows are already in host memory, so they are checked there, without a device sync:
+  a row whose min, max, sum or sum of squares is not finite (a NaN or Inf in the
+  tensor, or squares beyond fp32's range such as a ``finfo.min`` attention mask) is
+  computed again exactly, in fp64 with NaN and Inf counts. Every other row has no NaN
+  and no Inf (``amin``/``amax`` propagate NaN, and an Inf is the min or the max).
+- **Accelerators** (:func:`device_rows`): everything stays on the device and nothing
+  branches on a value (that would be a host sync): min and max by ``_foreach_max`` of
+  the values and of their negation, sums of squares by ``_foreach_powsum`` in the
+  accumulation dtype (multi-tensor kernels on CUDA), plus a sum and NaN/Inf counts per
+  tensor. It is the portable form (NPU, any device with ``_foreach_*`` reductions); one
+  generated multi-tensor kernel per batch would do the same work in one launch.
+
+Both return rows of :data:`tensor_stats.RAW_COLUMNS` for non-empty floating-point
+compact tensors of one device and dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from probe.compiled import StandaloneCpuKernel
+from probe.modes.tensor_stats import RAW_COLUMNS, _eager_raw, accumulation_dtype
+
+QUEUED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
+"""Dtypes whose tensors are queued; others (integers, bool, fp8) are reduced one by one."""
+
+
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+FP32_SUM_MAX_NUMEL = 1 << 20
+"""Up to this many elements the compiled pass sums in fp32 (its loop accumulates without
+cascading: measured relative error 1e-6 at 2^20 elements, 4e-4 at 2^25); larger tensors
+are summed in fp64."""
+
+
+def _moments(flat: torch.Tensor) -> torch.Tensor:
+    """[min, max, sum, sum of squares] of a 1-D tensor in one pass once compiled (fp32 sums)."""
+    x = flat if flat.dtype == torch.float64 else flat.to(torch.float32)
+    return torch.stack([x.amin(), x.amax(), x.sum(), (x * x).sum()])
+
+
+def _moments_wide(flat: torch.Tensor) -> torch.Tensor:
+    """As :func:`_moments`, with fp64 sums (for long tensors)."""
+    x = flat if flat.dtype == torch.float64 else flat.to(torch.float32)
+    w = x.to(torch.float64)
+    return torch.stack([x.amin().to(torch.float64), x.amax().to(torch.float64), w.sum(), (w * w).sum()])
+
+
+# Compiled once per dtype; long tensors get the fp64 sums (an fp64 tensor's own pass is exact).
+_MOMENTS = StandaloneCpuKernel(lambda dtype: _moments, "statistics")
+_MOMENTS_WIDE = StandaloneCpuKernel(lambda dtype: _moments if dtype == torch.float64 else _moments_wide,
+                                    "statistics (fp64 sums)")
+
+
+def _eager_moments(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    long = max(x.numel() for x in xs) > FP32_SUM_MAX_NUMEL
+    acc = torch.float64 if long else _sum_dtype(xs[0].dtype)
+    maxes = torch._foreach_max(xs)
+    sumsq = torch._foreach_powsum(xs, 2, dtype=acc)
+    return [torch.stack([x.amin().to(acc), m.to(acc), x.sum(dtype=acc), q])
+            for x, m, q in zip(xs, maxes, sumsq, strict=True)]
+
+
+def _compiled_moments(x: torch.Tensor) -> torch.Tensor | None:
+    """The compiled pass over ``x`` (1-D contiguous view), or None where it cannot run."""
+    if not x.is_contiguous() or x.numel() < 2:
+        return None
+    kernel = _MOMENTS_WIDE if x.numel() > FP32_SUM_MAX_NUMEL else _MOMENTS
+    return kernel(x.view(-1))
+
+
+def cpu_rows(xs: list[torch.Tensor], compiled: bool = True) -> np.ndarray:
+    """Raw rows of CPU tensors of one dtype, ``[len(xs), len(RAW_COLUMNS)]`` fp64 on the host.
+    ``compiled=False``: the eager reductions only."""
+    with torch.no_grad():
+        rows = [_compiled_moments(x) if compiled else None for x in xs]
+        eager = [i for i, r in enumerate(rows) if r is None]
+        if eager:  # slices with gaps, or no compiler: read in place by the eager reductions
+            for i, r in zip(eager, _eager_moments([xs[i] for i in eager]), strict=True):
+                rows[i] = r
+        table = torch.stack([r.to(torch.float64) for r in rows])  # type: ignore[union-attr]
+    out = np.zeros((len(xs), len(RAW_COLUMNS)), dtype=np.float64)
+    out[:, :4] = table.numpy()  # host memory already: no transfer, no sync
+    for i in np.flatnonzero(~np.isfinite(out[:, :4]).all(axis=1)).tolist():
+        # A NaN or Inf in the tensor, or squares beyond fp32's range: the exact fp64 pass.
+        out[i] = _eager_raw(xs[i], torch.float64).numpy()
+    return out
+
+
+def _sumsq(xs: list[torch.Tensor], acc: torch.dtype) -> list[torch.Tensor]:
+    try:
+        return list(torch._foreach_powsum(xs, 2, dtype=acc))
+    except RuntimeError:  # a backend without the dtype argument: per tensor
+        return [torch.linalg.vector_norm(x, 2, dtype=acc).square() for x in xs]
+
+
+def device_rows(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Raw rows of tensors of one device and dtype, ``[len(xs), len(RAW_COLUMNS)]`` on that
+    device in its accumulation dtype, without reading any value on the host."""
+    acc = accumulation_dtype(xs[0].device)
+    with torch.no_grad():
+        maxes = torch.stack(torch._foreach_max(xs)).to(acc)
+        # min(x) == -max(-x) exactly; NaN stays NaN.
+        mins = torch.stack(torch._foreach_max(torch._foreach_neg(xs))).to(acc).neg_()
+        sums = torch.stack([x.sum(dtype=acc) for x in xs])
+        sumsq = torch.stack(_sumsq(xs, acc))
+        nan = torch.stack([torch.isnan(x).sum() for x in xs]).to(acc)
+        inf = torch.stack([torch.isinf(x).sum() for x in xs]).to(acc)
+        return torch.stack([mins, maxes, sums, sumsq, nan, inf], 1)

@@ -1,0 +1,134 @@
+"""Queued statistics: reduced many tensors at a time, yet of the value each op produced."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import probe
+from probe.modes.batch_stats import FP32_SUM_MAX_NUMEL, cpu_rows, device_rows
+from probe.modes.stat_rows import STAGE_MAX_NUMEL
+
+LARGE = 4 * STAGE_MAX_NUMEL  # queued, not staged
+
+
+def _reference(t: torch.Tensor) -> list[float]:
+    x = t.detach().to(torch.float64)
+    return [x.min().item(), x.max().item(), x.sum().item(), (x * x).sum().item(),
+            float(torch.isnan(x).sum()), float(torch.isinf(x).sum())]
+
+
+def _close(row, ref, rel: float = 1e-5) -> None:
+    for got, want in zip(row, ref, strict=True):
+        if math.isnan(want):
+            assert math.isnan(got)
+        else:
+            assert got == pytest.approx(want, rel=rel, abs=1e-3), (row, ref)
+
+
+def _tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    bad = torch.randn(LARGE, generator=g)
+    bad[[1, 5, 9]] = float("nan")
+    bad[[2, 7]] = float("inf")
+    bad[11] = float("-inf")
+    return [
+        torch.randn(LARGE, generator=g) * 3 + 1,
+        torch.randn(512, 300, generator=g)[:, 7:250],  # strided slice
+        bad,
+        torch.full((LARGE,), torch.finfo(torch.float32).min),  # squares beyond fp32's range
+    ]
+
+
+def _cpu_eager_rows(xs):
+    return cpu_rows(xs, compiled=False)
+
+
+@pytest.mark.parametrize("rows", [cpu_rows, _cpu_eager_rows, device_rows])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_batched_rows_match_fp64_reference(rows, dtype):
+    xs = [t.to(dtype) for t in _tensors()]
+    got = rows(xs)
+    got = got.tolist()
+    for row, x in zip(got, xs, strict=True):
+        _close(row, _reference(x))  # in fp16 the fp32 mask is all -inf: sums -inf/inf, counts exact
+    bad = got[2]
+    assert bad[4] == 3 and bad[5] == 3  # exact NaN and Inf counts
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_long_tensors_are_summed_in_fp64(compiled):
+    x = torch.rand(FP32_SUM_MAX_NUMEL * 2 + 3, generator=torch.Generator().manual_seed(4)) * 0.1 + 0.05
+    row = cpu_rows([x], compiled=compiled)[0]
+    wide = x.to(torch.float64)
+    assert row[2] == pytest.approx(wide.sum().item(), rel=1e-10)
+    assert row[3] == pytest.approx((wide * wide).sum().item(), rel=1e-10)
+
+
+def test_in_place_writes_after_an_op_do_not_change_its_statistics(tmp_path):
+    base = torch.randn(LARGE, generator=torch.Generator().manual_seed(1))
+    with probe.mode("stats", out=tmp_path / "r"):
+        x = base.clone()
+        x.mul_(2.0)
+        x.add_(1.0)
+        x.relu_()
+    ops = probe.load(tmp_path / "r").ops(0)
+    names = [op.name for op in ops]
+    assert names == ["aten.clone.default", "aten.mul_.Tensor", "aten.add_.Tensor", "aten.relu_.default"]
+    expected = [base, base * 2, base * 2 + 1, (base * 2 + 1).relu()]
+    for op, value in zip(ops, expected, strict=True):
+        stats = op.outputs[0].stats
+        ref = _reference(value)
+        assert stats["min"] == ref[0] and stats["max"] == ref[1]
+        assert stats["mean"] == pytest.approx(ref[2] / value.numel(), rel=1e-5, abs=1e-6)
+        assert stats["norm"] == pytest.approx(math.sqrt(ref[3]), rel=1e-6)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_optimizer_updates_in_place_keep_each_value(tmp_path, foreach):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)  # 65k weights: queued
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5, foreach=foreach)
+    before = model.weight.detach().clone()
+    with probe.mode("stats", out=tmp_path / "r", model=model) as session:
+        model(torch.randn(8, 256)).square().mean().backward()
+        optimizer.step()
+        session.step()
+    ops = [op for op in probe.load(tmp_path / "r").ops(0) if op.phase == "optimizer"]
+    weight_shape = tuple(model.weight.shape)
+    # The first write of the weight is the weight decay (p *= 1 - lr * wd), the last the update.
+    writes = [o for op in ops for o in op.outputs if o.shape == weight_shape and o.dtype == "float32"
+              and op.name.startswith(("aten.mul_", "aten._foreach_mul_", "aten.addcdiv_",
+                                      "aten._foreach_addcdiv_"))]
+    assert len(writes) >= 2
+    decayed = before * (1 - 0.1 * 0.5)
+    assert writes[0].stats["max"] == pytest.approx(decayed.max().item(), rel=1e-6)
+    assert writes[0].stats["norm"] == pytest.approx(decayed.norm().item(), rel=1e-5)
+    final = model.weight.detach()
+    assert writes[-1].stats["max"] == final.max().item()
+    assert writes[-1].stats["norm"] == pytest.approx(final.norm().item(), rel=1e-5)
+    assert writes[0].stats["norm"] != writes[-1].stats["norm"]
+
+
+def test_queue_spills_in_batches_within_its_budget(tmp_path, monkeypatch):
+    from probe.modes import stat_rows
+
+    monkeypatch.setitem(stat_rows.QUEUE_BUDGET_BYTES, "cpu", 3 * LARGE * 4)
+    g = torch.Generator().manual_seed(2)
+    values = [torch.randn(LARGE, generator=g) * (i + 1) for i in range(10)]
+    with probe.mode("stats", out=tmp_path / "r", ops=["aten.clone.default"]):
+        clones = [v.clone() for v in values]
+    records = probe.load(tmp_path / "r").ops(0)
+    assert len(records) == len(clones)
+    for op, value in zip(records, values, strict=True):
+        assert op.outputs[0].stats["max"] == value.max().item()
+        assert op.outputs[0].stats["norm"] == pytest.approx(value.norm().item(), rel=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_rows_on_cuda_match_the_reference():
+    xs = [t.cuda() for t in _tensors()]
+    for row, x in zip(device_rows(xs).tolist(), xs, strict=True):
+        _close(row, _reference(x))
