@@ -3,8 +3,10 @@
 One TorchDispatchMode sees every aten op, forward and backward, and runs
 pluggable modes per op. The public interface is this module:
 
-- :func:`mode` starts a session (a context manager) over one or more modes;
+- :func:`mode` starts a session (a context manager, or ``start()``/``stop()``) over one or more
+  modes; :func:`active_session` is the running one;
 - :func:`load` opens a run directory it wrote;
+- :func:`seed_all` seeds every generator (and turns on deterministic kernels) so runs compare;
 - :func:`check_consistency` checks that the ranks of a job agree on replicated values;
 - :func:`export_graph` writes a step's op graph for review (GraphML, DOT, JSON, Model Explorer);
 - :class:`ProbeError` is raised for bad options and unreadable input.
@@ -21,10 +23,11 @@ from probe.exporters.graph_export import export_graph
 from probe.modes.cpu_reference import register_cpu_reference
 from probe.modes.monitor import AnomalyStop
 from probe.rundir.reader import OpRecord, Run, TensorRecord, load
-from probe.session import Session, mode
+from probe.seeding import seed_all
+from probe.session import Session, active_session, mode
 
 __all__ = [
     "AnomalyStop", "ConsistencyReport", "OpRecord", "ProbeError", "ProbeWarning", "Report", "Run", "Session",
-    "TensorRecord", "__version__", "check_consistency", "compare", "export_graph", "load", "mode",
-    "register_cpu_reference", "replay", "replay_step", "warn_once",
+    "TensorRecord", "__version__", "active_session", "check_consistency", "compare", "export_graph", "load",
+    "mode", "register_cpu_reference", "replay", "replay_step", "seed_all", "warn_once",
 ]

@@ -12,11 +12,15 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from probe.errors import ProbeError
 from probe.exporters.console import make_console, progress_bar
+
+if TYPE_CHECKING:
+    from probe.rundir.reader import Run
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -104,9 +108,31 @@ def _cmd_summary(args: argparse.Namespace, console: Console) -> int:
     from probe.analysis.summary import summarize
     from probe.exporters.console import render_run
 
+    plot = None
+    if args.plot is not None:  # checked before the run is read: a typo costs nothing
+        from probe.exporters import plots
+
+        plots.check_format(args.plot)
+        plots.require("--plot")
+        plot = _output_file(args.plot, "--plot")
+    elif args.step is not None or args.rank is not None:
+        raise ProbeError("--step and --rank choose the step to plot: give --plot FILE.png or FILE.svg")
     run = probe.load(args.run)
+    place = run.resolve(_one_int(args.step), _one_int(args.rank)) if plot is not None else None
     render_run(console, run, summarize(run, top=args.top))
+    if plot is not None and place is not None:
+        _write_module_plot(console, run, plot, *place)
     return EXIT_OK
+
+
+def _write_module_plot(console: Console, run: Run, path: Path, step: int, rank: int) -> None:
+    from probe.analysis.summary import module_magnitudes
+    from probe.exporters import plots
+
+    magnitudes = module_magnitudes(run, step, rank)
+    title = f"{run.path.name}: largest |output| per module, step {step}, rank {rank}"
+    plots.save(plots.module_chart(magnitudes, title), path)
+    console.print(f"wrote {path} ({len(magnitudes)} modules, step {step}, rank {rank})")
 
 
 def _int_list(text: str | None) -> list[int] | None:
@@ -171,6 +197,8 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
         report.to_json(out / "report.json")
         report.to_html(out / "report.html")
         (out / "overlay.json").write_text(json.dumps(report.overlay(), default=str))
+        if report.identity is not None:
+            report.identity.to_csv(out / "identity.csv")
     render_compare(console, report, args.out)
     if args.fail_on_divergence and not report.ok:  # a divergence, or ops whose data was missing
         return EXIT_CHECK_FAILED
@@ -264,6 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     summary = sub.add_parser("summary", help="per-step summary of a run directory")
     summary.add_argument("run", help="run directory")
     summary.add_argument("--top", type=int, default=5, help="rows in the largest-value tables")
+    summary.add_argument("--plot", metavar="FILE",
+                         help="also write a chart of one step's largest |output| per module, .png or .svg "
+                              "(needs probe[plot])")
+    summary.add_argument("--step", help="with --plot: the step to plot (default: the first)")
+    summary.add_argument("--rank", help="with --plot: the rank to plot (default: the first)")
     summary.set_defaults(func=_cmd_summary)
 
     export = sub.add_parser("export", help="write a run in another tool's format")
@@ -278,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", help="compare run B against the reference run A")
     compare.add_argument("run_a", help="reference run directory")
     compare.add_argument("run_b", help="run directory under test")
-    compare.add_argument("-o", "--out", help="write report.csv, report.json, report.html, overlay.json here")
+    compare.add_argument("-o", "--out", help="write report.csv, report.json, report.html, overlay.json, "
+                         "identity.csv here")
     compare.add_argument("--steps", help="comma-separated steps (default: all in common)")
     compare.add_argument("--ranks", help="comma-separated ranks (default: all in common)")
     compare.add_argument("--module-map", help="rename run B's modules: b_name=a_name,...")

@@ -23,10 +23,15 @@ from typing import Any
 import torch
 
 from probe.errors import ProbeError
+from probe.hparams import parse_hparams
 from probe.rundir import layout
 from probe.tracer.rank import current_rank, world_size
 
 PHASES = ("forward", "backward", "recompute", "optimizer")
+CHECKSUM_KINDS = ("parameters", "inputs", "rng", "parameters_each_step")
+"""What ``checksums=`` may record when ``model=`` is given (``probe.modes.checksums``)."""
+DEFAULT_CHECKSUMS = frozenset({"parameters", "inputs", "rng"})
+"""``checksums=True`` (the default): parameters at the session's first step, inputs and RNG each step."""
 COMPILED_POLICIES = ("eager", "keep")
 
 _SHOW = reprlib.Repr()
@@ -75,6 +80,18 @@ def host_memory_bytes() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
         return None
+
+
+def parse_checksums(value: Any) -> frozenset[str]:
+    """``checksums=``: True (:data:`DEFAULT_CHECKSUMS`), False (none), or some of :data:`CHECKSUM_KINDS`."""
+    if isinstance(value, bool):
+        return DEFAULT_CHECKSUMS if value else frozenset()
+    kinds = _str_list("checksums", value, f"True, False, or a name from {list(CHECKSUM_KINDS)}") \
+        if isinstance(value, (str, list, tuple, set, frozenset)) else None
+    if kinds is None or not kinds or any(k not in CHECKSUM_KINDS for k in kinds):
+        raise ProbeError(f"option 'checksums': expected True, False, or a non-empty list from "
+                         f"{list(CHECKSUM_KINDS)}, got {show(value)}")
+    return frozenset(kinds)
 
 
 def parse_choice(option: str, value: Any, choices: Iterable[str]) -> str:
@@ -239,12 +256,14 @@ class Options:
     stack: bool = False
     compiled: str = "eager"
     async_flush: bool = True
+    hparams: dict[str, Any] | None = None
+    checksums: frozenset[str] = DEFAULT_CHECKSUMS
     mode_options: dict[str, Any] = field(default_factory=dict)
 
 
 _COMMON_KEYS = {
     "out", "overwrite", "model", "ops", "modules", "steps", "ranks", "phases", "stack", "compiled",
-    "async_flush",
+    "async_flush", "hparams", "checksums",
 }
 CONFIG_MAX_BYTES = 16 << 20  # a config is a few keys; more is a wrong path (a checkpoint, a dataset)
 
@@ -286,6 +305,10 @@ def parse_options(modes: Any, kwargs: dict[str, Any], mode_option_names: dict[st
             setattr(opts, key, parse_bool(key, value))
         elif key == "compiled":
             opts.compiled = parse_choice(key, value, COMPILED_POLICIES)
+        elif key == "hparams":
+            opts.hparams = parse_hparams(value)
+        elif key == "checksums":
+            opts.checksums = parse_checksums(value)
 
     if "monitor" in mode_names and "targets" not in kwargs and opts.modules.globs is not None:
         kwargs["targets"] = list(opts.modules.globs)  # API.md: modules= serves as the monitor's targets

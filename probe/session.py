@@ -21,19 +21,24 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from probe import __version__
 from probe.errors import ProbeError, warn_once
+from probe.escalation import MANIFEST_KEY as ESCALATED
+from probe.escalation import Escalation
 from probe.modes.base import OpObserver, SessionPlugin, StepResult
+from probe.modes.checksums import plugin_for as checksums_plugin_for
 from probe.modes.registry import MODES, mode_option_names
 from probe.npu import read_and_clear_overflow_flag
 from probe.options import Options, parse_options, show
@@ -41,12 +46,20 @@ from probe.rundir import layout
 from probe.rundir.background import BackgroundWriter
 from probe.rundir.op_records import encode
 from probe.rundir.writer import RunWriter
+from probe.seeding import seeded
 from probe.tracer.compat import check_dispatch_features, compiled_regions_eager
 from probe.tracer.dispatch_mode import ProbeDispatchMode, Tracer
 from probe.tracer.op_call import RECORD_CALLSITE, RECORD_MODULE, RECORD_PHASE, OpRecordTuple
 from probe.tracer.rank import current_rank, process_info
 
 _active: Session | None = None
+
+
+def _without_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
+    """For the probe's own torch work at a step's end (the modes' hand-over, a write without the
+    writer thread): a dispatch mode the user holds across steps (DebugMode, FlopCounterMode)
+    must not see it."""
+    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
 
 
 def default_out_dir() -> Path:
@@ -59,6 +72,10 @@ def _build_modes(options: Options) -> list[SessionPlugin]:
         cls = MODES[name]
         kwargs = {k: v for k, v in options.mode_options.items() if k in cls.option_names}
         modes.append(cls(**kwargs))
+    # With model=: what each step started from (weights, inputs, RNG), for probe compare.
+    implicit = checksums_plugin_for(options, modes)
+    if implicit is not None:
+        modes.append(implicit)
     replacing = [m.name for m in modes if (o := m.observer()) is not None and o.replaces_execution]
     if len(replacing) > 1:
         raise ProbeError(f"modes {replacing} each replace op execution; combine at most one of them")
@@ -89,6 +106,8 @@ class Session:
         self.options = parse_options(modes, kwargs, mode_option_names())
         self.modes = _build_modes(self.options)
         self._observers: list[OpObserver] = [o for m in self.modes if (o := m.observer()) is not None]
+        # The monitor's on_anomaly="trace": per-op modes armed for a few steps after an anomaly.
+        self._escalation = Escalation.of(self.modes, self.options, self._observers)
         self.out = self.options.out if self.options.out is not None else default_out_dir()
         self.step_index = 0
         self._tracer: Tracer | None = None
@@ -96,18 +115,26 @@ class Session:
         self._background: BackgroundWriter | None = None
         self._exit_stack: ExitStack | None = None
         self._stopped_between_steps = False
+        self._held: tuple[bool, bool] | None = None
+        """While paused: the tracer's (recording, module tracking) to restore on resume()."""
+        self._ran = False
+        self.step_kind: str | None = None
+        """What the current step is, written to its manifest as ``"kind"`` (the integrations set
+        ``"evaluation"``); None, a training step, writes no field. Reset when a step begins."""
 
     # -- context ---------------------------------------------------------------
 
     def __enter__(self) -> Session:
         global _active
         if _active is not None:
-            raise ProbeError("a probe session is already active; nest none inside another")
+            raise ProbeError(f"a probe session (writing {str(_active.out)!r}) is already active; nest none "
+                             "inside another, and stop() one started with start() before the next")
         check_dispatch_features()
         process = process_info()
         rank = process["rank"]
         self._check_collectives_on_every_rank(process["world_size"])
-        tracer = Tracer(self.options, self._observers, rank)
+        escalated = [self._escalation.observer] if self._escalation is not None else []
+        tracer = Tracer(self.options, self._observers + escalated, rank)
         if rank in self.options.ranks:
             # Locks the rank directory and writes its first files: an unwritable directory
             # is a ProbeError here, before anything is traced.
@@ -119,6 +146,8 @@ class Session:
                     "probe_version": __version__,
                     "modes": list(self.options.modes),
                     "options": _options_summary(self.options),
+                    **({"hparams": self.options.hparams} if self.options.hparams is not None else {}),
+                    **({"seed": seed} if (seed := seeded()) is not None else {}),
                 },
             )
         stack = ExitStack()
@@ -130,6 +159,9 @@ class Session:
             if self._writer is not None and self.options.async_flush:
                 self._background = BackgroundWriter(max_pending=1)
                 stack.callback(self._background.close)
+            if self._writer is not None and self._escalation is not None:
+                self._escalation.start(tracer, self.out, rank)
+                stack.callback(self._escalation.disarm)  # before the writer's close: LIFO
             # An unselected rank runs its steps untraced: no dispatch mode, no hooks.
             if self._writer is not None and self._observers:
                 tracer.modules.install()
@@ -194,6 +226,11 @@ class Session:
                 mode.close()
             except BaseException as e:
                 failure = failure or e
+        if self._escalation is not None:
+            try:
+                self._escalation.close()
+            except BaseException as e:
+                failure = failure or e
         writer, self._writer = self._writer, None
         try:
             if writer is not None:
@@ -216,12 +253,112 @@ class Session:
                     "or turn the reduction off"
                 )
 
+    # -- without a with block ----------------------------------------------------
+
+    def start(self) -> Session:
+        """Begin the session without a ``with`` block (what ``with`` does on entry); end it with
+        :meth:`stop`. A session runs once: start() on a running or stopped session raises
+        :class:`ProbeError`; after a failed start() (an unwritable ``out``) it may be called again.
+
+        >>> session = probe.mode("stats", out="runs/a", model=model).start()
+        >>> for batch in data:
+        ...     train_step(batch); session.step()
+        >>> session.stop()
+        """
+        if self._tracer is not None:
+            raise ProbeError(f"session.start(): the session writing {str(self.out)!r} is already running; "
+                             "call stop() before starting another")
+        if self._ran:
+            raise ProbeError(f"session.start(): the session writing {str(self.out)!r} has stopped and runs "
+                             "once; create a new one with probe.mode(...) (to leave part of training "
+                             "untraced, use session.pause()/resume() or session.paused())")
+        self.__enter__()
+        self._ran = True
+        return self
+
+    def stop(self, error: BaseException | None = None) -> None:
+        """End the session (what ``with`` does on exit): write what the current step recorded and
+        close the run directory. Safe to call again, and after a failed :meth:`start` (then it does
+        nothing), so it fits a ``finally:`` clause.
+
+        ``error``: the exception that ended training, when there was one; by default the exception
+        being handled where stop() is called (in ``finally:`` or ``except:``). Then the step it broke
+        off is written marked incomplete, as when a ``with`` block raises.
+        """
+        self._stop(error if error is not None else sys.exc_info()[1])
+
+    def _stop(self, error: BaseException | None) -> None:
+        """:meth:`stop` with the error said, never looked up (a training loop's callbacks know
+        whether training ended normally, even when the loop runs inside someone's ``except:``)."""
+        if self._tracer is None:
+            return
+        self._held = None
+        if error is None:
+            self.__exit__(None, None, None)
+        else:
+            self.__exit__(type(error), error, error.__traceback__)
+
+    @property
+    def running(self) -> bool:
+        """Whether the session is between start (or ``with`` entry) and stop (or exit)."""
+        return self._tracer is not None
+
+    # -- pausing -----------------------------------------------------------------
+
+    def pause(self) -> None:
+        """Record nothing until :meth:`resume`: no op, no module call, nothing the modes collect
+        from hooks (evaluation inside a training loop, a checkpoint save). The step stays open; a
+        :meth:`step` while paused ends it and the next step starts paused. Pausing twice is once."""
+        tracer = self._running_tracer("pause")
+        if self._held is not None:
+            return
+        self._held = (tracer.recording, tracer.modules.enabled)
+        tracer.recording = tracer.modules.enabled = False
+        for mode in self.modes:
+            mode.pause()
+
+    def resume(self) -> None:
+        """Record again after :meth:`pause` (from where the step was); no-op when not paused."""
+        tracer = self._running_tracer("resume")
+        held, self._held = self._held, None
+        if held is None:
+            return
+        tracer.recording, tracer.modules.enabled = held
+        for mode in self.modes:
+            mode.resume()
+
+    @property
+    def is_paused(self) -> bool:
+        return self._held is not None
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """``with session.paused():`` runs its block unrecorded (see :meth:`pause`), then records
+        again, unless the session was paused already: then it stays paused."""
+        self._running_tracer("paused")
+        if self._held is not None:
+            yield
+            return
+        self.pause()
+        try:
+            yield
+        finally:
+            if self._tracer is not None:  # the block may have stopped the session
+                self.resume()
+
+    def _running_tracer(self, method: str) -> Tracer:
+        if self._tracer is None:
+            raise ProbeError(f"session.{method}() called outside the session (its with block, or between "
+                             "start() and stop())")
+        return self._tracer
+
     # -- steps -----------------------------------------------------------------
 
     def step(self) -> None:
         """End the current step: flush it to the run directory and start the next."""
         if self._tracer is None:
-            raise ProbeError("session.step() called outside the session's with block")
+            raise ProbeError("session.step() called outside the session (its with block, or between "
+                             "start() and stop())")
         self._stopped_between_steps = False
         try:
             self._flush(complete=True, reason=None)
@@ -246,8 +383,14 @@ class Session:
     def _begin_step(self, rank: int) -> None:
         assert self._tracer is not None
         self._tracer.begin_step(self.step_index, rank)
+        if self._escalation is not None:  # arms or disarms the trace modes, begins their step
+            self._escalation.begin_step(self.step_index)
         for mode in self.modes:
             mode.begin_step(self.step_index)
+        self.step_kind = None
+        if self._held is not None:  # paused across step(): the new step starts paused too
+            self._held = None
+            self.pause()
         self._step_started = time.perf_counter()
 
     def _flush(self, complete: bool, reason: str | None, tail: bool = False) -> None:
@@ -261,7 +404,7 @@ class Session:
         assert tracer is not None
         step = tracer.step
         interrupted: BaseException | None = None
-        with tracer.paused():
+        with tracer.paused(), _without_dispatch_modes():
             # The list end_step hands over, held before the call: an interruption inside it
             # (after the tracer has let go of the list) cannot lose the records.
             records = tracer.records
@@ -272,7 +415,8 @@ class Session:
                 with contextlib.suppress(BaseException):
                     tracer.end_step(wait=False)  # collectives still in flight are dropped
             ended: list[tuple[SessionPlugin, StepResult | None]] = []
-            for mode in self.modes:
+            escalated = self._escalation.modes_of(step) if self._escalation is not None else []
+            for mode in [*self.modes, *escalated]:
                 try:
                     if tail or not complete or interrupted is not None:
                         mode.ending_alone()
@@ -308,8 +452,10 @@ class Session:
         tracer = self._tracer
         assert tracer is not None
         results = [(mode.name, result) for mode, result in ended]
-        # Per-op modes have nothing without op records; hook-based ones say so themselves.
-        collected = any(result is not None for mode, result in ended if mode.observer() is None)
+        # Per-op modes have nothing without op records; hook-based ones say so themselves (a plug-in
+        # the session added on its own, the checksums of model=, only adds to steps written anyway).
+        collected = any(result is not None for mode, result in ended
+                        if mode.observer() is None and not getattr(mode, "implicit", False))
         if self._writer is None or not (records or collected or not complete):
             return None
         types = tracer.modules.names.types
@@ -330,6 +476,10 @@ class Session:
         }
         if tail:
             manifest["tail"] = True
+        elif self._escalation is not None and (marker := self._escalation.marker(step)) is not None:
+            manifest[ESCALATED] = marker  # traced because of an anomaly: the link probe summary reads
+        if not tail and self.step_kind is not None:
+            manifest["kind"] = self.step_kind
         if tracer.modules.names.parallel is not None:
             manifest["parallel"] = tracer.modules.names.parallel
         npu_overflow = read_and_clear_overflow_flag()
@@ -343,7 +493,8 @@ class Session:
 
     def _hand_to_writer(self, job: Callable[[], None], wait: bool) -> None:
         if self._background is None:
-            job()
+            with _without_dispatch_modes():  # the writer thread has none; here the user's may be on
+                job()
             return
         self._background.submit(job)
         if wait:  # the block is raising: be on disk before it propagates
@@ -396,6 +547,11 @@ class Session:
             f"training goes on; the step is left unfinished ({first['directory']}) and every step given up "
             f"is listed in {layout.WRITE_FAILURES_FILE} there",
         )
+
+
+def active_session() -> Session | None:
+    """The running session (entered with ``with`` or started with ``start()``), or None."""
+    return _active
 
 
 def mode(modes: Any = None, **options: Any) -> Session:

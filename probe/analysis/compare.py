@@ -41,6 +41,7 @@ from probe.analysis import precision
 from probe.analysis.matching import Match, match_ops
 from probe.analysis.metrics import stats_metrics, tensor_metrics
 from probe.analysis.replay import recompute
+from probe.analysis.run_identity import Identity, identity
 from probe.analysis.verdicts import (
     ERROR,
     NOT_COMPARED,
@@ -736,11 +737,15 @@ def _compare_rank(path_a: str, path_b: str, steps: list[int], rank: int,
 class Report:
     """The result of :func:`compare`."""
 
-    def __init__(self, path_a: Path, path_b: Path, steps: list[StepComparison], missing: list[str]) -> None:
+    def __init__(self, path_a: Path, path_b: Path, steps: list[StepComparison], missing: list[str],
+                 identity: Identity | None = None) -> None:
         self.path_a, self.path_b = path_a, path_b
         self.steps = steps
         self.missing = missing
         """What could not be compared (a step or rank present on one side only), in words."""
+        self.identity = identity
+        """Whether the runs started alike (weights, inputs, RNG) and how their environments differ
+        (``probe.analysis.run_identity``); the report's first section."""
 
     @property
     def comparisons(self) -> list[OpComparison]:
@@ -775,8 +780,17 @@ class Report:
         """What the comparison concludes, in one sentence.
 
         "no divergence: differences consistent with bf16 autocast" when every difference
-        is explained by the precision each run computed in.
+        is explained by the precision each run computed in. When the runs did not start
+        alike (other initial weights, inputs or RNG state, found at or before the first
+        divergence), that leads as the explanation (``Identity.explain``).
         """
+        text = self._ops_conclusion()
+        if self.identity is None:
+            return text
+        d = self.divergence
+        return self.identity.explain(text, None if d is None else d.step)
+
+    def _ops_conclusion(self) -> str:
         d = self.divergence
         if d is not None:
             return (f"first divergence at {d.op.id} in {d.op.module or '<outside modules>'} "
@@ -831,6 +845,7 @@ class Report:
             "steps": sorted({s.step for s in self.steps}), "ranks": sorted({s.rank for s in self.steps}),
             "counts": self.counts, "ok": self.ok, "missing": self.missing, "per_rank": self.by_rank(),
             "conclusion": self.conclusion,
+            "identity": None if self.identity is None else self.identity.to_dict(),
             "first_divergence": None if d is None else {
                 "step": d.step, "rank": d.rank, "op_a": d.op_a.id if d.op_a else None,
                 "op_b": d.op_b.id if d.op_b else None, "name": d.op.name, "module": d.op.module,
@@ -925,7 +940,8 @@ def compare(
     else:
         results = [compare_step(run_a, run_b, s, r, module_map, advance, replay_limit)
                    for r, ss in plan.items() for s in ss]
-    return Report(run_a.path, run_b.path, sorted(results, key=lambda s: (s.step, s.rank)), missing)
+    return Report(run_a.path, run_b.path, sorted(results, key=lambda s: (s.step, s.rank)), missing,
+                  identity(run_a, run_b, plan))
 
 
 def _op_count(run: Run, step: int, rank: int) -> int:

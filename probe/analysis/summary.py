@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from probe.errors import ProbeError
 from probe.rundir import layout
 from probe.rundir.reader import AnomalyRecord, CheckRecord, OpRecord, Run
 from probe.rundir.records import NonfiniteParameterRecord, TensorRecord, first_nonfinite_in
@@ -141,6 +142,37 @@ def summarize(run: Run, top: int = 5) -> Iterator[StepSummary]:
     for rank in run.ranks:
         for step in run.steps_of(rank):
             yield summarize_step(run, step, rank, top)
+
+
+@dataclass
+class ModuleMagnitude:
+    """One module's largest output magnitude in a step, per phase (``probe summary --plot``)."""
+
+    module: str
+    """Innermost module FQN ("" outside modules)."""
+    largest: dict[str, float] = field(default_factory=dict)
+    """Phase -> the largest |value| among its ops' ranked outputs (:func:`ranked`)."""
+    nonfinite: dict[str, int] = field(default_factory=dict)
+    """Phase -> how many of its ops made a NaN or Inf."""
+
+
+def module_magnitudes(run: Run, step: int, rank: int) -> list[ModuleMagnitude]:
+    """Per module, in the order its first op ran, its largest output magnitude in each phase.
+
+    Raises :class:`ProbeError` when the step holds no statistics (a run without mode stats)."""
+    ops = run.ops(step, rank)
+    if not any(t.stats is not None for op in ops for t in op.outputs):
+        raise ProbeError(f"step {step} of rank {rank} of {str(run.path)!r} holds no output statistics: "
+                         "record it with mode 'stats'")
+    by_module: dict[str, ModuleMagnitude] = {}
+    for op in ops:
+        entry = by_module.setdefault(op.module, ModuleMagnitude(op.module))
+        values = [t.abs_max for t in op.outputs if ranked(t)]
+        if values:
+            entry.largest[op.phase] = max(entry.largest.get(op.phase, 0.0), *values)
+        if any(t.finite is False for t in op.outputs):
+            entry.nonfinite[op.phase] = entry.nonfinite.get(op.phase, 0) + 1
+    return list(by_module.values())
 
 
 

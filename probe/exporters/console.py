@@ -7,11 +7,14 @@ from collections import Counter
 from collections.abc import Iterable
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from probe.analysis.compare import Report
 from probe.analysis.consistency import ConsistencyReport, check_consistency
+from probe.analysis.escalations import EscalationLinks
+from probe.analysis.run_identity import Identity
 from probe.analysis.summary import Extreme, StepSummary, lost_steps, tails
 from probe.analysis.verdicts import NOT_COMPARED, VERDICTS
 from probe.modes.anomaly import incidents
@@ -152,7 +155,8 @@ def render_run(console: Console, run: Run, summaries: Iterable[StepSummary]) -> 
     pairs = sum(len(run.steps_of(rank)) for rank in run.ranks)
     console.print(f"[bold]{run.path}[/bold]  modes {modes}  ranks {run.ranks}  steps {_ranges(run.steps)}")
     detailed_nonfinite = False
-    for summary in summaries:
+    links = EscalationLinks(run)  # on_anomaly="trace": each incident -> what its traced steps found
+    for summary in links.follow(summaries):
         if pairs <= DETAILED_STEPS:
             render_step(console, summary)
             continue
@@ -161,17 +165,42 @@ def render_run(console: Console, run: Run, summaries: Iterable[StepSummary]) -> 
         if summary.first_nonfinite is not None and not detailed_nonfinite:
             detailed_nonfinite = True
             render_step(console, summary)
+    for link in links.links():
+        console.print(link.describe(), style="red" if link.recurred else None, markup=False, highlight=False)
     for line in lost_steps(run):
         console.print(line, style="red", markup=False, highlight=False)
     for line in tails(run):
         console.print(line, markup=False, highlight=False)
     if len(run.ranks) > 1:
+        origin = run.first_nonfinite_ranks()  # which rank a NaN started on, before it spread
+        if origin is not None:
+            console.print(origin.describe(), style="red", markup=False, highlight=False)
         render_consistency(console, check_consistency(run), limit=3)
+
+
+def render_identity(console: Console, identity: Identity, limit: int = 10) -> None:
+    """The runs' start (weights, inputs, RNG) and what differs in their environments."""
+    style = {"same": "green", "differ": "red"}
+    for check in identity.checks:
+        console.print(f"  {check.what}: [{style.get(check.status, 'yellow')}]{check.status}[/] "
+                      f"[dim]({escape(check.message)})[/dim]")
+    if identity.differences:
+        console.print(f"  environments differ in {len(identity.differences)} thing(s):")
+        for d in identity.differences[:limit]:
+            console.print(f"    {d.describe()}", markup=False, highlight=False)
+        if len(identity.differences) > limit:
+            console.print(f"    ... {len(identity.differences) - limit} more (report.json, identity.csv)")
+    for note in identity.notes:
+        console.print(f"  [yellow]{escape(note)}[/yellow]")
 
 
 def render_compare(console: Console, report: Report, out: str | None) -> None:
     counts = report.counts
     console.print(f"[bold]compare[/bold] {report.path_a} (reference) vs {report.path_b}")
+    if report.identity is not None:
+        render_identity(console, report.identity)
+        if report.identity.cause is not None:
+            console.print(f"[red]{escape(report.conclusion)}[/red]")
     console.print("  ".join(f"{k} {v}" for k, v in counts.items()))
     if counts[NOT_COMPARED]:
         console.print(f"[yellow]{counts[NOT_COMPARED]} op(s) not compared: their data is missing or "
@@ -206,7 +235,7 @@ def render_compare(console: Console, report: Report, out: str | None) -> None:
                           label)
         console.print(table)
     if out:
-        console.print(f"reports in {out}: report.csv, report.json, report.html, overlay.json")
+        console.print(f"reports in {out}: report.csv, report.json, report.html, overlay.json, identity.csv")
 
 
 def render_consistency(console: Console, report: ConsistencyReport, limit: int = 10) -> None:

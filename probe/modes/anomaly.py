@@ -30,8 +30,8 @@ Each alert carries its incident's id, the step it began at.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -107,9 +107,10 @@ class Incident:
                  else f"steps {self.first_step}-{self.last_step}")
         root = self.root
         base = "" if root.baseline is None else f" (baseline {root.baseline:.4g})"
+        why = f": {root.reason}" if root.reason else ""  # a non-finite root's NaN and Inf counts
         alerts = f"{self.alerts} alert{'s' * (self.alerts != 1)}"
         return (f"incident at {steps} rank {self.rank}: {alerts} on {self.series} series, "
-                f"root {root.rule}: {root.module} {root.metric} = {root.value:.4g}{base}")
+                f"root {root.rule}: {root.module} {root.metric} = {root.value:.4g}{base}{why}")
 
 
 def incidents(anomalies: Iterable[Anomaly]) -> list[Incident]:
@@ -128,52 +129,172 @@ def incidents(anomalies: Iterable[Anomaly]) -> list[Incident]:
     return found
 
 
-@dataclass
-class _Average:
-    ema: float = 0.0
-    seen: int = 0
-    outliers: list[float] = field(default_factory=list)
-    """The values of the alert in progress (consecutive out-of-band values)."""
+_NANS, _INFS = METRIC_COLUMNS.index("nans"), METRIC_COLUMNS.index("infs")
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A step's series mapped to the detector's state rows (the same series come step after step)."""
+
+    key: tuple[Series, ...]
+    rows: np.ndarray
+    """The state row of each position."""
+    groups: list[np.ndarray]
+    """Positions by occurrence: a series listed twice in a step is scanned twice, in order."""
 
 
 class AnomalyDetector:
-    """Applies the configured rules step after step; keeps each series' running averages."""
+    """Applies the configured rules step after step; keeps each series' running averages.
+
+    The built-in rules run over all series of a step at once (numpy over state arrays, one row
+    per series, one column per watched metric); only alerts, alerts in progress and user rules
+    take Python per series. The arithmetic is the per-series rule's, operation for operation, so
+    the averages and alerts are the same bit for bit."""
 
     def __init__(self, config: MonitorConfig) -> None:
         self.config = config
-        self._averages: dict[tuple[Series, str], _Average] = {}
-        self._nonfinite: set[Series] = set()
+        watched = config.turbulence.metrics if config.turbulence is not None else ()
+        self._columns = [METRIC_COLUMNS.index(metric) for metric in watched]
+        self._index: dict[Series, int] = {}
+        self._series: list[Series] = []
+        """The series of each state row."""
+        self._bad = np.zeros(0, dtype=bool)
+        """Non-finite at its latest step: one alert until the series is finite again."""
+        self._watched = np.zeros(0, dtype=bool)
+        """Of a kind the turbulence rule watches."""
+        self._ema = np.zeros((0, len(watched)))
+        self._seen = np.zeros((0, len(watched)), dtype=np.int64)
+        """Values that entered the average."""
+        self._outliers: dict[tuple[int, int], list[float]] = {}
+        """(row, metric column) -> the values of the alert in progress (consecutive out-of-band values)."""
+        self._layout: _Layout | None = None
         self._incident: int | None = None
         """The first step of the incident still going on, if any."""
+        self.listeners: list[Callable[[list[Anomaly]], None]] = []
+        """Called with each scanned step's alerts, where the scan runs (the writer thread, or the
+        training thread with ``on_anomaly="dump"``/``"stop"``): ``probe.escalation`` learns of
+        incidents this way, without a sync of its own. A listener must be quick and thread-safe."""
 
     def scan(self, step: int, rank: int, series: list[Series], values: np.ndarray) -> list[Anomaly]:
-        found: list[Anomaly] = []
+        """The step's alerts, in series order (per series: non-finite, turbulence, user rules)."""
+        values = np.asarray(values, dtype=np.float64)
+        if values.shape[0] != len(series):
+            raise ValueError(f"anomaly scan: {len(series)} series but {values.shape[0]} rows of values")
+        layout = self._layout_of(series)
+        alerts: list[tuple[int, int, Anomaly]] = []  # (position, order within the series, alert)
+        for positions in layout.groups:
+            self._scan_rows(step, rank, positions, layout.rows[positions], values[positions], alerts)
+        if self.config.user_rules:
+            self._user_rules(step, rank, series, values, alerts)
+        alerts.sort(key=lambda entry: (entry[0], entry[1]))
+        found = [alert for _, _, alert in alerts]
+        self._group(step, found)
+        if found:
+            for listener in self.listeners:
+                listener(found)
+        return found
+
+    def _layout_of(self, series: list[Series]) -> _Layout:
+        key = tuple(series)
+        if self._layout is not None and self._layout.key == key:
+            return self._layout
+        fresh = [s for s in dict.fromkeys(key) if s not in self._index]
+        if fresh:
+            rule = self.config.turbulence
+            for s in fresh:
+                self._index[s] = len(self._series)
+                self._series.append(s)
+            self._bad = np.concatenate([self._bad, np.zeros(len(fresh), dtype=bool)])
+            watched = [rule is not None and s.kind in rule.kinds for s in fresh]
+            self._watched = np.concatenate([self._watched, np.array(watched, dtype=bool)])
+            width = len(self._columns)
+            self._ema = np.concatenate([self._ema, np.zeros((len(fresh), width))])
+            self._seen = np.concatenate([self._seen, np.zeros((len(fresh), width), dtype=np.int64)])
+        rows = np.array([self._index[s] for s in key], dtype=np.intp)
+        occurrence: dict[Series, int] = {}
+        groups: list[list[int]] = []
+        for position, s in enumerate(key):
+            n = occurrence[s] = occurrence.get(s, -1) + 1
+            if n == len(groups):
+                groups.append([])
+            groups[n].append(position)
+        self._layout = _Layout(key, rows, [np.array(g, dtype=np.intp) for g in groups])
+        return self._layout
+
+    def _scan_rows(self, step: int, rank: int, positions: np.ndarray, rows: np.ndarray, values: np.ndarray,
+                   alerts: list[tuple[int, int, Anomaly]]) -> None:
+        """The built-in rules over distinct series (their state rows ``rows``)."""
+        nans, infs = values[:, _NANS], values[:, _INFS]
+        nonfinite = nans + infs
+        bad = nonfinite > 0  # a NaN count (a row of unknown values) is neither bad nor calm
+        if self.config.nonfinite:
+            for i in np.flatnonzero(bad & ~self._bad[rows]).tolist():
+                s = self._series[rows[i]]
+                # The metric is the count that is not zero (NaN first); the reason gives both.
+                count, value = ("nans", float(nans[i])) if nans[i] > 0 else ("infs", float(infs[i]))
+                reason = f"{int(nans[i])} NaN, {int(infs[i])} Inf"
+                alert = Anomaly(step, rank, s.name, f"{s.label}.{count}", value, 0.0, "nonfinite", s.kind,
+                                s.call, reason)
+                alerts.append((int(positions[i]), 0, alert))
+        self._bad[rows] = bad
         rule = self.config.turbulence
-        for s, row in zip(series, values, strict=True):
-            metrics = {name: float(v) for name, v in zip(METRIC_COLUMNS, row, strict=True)}
-            nonfinite = metrics["nans"] + metrics["infs"]
-            if self.config.nonfinite and nonfinite > 0 and s not in self._nonfinite:
-                reason = f"{int(metrics['nans'])} NaN, {int(metrics['infs'])} Inf"
-                found.append(Anomaly(step, rank, s.name, f"{s.label}.nans", metrics["nans"], 0.0, "nonfinite",
-                                     s.kind, s.call, reason))
-            if nonfinite > 0:
-                self._nonfinite.add(s)  # one alert until the series is finite again
-            else:
-                self._nonfinite.discard(s)
-            if rule is not None and nonfinite == 0 and s.kind in rule.kinds:
-                for metric in rule.metrics:
-                    anomaly = self._turbulence(step, rank, s, metric, abs(metrics[metric]))
-                    if anomaly is not None:
-                        found.append(anomaly)
+        if rule is None:
+            return
+        calm = (nonfinite == 0) & self._watched[rows]
+        factor = 1 + rule.threshold
+        for j, column in enumerate(self._columns):
+            value = np.abs(values[:, column])
+            live = np.flatnonzero(calm & np.isfinite(value))
+            r, x = rows[live], value[live]
+            ema, seen = self._ema[r, j], self._seen[r, j]
+            with np.errstate(over="ignore"):  # a huge value's band is Inf, as in Python float arithmetic
+                out = (seen >= rule.warmup) & (ema > 0) & ((x > ema * factor) | (x < ema / factor))
+            inside = ~out
+            # In band, or still warming up: the value enters the average and ends an alert in progress.
+            entering = r[inside]
+            with np.errstate(over="ignore"):
+                self._ema[entering, j] = np.where(seen[inside] == 0, x[inside],
+                                                  rule.decay * ema[inside] + (1 - rule.decay) * x[inside])
+            self._seen[entering, j] += 1
+            if self._outliers:
+                for row in entering[np.isin(entering, [k[0] for k in self._outliers if k[1] == j])].tolist():
+                    del self._outliers[(row, j)]
+            for k in np.flatnonzero(out).tolist():
+                alert = self._outlier(step, rank, int(r[k]), j, float(x[k]))
+                if alert is not None:
+                    alerts.append((int(positions[live[k]]), 1 + j, alert))
+
+    def _outlier(self, step: int, rank: int, row: int, j: int, value: float) -> Anomaly | None:
+        """A value out of band: an alert when it starts one; after ``warmup`` such values in a row
+        their mean becomes the new average (a new level, not a spike: one alert, not one per step)."""
+        rule = self.config.turbulence
+        assert rule is not None
+        outliers = self._outliers.setdefault((row, j), [])
+        outliers.append(value)
+        first = len(outliers) == 1
+        baseline = float(self._ema[row, j])
+        if len(outliers) >= rule.warmup:
+            self._ema[row, j] = sum(outliers) / len(outliers)
+            del self._outliers[(row, j)]
+        if not first:
+            return None
+        s = self._series[row]
+        return Anomaly(step, rank, s.name, f"{s.label}.{rule.metrics[j]}", value, baseline, "turbulence",
+                       s.kind, s.call)
+
+    def _user_rules(self, step: int, rank: int, series: list[Series], values: np.ndarray,
+                    alerts: list[tuple[int, int, Anomaly]]) -> None:
+        order = 1 + len(self._columns)
+        for position, (s, row) in enumerate(zip(series, values.tolist(), strict=True)):
+            metrics = dict(zip(METRIC_COLUMNS, row, strict=False))
             for user_rule in self.config.user_rules:
                 verdict = user_rule(Observation(step, rank, s, metrics))
                 if verdict:
                     reason = verdict if isinstance(verdict, str) else ""
                     name = getattr(user_rule, "__name__", type(user_rule).__name__)
-                    found.append(Anomaly(step, rank, s.name, f"{s.label}.norm", metrics["norm"], None,
-                                         f"rule:{name}", s.kind, s.call, reason))
-        self._group(step, found)
-        return found
+                    alert = Anomaly(step, rank, s.name, f"{s.label}.norm", metrics["norm"], None,
+                                    f"rule:{name}", s.kind, s.call, reason)
+                    alerts.append((position, order, alert))
 
     def _group(self, step: int, found: list[Anomaly]) -> None:
         """Give the step's alerts their incident; keep it open while anything is still anomalous."""
@@ -181,31 +302,6 @@ class AnomalyDetector:
             self._incident = step
         for anomaly in found:
             anomaly.incident = self._incident
-        ongoing = bool(found) or bool(self._nonfinite) or any(a.outliers for a in self._averages.values())
+        ongoing = bool(found) or bool(self._bad.any()) or bool(self._outliers)
         if not ongoing:
             self._incident = None
-
-    def _turbulence(self, step: int, rank: int, s: Series, metric: str, value: float) -> Anomaly | None:
-        rule = self.config.turbulence
-        assert rule is not None
-        if not math.isfinite(value):
-            return None
-        average = self._averages.setdefault((s, metric), _Average())
-        if average.seen >= rule.warmup and average.ema > 0:
-            factor = 1 + rule.threshold
-            if value > average.ema * factor or value < average.ema / factor:
-                average.outliers.append(value)
-                first = len(average.outliers) == 1
-                baseline = average.ema
-                if len(average.outliers) >= rule.warmup:
-                    # A new level, not a spike: adopt it, so that it is one alert, not one per step.
-                    average.ema = sum(average.outliers) / len(average.outliers)
-                    average.outliers.clear()
-                if first:
-                    return Anomaly(step, rank, s.name, f"{s.label}.{metric}", value, baseline, "turbulence",
-                                   s.kind, s.call)
-                return None
-        average.outliers.clear()
-        average.ema = value if average.seen == 0 else rule.decay * average.ema + (1 - rule.decay) * value
-        average.seen += 1
-        return None

@@ -93,6 +93,13 @@ class SessionPlugin:
     def after_step(self) -> None:
         """``session.step()`` handed the step over; may raise to stop training."""
 
+    def pause(self) -> None:
+        """``session.pause()``: collect nothing from hooks until :meth:`resume` (the tracer already
+        stops calling observers). A pause that spans ``step()`` is said again after ``begin_step``."""
+
+    def resume(self) -> None:
+        """``session.resume()``: collect again, as :meth:`begin_step` had decided for this step."""
+
     def close(self) -> None:
         """Release resources at session end (remove hooks)."""
 

@@ -81,6 +81,7 @@ MONITOR_KEYS = frozenset({
     "targets", "module_ranks", "xy_distribution", "wg_distribution", "mv_distribution",
     "param_distribution", "ur_distribution", "forward_only", "backward_only", "metrics", "eps",
     "start_step", "step_interval", "alert", "on_anomaly", "anomaly_rules", "reduce_ranks", "tensorboard",
+    "trace_modes", "trace_options", "trace_steps", "distribution", "histogram",
 })
 
 
@@ -263,14 +264,62 @@ class MonitorConfig:
     nonfinite: bool = True
     user_rules: tuple[Callable[..., Any], ...] = ()
     on_anomaly: str = "log"
+    trace_modes: tuple[str, ...] = ("stats",)
+    """With ``on_anomaly="trace"``: the per-op modes armed after an anomaly (probe.escalation)."""
+    trace_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    """Their options (``inputs``, ``tensors``, ...); checked by the modes when the session is built."""
+    trace_steps: int = 2
+    """How many steps they stay on."""
     reduce_ranks: bool = False
     tensorboard: bool | None = None  # None: if the package is installed
+    distribution: bool = False
+    """Per series: shares of zeros, underflow and near-overflow of its dtype (probe.modes.distribution)."""
+    histogram: bool = False
+    """Per series: a log2-magnitude histogram (and the shares), TensorBoard histograms too."""
 
     def collects(self, step: int) -> bool:
         return step >= self.start_step and (step - self.start_step) % self.step_interval == 0
 
 
-ON_ANOMALY = ("log", "dump", "stop")
+ON_ANOMALY = ("log", "dump", "stop", "trace")
+TRACE_MODES = ("stats", "dump")
+"""Per-op modes ``on_anomaly="trace"`` may arm: those that observe ops without replacing them."""
+_TRACE_KEYS = ("trace_modes", "trace_options", "trace_steps")
+
+
+def _trace_modes(value: Any) -> tuple[str, ...]:
+    names = [value] if isinstance(value, str) else value
+    if isinstance(names, (list, tuple)) and names and all(isinstance(n, str) for n in names):
+        unknown = [n for n in names if n not in TRACE_MODES]
+        if not unknown:
+            return tuple(dict.fromkeys(names))
+        raise ProbeError(f"monitor option 'trace_modes': unknown trace mode(s) {unknown}; accepted: "
+                         f"{list(TRACE_MODES)} (the monitor arms no mode that replaces op execution)")
+    raise ProbeError(f"monitor option 'trace_modes': expected a non-empty list from {list(TRACE_MODES)}, "
+                     f"got {show(value)}")
+
+
+def _trace_settings(options: Mapping[str, Any], on_anomaly: str) -> dict[str, Any]:
+    """``trace_modes``, ``trace_options``, ``trace_steps``: only with ``on_anomaly="trace"`` (given
+    with another policy they would silently do nothing)."""
+    given = [key for key in _TRACE_KEYS if key in options]
+    if not given:
+        return {}
+    if on_anomaly != "trace":
+        raise ProbeError(f"monitor option {given[0]!r} arms per-op tracing after an anomaly, which needs "
+                         f"on_anomaly='trace'; on_anomaly is {on_anomaly!r}")
+    kwargs: dict[str, Any] = {}
+    if "trace_modes" in options:
+        kwargs["trace_modes"] = _trace_modes(options["trace_modes"])
+    if "trace_options" in options:
+        value = options["trace_options"]
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise ProbeError("monitor option 'trace_options': expected a dict of the trace modes' options "
+                             f"(e.g. {{'inputs': True}}), got {show(value)}")
+        kwargs["trace_options"] = dict(value)
+    if "trace_steps" in options:
+        kwargs["trace_steps"] = parse_int("trace_steps", options["trace_steps"], 1)
+    return kwargs
 
 
 def _targets(value: Any) -> tuple[Target, ...]:
@@ -368,7 +417,7 @@ def _metrics(key: str, value: Any, accepted: tuple[str, ...] = METRICS) -> tuple
 _FLAGS = (("xy_distribution", "xy"), ("wg_distribution", "wg"), ("mv_distribution", "mv"),
           ("param_distribution", "param"), ("ur_distribution", "ur"), ("forward_only", "forward_only"),
           ("backward_only", "backward_only"), ("reduce_ranks", "reduce_ranks"),
-          ("tensorboard", "tensorboard"))
+          ("tensorboard", "tensorboard"), ("distribution", "distribution"), ("histogram", "histogram"))
 
 
 def parse_monitor_options(options: Mapping[str, Any]) -> MonitorConfig:
@@ -402,6 +451,7 @@ def parse_monitor_options(options: Mapping[str, Any]) -> MonitorConfig:
         kwargs["user_rules"] = tuple(rules)
     if "on_anomaly" in options:
         kwargs["on_anomaly"] = parse_choice("on_anomaly", options["on_anomaly"], ON_ANOMALY)
+    kwargs.update(_trace_settings(options, kwargs.get("on_anomaly", "log")))
     config = MonitorConfig(**kwargs)
     if config.forward_only and config.backward_only:
         raise ProbeError("monitor options 'forward_only' and 'backward_only' exclude each other")

@@ -10,7 +10,9 @@ import re
 from pathlib import Path
 
 FORMAT_NAME = "probe-run"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: per-tensor distribution shares and histograms, fp8 scales (stats mode), monitor distribution
+files. Version-1 runs read the same, without them."""
 
 RUN_FILE = "run.json"
 RANK_FILE = "rank.json"
@@ -20,12 +22,24 @@ CALLSITES_FILE = "callsites.json"
 MODULES_FILE = "modules.json"
 STATS_FILE = "stats.npy"
 STATS_INDEX_FILE = "stats_index.npy"
+DISTRIBUTION_FILE = "distribution.npy"
+"""Stats mode, distribution=True: shares of zeros, underflow, near-overflow per stats row."""
+HISTOGRAM_FILE = "histogram.npy"
+"""Stats mode, histogram=True: (stats row, binary exponent, count) entries."""
+FP8_SCALES_FILE = "fp8_scales.jsonl"
+"""Stats mode: the scales fp8 ops were given, one object per op."""
 TENSOR_INDEX_FILE = "tensors.json"
 CALLS_FILE = "calls.jsonl"
 CHECKS_FILE = "checks.jsonl"
 MONITOR_FILE = "monitor.csv"
 ANOMALIES_FILE = "anomalies.jsonl"
+MONITOR_DISTRIBUTION_FILE = "monitor_distribution.npy"
+"""Monitor, distribution=True: the shares per series, rows in ``monitor.csv``'s order."""
+MONITOR_HISTOGRAM_FILE = "monitor_histogram.npy"
+"""Monitor, histogram=True: (series row, binary exponent, count) entries."""
 ANOMALY_TENSORS_FILE = "anomaly_tensors.safetensors"
+CHECKSUMS_FILE = "checksums.json"
+"""Per step, with model=: checksums of the parameters, the model's inputs and the RNG states."""
 TENSORS_DIR = "tensors"
 LOCK_FILE = ".lock"
 """In each rank directory: the advisory lock of its one writer, naming the holder's host and pid."""

@@ -35,6 +35,7 @@ from probe.rundir import layout
 from probe.rundir.mode_files import ModeFiles, StepFiles
 from probe.rundir.op_graph import build_graph
 from probe.rundir.op_records import decode as decode_op_record
+from probe.rundir.rank_origin import RankOrigin, rank_origin
 from probe.rundir.reading import expect, read_json, read_jsonl, reading, record_from_row
 from probe.rundir.records import (
     AnomalyRecord,
@@ -340,9 +341,14 @@ class Run:
         A NaN or Inf is a fault when it reaches the loss, a gradient, a parameter or a result
         (see :func:`probe.rundir.records.nonfinite_origins_in`): an ``-inf`` mask that softmax
         absorbs is not one. "Earliest" is execution order within a step (forward before the
-        backward of the same step), the earliest step first; across ranks, the lowest rank at
-        that step. Ops without statistics are not considered.
+        backward of the same step), the earliest step first. Over the ranks of a multi-rank run
+        (``rank`` None), the op of the rank where the fault started, before the collective that
+        spread it (``bad.rank``; the lowest rank when several are tied: see
+        :meth:`first_nonfinite_ranks`). Ops without statistics are not considered.
         """
+        if rank is None and len(self.ranks) > 1:
+            origin = self.first_nonfinite_ranks(step)
+            return None if origin is None else origin.ops[0]
         for s in self.steps if step is None else [step]:
             for r in self.ranks if rank is None else [rank]:
                 if self.has_step(s, r):
@@ -350,6 +356,19 @@ class Run:
                     if found is not None:
                         return found
         return None
+
+    def first_nonfinite_ranks(self, step: int | None = None) -> RankOrigin | None:
+        """Where a non-finite fault started over the ranks (in ``step`` when given), or None.
+
+        Each rank's first non-finite op (of the earliest step with one) is placed on the
+        collective clock: how many collectives the rank had completed in that step. A NaN that
+        one rank sends through an all-reduce appears on the others at that collective, later on
+        the clock, so the rank with the lowest (step, clock) is where it started; ranks tied
+        there are all named. ``.ranks``, ``.ops`` (one per origin rank), ``.step``, ``.clock``,
+        ``.later`` (the other ranks' first non-finite ops), ``.describe()``: see
+        :mod:`probe.rundir.rank_origin`.
+        """
+        return rank_origin(self, step)
 
     def nonfinite_origins(self, step: int | None = None, rank: int | None = None) -> list[OpRecord]:
         """Every op of one step where a non-finite fault starts, in execution order (the first
@@ -458,7 +477,9 @@ class Run:
         for number, record in records.items():
             for tensor, shares in zip(record.inputs, exact[number], strict=True):
                 if tensor.stats is None and shares and tensor.source and tensor.source[0] in records:
-                    tensor.stats = records[tensor.source[0]].outputs[tensor.source[1]].stats
+                    produced = records[tensor.source[0]].outputs[tensor.source[1]]
+                    tensor.stats = produced.stats
+                    tensor.distribution, tensor.histogram = produced.distribution, produced.histogram
         return dict(sorted(records.items())) if only is not None else records
 
     def ops_at(self, indices: Collection[int], step: int | None = None, rank: int | None = None

@@ -30,6 +30,13 @@ class TensorRecord:
     skipped: str | None = None
     """Why the probe kept nothing of this tensor (no source, statistics or dump): "inference",
     "sparse", "nested", "zero", "meta" or "no storage"; None for a tensor it could key."""
+    distribution: dict[str, float | None] | None = None
+    """With the stats mode's ``distribution=True``: shares (0 to 1) of ``zeros``, ``underflow``
+    (nonzero, below the dtype's smallest normal) and ``near_overflow`` (finite, above half the
+    dtype's max); a share is None where it does not apply (integer tensors); None when not recorded."""
+    histogram: dict[str, Any] | None = None
+    """With ``histogram=True``: ``{"zero": n, "nonfinite": n, "exponents": {e: n}}``, where ``e``
+    counts elements with ``2**e <= |x| < 2**(e + 1)``; None when not recorded."""
 
     @property
     def floating(self) -> bool:
@@ -89,6 +96,9 @@ class OpRecord:
     """Python call site, outermost frame first (when recorded with ``stack=True``)."""
     group: dict[str, Any] | None = None
     """Collectives: their process group, ``{"size", "name", "ranks"}`` (global ranks)."""
+    fp8_scales: dict[str, dict[str, Any]] | None = None
+    """fp8 ops (stats mode): the scales they were given, ``{argument: {"shape", "values", "min",
+    "max"}}`` (``scale_a``, ``scale_b``, ``scale_result``, a float8 subclass input's ``_scale``)."""
 
     @property
     def inputs_finite(self) -> bool | None:
@@ -154,6 +164,12 @@ class MonitorRecord:
     nans: float
     infs: float
     numel: float
+    distribution: dict[str, float | None] | None = None
+    """With the monitor's ``distribution=True`` (or ``histogram=True``): shares of ``zeros``,
+    ``underflow`` and ``near_overflow`` of the series' dtype (see ``TensorRecord.distribution``);
+    None when not recorded."""
+    histogram: dict[str, Any] | None = None
+    """With ``histogram=True``: as ``TensorRecord.histogram``; None when not recorded."""
 
 
 @dataclass(slots=True)

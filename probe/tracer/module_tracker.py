@@ -215,13 +215,39 @@ class ModuleTracker:
         call = origin.call if origin is not None else self._next_call(fqn)
         return Frame(fqn, call, parent, recompute=True, recompute_of=origin)
 
-    def _enter_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _enter_optimizer(
+        self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if not self.enabled:
-            return
+            return None
         self._optimizer_depth += 1
         if self._optimizer_depth == 1:
             label = f"optimizer.{type(optimizer).__name__}"
             self._optimizer = Frame("", self._next_call(label), None, label=label)
+        return self._closure_outside_optimizer(args, kwargs)
+
+    def _closure_outside_optimizer(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """``optimizer.step(closure)`` (LBFGS; Lightning's automatic optimization) runs the
+        closure's forward and backward inside the step: they are the model's ops, not the
+        optimizer's, so the closure runs with the optimizer frame closed. ``args[0]`` is the
+        optimizer itself."""
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if not callable(closure):
+            return None
+
+        def closure_as_model_ops() -> Any:
+            saved = self._optimizer, self._optimizer_depth
+            self._optimizer, self._optimizer_depth = None, 0
+            try:
+                return closure()
+            finally:
+                self._optimizer, self._optimizer_depth = saved
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_as_model_ops}
+        return (args[0], closure_as_model_ops, *args[2:]), kwargs
 
     def _exit_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self.enabled or self._optimizer_depth == 0:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from probe.devices import current_device
+from probe.rundir.environment import environment_info
 
 
 def _initialized() -> bool:
@@ -53,4 +54,6 @@ def process_info() -> dict[str, Any]:
     device = current_device()
     if device is not None:
         info["device"] = str(device)
+    # What probe compare lists first when two runs differ: versions, devices, settings, variables.
+    info["environment"] = environment_info()
     return info

@@ -1,0 +1,285 @@
+"""Escalation: the monitor arms the per-op modes for a few steps after an anomaly.
+
+A loss spike may show up after days, and per-op tracing cannot stay on that long. With
+``probe.mode("monitor", ..., on_anomaly="trace", trace_modes=["stats"], trace_steps=N)``
+the session runs the monitor alone (hooks, no dispatch mode) until the monitor finds an
+anomaly, then turns the trace modes on for the next ``N`` steps and off again, without a
+restart. msprobe's monitor guide advises switching activation monitoring on by hand when
+the loss spikes; this does it for the user.
+
+When: the monitor learns of an incident where its rules run: on the writer thread, after
+the step's numbers reach the host (``on_anomaly="log"`` does the same). The session asks at
+the start of each step whether an incident became known since; tracing starts there. With
+the writer thread that is one or two steps after the incident's step (the step after, when
+its numbers were on the host in time), never later, and no sync is added to know sooner.
+An incident that began at a traced step needs no window of its own (its op records are
+there); one learned while a window is open joins it.
+
+Cost while nothing happened: no dispatch mode and no module-tracker hooks are installed,
+and the trace modes are not attached (the stats mode's parameter checks are hooks too),
+so a step costs what the monitor alone costs plus one look at a queue. Each window builds
+its modes afresh, attaches them, and closes them once its last step is on disk.
+
+Dispatch modes the user holds across steps (``FlopCounterMode``, ``DebugMode``) keep
+working: the tracer goes under them on the stack and is taken off by identity
+(``probe.tracer.mode_stack``).
+
+Traced steps are ordinary steps of the run directory (``ops.jsonl``, the stats, the dump);
+their manifest holds ``"escalated": {"window": [first, last], "trace_modes": [...],
+"incidents": [...]}``, each incident the root alert that armed the window (as in
+``anomalies.jsonl``) with the turbulence threshold in force. ``probe summary`` links each
+incident to what the traced steps found (``probe.analysis.summary.EscalationLinks``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from contextlib import ExitStack, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from probe.errors import ProbeError, warn_once
+from probe.modes.anomaly import Anomaly, anomaly_json
+from probe.modes.base import OpObserver, SessionPlugin
+from probe.modes.monitor import MonitorMode
+from probe.modes.registry import MODES
+from probe.options import Options
+from probe.tracer import mode_stack
+from probe.tracer.compat import compiled_regions_eager
+from probe.tracer.dispatch_mode import ProbeDispatchMode, Tracer
+from probe.tracer.op_call import OpCall
+
+log = logging.getLogger("probe.monitor")
+
+MANIFEST_KEY = "escalated"
+
+
+class _Armed(OpObserver):
+    """The tracer's one observer for the trace modes: it forwards to the window's modes (fresh
+    each window), so the tracer is built once, with the session."""
+
+    def __init__(self) -> None:
+        self.before_modes: list[OpObserver] = []
+        self.after_modes: list[OpObserver] = []
+
+    def set(self, observers: list[OpObserver]) -> None:
+        self.before_modes = [o for o in observers if type(o).before is not OpObserver.before]
+        self.after_modes = [o for o in observers if type(o).after is not OpObserver.after]
+
+    def before(self, call: OpCall) -> None:
+        for observer in self.before_modes:
+            observer.before(call)
+
+    def after(self, call: OpCall) -> None:
+        for observer in self.after_modes:
+            observer.after(call)
+
+
+@dataclass
+class Window:
+    """Steps ``first``..``last`` traced for the incidents in ``incidents``."""
+
+    first: int
+    last: int
+    incidents: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Escalation:
+    """The trace modes the monitor arms after an anomaly; driven by the session."""
+
+    def __init__(self, monitor: MonitorMode, options: Options) -> None:
+        config = monitor.config
+        self.monitor = monitor
+        self.options = options
+        self.trace_modes = config.trace_modes
+        self.trace_options = dict(config.trace_options)
+        self.trace_steps = config.trace_steps
+        turbulence = config.turbulence
+        self._threshold = None if turbulence is None else turbulence.threshold
+        accepted = set().union(*(MODES[name].option_names for name in self.trace_modes))
+        unknown = sorted(key for key in self.trace_options if key not in accepted)
+        if unknown:
+            raise ProbeError(f"monitor option 'trace_options': {unknown} is not an option of the trace modes "
+                             f"{list(self.trace_modes)}; accepted: {sorted(accepted)}")
+        self._spare: list[SessionPlugin] | None = self._build()  # checks the values now, before any step
+        self.observer = _Armed()
+        self._heard: queue.SimpleQueue[Anomaly] = queue.SimpleQueue()
+        self._tracer: Tracer | None = None
+        self._out: Path | None = None
+        self._rank = 0
+        self.window: Window | None = None
+        self._windows: list[Window] = []
+        """The latest windows (their steps are the traced ones), latest last."""
+        self._modes: list[SessionPlugin] = []
+        self._armed: ExitStack | None = None
+        self._armed_step: int | None = None
+        self._retired: list[tuple[int, list[SessionPlugin]]] = []
+        """Modes of ended windows and the step they ended before: closed once that is on disk."""
+
+    @classmethod
+    def of(cls, modes: list[SessionPlugin], options: Options,
+           observers: list[OpObserver]) -> Escalation | None:
+        """The session's escalation: None unless its monitor has ``on_anomaly="trace"``."""
+        monitor = next((m for m in modes if isinstance(m, MonitorMode)), None)
+        if monitor is None or monitor.config.on_anomaly != "trace":
+            return None
+        if observers:
+            tracing = [m.name for m in modes if m.observer() is not None]
+            raise ProbeError(f"monitor option on_anomaly='trace' turns per-op modes on after an anomaly, but "
+                             f"this session traces every op already with {tracing}; drop on_anomaly='trace' "
+                             "or those modes")
+        return cls(monitor, options)
+
+    def _build(self) -> list[SessionPlugin]:
+        built = []
+        for name in self.trace_modes:
+            cls = MODES[name]
+            built.append(cls(**{k: v for k, v in self.trace_options.items() if k in cls.option_names}))
+        return built
+
+    # -- session ---------------------------------------------------------------------
+
+    def start(self, tracer: Tracer, out: Path, rank: int) -> None:
+        """The session started on a recorded rank: listen for the monitor's incidents."""
+        self._tracer, self._out, self._rank = tracer, out, rank
+        self.monitor.detector.listeners.append(self._hear)
+
+    def _hear(self, found: list[Anomaly]) -> None:
+        """The monitor's scan found alerts (on the writer thread): keep the root of a new incident."""
+        root = found[0]
+        if root.incident == root.step:  # alerts joining an incident going on arm nothing new
+            self._heard.put(root)
+
+    def begin_step(self, step: int) -> None:
+        """A step starts: close what is on disk, learn new incidents, arm or disarm for ``step``."""
+        if self._tracer is None:
+            return
+        self._close_retired(step)
+        while not self._heard.empty():
+            self._learn(self._heard.get_nowait(), step)
+        window = self.window
+        inside = window is not None and window.first <= step <= window.last
+        if self._armed is not None and not inside:
+            self._disarm(step)
+        self._armed_step = None
+        if inside and self._armed is None:
+            self._arm(step)
+        if inside and self._armed is not None:
+            for mode in self._modes:
+                mode.begin_step(step)
+            self._armed_step = step
+
+    def _learn(self, root: Anomaly, step: int) -> None:
+        incident = {**anomaly_json(root), "threshold": self._threshold if root.rule == "turbulence" else None}
+        if any(w.first <= root.step <= w.last for w in self._windows):
+            return  # it began at a traced step: its ops are recorded there
+        window = self.window
+        if window is not None and window.last >= step:
+            window.incidents.append(incident)
+            return
+        self.window = Window(step, step + self.trace_steps - 1, [incident])
+        # An incident is learned a step or two after it began: the last few windows are enough.
+        self._windows = [*self._windows[-3:], self.window]
+
+    def _arm(self, step: int) -> None:
+        window = self.window
+        assert window is not None and self._tracer is not None and self._out is not None
+        tracer = self._tracer
+        modes = self._spare if self._spare is not None else self._build()
+        self._spare = None
+        armed = ExitStack()
+        try:
+            for mode in modes:
+                mode.start(self._out, self._rank)
+                mode.attach(self.options.model, self._out, self._rank)
+            tracer.modules.install()
+            armed.callback(tracer.modules.uninstall)
+            armed.enter_context(compiled_regions_eager(self.options.compiled))
+            dispatch = ProbeDispatchMode(tracer)
+            mode_stack.push_under(dispatch)
+            armed.callback(self._take_off, dispatch)
+        except Exception as e:  # training goes on, monitored
+            with suppress(Exception):
+                armed.close()
+            for mode in modes:
+                with suppress(Exception):
+                    mode.close()
+            warn_once(f"escalation-failed:{self._out}",
+                      f"probe monitor: could not turn {list(self.trace_modes)} on after the incident at step "
+                      f"{window.incidents[0]['step']} ({type(e).__name__}: {e}); the monitor goes on alone")
+            self.window = None
+            return
+        self._armed, self._modes = armed, modes
+        self.observer.set([o for m in modes if (o := m.observer()) is not None])
+        causes = ", ".join(f"step {i['step']}" for i in window.incidents)
+        steps = f"step {step}" if window.first == window.last else f"steps {window.first}-{window.last}"
+        log.warning("probe monitor: tracing %s with %s after the incident at %s", steps,
+                    list(self.trace_modes), causes)
+
+    @staticmethod
+    def _take_off(dispatch: ProbeDispatchMode) -> None:
+        if not mode_stack.remove(dispatch):
+            warn_once("escalation-popped", "probe monitor: the tracer's dispatch mode was taken off the "
+                      "stack by someone else (a dispatch mode exited out of order)")
+
+    def _disarm(self, step: int) -> None:
+        """Take the tracer off; the window's modes are closed once its last step is on disk."""
+        armed, self._armed = self._armed, None
+        modes, self._modes = self._modes, []
+        self.observer.set([])
+        self._armed_step = None
+        try:
+            if armed is not None:
+                armed.close()
+        finally:
+            if modes:
+                self._retired.append((step, modes))
+
+    def _close_retired(self, step: int) -> None:
+        """Close the modes of windows that ended before the previous step: with the writer thread,
+        every step before the one just handed over is on disk when a step starts."""
+        done = [modes for retired_at, modes in self._retired if retired_at < step]
+        if done:
+            self._retired = [(at, modes) for at, modes in self._retired if at >= step]
+            _close_all([mode for modes in done for mode in modes])
+
+    def modes_of(self, step: int) -> list[SessionPlugin]:
+        """The trace modes recording ``step`` (none unless it is an armed step)."""
+        return self._modes if self._armed_step == step else []
+
+    def marker(self, step: int) -> dict[str, Any] | None:
+        """The manifest entry of ``step`` when it was traced by escalation."""
+        window = self.window
+        if self._armed_step != step or window is None:
+            return None
+        return {"window": [window.first, window.last], "trace_modes": list(self.trace_modes),
+                "incidents": [dict(i) for i in window.incidents]}
+
+    def disarm(self) -> None:
+        """The session's block ends (its last step is handed over): take the tracer off."""
+        if self._armed is not None:
+            self._disarm(self._armed_step if self._armed_step is not None else -1)
+
+    def close(self) -> None:
+        """The session ends, every step on disk: close every window's modes."""
+        if self._tracer is not None:
+            with suppress(ValueError):
+                self.monitor.detector.listeners.remove(self._hear)
+        modes = [mode for _, retired in self._retired for mode in retired] + self._modes
+        self._retired, self._modes = [], []
+        _close_all(modes)
+
+
+def _close_all(modes: list[SessionPlugin]) -> None:
+    """Close each mode whichever of them fails; then raise the first failure."""
+    failure: BaseException | None = None
+    for mode in modes:
+        try:
+            mode.close()
+        except BaseException as e:
+            failure = failure or e
+    if failure is not None:
+        raise failure
+

@@ -1,0 +1,161 @@
+"""The step cycle of a probe session driven by a training loop's events, for the callbacks.
+
+A framework's loop says when an optimizer step begins and ends, and when an evaluation
+begins and ends; :class:`LoopSession` turns that into ``start``/``step``/``pause``/``resume``/
+``stop`` on one :class:`probe.Session`:
+
+- the session starts paused; it records from ``step_begin`` to ``step_end`` (one optimizer
+  step, every micro-batch inside it: the loop calls ``micro_batch_end`` / ``micro_batch_begin``
+  around what it does between them) and is paused in between;
+- an evaluation is left unrecorded, or, with ``trace_evaluation=True``, recorded as a step of
+  its own whose manifest says ``"kind": "evaluation"``;
+- ``end`` stops the session, marking the step it broke off incomplete when given an error.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from probe.errors import warn_once
+from probe.options import parse_bool
+from probe.session import Session
+
+EVALUATION = "evaluation"
+"""The manifest ``"kind"`` of a step that recorded an evaluation."""
+
+
+class LoopSession:
+    """One probe session per training run (``begin`` .. ``end``), driven by loop events."""
+
+    def __init__(self, modes: Any, trace_evaluation: Any, options: dict[str, Any]) -> None:
+        self.trace_evaluation = parse_bool("trace_evaluation", trace_evaluation)
+        self._modes = modes
+        self._options = options
+        # Every bad option is a ProbeError now, when the callback is made, not mid-training.
+        Session(modes, **options)
+        self.session: Session | None = None
+        self._in_step = False
+        self._in_evaluation = False
+
+    @property
+    def out(self) -> Path | None:
+        """The run directory of the current (or last) session; None before the first."""
+        return self.session.out if self.session is not None else None
+
+    def begin(self, model: Any) -> None:
+        """Training starts: start the session, paused until the first optimizer step.
+
+        ``model``: the framework's model, the root of module names unless ``model=`` was given.
+        """
+        if self.session is not None and self.session.running:
+            # The last run of this callback raised where the framework calls no hook: end it now.
+            self.end(RuntimeError("training ended without the framework's end-of-training hook"))
+        options = dict(self._options)
+        if options.get("model") is None and model is not None:
+            options["model"] = model
+        session = Session(self._modes, **options)
+        session.start()
+        session.pause()
+        self.session, self._in_step, self._in_evaluation = session, False, False
+
+    def step_begin(self) -> None:
+        """An optimizer step begins (before its first micro-batch)."""
+        session = self._running()
+        if session is None:
+            return
+        if self._in_evaluation:  # an evaluation began but its end was never signalled
+            self.evaluation_end()
+        self._in_step = True
+        session.resume()
+
+    def micro_batch_end(self) -> None:
+        """Between two micro-batches of one optimizer step: the loop's own work is not recorded."""
+        session = self._running()
+        if session is not None and self._in_step:
+            session.pause()
+
+    def micro_batch_begin(self) -> None:
+        """The next micro-batch of the open optimizer step begins."""
+        session = self._running()
+        if session is not None and self._in_step:
+            session.resume()
+
+    def step_end(self) -> None:
+        """The optimizer step is done: write it; record nothing until the next one begins."""
+        session = self._running()
+        if session is None or not self._in_step:
+            return
+        self._in_step = False
+        session.resume()  # a step ended while paused between micro-batches is still this step
+        session.step()
+        session.pause()
+
+    @property
+    def in_step(self) -> bool:
+        """Whether an optimizer step is open (its micro-batches so far recorded)."""
+        return self._in_step
+
+    def evaluation_begin(self) -> None:
+        """An evaluation begins: with ``trace_evaluation``, record it as a step of its own."""
+        session = self._running()
+        if session is None or not self.trace_evaluation or self._in_evaluation:
+            return
+        if self._in_step:
+            # Its ops would land among the open step's micro-batches.
+            warn_once(
+                "integration-eval-mid-step",
+                "an evaluation ran inside a gradient-accumulation window (between micro-batches of "
+                "one optimizer step): it is left untraced; align the evaluation interval with the "
+                "optimizer steps to trace it",
+            )
+            return
+        self._in_evaluation = True
+        session.step_kind = EVALUATION
+        session.resume()
+
+    def evaluation_end(self) -> None:
+        """The evaluation is done: write its step, if it was recorded."""
+        session = self._running()
+        if session is None or not self._in_evaluation:
+            return
+        self._in_evaluation = False
+        session.step()
+        session.pause()
+
+    def end(self, error: BaseException | None = None) -> None:
+        """Training ended (``error``: the exception that ended it): stop the session. Idempotent."""
+        session = self.session
+        if session is None or not session.running:
+            return
+        if error is None and self._in_evaluation:
+            self.evaluation_end()
+        self._in_step = self._in_evaluation = False
+        session._stop(error)  # with an error, the broken-off step is written marked incomplete
+
+    def _running(self) -> Session | None:
+        session = self.session
+        return session if session is not None and session.running else None
+
+
+class LoopCallback:
+    """What both frameworks' callbacks offer the user on top of their loop events."""
+
+    _loop: LoopSession
+
+    @property
+    def session(self) -> Session | None:
+        """The session of the current (or last) training run; None before the first."""
+        return self._loop.session
+
+    @property
+    def out(self) -> Path | None:
+        """Its run directory, for :func:`probe.load`."""
+        return self._loop.out
+
+    def stop(self, error: BaseException | None = None) -> None:
+        """End the session if training did not (a framework may call no hook when training
+        raises); safe to call always. In ``finally:``/``except:`` the exception being handled
+        marks the step it broke off incomplete."""
+        self._loop.end(error if error is not None else sys.exc_info()[1])

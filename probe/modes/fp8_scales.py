@@ -1,0 +1,117 @@
+"""The scales an fp8 op is given, recorded with its statistics.
+
+An fp8 matmul's result is only as good as its scales: ``aten._scaled_mm(a, b, scale_a,
+scale_b, scale_result=...)`` multiplies float8 operands and rescales. For every traced
+op with a float8 tensor among its inputs, each tensor argument whose schema name
+contains ``scale`` (``scale_a``, ``scale_b``, ``scale_result``; ``_scaled_grouped_mm``'s
+too), and the ``_scale`` of a tensor-subclass input that carries one (a float8 tensor
+subclass such as torchao's ``Float8Tensor``, ``<argument>._scale``), is copied on its
+device when the op runs (its value then: delayed scaling updates scales in place) and
+moved to the host with the step's statistics; no host sync.
+
+Written per step to ``fp8_scales.jsonl`` and read as ``OpRecord.fp8_scales``:
+``{name: {"shape": [...], "values": [...] or None, "min": v, "max": v}}`` (``values``
+for scales of at most :data:`MAX_VALUES` elements: per-tensor and per-row scales of
+small matrices; min and max always).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+FP8_DTYPES = frozenset(getattr(torch, name) for name in (
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, name))
+MAX_VALUES = 1024
+"""Scales with more elements keep min and max only."""
+
+
+def _subclass_scale(t: Any) -> torch.Tensor | None:
+    if type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter):
+        return None
+    scale = getattr(t, "_scale", None)
+    return scale if isinstance(scale, torch.Tensor) else None
+
+
+def scale_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
+                    inputs: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The scales of an fp8 op call, by name; empty for any other op (one dtype test per input)."""
+    subclass = [s for t in inputs if (s := _subclass_scale(t)) is not None]
+    if not subclass and not any(t.dtype in FP8_DTYPES for t in inputs):
+        return []
+    found: list[tuple[str, torch.Tensor]] = []
+    schema = getattr(func, "_schema", None)
+    kwargs = kwargs or {}
+    if schema is not None:
+        for position, argument in enumerate(schema.arguments):
+            value = args[position] if position < len(args) else kwargs.get(argument.name)
+            if isinstance(value, torch.Tensor):
+                if "scale" in argument.name:
+                    found.append((argument.name, value))
+                elif (scale := _subclass_scale(value)) is not None:
+                    found.append((f"{argument.name}._scale", scale))
+    elif subclass:
+        found.extend((f"input{i}._scale", s) for i, s in enumerate(subclass))
+    return found
+
+
+class Fp8Scales:
+    """One step's recorded scales: device copies until the writer thread reads them."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[int, str, tuple[int, ...], torch.Tensor]] = []
+
+    def add(self, op_index: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
+            inputs: list[torch.Tensor]) -> None:
+        for name, scale in scale_arguments(func, args, kwargs, inputs):
+            with torch.no_grad():
+                flat = scale.detach().reshape(-1).to(torch.float64 if scale.device.type == "cpu"
+                                                     else torch.float32, copy=True)
+                if flat.numel() > MAX_VALUES:
+                    flat = torch.stack([flat.amin(), flat.amax()])
+            self.entries.append((op_index, name, tuple(scale.shape), flat))
+
+    def take(self) -> list[tuple[int, str, tuple[int, ...], torch.Tensor]]:
+        entries, self.entries = self.entries, []
+        return entries
+
+
+def scales_json(entries: list[tuple[int, str, tuple[int, ...], torch.Tensor]]) -> list[dict[str, Any]]:
+    """The ``fp8_scales.jsonl`` objects (on the writer thread: the step's transfer)."""
+    by_op: dict[int, dict[str, Any]] = {}
+    for op_index, name, shape, flat in entries:
+        values = flat.cpu().tolist()
+        numel = math.prod(shape)
+        entry: dict[str, Any] = {"shape": list(shape), "values": values if numel <= MAX_VALUES else None,
+                                 "min": min(values, default=None), "max": max(values, default=None)}
+        by_op.setdefault(op_index, {})[name] = entry
+    return [{"i": i, "scales": scales} for i, scales in by_op.items()]
+
+
+def write_file(writer: Any, entries: list[tuple[int, str, tuple[int, ...], torch.Tensor]]) -> dict[str, Any]:
+    """Write ``fp8_scales.jsonl`` when the step recorded scales; the manifest summary's entry."""
+    from probe.rundir import layout
+
+    if not entries:
+        return {}
+    rows = scales_json(entries)
+    writer.write_jsonl(layout.FP8_SCALES_FILE, rows)
+    return {"fp8_scaled_ops": len(rows)}
+
+
+def attach_file(directory: Any, records: dict[int, Any]) -> None:
+    """Set ``OpRecord.fp8_scales`` of the ops a step's ``fp8_scales.jsonl`` names (others keep None)."""
+    from probe.rundir import layout
+    from probe.rundir.reading import expect, read_jsonl, reading
+
+    path = directory / layout.FP8_SCALES_FILE
+    for row in read_jsonl(path):
+        with reading(path):
+            op_index = expect(row.get("i"), int, "i")
+            scales = expect(row.get("scales"), dict, "scales")
+        record = records.get(op_index)
+        if record is not None:
+            record.fp8_scales = scales

@@ -1,0 +1,126 @@
+"""probe compare reports first whether the runs started alike (weights, inputs, RNG) and what differs
+in their environments; a different start is the conclusion's explanation, not the first dropout."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+from hf_models import tiny_llama
+
+import probe
+from probe.cli import main as cli_main
+
+pytest.importorskip("transformers", reason="transformers is an optional test dependency")
+pytestmark = pytest.mark.slow  # six two-step training runs, shared by the module
+
+
+def _run(out, init_seed=0, dropout_seed=1, model_given=True, data_seed=5, **options):
+    """Two training steps of a tiny Llama with attention dropout: weights from ``init_seed``,
+    dropout masks from ``dropout_seed``."""
+    model = tiny_llama(seed=init_seed, attention_dropout=0.2)
+    model.train()
+    torch.manual_seed(dropout_seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(data_seed))
+    with probe.mode("stats", out=out, model=model if model_given else None, **options) as session:
+        for _ in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            session.step()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("identity")
+    return {
+        "a": _run(root / "a", hparams={"lr": 1e-3, "batch": 2}),
+        "same": _run(root / "same", hparams={"lr": 1e-3, "batch": 2}),
+        "init": _run(root / "init", init_seed=1, hparams={"lr": 2e-3, "batch": 2}),
+        "dropout": _run(root / "dropout", dropout_seed=2),
+        "data": _run(root / "data", data_seed=6),
+        "unrecorded": _run(root / "unrecorded", model_given=False),
+    }
+
+
+def test_the_same_seed_starts_alike_and_says_so(runs):
+    report = probe.compare(runs["a"], runs["same"])
+    identity = report.identity
+    assert [(c.what, c.status) for c in identity.checks] == [("weights", "same"), ("inputs", "same"),
+                                                             ("rng", "same")]
+    assert identity.started_alike is True and identity.differences == []
+    assert identity.conclusion.startswith("the runs started alike: same initial weights at step 0")
+    assert report.first_divergence is None
+    assert report.conclusion == "no divergence: every matched op compared clean"
+    assert report.summary["identity"]["started_alike"] is True
+
+
+def test_other_initial_weights_are_named_as_the_explanation(runs):
+    report = probe.compare(runs["a"], runs["init"])
+    weights = report.identity.check("weights")
+    assert weights.status == "differ" and weights.step == 0
+    assert "model.layers.0.self_attn.q_proj.weight" in weights.names
+    assert "model.norm.weight" not in weights.names  # ones in both runs: the same bits
+    assert report.identity.check("rng").status == "same"
+    assert report.first_divergence is not None  # the ops differ, and the start says why
+    assert report.conclusion.startswith("the runs did not start alike: initial weights differ at step 0 (")
+    assert "that explains the differences downstream (first divergence at" in report.conclusion
+    described = [d.describe() for d in report.identity.differences]
+    assert described == ["hparam lr: 0.001 in run A, 0.002 in run B"]
+
+
+def test_another_dropout_seed_names_the_rng_not_the_first_dropout(runs):
+    report = probe.compare(runs["a"], runs["dropout"])
+    identity = report.identity
+    assert identity.check("weights").status == "same" and identity.check("inputs").status == "same"
+    rng = identity.check("rng")
+    assert rng.status == "differ" and rng.step == 0 and rng.names == ["torch"]
+    # The ops' first divergence is the first dropout mask; the conclusion leads with its cause.
+    assert any(word in report.divergence.op.name for word in ("dropout", "bernoulli"))
+    assert report.conclusion.startswith("the runs did not start alike: RNG state differs at step 0 "
+                                        "(torch CPU generator); that explains the differences downstream")
+    assert report.summary["conclusion"] == report.conclusion
+
+
+def test_other_data_is_named(runs):
+    inputs = probe.compare(runs["a"], runs["data"]).identity.check("inputs")
+    assert inputs.status == "differ" and inputs.step == 0 and inputs.names == ["input_ids", "labels"]
+
+
+def test_a_run_without_checksums_is_not_recorded_never_a_pass(runs):
+    report = probe.compare(runs["a"], runs["unrecorded"])
+    identity = report.identity
+    assert {c.status for c in identity.checks} == {"not recorded"}
+    assert "run B recorded none" in identity.check("weights").message
+    assert identity.started_alike is None
+    assert identity.conclusion.startswith("whether the runs started alike is not known")
+    assert report.conclusion == "no divergence: every matched op compared clean"  # the ops still agree
+
+
+def test_environment_differences_are_listed(runs, tmp_path, monkeypatch):
+    monkeypatch.setenv("NCCL_ALGO", "Ring")
+    other = _run(tmp_path / "b", hparams={"lr": 1e-3, "batch": 4})
+    identity = probe.compare(runs["a"], other).identity
+    described = [d.describe() for d in identity.differences]
+    assert "variable NCCL_ALGO: unset in run A, 'Ring' in run B" in described
+    assert "hparam batch: 2 in run A, 4 in run B" in described
+    assert identity.started_alike is True  # the same start in another environment
+    assert "their environments differ (" in identity.conclusion
+
+
+def test_identity_in_json_csv_and_console(runs, tmp_path, capsys):
+    assert cli_main(["compare", str(runs["a"]), str(runs["dropout"]), "-o", str(tmp_path / "out")]) == 0
+    shown = capsys.readouterr().out
+    assert "rng: differ" in shown and "the runs did not start alike: RNG state differs" in shown
+    summary = json.loads((tmp_path / "out" / "report.json").read_text())
+    checks = {c["what"]: c for c in summary["identity"]["checks"]}
+    assert checks["rng"]["status"] == "differ" and checks["weights"]["status"] == "same"
+    with open(tmp_path / "out" / "identity.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["Kind"], r["Status"]) for r in rows] == [("weights", "same"), ("inputs", "same"),
+                                                       ("rng", "differ")]
+    assert "RNG state differs" in (tmp_path / "out" / "report.html").read_text()
