@@ -87,8 +87,9 @@ def seed_all(seed: int, deterministic: bool = True, warn_only: bool = False) -> 
     os.environ.update(environment)
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=warn_only)
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
+        # set_flags, not the attributes: those raise once torch.backends.disable_global_flags()
+        # ran (torch's own test utilities call it on import).
+        torch.backends.cudnn.set_flags(_benchmark=False, _deterministic=True)
     _last = {"seed": seed, "deterministic": deterministic, "warn_only": warn_only, "environment": environment}
     return dict(_last)
 

@@ -30,7 +30,7 @@ def _restore_global_state(monkeypatch):
     monkeypatch.setattr(seeding, "_last", None)
     yield
     torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
+    torch.backends.cudnn.set_flags(_deterministic=cudnn[0], _benchmark=cudnn[1])
 
 
 def _losses(seed: int, steps: int = 3) -> list[torch.Tensor]:
@@ -94,3 +94,16 @@ def test_the_seed_is_recorded_in_run_json(tmp_path):
     env = json.loads((tmp_path / "r" / "rank0" / "rank.json").read_text())["environment"]
     assert env["settings"]["deterministic_algorithms"] is True
     assert env["variables"]["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+def test_seed_all_works_after_torch_froze_the_backend_flags():
+    """torch.testing's common utilities call torch.backends.disable_global_flags() on import;
+    a user's process may have done so too."""
+    frozen = torch.backends.flags_frozen()
+    torch.backends.disable_global_flags()
+    try:
+        probe.seed_all(0, deterministic=True)
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    finally:
+        torch.backends.__allow_nonbracketed_mutation_flag = not frozen
+
