@@ -7,6 +7,8 @@ On HF GPT-2 in fp16 with its default attention: on CPU, SDPA builds its causal m
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hf_models import tiny_gpt2
@@ -122,3 +124,21 @@ def test_magnitude_rankings_skip_integer_tensors_and_mask_fills(tmp_path):
     # The fills are there, ranked out: the causal mask of finfo.min and the token ids.
     names = {op.name for op in run.ops(0)}
     assert {"aten.masked_fill.Scalar", "aten.randint.low_generator"} <= names
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_parameter_checks_are_exact_at_the_edges_of_the_range(tmp_path, dtype):
+    """Finite values at +-max of the dtype are not reported; a lone -Inf, +Inf or NaN is."""
+    top = torch.finfo(dtype).max
+    model = torch.nn.Module()
+    model.edges = torch.nn.Parameter(torch.tensor([top, top, -top], dtype=dtype))
+    model.top = torch.nn.Parameter(torch.tensor([top, top], dtype=dtype))  # max + min overflows fp32
+    model.minus_inf = torch.nn.Parameter(torch.tensor([1.0, -math.inf], dtype=dtype))
+    model.plus_inf = torch.nn.Parameter(torch.tensor([math.inf, -1.0], dtype=dtype))
+    model.nan = torch.nn.Parameter(torch.tensor([0.0, math.nan], dtype=dtype))
+    with probe.mode("stats", out=tmp_path / "run", model=model) as session:
+        torch.ones(1) * 2
+        session.step()
+    found = probe.load(tmp_path / "run").nonfinite_parameters(step=0)
+    names, count = found.parameters
+    assert sorted(names) == ["minus_inf", "nan", "plus_inf"] and count == 3

@@ -1,8 +1,13 @@
 """Which parameters hold NaN or Inf at a step's start, and which gradients do before the
 optimizer steps, by parameter name (the stats mode's ``nonfinite_parameters``).
 
-Each check is one ``torch._foreach_norm(..., inf)`` over the tensors of a device (NaN and
-Inf survive a max-norm, finite values never overflow it), stacked into one small tensor
+Each check reduces every tensor to one value that is finite exactly when the tensor holds
+no NaN or Inf: on accelerators ``torch._foreach_norm(..., inf)`` over the tensors of a device
+(multi-tensor kernels; NaN and Inf survive a max-norm, finite values never overflow it); on
+the CPU ``torch._foreach_max`` plus an ``amin`` per tensor, summed in fp64 (NaN propagates, +Inf
+is the max, -Inf the min, and finite fp64 sums of two floats cannot overflow), about 3x faster
+there than a max-norm, which makes an ``abs`` pass first (a 7B-wide layer's 211M parameters:
+~100 against ~330 ms). The values are stacked into one small tensor
 that stays on the device until the writer thread moves it to the host with the step's
 statistics: no host sync per tensor, nor per step on the training thread. The probe's own
 reductions run outside the dispatch mode (they are not the model's ops) and without
@@ -39,19 +44,28 @@ def _named_parameters(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 @dataclass
 class _Pending:
-    """One check's names and, per device, the max-norms still on that device."""
+    """One check's names and, per device, their finiteness values (see :func:`_finite_if_clean`)
+    still on that device."""
 
     names: list[str] = field(default_factory=list)
     norms: list[torch.Tensor] = field(default_factory=list)
 
     def nonfinite(self) -> list[str]:
         """The names whose tensor held NaN or Inf (reads the device: writer thread only)."""
-        values = [v for part in self.norms for v in part.to("cpu", torch.float32).tolist()]
+        values = [v for part in self.norms for v in part.to("cpu", torch.float64).tolist()]
         return [name for name, value in zip(self.names, values, strict=True) if not math.isfinite(value)]
 
 
+def _finite_if_clean(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per tensor, a value that is finite exactly when the tensor holds no NaN and no Inf."""
+    if ts[0].device.type == "cpu" and all(t.numel() and not t.is_complex() for t in ts):
+        maxes = torch._foreach_max(ts)
+        return [m.to(torch.float64) + t.amin().to(torch.float64) for m, t in zip(maxes, ts, strict=True)]
+    return list(torch._foreach_norm(ts, float("inf"), dtype=torch.float32))
+
+
 def _queue_check(named: list[tuple[str, torch.Tensor]], into: _Pending) -> None:
-    """Queue the max-norm of each (floating, dense) tensor on its device; no sync."""
+    """Queue the finiteness value of each (floating, dense) tensor on its device; no sync."""
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, t in named:
         floating = t.is_floating_point() or t.is_complex()
@@ -60,7 +74,7 @@ def _queue_check(named: list[tuple[str, torch.Tensor]], into: _Pending) -> None:
     with _untraced(), torch.no_grad():
         for group in by_device.values():
             try:
-                norms = torch._foreach_norm([t.detach() for _, t in group], float("inf"), dtype=torch.float32)
+                norms = _finite_if_clean([t.detach() for _, t in group])
             except (RuntimeError, TypeError, NotImplementedError) as e:  # DTensor shards, exotic layouts
                 warn_once("nonfinite-params", f"stats: cannot check parameters for NaN/Inf ({e}); "
                           "their names are not recorded")
