@@ -31,7 +31,6 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from probe import __version__
 from probe.errors import ProbeError, warn_once
@@ -49,17 +48,11 @@ from probe.rundir.writer import RunWriter
 from probe.seeding import seeded
 from probe.tracer.compat import check_dispatch_features, compiled_regions_eager
 from probe.tracer.dispatch_mode import ProbeDispatchMode, Tracer
+from probe.tracer.mode_stack import untraced
 from probe.tracer.op_call import RECORD_CALLSITE, RECORD_MODULE, RECORD_PHASE, OpRecordTuple
 from probe.tracer.rank import current_rank, process_info
 
 _active: Session | None = None
-
-
-def _without_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
-    """For the probe's own torch work at a step's end (the modes' hand-over, a write without the
-    writer thread): a dispatch mode the user holds across steps (DebugMode, FlopCounterMode)
-    must not see it."""
-    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
 
 
 def default_out_dir() -> Path:
@@ -404,7 +397,7 @@ class Session:
         assert tracer is not None
         step = tracer.step
         interrupted: BaseException | None = None
-        with tracer.paused(), _without_dispatch_modes():
+        with tracer.paused(), untraced():
             # The list end_step hands over, held before the call: an interruption inside it
             # (after the tracer has let go of the list) cannot lose the records.
             records = tracer.records
@@ -455,7 +448,7 @@ class Session:
         # Per-op modes have nothing without op records; hook-based ones say so themselves (a plug-in
         # the session added on its own, the checksums of model=, only adds to steps written anyway).
         collected = any(result is not None for mode, result in ended
-                        if mode.observer() is None and not getattr(mode, "implicit", False))
+                        if mode.observer() is None and not mode.implicit)
         if self._writer is None or not (records or collected or not complete):
             return None
         types = tracer.modules.names.types
@@ -493,7 +486,7 @@ class Session:
 
     def _hand_to_writer(self, job: Callable[[], None], wait: bool) -> None:
         if self._background is None:
-            with _without_dispatch_modes():  # the writer thread has none; here the user's may be on
+            with untraced():  # the writer thread has none; here the user's may be on
                 job()
             return
         self._background.submit(job)

@@ -32,3 +32,22 @@ def tiny_gpt2(seed: int | None = 0, **config: Any) -> torch.nn.Module:
     if seed is not None:
         torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**sizes, **config}))
+
+
+def train_steps(model: torch.nn.Module, session: Any = None, steps: int = 2) -> list[torch.Tensor]:
+    """AdamW steps on random token batches (seeded: the same batches every call), ending each
+    with ``session.step()`` when given; the detached losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (2, 16), generator=gen)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        if session is not None:
+            session.step()
+    return losses

@@ -7,28 +7,12 @@ import json
 import numpy as np
 import pytest
 import torch
-from hf_models import tiny_llama
+from hf_models import tiny_llama, train_steps
 
 import probe
 from probe.rundir import layout
 
 pytest.importorskip("transformers", reason="transformers is an optional test dependency")
-
-
-def _train(model, session=None, steps=2):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(steps):
-        ids = torch.randint(0, 128, (2, 16), generator=gen)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-        if session is not None:
-            session.step()
-    return losses
 
 
 def _expected_shares(t: torch.Tensor) -> list[float | None]:
@@ -45,12 +29,12 @@ def _expected_shares(t: torch.Tensor) -> list[float | None]:
 
 def test_llama_shares_match_the_dumped_values_and_training_is_unchanged(tmp_path):
     plain_model = tiny_llama()
-    plain = _train(plain_model)
+    plain = train_steps(plain_model)
     rng = torch.get_rng_state()
     model = tiny_llama()
     with probe.mode(["stats", "dump"], out=tmp_path / "r", model=model, distribution=True,
                     histogram=True) as session:
-        traced = _train(model, session)
+        traced = train_steps(model, session)
     assert all(torch.equal(a, b) for a, b in zip(plain, traced, strict=True))
     assert torch.equal(rng, torch.get_rng_state())
     for (name, p), q in zip(plain_model.named_parameters(), model.parameters(), strict=True):
@@ -156,8 +140,8 @@ def test_monitor_series_shares_histograms_and_tensorboard(tmp_path):
         model.get_submodule(name).register_forward_hook(capture(name))
     with probe.mode("monitor", out=tmp_path / "r", model=model, targets=["model.layers.0.mlp", "model.norm"],
                     histogram=True, mv_distribution=True, tensorboard=True) as session:
-        traced = _train(model, session, steps=1)
-    assert torch.equal(traced[0], _train(plain_model, steps=1)[0])
+        traced = train_steps(model, session, steps=1)
+    assert torch.equal(traced[0], train_steps(plain_model, steps=1)[0])
     run = probe.load(tmp_path / "r")
     series = run.monitor(0)
     outputs = [m for m in series if m.kind == "activation" and m.slot == "output"]
@@ -185,7 +169,7 @@ def test_monitor_series_shares_histograms_and_tensorboard(tmp_path):
 def test_monitor_without_the_option_has_no_distribution(tmp_path):
     model = tiny_llama()
     with probe.mode("monitor", out=tmp_path / "r", model=model, targets=["model.norm"]) as session:
-        _train(model, session, steps=1)
+        train_steps(model, session, steps=1)
     series = probe.load(tmp_path / "r").monitor(0)
     assert series and all(m.distribution is None and m.histogram is None for m in series)
     assert not (tmp_path / "r" / "rank0" / "step0" / layout.MONITOR_DISTRIBUTION_FILE).exists()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import tiny_llama
+from hf_models import tiny_llama, train_steps
 
 import probe
 
@@ -15,30 +15,14 @@ def _model():
     return tiny_llama()
 
 
-def _train(model, session=None):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(2):
-        ids = torch.randint(0, 128, (2, 16), generator=gen)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-        if session is not None:
-            session.step()
-    return losses
-
-
 def test_hf_llama_two_steps_bitwise_transparent_and_attributed(tmp_path):
     plain_model = _model()
-    plain = _train(plain_model)
+    plain = train_steps(plain_model)
     rng = torch.get_rng_state()
 
     model = _model()
     with probe.mode("stats", out=tmp_path / "r", model=model) as session:
-        traced = _train(model, session)
+        traced = train_steps(model, session)
     assert all(torch.equal(a, b) for a, b in zip(plain, traced, strict=True))
     assert torch.equal(rng, torch.get_rng_state())
     for (name, p), q in zip(plain_model.named_parameters(), model.parameters(), strict=True):

@@ -56,6 +56,9 @@ class SessionPlugin:
     files: ClassVar[type[ModeFiles] | None] = None
     """The reader of the files this mode writes in a step (beside its writer), for ``probe.load``;
     None when it writes none."""
+    implicit: bool = False
+    """Added by the session itself, not asked for (the checksums of ``model=``): it writes only
+    into steps the other modes write, never a step of its own."""
 
     def observer(self) -> OpObserver | None:
         """The per-op half of this mode, or None when it works from hooks alone."""

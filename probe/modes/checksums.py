@@ -36,7 +36,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from probe.devices import current_device, is_accelerator, record_event
 from probe.errors import ProbeError, warn_once
@@ -48,16 +47,13 @@ from probe.rundir import layout
 from probe.rundir.mode_files import ModeFiles
 from probe.rundir.reading import expect, read_json, reading
 from probe.rundir.writer import StepWriter
+from probe.tracer.mode_stack import untraced
 
 MAX_CALLS = 8
 """Calls of the model per step whose inputs are checksummed (a generation loop calls it often)."""
 MAX_INPUT_TENSORS = 64
 """Tensor arguments checksummed per call (the first ones, in argument order)."""
 _MAX_DEPTH = 4
-
-
-def _untraced() -> contextlib.AbstractContextManager[Any]:
-    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
 
 
 def _roots(model: Any) -> list[tuple[str, torch.nn.Module]]:
@@ -317,7 +313,7 @@ class ChecksumsMode(SessionPlugin):
     def _hook(self, prefix: str) -> Any:
         def before_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             if self._collecting:
-                with _untraced(), torch.no_grad():
+                with untraced(), torch.no_grad():
                     self._record(prefix, args, kwargs)
         return before_forward
 

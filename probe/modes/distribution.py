@@ -129,14 +129,20 @@ def _shares_for(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
 _CPU_SHARES = StandaloneCpuKernel(_shares_for, "distribution")
 
 
-def _compiled_shares(x: torch.Tensor, r: DtypeRange) -> torch.Tensor | None:
-    """The one-pass counts of a large tensor, or None where no compiled pass runs."""
-    numel = x.numel()
+def _compiled_input(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` as the flat tensor a compiled pass reads, or None where the eager form runs."""
     # On the CPU the generated loop costs about an eager kernel's call: it pays from 2 elements.
     smallest = CPU_COMPILED_MIN_NUMEL if x.device.type == "cpu" else COMPILED_MIN_NUMEL
-    if x.dtype not in _COMPILED_DTYPES or not smallest <= numel < COMPILED_MAX_NUMEL:
+    if x.dtype not in _COMPILED_DTYPES or not smallest <= x.numel() < COMPILED_MAX_NUMEL:
         return None
-    flat = (x if x.is_contiguous() else x.contiguous()).view(-1)
+    return (x if x.is_contiguous() else x.contiguous()).view(-1)
+
+
+def _compiled_shares(x: torch.Tensor, r: DtypeRange) -> torch.Tensor | None:
+    """The one-pass counts of a large tensor, or None where no compiled pass runs."""
+    flat = _compiled_input(x)
+    if flat is None:
+        return None
     if x.device.type == "cpu":
         return _CPU_SHARES(flat)
     if not _COMPILED_SHARES.usable(x.device):
@@ -195,12 +201,9 @@ _CPU_BINS = StandaloneCpuKernel(_bins_for, "histogram")
 
 
 def _compiled_bins(x: torch.Tensor, r: DtypeRange) -> torch.Tensor | None:
-    numel = x.numel()
-    # On the CPU the generated loop costs about an eager kernel's call: it pays from 2 elements.
-    smallest = CPU_COMPILED_MIN_NUMEL if x.device.type == "cpu" else COMPILED_MIN_NUMEL
-    if x.dtype not in _COMPILED_DTYPES or not smallest <= numel < COMPILED_MAX_NUMEL:
+    flat = _compiled_input(x)
+    if flat is None:
         return None
-    flat = (x if x.is_contiguous() else x.contiguous()).view(-1)
     if x.device.type == "cpu":
         return _CPU_BINS(flat)
     return _COMPILED_BINS(flat, r.low, r.bins) if _COMPILED_BINS.usable(x.device) else None

@@ -4,15 +4,17 @@ An fp8 matmul's result is only as good as its scales: ``aten._scaled_mm(a, b, sc
 scale_b, scale_result=...)`` multiplies float8 operands and rescales. For every traced
 op with a float8 tensor among its inputs, each tensor argument whose schema name
 contains ``scale`` (``scale_a``, ``scale_b``, ``scale_result``; ``_scaled_grouped_mm``'s
-too), and the ``_scale`` of a tensor-subclass input that carries one (a float8 tensor
-subclass such as torchao's ``Float8Tensor``, ``<argument>._scale``), is copied on its
-device when the op runs (its value then: delayed scaling updates scales in place) and
+too) is copied on its device when the op runs (its value then: delayed scaling updates scales in place) and
 moved to the host with the step's statistics; no host sync.
 
 Written per step to ``fp8_scales.jsonl`` and read as ``OpRecord.fp8_scales``:
 ``{name: {"shape": [...], "values": [...] or None, "min": v, "max": v}}`` (``values``
 for scales of at most :data:`MAX_VALUES` elements: per-tensor and per-row scales of
 small matrices; min and max always).
+
+A float8 tensor subclass (torchao's ``Float8Tensor``) never reaches the probe as itself: the
+tracer hands subclass calls back (``NotImplemented``) and records the plain ops the subclass
+issues, its ``_scaled_mm`` with the scales as arguments among them.
 """
 
 from __future__ import annotations
@@ -29,32 +31,33 @@ MAX_VALUES = 1024
 """Scales with more elements keep min and max only."""
 
 
-def _subclass_scale(t: Any) -> torch.Tensor | None:
-    if type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter):
-        return None
-    scale = getattr(t, "_scale", None)
-    return scale if isinstance(scale, torch.Tensor) else None
+_SCALE_ARGUMENTS: dict[Any, tuple[tuple[int, str], ...]] = {}
+"""Per op overload, the (position, name) of its arguments named like a scale; most ops have none."""
+
+
+def _scale_positions(func: Any) -> tuple[tuple[int, str], ...]:
+    positions = _SCALE_ARGUMENTS.get(func)
+    if positions is None:
+        schema = getattr(func, "_schema", None)
+        arguments = schema.arguments if schema is not None else ()
+        positions = _SCALE_ARGUMENTS[func] = tuple(
+            (i, a.name) for i, a in enumerate(arguments) if "scale" in a.name)
+    return positions
 
 
 def scale_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
                     inputs: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """The scales of an fp8 op call, by name; empty for any other op (one dtype test per input)."""
-    subclass = [s for t in inputs if (s := _subclass_scale(t)) is not None]
-    if not subclass and not any(t.dtype in FP8_DTYPES for t in inputs):
+    """The scales of an fp8 op call, by name; empty for any other op (one dict lookup for an op
+    without scale arguments)."""
+    positions = _scale_positions(func)
+    if not positions or not any(t.dtype in FP8_DTYPES for t in inputs):
         return []
-    found: list[tuple[str, torch.Tensor]] = []
-    schema = getattr(func, "_schema", None)
     kwargs = kwargs or {}
-    if schema is not None:
-        for position, argument in enumerate(schema.arguments):
-            value = args[position] if position < len(args) else kwargs.get(argument.name)
-            if isinstance(value, torch.Tensor):
-                if "scale" in argument.name:
-                    found.append((argument.name, value))
-                elif (scale := _subclass_scale(value)) is not None:
-                    found.append((f"{argument.name}._scale", scale))
-    elif subclass:
-        found.extend((f"input{i}._scale", s) for i, s in enumerate(subclass))
+    found = []
+    for position, name in positions:
+        value = args[position] if position < len(args) else kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            found.append((name, value))
     return found
 
 

@@ -63,7 +63,7 @@ from probe.rundir.writer import StepWriter
 from probe.tracer.dispatch_mode import dtype_name
 from probe.tracer.op_call import OpCall
 from probe.tracer.op_class import OpClass
-from probe.tracer.op_tensors import results_of, written_tensors
+from probe.tracer.op_tensors import results_of
 
 HANDLERS = ("check", "fix")
 PASS, FAIL, SKIP = "pass", "fail", "skip"
@@ -175,7 +175,7 @@ class FreeBenchmarkMode(Mode):
         self._counts[info.name] += 1
         # Written arguments change when the op runs: the perturbed run needs them as they were.
         self._snapshots[call.index] = {
-            id(t): t.detach().clone() for t in written_tensors(info, call.args, call.kwargs)
+            id(t): t.detach().clone() for t in call.written()
         }
 
     def after(self, call: OpCall) -> None:

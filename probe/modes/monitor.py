@@ -39,7 +39,6 @@ import io
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -47,7 +46,6 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
 
 from probe.errors import ProbeError, warn_once
 from probe.modes import monitor_distribution
@@ -68,6 +66,7 @@ from probe.rundir.mode_files import ModeFiles
 from probe.rundir.reading import reading
 from probe.rundir.records import MonitorRecord
 from probe.rundir.writer import StepWriter
+from probe.tracer.mode_stack import untraced
 
 log = logging.getLogger("probe.monitor")
 
@@ -96,12 +95,6 @@ def _named_parameters(model: Any) -> Iterator[tuple[str, nn.Parameter]]:
     for prefix, root in roots:
         for name, param in root.named_parameters():
             yield (f"{prefix}.{name}" if prefix else name), param
-
-
-def _untraced() -> AbstractContextManager[Any]:
-    """The monitor's own reductions, out of sight of a dispatch mode (the stats mode's,
-    when both run): ops issued from hooks would otherwise be traced as the model's."""
-    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else nullcontext()
 
 
 def _in_backward() -> bool:
@@ -353,14 +346,14 @@ class MonitorMode(SessionPlugin):
             distribution, self._distribution = self._distribution, self._new_distribution()
         if not len(rows) and not self._collecting:
             return None
-        with torch.no_grad(), _untraced():
+        with torch.no_grad(), untraced():
             rows.end()  # what the hooks queued, reduced in batches on the training thread
         # On the training thread, where the model's collectives are issued: the writer thread
         # issuing its own would interleave with them differently on each rank.
         reduction = self._start_reduction(rows) if self.config.reduce_ranks and not alone else None
         result = MonitorStep(step, rows, reduction, self._sink)
         if distribution is not None:
-            with torch.no_grad(), _untraced():
+            with torch.no_grad(), untraced():
                 result.distribution = distribution.end_step()
         if self.config.on_anomaly in ("dump", "stop"):
             result.resolve()  # now, on the training thread: the tensors are still here
@@ -394,14 +387,14 @@ class MonitorMode(SessionPlugin):
 
     def _new_rows(self) -> StepRows:
         return StepRows(self.config.eps, self._volatility, {} if self.config.on_anomaly == "dump" else None,
-                        untraced=_untraced)
+                        untraced=untraced)
 
     def _record(self, kind: str, name: str, slot: str, call: int, tensor: torch.Tensor) -> None:
         if not (tensor.is_floating_point() or tensor.is_complex()):
             return
         with self._lock:  # a queued reference, most steps: no op issued
             if self._distribution is not None:  # opt-in: counted now, on the device
-                with torch.no_grad(), _untraced():
+                with torch.no_grad(), untraced():
                     self._distribution.capture(len(self._rows), tensor)
             self._rows.capture(Series(kind, name, slot, call), tensor)
 
@@ -410,7 +403,7 @@ class MonitorMode(SessionPlugin):
         if not (isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor)) or step is None:
             return False
         beta1, beta2 = group["betas"]
-        with torch.no_grad(), _untraced():
+        with torch.no_grad(), untraced():
             row, numel = adam_update_row(m, v, float(group["lr"]), beta1, beta2, group["eps"], step,
                                          self.config.eps)
         with self._lock:
@@ -420,7 +413,7 @@ class MonitorMode(SessionPlugin):
     def _flush(self) -> None:
         """Reduce the queued tensors now (the optimizer changes its gradients, weights and moments
         in place)."""
-        with self._lock, torch.no_grad(), _untraced():
+        with self._lock, torch.no_grad(), untraced():
             self._rows.flush()
 
     def _install_module_hooks(self, model: Any) -> int:
@@ -520,7 +513,7 @@ class MonitorMode(SessionPlugin):
             warn_once("monitor-reduce", "monitor: reduce_ranks=True without an initialized process group; "
                       "each rank writes its own values")
             return None
-        with torch.no_grad(), _untraced():
+        with torch.no_grad(), untraced():
             if len(rows):
                 stacked = rows.stacked()
                 counts = torch.tensor(rows.numel, dtype=torch.float64, device=stacked.device)

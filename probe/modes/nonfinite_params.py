@@ -16,23 +16,18 @@ autograd (no node is created for the tracer to attribute).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from probe.errors import warn_once
+from probe.tracer.mode_stack import untraced
 
 NAMES_KEPT = 100
 """Names written per list and step; the count is always exact."""
-
-
-def _untraced() -> contextlib.AbstractContextManager[Any]:
-    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
 
 
 def _named_parameters(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -71,7 +66,7 @@ def _queue_check(named: list[tuple[str, torch.Tensor]], into: _Pending) -> None:
         floating = t.is_floating_point() or t.is_complex()
         if floating and t.layout == torch.strided and t.device.type != "meta":
             by_device.setdefault(t.device, []).append((name, t))
-    with _untraced(), torch.no_grad():
+    with untraced(), torch.no_grad():
         for group in by_device.values():
             try:
                 norms = _finite_if_clean([t.detach() for _, t in group])

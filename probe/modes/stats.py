@@ -35,7 +35,6 @@ from probe.rundir.reading import expect, reading
 from probe.rundir.records import NonfiniteParameterRecord, OpRecord
 from probe.rundir.writer import StepWriter
 from probe.tracer.op_call import OpCall
-from probe.tracer.op_tensors import written_tensors
 
 INPUT, OUTPUT = 0, 1
 STAT_NAMES = ("min", "max", "mean", "norm", "nan", "inf")
@@ -194,7 +193,7 @@ class StatsMode(Mode):
         self._input_rows = {}
         if call.info.mutates:
             # Queued results about to be overwritten are reduced first (see stat_rows).
-            self._rows.before_write(written_tensors(call.info, call.args, call.kwargs))
+            self._rows.before_write(call.written())
         if not self.inputs:
             return
         for position, t in enumerate(call.input_tensors or ()):

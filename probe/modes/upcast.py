@@ -28,7 +28,7 @@ from probe.modes.free_benchmark import eligible
 from probe.modes.registry import register_mode
 from probe.options import show
 from probe.tracer.op_call import OpCall
-from probe.tracer.op_tensors import results_of, written_tensors
+from probe.tracer.op_tensors import results_of
 
 _LOW = (torch.float16, torch.bfloat16)
 _UPCAST_DTYPES = {torch.float32: torch.float32, torch.float64: torch.float64,
@@ -60,8 +60,7 @@ class UpcastMode(Mode):
     def before(self, call: OpCall) -> None:
         if not eligible(call.info) or not any(self._low(t) for t in call.input_tensors or ()):
             return
-        info = call.info
-        written = {id(t) for t in written_tensors(info, call.args, call.kwargs)}
+        written = {id(t) for t in call.written()}
         self._snapshots[call.index] = {
             id(t): self._shadow_or_upcast(t).clone() for t in call.input_tensors or () if id(t) in written
         }

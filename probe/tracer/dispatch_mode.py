@@ -28,7 +28,7 @@ from probe.tracer.frames import Frame
 from probe.tracer.module_tracker import ModuleTracker
 from probe.tracer.op_call import InputMeta, OpCall, OpRecordTuple, OutputMeta, Skipped
 from probe.tracer.op_class import OpClass, OpClassCache
-from probe.tracer.op_tensors import tensors_in, tensors_out, written_tensors
+from probe.tracer.op_tensors import tensors_in, tensors_out
 from probe.tracer.value_ids import UNKEYABLE_ERRORS, ValueIndex, unkeyable
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)
@@ -259,7 +259,7 @@ class Tracer:
             written = [t for t in out_tensors if any(t is i for i in in_tensors)]
         else:
             out_tensors = tensors_out(out)
-            written = written_tensors(info, args, kwargs)
+            written = call.written()
         # Written arguments the op does not return (running statistics, foreach
         # updates) are results too.
         if written:

@@ -18,14 +18,26 @@ entered or left in between.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 import torch.utils._python_dispatch as python_dispatch
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
+    _disable_current_modes,
     _get_current_dispatch_mode_stack,
     _pop_mode,
     _push_mode,
 )
+
+
+def untraced() -> contextlib.AbstractContextManager[Any]:
+    """The probe's own torch work (reductions from hooks, a step's hand-over and write), out of
+    sight of every dispatch mode: the tracer would record it as the model's ops, and a mode the
+    user holds (DebugMode, FlopCounterMode) would count it."""
+    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
+
 
 _INFRA_KEYS = tuple(
     getattr(torch._C._TorchDispatchModeKey, name)

@@ -26,6 +26,7 @@ import torch
 
 from probe.tracer.frames import Frame
 from probe.tracer.op_class import OpClass
+from probe.tracer.op_tensors import written_tensors
 
 Source = tuple[int, int, bool]
 InputMeta = tuple[str, tuple[int, ...], Source | None]
@@ -96,8 +97,8 @@ class OpCall:
     """One traced op call, handed to the modes while it runs; kept as an :data:`OpRecordTuple`."""
 
     __slots__ = (
-        "args", "callsite", "frame", "func", "index", "info", "input_tensors", "inputs", "kwargs",
-        "op_id", "output_tensors", "outputs", "phase", "skipped", "uninitialized",
+        "_written", "args", "callsite", "frame", "func", "index", "info", "input_tensors", "inputs",
+        "kwargs", "op_id", "output_tensors", "outputs", "phase", "skipped", "uninitialized",
     )
 
     def __init__(
@@ -134,6 +135,7 @@ class OpCall:
         self.skipped: tuple[Skipped, ...] = ()
         """Tensors the tracer could not key (inference, sparse, nested, zero, ...): modes keep
         nothing of them. Empty for almost every op: test it before asking :meth:`skip_reason`."""
+        self._written: list[torch.Tensor] | None = None
 
     @property
     def name(self) -> str:
@@ -142,6 +144,13 @@ class OpCall:
     @property
     def module(self) -> str:
         return self.frame.origin.fqn
+
+    def written(self) -> list[torch.Tensor]:
+        """The tensor arguments the op writes (see ``written_tensors``), found once per call for
+        the tracer and every mode that asks, before or after the op runs."""
+        if self._written is None:
+            self._written = written_tensors(self.info, self.args, self.kwargs)
+        return self._written
 
     def skip_reason(self, io: str, position: int) -> str | None:
         """Why input (``io="in"``) or output (``"out"``) ``position`` is skipped; None if it is not."""
@@ -156,3 +165,4 @@ class OpCall:
         self.output_tensors = None
         self.args = ()
         self.kwargs = None
+        self._written = None
