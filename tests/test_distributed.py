@@ -4,11 +4,14 @@ the test instead of stalling the suite. The job itself is tests/distributed/work
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -26,21 +29,35 @@ JOB_TIMEOUT_S = 240
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 
 
+# gloo itself can abort a process at random as it tears down (std::terminate from a C++
+# thread; pytorch/pytorch#65237, #179291): seen once in CI on a job that passes hundreds of
+# runs here. Such a job is run once more, and the first failure is shown as a warning.
+_BACKEND_ABORT = "terminate called without an active exception"
+
+
 def torchrun(out: Path, *args: str, nproc: int = 2) -> dict[int, dict]:
     """Run the worker on ``nproc`` ranks; the per-rank reports it wrote."""
     report = out.with_name(out.name + "-report")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                str(WORKER), "--out", str(out), "--report", str(report), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                               start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"the {nproc}-rank job hung (killed after {JOB_TIMEOUT_S} s):\n{output[-3000:]}")
-    assert process.returncode == 0, f"the job failed:\n{output[-3000:]}"
+    # PYTHONFAULTHANDLER: a rank killed by a signal prints where it was.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
+    for attempt in (1, 2):
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   env=env, start_new_session=True)
+        try:
+            output, _ = process.communicate(timeout=JOB_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            pytest.fail(f"the {nproc}-rank job hung (killed after {JOB_TIMEOUT_S} s):\n{output[-3000:]}")
+        if process.returncode == 0 or attempt == 2 or _BACKEND_ABORT not in output:
+            break
+        warnings.warn(f"a rank aborted in the backend; running the job again:\n{output[-6000:]}",
+                      stacklevel=2)
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(report, ignore_errors=True)
+    assert process.returncode == 0, f"the job failed:\n{output[-6000:]}"
     return {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in report.glob("rank*.json")}
 
 
@@ -167,6 +184,48 @@ def test_fsdp2_collectives_are_attributed_to_their_modules(tmp_path):
     graph = read_graphml(path)
     grouped = {data["name"] for _, data in graph.nodes(data=True) if data.get("group")}
     assert grouped == {"c10d._allgather_base_.default", "c10d._reduce_scatter_base_.default"}
+
+
+def worker_module():
+    """tests/distributed/worker.py imported (its model and data)."""
+    spec = importlib.util.spec_from_file_location("probe_test_worker", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fsdp2_parameters_freed_between_uses_have_the_statistics_of_their_values(tmp_path):
+    # Width 256: parameters large enough to be queued. FSDP2 frees the unsharded parameters
+    # after each use and reallocates them (a storage resize_, no op): a queued tensor on that
+    # memory would be read freed or rewritten. They are reduced at once instead.
+    out = tmp_path / "run"
+    reports = torchrun(out, "--wrap", "fsdp2", "--modes", "stats", "--width", "256")
+    for rank in (0, 1):
+        assert reports[rank]["probed_losses"] == reports[rank]["plain_losses"]
+        assert reports[rank]["identical_params"]
+        assert reports[rank]["probe_warnings"] == []  # no lost nor later-value statistics
+    torch.manual_seed(0)
+    initial = dict(worker_module().TinyNet(256).named_modules())
+    run = probe.load(out)
+    for rank in (0, 1):
+        assert "unmeasured_tensors" not in run.step_info(0, rank).manifest["modes"]["stats"]
+        ops = run.ops(0, rank)
+        # Each sharded module's parameters, unsharded in forward: [world, shard] per parameter.
+        copies = {op.module: op for op in ops
+                  if op.name == "fsdp.split_with_sizes_copy.default" and op.phase == "forward"}
+        assert sorted(copies) == ["", "head", "inp", "mlp"]
+        for module in ("head", "inp", "mlp"):  # mlp's weights (65k) are the queued kind
+            values = [p.detach() for p in initial[module].parameters()]
+            for o, value in zip(copies[module].outputs, values, strict=True):
+                assert o.stats["max"] == value.max().item()
+                assert o.stats["norm"] == pytest.approx(value.norm().item(), rel=1e-5)
+        # The forward's views of the unsharded weights: used, then freed by the reshard.
+        views = [op for op in ops if op.name == "aten.t.default" and op.phase == "forward"]
+        assert sorted(op.module for op in views) == ["head", "inp", "mlp.0", "mlp.2"]
+        for op in views:
+            weight = initial[op.module].weight.detach()
+            assert op.outputs[0].stats["max"] == weight.max().item()
+            assert op.outputs[0].stats["norm"] == pytest.approx(weight.norm().item(), rel=1e-5)
 
 
 def test_a_rank_filter_records_only_the_selected_ranks_without_hanging(tmp_path):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import builtins
 import errno
-import importlib.util
 import json
 import os
 import re
@@ -424,21 +423,11 @@ def test_a_session_without_step_calls_records_one_step(tmp_path):
 
 # -- monitor reduce_ranks beside DDP under torchrun ---------------------------------------------
 
-WORKER = Path(__file__).parent / "distributed" / "worker.py"
-
-
-def _worker_module():
-    spec = importlib.util.spec_from_file_location("probe_test_worker", WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 def test_monitor_reduce_ranks_beside_ddp_with_async_flush_finishes_with_the_right_values(tmp_path):
-    from test_distributed import torchrun
+    from test_distributed import torchrun, worker_module
 
-    worker = _worker_module()
+    worker = worker_module()
     torch.manual_seed(0)
     model = worker.TinyNet()
     with torch.no_grad():

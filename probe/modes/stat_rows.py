@@ -21,7 +21,7 @@ and ``PendingRows.to_host`` (writer thread) is the step's transfer.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +37,9 @@ STAGE_MAX_NUMEL = 1 << 15
 CHUNK_NUMEL = 1 << 20
 STAGE_BUDGET_NUMEL = 1 << 25
 """Staged elements per step; beyond it (128 MiB of fp32) tensors are reduced one by one."""
+
+LOST = -2
+"""The source of a row whose tensor could not be read when its batch was reduced."""
 
 _FP32_EXACT = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
@@ -140,6 +143,10 @@ class PendingRows:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def lost(self) -> list[int]:
+        """The row ids without statistics (their tensors' memory was freed before being read)."""
+        return [i for i, (source, _, _, _) in enumerate(self.rows) if source == LOST]
+
     def to_host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(raw rows, numel, multiplicity)``, one row per unique row id."""
         for event in self.events:  # the device work of the step is queued on other streams
@@ -154,40 +161,62 @@ class PendingRows:
         return raw, table[:, 2], table[:, 3]
 
 
+class Queued(NamedTuple):
+    tensor: torch.Tensor  # what is reduced (a view of ``owner`` made in dispatch)
+    row: int
+    owner: torch.Tensor  # the op's result: its version counter is the one writes move
+    version: int  # what ``owner._version`` is once the op returns: an unseen write changes it
+    data_ptr: int  # where the storage's bytes were: moved or freed (FSDP2's resharding) shows
+
+
 class ReductionQueue:
     """Large tensors of one step waiting to be reduced, by reference, per (device, dtype).
 
     Holding a tensor keeps its memory alive: the bytes held per device are bounded by
     its budget. A tensor is held until its batch is reduced, so a write into its storage
-    must wait for that: :meth:`StepRows.before_write` reduces the batch first.
+    must wait for that: :meth:`StepRows.before_write` reduces the batch first. Storages
+    are known by their ``StorageImpl``, which stays the same when a program frees or
+    reallocates the bytes under it (``untyped_storage().resize_``), as FSDP2 does.
     """
 
     def __init__(self) -> None:
-        self.batches: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, int, int]]] = {}
+        self.batches: dict[tuple[torch.device, torch.dtype], list[Queued]] = {}
         self.bytes: dict[torch.device, int] = {}
         self.storages: dict[int, torch.device] = {}
-        """Data pointer of each held tensor's storage -> its device."""
+        """``StorageImpl`` address of each held tensor's storage -> its device."""
 
     def __bool__(self) -> bool:
         return bool(self.storages)
 
-    def add(self, x: torch.Tensor, row: int) -> bool:
-        """Hold ``x`` for row ``row``; whether its device's budget is now spent."""
+    def add(self, x: torch.Tensor, row: int, owner: torch.Tensor, version: int) -> bool:
+        """Hold ``x`` (a view of ``owner``) for row ``row``; whether its device's budget is now spent."""
         device = x.device
-        self.batches.setdefault((device, x.dtype), []).append((x, row, x._version))
-        self.storages[x.untyped_storage().data_ptr()] = device
+        storage = x.untyped_storage()
+        queued = Queued(x, row, owner, version, storage.data_ptr())
+        self.batches.setdefault((device, x.dtype), []).append(queued)
+        self.storages[storage._cdata] = device
         held = self.bytes.get(device, 0) + x.numel() * x.element_size()
         self.bytes[device] = held
         return held >= QUEUE_BUDGET_BYTES.get(device.type, DEFAULT_QUEUE_BUDGET_BYTES)
 
-    def take(self, device: torch.device) -> list[list[tuple[torch.Tensor, int, int]]]:
+    def take(self, device: torch.device) -> list[list[Queued]]:
         """The batches of ``device`` (one per dtype), no longer held."""
         taken = [self.batches.pop(key) for key in [k for k in self.batches if k[0] == device]]
         self.bytes.pop(device, None)
         for batch in taken:
-            for x, _, _ in batch:
-                self.storages.pop(x.untyped_storage().data_ptr(), None)
+            for queued in batch:
+                self.storages.pop(queued.tensor.untyped_storage()._cdata, None)
         return taken
+
+
+def _still_there(queued: Queued) -> bool:
+    """Whether the queued tensor's bytes are where they were and all of them are allocated."""
+    x = queued.tensor
+    storage = x.untyped_storage()
+    if storage.data_ptr() != queued.data_ptr:
+        return False
+    last = x.storage_offset() + sum((n - 1) * stride for n, stride in zip(x.shape, x.stride(), strict=True))
+    return (last + 1) * x.element_size() <= storage.nbytes()
 
 
 class StepRows:
@@ -199,6 +228,9 @@ class StepRows:
         self._saturation = saturation
         self._saturates: dict[torch.device, bool] = {}
         self._queue = ReductionQueue()
+        self._unstable: set[int] = set()
+        """``StorageImpl`` addresses whose bytes the program frees or moves outside any op
+        (FSDP2's unsharded parameters): tensors on them are reduced at once, never queued."""
         self._reset()
 
     def _saturated(self, device: torch.device) -> bool:
@@ -220,8 +252,13 @@ class StepRows:
         # a queued tensor's row gets its source and position when its batch is reduced.
         self._rows: list[tuple[int, int, int, int]] = []
 
-    def add(self, t: torch.Tensor) -> int | None:
-        """Reduce ``t`` (or stage or queue it); its row id, or None for tensors without values."""
+    def add(self, t: torch.Tensor, version_moves: bool = False, now: bool = False,
+            counter: torch.Tensor | None = None) -> int | None:
+        """Reduce ``t`` (or stage or queue it); its row id, or None for tensors without values.
+        ``version_moves``: the op in dispatch writes ``t`` (see ``OpCall.versions_moving``);
+        ``now``: read its values before returning (it is about to be written), never queue it;
+        ``counter``: the tensor whose version counter ``t`` has once the op returns (a view's
+        base: autograd gives the view its base's counter after the dispatch modes ran)."""
         # Meta, sparse, nested and zero tensors never get here (the tracer skips them).
         if t.is_quantized:
             return None
@@ -237,13 +274,21 @@ class StepRows:
         elif self._stage and numel <= STAGE_MAX_NUMEL and self._staged + numel <= STAGE_BUDGET_NUMEL:
             rows.append((*self._stage_into_chunk(x), numel, multiplicity))
             self._staged += numel
-        elif self._stage and x.dtype in QUEUED_DTYPES:
+        elif (self._stage and not now and x.dtype in QUEUED_DTYPES
+              and x.untyped_storage()._cdata not in self._unstable):
             rows.append((-1, 0, numel, multiplicity))  # filled in when its batch is reduced
-            if self._queue.add(x, len(rows) - 1):
+            owner = t if counter is None else counter
+            if self._queue.add(x, len(rows) - 1, owner, owner._version + version_moves):
                 self.flush(x.device)
         else:
             rows.append((*self._append_device_row(self._stats.row(x)), numel, multiplicity))
         return len(rows) - 1
+
+    def unstable(self, tensors: list[torch.Tensor]) -> None:
+        """The program frees or moves the memory of ``tensors`` outside any op: reduce
+        them, and every later tensor on the same storages, at once."""
+        for t in tensors:
+            self._unstable.add(t.untyped_storage()._cdata)
 
     def before_write(self, tensors: list[torch.Tensor]) -> None:
         """An op is about to write ``tensors``: reduce the queued tensors sharing their storage
@@ -253,7 +298,7 @@ class StepRows:
             return
         for t in tensors:
             try:
-                device = queue.storages.get(t.untyped_storage().data_ptr())
+                device = queue.storages.get(t.untyped_storage()._cdata)
             except (RuntimeError, NotImplementedError):  # no storage (a subclass, a meta tensor)
                 continue
             if device is not None:
@@ -266,9 +311,25 @@ class StepRows:
             for batch in self._queue.take(d):
                 self._reduce_batch(batch)
 
-    def _reduce_batch(self, batch: list[tuple[torch.Tensor, int, int]]) -> None:
-        xs = [x for x, _, _ in batch]
-        changed = sum(x._version != version for x, _, version in batch)
+    def _reduce_batch(self, batch: list[Queued]) -> None:
+        table = self._rows
+        kept, lost = [], []
+        for queued in batch:
+            (kept if _still_there(queued) else lost).append(queued)
+        if lost:
+            # Reading them would read freed memory: their rows are lost, never made up.
+            warn_once("stats-freed-while-queued",
+                      f"statistics of {len(lost)} tensor(s) not measured: their memory "
+                      "was freed or moved outside any op (FSDP2 resharding, a storage resize_) "
+                      "before they were reduced; they are recorded without statistics")
+            for queued in lost:
+                _, _, numel, multiplicity = table[queued.row]
+                table[queued.row] = (LOST, 0, numel, multiplicity)
+            self.unstable([queued.tensor for queued in lost])  # not again in later steps
+            if not kept:
+                return
+        xs = [queued.tensor for queued in kept]
+        changed = sum(queued.owner._version != queued.version for queued in kept)
         if changed:
             warn_once("stats-written-while-queued",
                       f"statistics of {changed} tensor(s) are those of a later value: an op the "
@@ -288,10 +349,10 @@ class StepRows:
             rows = self._sources[source]
             assert isinstance(rows, DeviceRows)
             first = rows.add_block(device_rows(xs))
-        table = self._rows
-        for i, (_, row, _) in enumerate(batch):
-            _, _, numel, multiplicity = table[row]
-            table[row] = (source, first + i, numel, multiplicity)
+        for i, queued in enumerate(kept):
+            _, _, numel, multiplicity = table[queued.row]
+            table[queued.row] = (source, first + i, numel, multiplicity)
+
     def _stage_into_chunk(self, x: torch.Tensor) -> tuple[int, int]:
         dtype = torch.float32 if x.dtype in _FP32_EXACT else torch.float64
         key = (x.device, dtype)

@@ -196,12 +196,14 @@ class StatsMode(Mode):
             self._rows.before_write(call.written())
         if not self.inputs:
             return
+        # An input the op writes is read now: queued, its statistics would be the op's result's.
+        written = {w.untyped_storage()._cdata for w in call.written()} if call.info.mutates else ()
         for position, t in enumerate(call.input_tensors or ()):
             if call.skipped and call.skip_reason("in", position) is not None:
                 continue
             row = self._input_row(call, position)
             if row is None:
-                row = self._rows.add(t)
+                row = self._rows.add(t, now=bool(written) and t.untyped_storage()._cdata in written)
                 if row is not None and self._distribution is not None:
                     self._distribution.add(t, row)
             if row is not None:
@@ -217,9 +219,14 @@ class StatsMode(Mode):
         reuse_base = (
             call.info.is_view and inputs and call.info.short not in _NOT_SAME_ELEMENTS
         )
+        if call.info.namespace == "fsdp":
+            # FSDP2 frees and reallocates what its ops write (unsharded parameters) outside
+            # any op, where before_write cannot see it: those are never queued.
+            self._rows.unstable(outputs)
         skipped = call.skipped
         if skipped and reuse_base and call.skip_reason("in", 0) is not None:
             reuse_base = False
+        moving = call.versions_moving()
         for position, t in enumerate(outputs):
             if skipped and call.skip_reason("out", position) is not None:
                 continue
@@ -227,7 +234,8 @@ class StatsMode(Mode):
             if reuse_base and _same_elements(t, inputs[0]):
                 row = self._input_row(call, 0)
             if row is None:
-                row = self._rows.add(t)
+                row = self._rows.add(t, version_moves=bool(moving) and any(t is m for m in moving),
+                                     counter=inputs[0] if call.info.is_view and inputs else None)
                 if row is not None and self._distribution is not None:
                     self._distribution.add(t, row)
             if row is None:
@@ -256,11 +264,16 @@ class StatsStep:
     def write(self, writer: StepWriter) -> dict[str, Any]:
         stats = finalize(*self.rows.to_host())
         index = np.array(self.index, dtype=np.int64).reshape(-1, 4)
+        lost = self.rows.lost()
+        if lost:  # tensors without statistics are left out of the index: not measured
+            index = index[~np.isin(index[:, 3], lost)]
         writer.write_array(layout.STATS_FILE, stats)
         writer.write_array(layout.STATS_INDEX_FILE, index)
         nonfinite = int(np.count_nonzero((stats[:, 4] + stats[:, 5]) > 0))
         summary = {"rows": len(stats), "tensors": len(index), "nonfinite_rows": nonfinite,
                    "nonfinite_parameters": self.parameters.summary()}
+        if lost:
+            summary["unmeasured_tensors"] = len(lost)
         if self.distribution is not None:
             summary.update(distribution_files.write_files(writer, self.distribution, len(stats)))
         summary.update(fp8_files.write_file(writer, self.fp8_scales))

@@ -88,8 +88,7 @@ class UpcastMode(Mode):
         args = [convert(a) for a in call.args]
         kwargs = {k: convert(v) for k, v in (call.kwargs or {}).items()}
         results = results_of(call.info, args, kwargs, call.func(*args, **kwargs))
-        # An in-place op's version is bumped once after its dispatch returns.
-        bump = 1 if call.info.mutates and not call.info.name.startswith("aten._foreach") else 0
+        bump = 1 if call.info.counts_writes else 0
         for position, original in enumerate(call.output_tensors or ()):
             if position >= len(results) or not self._low(original):
                 continue

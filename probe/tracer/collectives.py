@@ -133,6 +133,7 @@ class PendingCollectives:
         storages = {k for t in call.output_tensors or () if (k := _storage_key(t)) is not None}
         if not storages:
             return False
+        call.writes_in_flight = []  # its ``after`` runs later, inside another op (or none)
         deferred = _Deferred(call, storages, work)
         for key in storages:
             earlier = self.in_flight.get(key)

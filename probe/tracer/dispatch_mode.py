@@ -28,7 +28,7 @@ from probe.tracer.frames import Frame
 from probe.tracer.module_tracker import ModuleTracker
 from probe.tracer.op_call import InputMeta, OpCall, OpRecordTuple, OutputMeta, Skipped
 from probe.tracer.op_class import OpClass, OpClassCache
-from probe.tracer.op_tensors import tensors_in, tensors_out
+from probe.tracer.op_tensors import tensors_in, tensors_out, written_tensors
 from probe.tracer.value_ids import UNKEYABLE_ERRORS, ValueIndex, unkeyable
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)
@@ -179,6 +179,9 @@ class Tracer:
         taken = self.pending.take_read_by(tensors_in(args, kwargs))
         if taken and PendingCollectives.completes(info):
             out = self._route(func, info, args, kwargs)
+            written = written_tensors(info, args, kwargs) if info.counts_writes else []
+            for deferred in taken:
+                deferred.call.writes_in_flight = written
             self.pending.finish(taken)
             return out
         self.pending.finish(taken)

@@ -99,6 +99,7 @@ class OpCall:
     __slots__ = (
         "_written", "args", "callsite", "frame", "func", "index", "info", "input_tensors", "inputs",
         "kwargs", "op_id", "output_tensors", "outputs", "phase", "skipped", "uninitialized",
+        "writes_in_flight",
     )
 
     def __init__(
@@ -136,6 +137,9 @@ class OpCall:
         """Tensors the tracer could not key (inference, sparse, nested, zero, ...): modes keep
         nothing of them. Empty for almost every op: test it before asking :meth:`skip_reason`."""
         self._written: list[torch.Tensor] | None = None
+        self.writes_in_flight: list[torch.Tensor] | None = None
+        """Set when the modes' ``after`` runs inside another op's dispatch (a deferred
+        collective): what that op writes. None: this op's own writes."""
 
     @property
     def name(self) -> str:
@@ -152,6 +156,13 @@ class OpCall:
             self._written = written_tensors(self.info, self.args, self.kwargs)
         return self._written
 
+    def versions_moving(self) -> list[torch.Tensor]:
+        """The tensors whose version counters go up by one when the op now in dispatch
+        returns (see ``OpClass.counts_writes``)."""
+        if self.writes_in_flight is not None:
+            return self.writes_in_flight
+        return self.written() if self.info.counts_writes else []
+
     def skip_reason(self, io: str, position: int) -> str | None:
         """Why input (``io="in"``) or output (``"out"``) ``position`` is skipped; None if it is not."""
         for skipped_io, skipped_position, reason in self.skipped:
@@ -166,3 +177,4 @@ class OpCall:
         self.args = ()
         self.kwargs = None
         self._written = None
+        self.writes_in_flight = None

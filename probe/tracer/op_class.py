@@ -83,6 +83,10 @@ class OpClass:
     """Collectives: position of the ``ProcessGroup`` (or functional ``group_name``) argument."""
     math_bit_view: bool = False
     """Returns a conjugate or negative view (``_conj``, ``_neg_view``): same memory, other values."""
+    counts_writes: bool = False
+    """Autograd adds one to the version counter of each tensor the op writes once the op
+    returns, after every dispatch mode's work on it: in-place and ``out=`` ops do;
+    ``_foreach`` ops and c10d collectives do not."""
     compiled_region: bool = False
     """One call of a compiled graph (``compiled="keep"``, see probe.tracer.compiled_regions): it
     cannot be re-run by the modes that re-run ops."""
@@ -149,6 +153,8 @@ def classify(func: torch._ops.OpOverload) -> OpClass:
         group_arg=group_arg,
         region=_REGION_MARKERS.get(name, 0),
         math_bit_view=name in _MATH_BIT_VIEWS,
+        counts_writes=bool(mutated_args or mutated_kwargs) and not is_collective
+        and not func._opname.startswith("_foreach"),
     )
 
 

@@ -5,11 +5,12 @@ without the probe and then (same seeds) under it, and writes what it saw to
 ``--report`` (one JSON file per rank): the losses and final parameters of both
 runs, so the test can check that the probe left training bit-identical.
 
-``--wrap ddp|fsdp2`` picks the engine; ``--desync-rank R`` perturbs one
-parameter on rank R after the first step (a planted desynchronisation the
-cross-rank consistency check must find). ``--monitor-reduce`` runs the monitor
-mode with ``reduce_ranks=True`` (the head's output and the weight gradients)
-alongside the engine's own collectives.
+``--wrap ddp|fsdp2`` picks the engine, ``--width`` the model's (256: parameters
+large enough for the statistics to queue them, which FSDP2 frees and reallocates
+between uses); ``--desync-rank R`` perturbs one parameter on rank R after the first
+step (a planted desynchronisation the cross-rank consistency check must find).
+``--monitor-reduce`` runs the monitor mode with ``reduce_ranks=True`` (the head's
+output and the weight gradients) alongside the engine's own collectives.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,16 +28,14 @@ from torch import nn
 
 import probe
 
-WIDTH = 32
-
 
 class TinyNet(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = 32) -> None:
         super().__init__()
-        self.inp = nn.Linear(16, WIDTH)
-        self.mlp = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH))
-        self.norm = nn.LayerNorm(WIDTH)
-        self.head = nn.Linear(WIDTH, 4)
+        self.inp = nn.Linear(16, width)
+        self.mlp = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
@@ -43,9 +43,9 @@ class TinyNet(nn.Module):
         return self.head(self.norm(h))
 
 
-def build(wrap: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(wrap: str, width: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = TinyNet()
+    model = TinyNet(width)
     if wrap == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     elif wrap == "fsdp2":
@@ -100,6 +100,7 @@ def main() -> None:
     parser.add_argument("--modes", default="stats")
     parser.add_argument("--ranks", default=None)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--desync-rank", type=int, default=None)
     parser.add_argument("--monitor-reduce", action="store_true")
     args = parser.parse_args()
@@ -109,16 +110,18 @@ def main() -> None:
     data = batches(rank, args.steps)
     desync = args.desync_rank == rank
 
-    model, opt = build(args.wrap)
+    model, opt = build(args.wrap, args.width)
     plain_losses = train(model, opt, data, None, desync)
     plain_params = full_params(model)
 
-    model, opt = build(args.wrap)
+    model, opt = build(args.wrap, args.width)
     ranks = None if args.ranks is None else [int(r) for r in args.ranks.split(",")]
     monitor = (dict(model=model, targets={"module.head": {"output": "tensor"}}, wg_distribution=True,
                     reduce_ranks=True) if args.monitor_reduce else {})
-    with probe.mode(args.modes.split(","), out=args.out, ranks=ranks, **monitor) as session:
-        probed_losses = train(model, opt, data, session, desync)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", probe.ProbeWarning)
+        with probe.mode(args.modes.split(","), out=args.out, ranks=ranks, **monitor) as session:
+            probed_losses = train(model, opt, data, session, desync)
     probed_params = full_params(model)
 
     Path(args.report).mkdir(parents=True, exist_ok=True)
@@ -126,6 +129,7 @@ def main() -> None:
         "rank": rank, "world_size": dist.get_world_size(), "pid": os.getpid(),
         "plain_losses": plain_losses, "probed_losses": probed_losses,
         "identical_params": plain_params == probed_params,
+        "probe_warnings": [str(w.message) for w in said if issubclass(w.category, probe.ProbeWarning)],
     }))
     dist.barrier()
     dist.destroy_process_group()
