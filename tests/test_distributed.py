@@ -228,6 +228,78 @@ def test_fsdp2_parameters_freed_between_uses_have_the_statistics_of_their_values
             assert op.outputs[0].stats["norm"] == pytest.approx(weight.norm().item(), rel=1e-5)
 
 
+def test_two_fsdp2_runs_compare_clean_though_fsdp2_refills_reallocated_buffers(tmp_path):
+    # After each reshard FSDP2 reallocates the unsharded parameters (a storage resize_, no op)
+    # and views them as [world, shard] to copy the all-gather into: those views hold whatever
+    # the allocator handed back. Recorded, that garbage (NaN now and then) made a healthy run
+    # report non-finite values and two identical runs a divergence at FSDP2's view.
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for out in runs:
+        torchrun(out, "--wrap", "fsdp2", "--modes", "stats,dump")
+    for out in runs:
+        run = probe.load(out)
+        for rank in (0, 1):
+            for step in (0, 1):
+                assert run.step_info(step, rank).manifest["modes"]["stats"]["nonfinite_rows"] == 0
+            views = [op for op in run.ops(1, rank) if op.name == "aten.view.default"
+                     and any(o.stats is None for o in op.outputs)]
+            assert views  # the views of the refilled buffers: no statistics, not garbage
+    report = probe.compare(*runs)
+    assert report.first_divergence is None
+    assert report.counts["error"] == 0 and report.counts["warning"] == 0 and report.counts["pass"] > 500
+
+
+def _first_step_gradients(worker) -> dict[str, torch.Tensor]:
+    """The gradients of the first step on the whole model: both ranks' batches, averaged."""
+    torch.manual_seed(0)
+    model = worker.TinyNet()
+    for rank in (0, 1):
+        x, y = worker.batches(rank, 1)[0]
+        (torch.nn.functional.cross_entropy(model(x), y) / 2).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_fsdp2_monitor_reduces_each_ranks_shard_into_the_whole_gradient(tmp_path):
+    # FSDP2's gradients are DTensors: reduced as DTensors, the monitor's metrics issued
+    # collectives of their own and failed on partial placements (training stopped at the first
+    # optimizer step). Each rank reduces its shard; reduce_ranks makes the whole gradient's.
+    out = tmp_path / "run"
+    reports = torchrun(out, "--wrap", "fsdp2", "--modes", "monitor", "--monitor-reduce")
+    for rank in (0, 1):
+        assert reports[rank]["probed_losses"] == reports[rank]["plain_losses"]
+        assert reports[rank]["identical_params"]
+        assert reports[rank]["probe_warnings"] == []
+    expected = _first_step_gradients(worker_module())
+    run = probe.load(out)
+    grads = {r.name: r for r in run.monitor(0, 0) if r.kind == "weight_grad"}
+    assert sorted(grads) == sorted(expected)
+    for name, grad in expected.items():
+        assert grads[name].numel == grad.numel()  # the shards of both ranks, once each
+        assert grads[name].norm == pytest.approx(grad.norm().item(), rel=1e-5)
+        assert grads[name].max == pytest.approx(grad.max().item(), rel=1e-5, abs=1e-7)
+
+
+def test_fsdp2_parameter_checks_and_checksums_read_each_ranks_shard(tmp_path):
+    out = tmp_path / "run"
+    reports = torchrun(out, "--wrap", "fsdp2", "--modes", "stats", "--model")
+    for rank in (0, 1):
+        assert reports[rank]["probed_losses"] == reports[rank]["plain_losses"]
+        assert reports[rank]["probe_warnings"] == []  # "cannot check parameters for NaN/Inf" before
+    run = probe.load(out)
+    names = [name for name, _ in worker_module().TinyNet().named_parameters()]
+    for rank in (0, 1):
+        for step in (0, 1):
+            checks = run.step_info(step, rank).manifest["modes"]["stats"]["nonfinite_parameters"]
+            clean = {"checked": len(names), "names": [], "count": 0}
+            assert checks["parameters"] == checks["gradients"] == clean
+    # Each rank checksums its own shard of every parameter.
+    sums = [json.loads((out / f"rank{rank}" / "step0" / "checksums.json").read_text())["parameters"]
+            for rank in (0, 1)]
+    assert sums[0]["names"] == sums[1]["names"] == names
+    for name, a, b in zip(names, sums[0]["checksums"], sums[1]["checksums"], strict=True):
+        assert (a == b) == name.startswith("norm.")  # LayerNorm's ones and zeros: equal halves
+
+
 def test_a_rank_filter_records_only_the_selected_ranks_without_hanging(tmp_path):
     out = tmp_path / "run"
     reports = torchrun(out, "--wrap", "ddp", "--modes", "stats", "--ranks", "0")

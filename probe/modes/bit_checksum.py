@@ -27,21 +27,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from probe.local_part import local_part
+
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CACHED = 16
 """Compositions (device, row counts) whose weights and bounds are kept."""
 
-try:  # DTensor parameters (FSDP2, tensor parallel): each rank checksums its own shard
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # torch < 2.4 or no distributed
-    _DTensor = None
-
-
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """The plain tensor whose bits are checksummed: this rank's shard of a DTensor, detached."""
-    if _DTensor is not None and isinstance(tensor, _DTensor):
-        tensor = tensor.to_local()
-    return tensor.detach()
+    return local_part(tensor).detach()
 
 
 def checksummable(tensor: torch.Tensor) -> bool:

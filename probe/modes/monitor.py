@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from probe.errors import ProbeError, warn_once
+from probe.local_part import local_part
 from probe.modes import monitor_distribution
 from probe.modes.anomaly import Anomaly, AnomalyDetector, Series, anomaly_json, incidents, read_anomalies
 from probe.modes.base import SessionPlugin
@@ -390,6 +391,7 @@ class MonitorMode(SessionPlugin):
                         untraced=untraced)
 
     def _record(self, kind: str, name: str, slot: str, call: int, tensor: torch.Tensor) -> None:
+        tensor = local_part(tensor)
         if not (tensor.is_floating_point() or tensor.is_complex()):
             return
         with self._lock:  # a queued reference, most steps: no op issued
@@ -402,6 +404,9 @@ class MonitorMode(SessionPlugin):
         m, v, step = state.get("exp_avg"), state.get("exp_avg_sq"), state.get("step")
         if not (isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor)) or step is None:
             return False
+        m, v = local_part(m), local_part(v)
+        if isinstance(step, torch.Tensor):
+            step = local_part(step)
         beta1, beta2 = group["betas"]
         with torch.no_grad(), untraced():
             row, numel = adam_update_row(m, v, float(group["lr"]), beta1, beta2, group["eps"], step,

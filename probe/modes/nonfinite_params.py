@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from probe.errors import warn_once
+from probe.local_part import local_part
 from probe.tracer.mode_stack import untraced
 
 NAMES_KEPT = 100
@@ -63,6 +64,7 @@ def _queue_check(named: list[tuple[str, torch.Tensor]], into: _Pending) -> None:
     """Queue the finiteness value of each (floating, dense) tensor on its device; no sync."""
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, t in named:
+        t = local_part(t)
         floating = t.is_floating_point() or t.is_complex()
         if floating and t.layout == torch.strided and t.device.type != "meta":
             by_device.setdefault(t.device, []).append((name, t))

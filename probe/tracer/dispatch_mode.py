@@ -10,6 +10,7 @@ runs. Work done outside it (step flushes) runs under :meth:`Tracer.paused`.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -77,6 +78,9 @@ class Tracer:
         self.values = ValueIndex()
         self._unwritten: set[int] = set()
         """Indices of this step's ops whose outputs are memory nothing has written yet."""
+        self._refilled: dict[int, weakref.ref[torch.Tensor]] = {}
+        """Buffers an op with ``refills_buffers`` wrote, by ``id``: reallocated before each such
+        op (outside any op), so a view of one taken before it holds garbage. Kept across steps."""
         self.groups = GroupCache()
         self.pending = PendingCollectives(self._finish)
         self._classes = OpClassCache(on_math_bit_view=self.values.track_math_bits)
@@ -243,8 +247,11 @@ class Tracer:
         call = OpCall(index, op_id, info, phase, frame, inputs, in_tensors, args, kwargs, callsite, func)
         if skipped_inputs:
             call.skipped = skipped_inputs
-        if info.is_view and inputs and (src := inputs[0][2]) is not None and src[0] in self._unwritten:
-            call.uninitialized = True  # a view into an ``empty`` buffer nothing has written yet
+        if info.is_view and inputs and (
+            ((src := inputs[0][2]) is not None and src[0] in self._unwritten)
+            or (self._refilled and self._is_refilled(in_tensors[0]))
+        ):
+            call.uninitialized = True  # a view into an ``empty`` or reallocated buffer nothing wrote yet
         if call.uninitialized:
             self._unwritten.add(index)
         for mode in self._before_modes:
@@ -263,6 +270,10 @@ class Tracer:
         else:
             out_tensors = tensors_out(out)
             written = call.written()
+        if info.refills_buffers:
+            for t in written:
+                base = t._base if t._base is not None else t
+                self._refilled[id(base)] = weakref.ref(base)
         # Written arguments the op does not return (running statistics, foreach
         # updates) are results too.
         if written:
@@ -289,6 +300,10 @@ class Tracer:
              tuple(inputs), tuple(outputs), callsite, group, call.skipped)
         )
         return out
+
+    def _is_refilled(self, t: torch.Tensor) -> bool:
+        known = self._refilled.get(id(t))
+        return known is not None and known() is t
 
     def _register_outputs(
         self, results: list[torch.Tensor], written: list[torch.Tensor], index: int, view: bool,

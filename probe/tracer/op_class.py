@@ -47,6 +47,10 @@ _UNINITIALIZED = frozenset(
 # Non-aten ops returning a buffer whose contents are written later (FSDP2's
 # all-gather output, of which only this rank's shard is filled before the collective).
 _UNINITIALIZED_BUFFERS = frozenset({"fsdp.all_gather_copy_in.default"})
+# Ops that fill buffers the program reallocates right before each call, outside any op
+# (FSDP2's unsharded parameters, a storage resize_ after each reshard): until the op
+# writes them, views of those buffers hold whatever the allocator handed back.
+_REFILLS_BUFFERS = frozenset({"fsdp.split_with_sizes_copy.default"})
 # Ops that return a conjugate or negative view: the same memory, key and version as their
 # input, holding other values (see ValueIndex.track_math_bits).
 _MATH_BIT_VIEWS = frozenset({"aten._conj.default", "aten._neg_view.default"})
@@ -83,6 +87,9 @@ class OpClass:
     """Collectives: position of the ``ProcessGroup`` (or functional ``group_name``) argument."""
     math_bit_view: bool = False
     """Returns a conjugate or negative view (``_conj``, ``_neg_view``): same memory, other values."""
+    refills_buffers: bool = False
+    """What the op writes are views of buffers reallocated before each of its calls: a later
+    view of such a buffer is uninitialized (see ``Tracer._is_refilled``)."""
     counts_writes: bool = False
     """Autograd adds one to the version counter of each tensor the op writes once the op
     returns, after every dispatch mode's work on it: in-place and ``out=`` ops do;
@@ -153,6 +160,7 @@ def classify(func: torch._ops.OpOverload) -> OpClass:
         group_arg=group_arg,
         region=_REGION_MARKERS.get(name, 0),
         math_bit_view=name in _MATH_BIT_VIEWS,
+        refills_buffers=name in _REFILLS_BUFFERS,
         counts_writes=bool(mutated_args or mutated_kwargs) and not is_collective
         and not func._opname.startswith("_foreach"),
     )

@@ -10,7 +10,8 @@ large enough for the statistics to queue them, which FSDP2 frees and reallocates
 between uses); ``--desync-rank R`` perturbs one parameter on rank R after the first
 step (a planted desynchronisation the cross-rank consistency check must find).
 ``--monitor-reduce`` runs the monitor mode with ``reduce_ranks=True`` (the head's
-output and the weight gradients) alongside the engine's own collectives.
+output and the weight gradients) alongside the engine's own collectives; ``--model``
+passes the model to the session (parameter checks, checksums).
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--desync-rank", type=int, default=None)
     parser.add_argument("--monitor-reduce", action="store_true")
+    parser.add_argument("--model", action="store_true", help="pass the model to the session")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -116,11 +118,14 @@ def main() -> None:
 
     model, opt = build(args.wrap, args.width)
     ranks = None if args.ranks is None else [int(r) for r in args.ranks.split(",")]
-    monitor = (dict(model=model, targets={"module.head": {"output": "tensor"}}, wg_distribution=True,
-                    reduce_ranks=True) if args.monitor_reduce else {})
+    options: dict = {"model": model} if args.model else {}
+    if args.monitor_reduce:
+        head = "module.head" if args.wrap == "ddp" else "head"
+        options = dict(model=model, targets={head: {"output": "tensor"}}, wg_distribution=True,
+                       reduce_ranks=True)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always", probe.ProbeWarning)
-        with probe.mode(args.modes.split(","), out=args.out, ranks=ranks, **monitor) as session:
+        with probe.mode(args.modes.split(","), out=args.out, ranks=ranks, **options) as session:
             probed_losses = train(model, opt, data, session, desync)
     probed_params = full_params(model)
 
