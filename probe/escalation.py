@@ -13,7 +13,9 @@ the start of each step whether an incident became known since; tracing starts th
 the writer thread that is one or two steps after the incident's step (the step after, when
 its numbers were on the host in time), never later, and no sync is added to know sooner.
 An incident that began at a traced step needs no window of its own (its op records are
-there); one learned while a window is open joins it.
+there); one learned while a window is open joins it. A session opens at most
+``trace_limit`` windows (default 5): later incidents are logged once and listed in the
+manifest of the step that learned them (:data:`REFUSED_KEY`), so the summary says why.
 
 Cost while nothing happened: no dispatch mode and no module-tracker hooks are installed,
 and the trace modes are not attached (the stats mode's parameter checks are hooks too),
@@ -54,6 +56,9 @@ from probe.tracer.op_call import OpCall
 log = logging.getLogger("probe.monitor")
 
 MANIFEST_KEY = "escalated"
+REFUSED_KEY = "escalation_refused"
+"""Manifest entry of the step at whose start incidents were learned but not traced: the
+session had traced ``trace_limit`` windows already."""
 
 
 class _Armed(OpObserver):
@@ -96,6 +101,12 @@ class Escalation:
         self.trace_modes = config.trace_modes
         self.trace_options = dict(config.trace_options)
         self.trace_steps = config.trace_steps
+        self.trace_limit = config.trace_limit
+        self._opened = 0
+        """Windows this session opened (``trace_limit`` bounds it)."""
+        self._refused: dict[int, list[dict[str, Any]]] = {}
+        """Step -> incidents learned at its start and not traced (the limit), for its manifest."""
+        self._limit_told = False
         turbulence = config.turbulence
         self._threshold = None if turbulence is None else turbulence.threshold
         accepted = set().union(*(MODES[name].option_names for name in self.trace_modes))
@@ -179,6 +190,14 @@ class Escalation:
         if window is not None and window.last >= step:
             window.incidents.append(incident)
             return
+        if self.trace_limit is not None and self._opened >= self.trace_limit:
+            if not self._limit_told:
+                self._limit_told = True
+                log.warning("probe monitor: not tracing after the incident at step %d: this session traced "
+                            "%d window(s), its trace_limit", root.step, self._opened)
+            self._refused.setdefault(step, []).append(incident)
+            return
+        self._opened += 1
         self.window = Window(step, step + self.trace_steps - 1, [incident])
         # An incident is learned a step or two after it began: the last few windows are enough.
         self._windows = [*self._windows[-3:], self.window]
@@ -249,13 +268,19 @@ class Escalation:
         """The trace modes recording ``step`` (none unless it is an armed step)."""
         return self._modes if self._armed_step == step else []
 
-    def marker(self, step: int) -> dict[str, Any] | None:
-        """The manifest entry of ``step`` when it was traced by escalation."""
+    def manifest(self, step: int) -> dict[str, Any]:
+        """The manifest entries of ``step``: :data:`MANIFEST_KEY` when it was traced by
+        escalation, :data:`REFUSED_KEY` when incidents learned at its start were not."""
+        entries: dict[str, Any] = {}
         window = self.window
-        if self._armed_step != step or window is None:
-            return None
-        return {"window": [window.first, window.last], "trace_modes": list(self.trace_modes),
-                "incidents": [dict(i) for i in window.incidents]}
+        if self._armed_step == step and window is not None:
+            entries[MANIFEST_KEY] = {"window": [window.first, window.last],
+                                     "trace_modes": list(self.trace_modes),
+                                     "incidents": [dict(i) for i in window.incidents]}
+        refused = self._refused.pop(step, None)
+        if refused:
+            entries[REFUSED_KEY] = {"trace_limit": self.trace_limit, "incidents": refused}
+        return entries
 
     def disarm(self) -> None:
         """The session's block ends (its last step is handed over): take the tracer off."""

@@ -34,7 +34,6 @@ import torch
 
 from probe import __version__
 from probe.errors import ProbeError, warn_once
-from probe.escalation import MANIFEST_KEY as ESCALATED
 from probe.escalation import Escalation
 from probe.modes.base import OpObserver, SessionPlugin, StepResult
 from probe.modes.checksums import plugin_for as checksums_plugin_for
@@ -469,8 +468,9 @@ class Session:
         }
         if tail:
             manifest["tail"] = True
-        elif self._escalation is not None and (marker := self._escalation.marker(step)) is not None:
-            manifest[ESCALATED] = marker  # traced because of an anomaly: the link probe summary reads
+        elif self._escalation is not None:
+            # Traced because of an anomaly, or not for the trace limit: the links probe summary reads.
+            manifest.update(self._escalation.manifest(step))
         if not tail and self.step_kind is not None:
             manifest["kind"] = self.step_kind
         if tracer.modules.names.parallel is not None:

@@ -74,6 +74,23 @@ def _traced_steps(run: Any) -> list[int]:
     return [step for step in run.steps if run.ops(step, 0)]
 
 
+def _spiking_session(out: Any, spikes: tuple[int, ...], **options: Any) -> tuple[Callable, Callable]:
+    """A monitored session whose layer 1 output is x100 at the ``spikes`` steps (its ``around``)."""
+    holder = {"on": False}
+
+    def around(step: int) -> None:
+        holder["on"] = step in spikes
+
+    def spike(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor | None:
+        return out * 100 if holder["on"] else None
+
+    def session(model: torch.nn.Module) -> Any:
+        model.model.layers[1].mlp.register_forward_hook(spike)
+        return _monitor(out, **{"trace_steps": 1, **options})(model)
+
+    return session, around
+
+
 def test_an_inf_at_step_3_traces_the_next_n_steps_and_only_those(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="probe.monitor"):
         _train(9, _monitor(tmp_path / "r", trace_steps=2), plant=(3, _plant_inf))
@@ -119,18 +136,7 @@ def test_the_summary_links_a_spike_to_the_module_that_made_it(tmp_path):
 
 
 def test_a_spike_that_does_not_recur_is_said_so(tmp_path):
-    def around(step: int) -> None:
-        holder["on"] = step == 6
-
-    def spike(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor | None:
-        return out * 100 if holder["on"] else None
-
-    holder = {"on": False}
-
-    def session(model: torch.nn.Module) -> Any:
-        model.model.layers[1].mlp.register_forward_hook(spike)
-        return _monitor(tmp_path / "r", trace_steps=2)(model)
-
+    session, around = _spiking_session(tmp_path / "r", (6,), trace_steps=2)
     _train(10, session, around=around)
     run = probe.load(tmp_path / "r")
     assert _traced_steps(run) == [7, 8]
@@ -231,6 +237,8 @@ def test_a_debug_mode_held_across_the_window_logs_the_same_ops(tmp_path, enter_a
     ({"trace_options": {"tensor": "all"}}, "['tensor'] is not an option of the trace modes ['stats']"),
     ({"trace_modes": ["dump"], "trace_options": {"tensors": "some"}}, "'some'"),
     ({"trace_options": ["inputs"]}, "'trace_options': expected a dict"),
+    ({"trace_limit": 0}, "option 'trace_limit': expected an int >= 1, got 0"),
+    ({"trace_limit": 2, "on_anomaly": "log"}, "'trace_limit' arms per-op tracing after an anomaly"),
 ])
 def test_bad_escalation_options_name_the_value(tmp_path, options, message):
     options = {"on_anomaly": "trace", **options}
@@ -275,3 +283,22 @@ def test_an_incident_at_the_last_step_is_said_not_traced(tmp_path):
     [link] = escalation_links(run)
     assert link.traced == [] and link.recurred is None
     assert link.describe().endswith("-> not traced: the run ended before the step after it was known")
+
+
+@pytest.mark.parametrize("limit", [1, None])
+def test_the_trace_limit_bounds_the_windows_and_the_summary_says_why(tmp_path, caplog, limit):
+    session, around = _spiking_session(tmp_path / "r", (6, 9), trace_limit=limit)
+    with caplog.at_level(logging.WARNING, logger="probe.monitor"):
+        _train(12, session, around=around)
+    run = probe.load(tmp_path / "r")
+    first, second = escalation_links(run)
+    assert (first.root.step, first.traced) == (6, [7])
+    if limit is None:
+        assert _traced_steps(run) == [7, 10] and second.traced == [10]
+        assert "trace_limit" not in caplog.text
+        return
+    assert _traced_steps(run) == [7]
+    assert second.root.step == 9 and second.traced == [] and second.recurred is None
+    assert second.describe().endswith("-> not traced: the session had traced 1 window(s), its trace_limit")
+    assert run.step_info(10, 0).manifest["escalation_refused"]["trace_limit"] == 1
+    assert "not tracing after the incident at step 9: this session traced 1 window(s)" in caplog.text

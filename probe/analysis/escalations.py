@@ -25,7 +25,7 @@ from typing import Any
 
 from probe.analysis.summary import StepSummary, ranked
 from probe.errors import ProbeError
-from probe.escalation import MANIFEST_KEY
+from probe.escalation import MANIFEST_KEY, REFUSED_KEY
 from probe.rundir.reader import AnomalyRecord, OpRecord, Run
 from probe.rundir.reading import record_from_row
 
@@ -151,6 +151,8 @@ class IncidentLink:
     """The incident began at a traced step itself (its ops are there)."""
     parameters: list[str] = field(default_factory=list)
     """The first traced step's non-finite parameters or gradients, one line each."""
+    untraced: str = "the run ended before the step after it was known"
+    """Why it was not traced (when ``traced`` is empty)."""
 
     def describe(self) -> str:
         root = self.root
@@ -163,7 +165,7 @@ class IncidentLink:
             what = f"{root.module} {root.metric} = {root.value:.4g}{base}{why}"
         head = f"anomaly at step {root.step} rank {root.rank} ({root.rule}: {what})"
         if not self.traced:
-            return f"{head} -> not traced: the run ended before the step after it was known"
+            return f"{head} -> not traced: {self.untraced}"
         steps = _span(self.traced)
         if self.in_traced_step:
             head += " in a traced step"
@@ -219,6 +221,8 @@ class EscalationLinks:
         self._roots: list[AnomalyRecord] = []
         self._windows: dict[tuple[int, int], _Window] = {}
         self._escalated: set[tuple[int, int]] = set()
+        self._refused: dict[tuple[int, int], int | None] = {}
+        """(rank, incident step) -> the trace_limit that kept it from being traced."""
         options = run.info.get("options") if isinstance(run.info, dict) else None
         mode_options = options.get("mode_options", {}) if isinstance(options, dict) else {}
         policy = mode_options.get("on_anomaly") if isinstance(mode_options, dict) else None
@@ -241,7 +245,14 @@ class EscalationLinks:
                 break  # the first alert of an incident's first step is its root
         if not self.tracing:
             return
-        marker = self.run.step_info(step, rank).manifest.get(MANIFEST_KEY)
+        manifest = self.run.step_info(step, rank).manifest
+        refused = manifest.get(REFUSED_KEY)
+        if isinstance(refused, dict) and isinstance(refused.get("incidents"), list):
+            limit = refused.get("trace_limit")
+            for row in refused["incidents"]:
+                if isinstance(row, dict) and isinstance(row.get("step"), int):
+                    self._refused[(rank, row["step"])] = limit if isinstance(limit, int) else None
+        marker = manifest.get(MANIFEST_KEY)
         if not isinstance(marker, dict):
             return
         window = self._window(rank, marker)
@@ -287,7 +298,12 @@ class EscalationLinks:
                 window = next(w for w in self._windows.values()
                               if w.rank == root.rank and any(s.step == root.step for s in w.steps))
             if window is None:
-                links.append(IncidentLink(root, [], None))
+                link = IncidentLink(root, [], None)
+                if (root.rank, root.step) in self._refused:
+                    limit = self._refused[(root.rank, root.step)]
+                    link.untraced = (f"the session had traced {limit} window(s), its trace_limit"
+                                     if limit is not None else "the session's trace_limit was reached")
+                links.append(link)
                 continue
             links.append(self._link(root, window, inside))
         return links

@@ -81,7 +81,7 @@ MONITOR_KEYS = frozenset({
     "targets", "module_ranks", "xy_distribution", "wg_distribution", "mv_distribution",
     "param_distribution", "ur_distribution", "forward_only", "backward_only", "metrics", "eps",
     "start_step", "step_interval", "alert", "on_anomaly", "anomaly_rules", "reduce_ranks", "tensorboard",
-    "trace_modes", "trace_options", "trace_steps", "distribution", "histogram",
+    "trace_modes", "trace_options", "trace_steps", "trace_limit", "distribution", "histogram",
 })
 
 
@@ -270,6 +270,9 @@ class MonitorConfig:
     """Their options (``inputs``, ``tensors``, ...); checked by the modes when the session is built."""
     trace_steps: int = 2
     """How many steps they stay on."""
+    trace_limit: int | None = 5
+    """The most windows one session traces (None: no limit). Each costs its steps' per-op
+    tracing, and disk; an anomaly that keeps coming back is traced the first few times."""
     reduce_ranks: bool = False
     tensorboard: bool | None = None  # None: if the package is installed
     distribution: bool = False
@@ -284,7 +287,7 @@ class MonitorConfig:
 ON_ANOMALY = ("log", "dump", "stop", "trace")
 TRACE_MODES = ("stats", "dump")
 """Per-op modes ``on_anomaly="trace"`` may arm: those that observe ops without replacing them."""
-_TRACE_KEYS = ("trace_modes", "trace_options", "trace_steps")
+_TRACE_KEYS = ("trace_modes", "trace_options", "trace_steps", "trace_limit")
 
 
 def _trace_modes(value: Any) -> tuple[str, ...]:
@@ -300,8 +303,8 @@ def _trace_modes(value: Any) -> tuple[str, ...]:
 
 
 def _trace_settings(options: Mapping[str, Any], on_anomaly: str) -> dict[str, Any]:
-    """``trace_modes``, ``trace_options``, ``trace_steps``: only with ``on_anomaly="trace"`` (given
-    with another policy they would silently do nothing)."""
+    """The ``trace_*`` options: only with ``on_anomaly="trace"`` (given with another policy they
+    would silently do nothing)."""
     given = [key for key in _TRACE_KEYS if key in options]
     if not given:
         return {}
@@ -319,6 +322,9 @@ def _trace_settings(options: Mapping[str, Any], on_anomaly: str) -> dict[str, An
         kwargs["trace_options"] = dict(value)
     if "trace_steps" in options:
         kwargs["trace_steps"] = parse_int("trace_steps", options["trace_steps"], 1)
+    if "trace_limit" in options:
+        limit = options["trace_limit"]
+        kwargs["trace_limit"] = None if limit is None else parse_int("trace_limit", limit, 1)
     return kwargs
 
 
