@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import csv
 import json
+import random
 
+import numpy as np
 import pytest
 import torch
 from hf_models import tiny_llama
@@ -17,12 +19,20 @@ pytest.importorskip("transformers", reason="transformers is an optional test dep
 pytestmark = pytest.mark.slow  # six two-step training runs, shared by the module
 
 
-def _run(out, init_seed=0, dropout_seed=1, model_given=True, data_seed=5, **options):
+def _run(out, init_seed=0, dropout_seed=1, model_given=True, data_seed=5, dropout=0.2, host_seed=None,
+         fault=False, **options):
     """Two training steps of a tiny Llama with attention dropout: weights from ``init_seed``,
-    dropout masks from ``dropout_seed``."""
-    model = tiny_llama(seed=init_seed, attention_dropout=0.2)
+    dropout masks from ``dropout_seed``; ``host_seed`` seeds Python's and NumPy's generators
+    (nothing draws from them); ``fault`` plants a bug: layer 1's MLP output x1.01."""
+    model = tiny_llama(seed=init_seed, attention_dropout=dropout)
     model.train()
+    if fault:
+        model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out * 1.01)
     torch.manual_seed(dropout_seed)
+    host_states = random.getstate(), np.random.get_state()
+    if host_seed is not None:
+        random.seed(host_seed)
+        np.random.seed(host_seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(data_seed))
     with probe.mode("stats", out=out, model=model if model_given else None, **options) as session:
@@ -31,6 +41,8 @@ def _run(out, init_seed=0, dropout_seed=1, model_given=True, data_seed=5, **opti
             opt.step()
             opt.zero_grad()
             session.step()
+    random.setstate(host_states[0])  # the other runs of this module start from the same ones
+    np.random.set_state(host_states[1])
     return out
 
 
@@ -84,6 +96,35 @@ def test_another_dropout_seed_names_the_rng_not_the_first_dropout(runs):
     assert report.conclusion.startswith("the runs did not start alike: RNG state differs at step 0 "
                                         "(torch CPU generator); that explains the differences downstream")
     assert report.summary["conclusion"] == report.conclusion
+
+
+def test_a_bug_is_the_conclusion_when_only_generators_the_ops_never_draw_from_differ(tmp_path):
+    # Python's and NumPy's generators differ (every process seeds them its own way), and a real
+    # bug runs in B: the bug is the conclusion, not "the runs did not start alike".
+    a = _run(tmp_path / "a", host_seed=1)
+    b = _run(tmp_path / "b", host_seed=2, fault=True)
+    report = probe.compare(a, b)
+    rng = report.identity.check("rng")
+    assert rng.status == "differ" and sorted(rng.names) == ["numpy", "python"] and rng.torch_step is None
+    assert report.identity.started_alike is False  # said, as it is
+    op = report.divergence.op  # the hook's x1.01, run as layers.1 takes the MLP's output
+    assert (op.name, op.module) == ("aten.mul.Tensor", "model.layers.1")
+    assert report.conclusion.startswith("first divergence at ")
+    assert report.conclusion.endswith("(the runs' RNG state differs at step 0 (NumPy global generator, "
+                                      "Python random): torch's ops do not draw from Python's or NumPy's "
+                                      "generators)")
+
+
+def test_a_torch_generator_no_op_draws_from_does_not_explain_a_bug(tmp_path):
+    a = _run(tmp_path / "a", dropout=0.0, dropout_seed=1)
+    b = _run(tmp_path / "b", dropout=0.0, dropout_seed=2, fault=True)
+    report = probe.compare(a, b)
+    rng = report.identity.check("rng")
+    assert rng.names == ["torch"] and rng.torch_step == 0
+    op = report.divergence.op  # the hook's x1.01, run as layers.1 takes the MLP's output
+    assert (op.name, op.module) == ("aten.mul.Tensor", "model.layers.1")
+    assert report.conclusion.startswith("first divergence at ")
+    assert report.conclusion.endswith("(torch CPU generator): no compared op draws random numbers)")
 
 
 def test_other_data_is_named(runs):

@@ -72,6 +72,7 @@ from probe.exporters.compare_report import write_csv, write_html
 from probe.modes.dump import DumpIndex
 from probe.modes.perturbations import reduction_length
 from probe.rundir.reader import OpRecord, Run, TensorRecord
+from probe.tracer.op_class import draws_random
 
 METRIC_KEYS = ("cosine", "max_abs_err", "max_rel_err", "one_thousandth_ratio",
                "five_thousandth_ratio", "rmse", "max_ulp", "ref_rms")
@@ -788,7 +789,22 @@ class Report:
         if self.identity is None:
             return text
         d = self.divergence
-        return self.identity.explain(text, None if d is None else d.step)
+        step = None if d is None else d.step
+        return self.identity.explain(text, step, self._random_ops(step))
+
+    def _random_ops(self, last_step: int | None) -> bool | None:
+        """Whether a compared op (up to ``last_step``) draws random numbers: False only when
+        every op is known not to (an op this process cannot resolve is not known)."""
+        unknown = False
+        for c in self.comparisons:
+            for op in (c.a, c.b):
+                if op is None or (last_step is not None and op.step > last_step):
+                    continue
+                random = draws_random(op.name)
+                if random:
+                    return True
+                unknown = unknown or random is None
+        return None if unknown else False
 
     def _ops_conclusion(self) -> str:
         d = self.divergence

@@ -21,7 +21,7 @@ from probe.errors import ProbeError
 from probe.modes.dump import DumpIndex
 from probe.rundir.call_args import decode_args
 from probe.rundir.reader import OpRecord, Run
-from probe.tracer.op_class import classify, resolve_op
+from probe.tracer.op_class import classify, draws_random, resolve_op
 from probe.tracer.op_tensors import results_of
 
 
@@ -139,11 +139,14 @@ def _why_not_replayable(dump: DumpIndex | None, op: OpRecord) -> tuple[str | Non
         return "no dump", "the step has no dump"
     if not op.outputs:
         return "no output", "the op returns no tensor"
-    try:
-        if classify(resolve_op(op.name)).is_random:
-            return "random", "it draws random numbers: its result cannot be reproduced"
-    except ProbeError as e:
-        return "unknown op", str(e)
+    random = draws_random(op.name)
+    if random is None:  # resolve_op's error names the op and what to import
+        try:
+            resolve_op(op.name)
+        except ProbeError as e:
+            return "unknown op", str(e)
+    if random:
+        return "random", "it draws random numbers: its result cannot be reproduced"
     for io, records in (("input", op.inputs), ("output", op.outputs)):
         for position in range(len(records)):
             entry = dump.entries.get((op.index, io, position))

@@ -35,6 +35,8 @@ CHECKS = ("weights", "inputs", "rng")
 NAMES_SHOWN = 5
 """Differing parameter or input names given in a message (all of them are in ``names``)."""
 _GENERATORS = {"torch": "torch CPU generator", "python": "Python random", "numpy": "NumPy global generator"}
+HOST_GENERATORS = frozenset({"python", "numpy"})
+"""Generators torch's ops never draw from (they shape the data, which the inputs check covers)."""
 _ENV_SECTIONS = (("versions", "version"), ("devices", "device"), ("settings", "setting"),
                  ("variables", "variable"), ("packages", "package"))
 
@@ -81,10 +83,32 @@ class StartCheck:
     names: list[str] = field(default_factory=list)
     """What differs: parameter names, input paths, generators."""
     steps_checked: int = 0
+    torch_step: int | None = None
+    """RNG: the first step where one of torch's generators differs (None: only Python's or
+    NumPy's do, which torch's ops never draw from)."""
+
+    def explains_from(self, random_ops: bool | None) -> int | None:
+        """The first step from which this difference can change what the traced ops compute;
+        None when it cannot. Weights and inputs always can. An RNG difference can through
+        torch's generators only, and only when an op drew from them (``random_ops``: whether
+        a compared op draws random numbers; None: not known). Python's and NumPy's generators
+        act on what the model is fed, which the inputs check covers."""
+        if self.status != DIFFER:
+            return None
+        if self.what != "rng":
+            return self.step
+        return None if random_ops is False else self.torch_step
+
+    def immaterial(self) -> str:
+        """Why a difference that cannot explain the ops' differences does not (see explains_from)."""
+        if self.torch_step is None:
+            return "torch's ops do not draw from Python's or NumPy's generators"
+        return "no compared op draws random numbers"
 
     def to_dict(self) -> dict[str, Any]:
         return {"what": self.what, "status": self.status, "message": self.message, "step": self.step,
-                "rank": self.rank, "names": self.names, "steps_checked": self.steps_checked}
+                "rank": self.rank, "names": self.names, "steps_checked": self.steps_checked,
+                "torch_step": self.torch_step}
 
 
 @dataclass
@@ -135,13 +159,19 @@ class Identity:
             text += f"; their environments differ ({shown}{more})"
         return text
 
-    def explain(self, conclusion: str, divergence_step: int | None) -> str:
+    def explain(self, conclusion: str, divergence_step: int | None, random_ops: bool | None = None) -> str:
         """``Report.conclusion``: the ops' conclusion, led by the start's difference when that
-        explains it (found at or before the step of the first divergence)."""
-        cause = self.cause
-        if cause is None:
+        explains it (one that can change the ops, :meth:`StartCheck.explains_from`, found at or
+        before the step of the first divergence). ``random_ops``: whether a compared op draws
+        random numbers (None: not known)."""
+        if self.cause is None:
             return conclusion
-        first = min(c.step for c in self.differing if c.step is not None)
+        causes = [(first, c) for c in self.differing if (first := c.explains_from(random_ops)) is not None]
+        if not causes:
+            why = "; ".join(f"{c.message}: {c.immaterial()}" for c in self.differing)
+            return f"{conclusion} (the runs' {why})"
+        cause = "; ".join(c.message for _, c in causes)
+        first = min(step for step, _ in causes)
         if divergence_step is None:
             return f"{conclusion} (though the runs did not start alike: {cause})"
         if divergence_step >= first:
@@ -351,6 +381,7 @@ def _per_step(steps: _Steps, plan: dict[int, list[int]], what: str) -> StartChec
     part = "inputs" if what == "inputs" else "rng"
     label = "inputs" if what == "inputs" else "RNG state"
     checked, first_checked, incomparable = 0, None, False
+    found: StartCheck | None = None
     for step in sorted({s for ss in plan.values() for s in ss}):
         for rank in sorted(r for r, ss in plan.items() if step in ss):
             a, b = steps.get("A", step, rank), steps.get("B", step, rank)
@@ -366,11 +397,21 @@ def _per_step(steps: _Steps, plan: dict[int, list[int]], what: str) -> StartChec
                 kinds = sorted(set(part_a) & set(part_b))
                 differ, comparable = [k for k in kinds if part_a[k] != part_b[k]], bool(kinds)
             if differ:
-                verb = "differ" if what == "inputs" else "differs"
-                words = differ if what == "inputs" else [_GENERATORS.get(k, f"{k} generator") for k in differ]
-                return StartCheck(what, DIFFER, f"{label} {verb} at {where} ({_listed(words)})", step, rank,
-                                  differ, checked)
+                torch_differs = what == "rng" and not HOST_GENERATORS.issuperset(differ)
+                if found is None:
+                    verb = "differ" if what == "inputs" else "differs"
+                    words = differ if what == "inputs" else [_GENERATORS.get(k, f"{k} generator")
+                                                             for k in differ]
+                    found = StartCheck(what, DIFFER, f"{label} {verb} at {where} ({_listed(words)})", step,
+                                       rank, differ, checked)
+                elif torch_differs:  # found at an earlier step, in Python's or NumPy's generators only
+                    found.message += f"; torch's generators from {where}"
+                if what == "inputs" or torch_differs:
+                    found.torch_step = step if torch_differs else None
+                    return found
             incomparable = incomparable or not comparable
+    if found is not None:  # only Python's or NumPy's generators differ
+        return found
     if not checked:
         return StartCheck(what, NOT_RECORDED, f"{label} not recorded: {steps.lacking(plan, part)}")
     steps_word = f"{checked} step{'s' if checked > 1 else ''} compared"

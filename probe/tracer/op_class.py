@@ -7,6 +7,7 @@ collective) is answered here from the schema and tags, never per call.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -185,6 +186,16 @@ def resolve_op(name: str) -> torch._ops.OpOverload:
     except (AttributeError, RuntimeError):
         raise ProbeError(f"op {name!r} is not registered in this process (import the library "
                          "that defines it before replaying)") from None
+
+
+@functools.cache
+def draws_random(name: str) -> bool | None:
+    """Whether the op named ``name`` (``aten.dropout.default``) draws from torch's random
+    generators; None where no op of that name is registered in this process."""
+    try:
+        return classify(resolve_op(name)).is_random
+    except ProbeError:
+        return None
 
 
 class OpClassCache(dict):
