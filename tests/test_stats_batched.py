@@ -137,10 +137,17 @@ def test_device_rows_on_cuda_match_the_reference():
 
 @pytest.mark.parametrize("foreach", [False, True])
 @pytest.mark.parametrize("inputs", [False, True])
-def test_healthy_training_with_large_in_place_updates_warns_of_nothing(tmp_path, foreach, inputs):
+@pytest.mark.parametrize("budget", [None, 256 * 256 * 4])
+def test_healthy_training_with_large_in_place_updates_warns_of_nothing(tmp_path, monkeypatch, foreach, inputs,
+                                                                      budget):
     # Autograd counts an in-place write once the op returns, after the probe saw it: the
     # version a queued result is checked against is the one it has then, for views too
-    # (a view gets its base's counter only then). No false "later value" alarm.
+    # (a view gets its base's counter only then). A budget spent by an op's result is
+    # reduced before the next op, once that count is in. No false "later value" alarm.
+    from probe.modes import stat_rows
+
+    if budget is not None:  # every weight-sized result spends it
+        monkeypatch.setitem(stat_rows.QUEUE_BUDGET_BYTES, "cpu", budget)
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 256)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=foreach)

@@ -228,6 +228,8 @@ class StepRows:
         self._saturation = saturation
         self._saturates: dict[torch.device, bool] = {}
         self._queue = ReductionQueue()
+        self.due: set[torch.device] = set()
+        """Devices whose queue spent its budget: reduced by :meth:`settle`, before the next op."""
         self._unstable: set[int] = set()
         """``StorageImpl`` addresses whose bytes the program frees or moves outside any op
         (FSDP2's unsharded parameters): tensors on them are reduced at once, never queued."""
@@ -279,7 +281,9 @@ class StepRows:
             rows.append((-1, 0, numel, multiplicity))  # filled in when its batch is reduced
             owner = t if counter is None else counter
             if self._queue.add(x, len(rows) - 1, owner, owner._version + version_moves):
-                self.flush(x.device)
+                # Reduced before the next op (settle): the op in dispatch has not returned, and
+                # autograd counts its in-place writes only then.
+                self.due.add(x.device)
         else:
             rows.append((*self._append_device_row(self._stats.row(x)), numel, multiplicity))
         return len(rows) - 1
@@ -304,9 +308,18 @@ class StepRows:
             if device is not None:
                 self.flush(device)
 
+    def settle(self) -> None:
+        """Reduce the queues that spent their budget during the previous op (it has returned)."""
+        for device in list(self.due):
+            self.flush(device)
+
     def flush(self, device: torch.device | None = None) -> None:
         """Reduce the queued tensors of ``device`` (None: of every device)."""
         devices = [device] if device is not None else list(self._queue.bytes)
+        if device is None:
+            self.due.clear()
+        else:
+            self.due.discard(device)
         for d in devices:
             for batch in self._queue.take(d):
                 self._reduce_batch(batch)

@@ -190,6 +190,8 @@ class StatsMode(Mode):
         return None
 
     def before(self, call: OpCall) -> None:
+        if self._rows.due:
+            self._rows.settle()
         self._input_rows = {}
         if call.info.mutates:
             # Queued results about to be overwritten are reduced first (see stat_rows).
