@@ -370,3 +370,47 @@ def test_lightning_weight_grads_are_the_clipped_ones_the_update_used(tmp_path):
         assert sum(v ** 2 for v in rows.values()) ** 0.5 == pytest.approx(0.05, rel=1e-4)  # clipped
         for name, norm in used[step].items():
             assert rows[name] == pytest.approx(norm, rel=1e-6), (step, name)
+
+
+class _ClippingAdamW(torch.optim.AdamW):
+    """A subclass adding work around ``super().step()``: torch runs the global step hooks for
+    each class's own ``step``, so twice per step here."""
+
+    def step(self, closure=None):
+        torch.nn.utils.clip_grad_norm_([p for g in self.param_groups for p in g["params"]], 1.0)
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("closure", [False, True])
+def test_a_subclassed_optimizer_is_one_step_for_the_monitor_and_the_checks(tmp_path, closure):
+    torch.optim.AdamW(nn.Linear(1, 1).parameters())  # AdamW.step wrapped too, as in any program using it
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 2))
+    opt = _ClippingAdamW(model.parameters(), lr=0.1)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    with probe.mode(["monitor", "stats"], out=tmp_path / "r", model=model, targets=["0"],
+                    wg_distribution=True, mv_distribution=True, async_flush=False) as session:
+        for step in range(3):
+            def loss_fn():
+                opt.zero_grad()
+                loss = (model(x) - y).square().mean()
+                loss.backward()
+                return loss
+
+            if step == 1:  # a step that raises inside optimizer.step: its post-hooks never run
+                model[0].weight.grad = None
+                with pytest.raises(RuntimeError, match="broke"), torch.no_grad():
+                    opt.step(lambda: (_ for _ in ()).throw(RuntimeError("broke")))
+            elif closure:
+                opt.step(loss_fn)
+            else:
+                loss_fn()
+                opt.step()
+            session.step()
+    run = probe.load(tmp_path / "r")
+    for step in (0, 2):
+        series = [(r.kind, r.name, r.call) for r in run.monitor(step, 0) if r.kind != "activation"]
+        assert sorted(series) == sorted({(kind, name, 0) for kind in ("weight_grad", "exp_avg", "exp_avg_sq")
+                                         for name in ("0.weight", "0.bias")})
+        checks = run.step_info(step, 0).manifest["modes"]["stats"]["nonfinite_parameters"]
+        assert checks["gradients"]["checked"] == 2  # each gradient once, not once per level

@@ -61,6 +61,7 @@ from probe.modes.monitor_config import (
 )
 from probe.modes.monitor_metrics import METRIC_COLUMNS, adam_update_row, finalize
 from probe.modes.monitor_reduction import StepRows, Volatility
+from probe.modes.optimizer_nesting import StepNesting
 from probe.modes.registry import register_mode
 from probe.rundir import layout
 from probe.rundir.mode_files import ModeFiles
@@ -293,6 +294,7 @@ class MonitorMode(SessionPlugin):
         self._pending_stop: list[Anomaly] = []
         self._closure_unread: set[int] = set()
         """Optimizers (ids) in a step whose closure has not run yet (weight grads not read)."""
+        self._nesting = StepNesting()
         if self.config.tensorboard:
             self._tensorboard_class()  # fail now, naming the package, not at the first step
 
@@ -329,6 +331,9 @@ class MonitorMode(SessionPlugin):
     def begin_step(self, step: int) -> None:
         self.step = step
         self._collecting = self.config.collects(step)
+        # A step that raised inside optimizer.step never ran its post-hooks: start afresh.
+        self._nesting.reset()
+        self._closure_unread.clear()
 
     def pause(self) -> None:
         # The hooks stay installed; they check _collecting (evaluation forwards pass unseen).
@@ -452,7 +457,8 @@ class MonitorMode(SessionPlugin):
     def _before_optimizer_step(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if not self._collecting or not self.config.wg:
+        outermost = self._nesting.enter(optimizer)  # super().step() runs the hooks again
+        if not outermost or not self._collecting or not self.config.wg:
             return None
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
         if not callable(closure):
@@ -478,6 +484,8 @@ class MonitorMode(SessionPlugin):
         return (args[0], closure_then_grads, *args[2:]), kwargs
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._nesting.exit(optimizer):
+            return
         if id(optimizer) in self._closure_unread:
             # A step given a closure it never called: its gradients are those it was given.
             self._closure_unread.discard(id(optimizer))

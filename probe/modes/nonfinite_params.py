@@ -25,6 +25,7 @@ import torch
 
 from probe.errors import warn_once
 from probe.local_part import local_part
+from probe.modes.optimizer_nesting import StepNesting
 from probe.tracer.mode_stack import untraced
 
 NAMES_KEPT = 100
@@ -88,6 +89,7 @@ class NonfiniteParameters:
         self._params: list[tuple[str, torch.Tensor]] = []
         self._names: dict[int, str] = {}
         self._handles: list[Any] = []
+        self._nesting = StepNesting()
         self._reset()
 
     def _reset(self) -> None:
@@ -99,17 +101,46 @@ class NonfiniteParameters:
         every optimizer's step."""
         self._params = list(_named_parameters(model))
         self._names = {id(p): name for name, p in self._params}
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._handles.append(register_optimizer_step_pre_hook(self._before_optimizer_step))
+        self._handles.append(register_optimizer_step_post_hook(self._after_optimizer_step))
 
     def begin_step(self) -> None:
         self._reset()
+        self._nesting.reset()
         if self._params:
             self._at_start = _Pending()
             _queue_check(self._params, self._at_start)
 
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _before_optimizer_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if not self._nesting.enter(optimizer):  # super().step() runs the hooks again
+            return None
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
+        if not callable(closure):
+            self._check_gradients(optimizer)
+            return None
+
+        # optimizer.step(closure) (LBFGS, Lightning): the closure's backward makes the gradients
+        # the update applies; checked when its first evaluation returns (LBFGS evaluates it
+        # again along its line search: those are not checked twice).
+        evaluations = 0
+
+        def closure_then_check() -> Any:
+            nonlocal evaluations
+            result = closure()
+            if evaluations == 0:
+                self._check_gradients(optimizer)
+            evaluations += 1
+            return result
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_check}
+        return (args[0], closure_then_check, *args[2:]), kwargs
+
+    def _check_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         named = []
         for g, group in enumerate(optimizer.param_groups):
             for i, param in enumerate(group["params"]):
@@ -119,6 +150,9 @@ class NonfiniteParameters:
         if self._gradients is None:
             self._gradients = _Pending()
         _queue_check(named, self._gradients)
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._nesting.exit(optimizer)
 
     def end_step(self) -> NonfiniteParametersStep:
         step = NonfiniteParametersStep(self._at_start, self._gradients)
