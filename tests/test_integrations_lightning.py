@@ -164,3 +164,15 @@ def test_a_fit_run_inside_an_except_block_ends_complete(tmp_path: Path) -> None:
     run = probe.load(callback.out)
     assert run.steps == list(range(STEPS))
     assert all(run.step_info(step).complete for step in run.steps)
+
+
+def test_gradient_checks_read_the_gradients_lightnings_closure_makes(tmp_path: Path) -> None:
+    # Lightning steps the optimizer with a closure that runs the last micro-batch's backward:
+    # before, the checks ran before it and found no gradient to check (or the last step's).
+    callback = ProbeCallback("stats", out=tmp_path / "run")
+    _fit([callback])
+    run = probe.load(callback.out)
+    for step in run.steps:
+        checks = run.step_info(step).manifest["modes"]["stats"]["nonfinite_parameters"]
+        assert checks["gradients"] == {"checked": 4, "names": [], "count": 0}
+        assert checks["parameters"]["checked"] == 4
