@@ -208,3 +208,21 @@ def test_memory_freed_outside_any_op_is_recorded_as_not_measured(tmp_path):
     assert "unmeasured_tensors" not in run.step_info(1).manifest["modes"]["stats"]
     assert all(op.outputs[0].stats["max"] == base.max().item() for op in run.ops(1))
     del kept
+
+
+def test_a_tensor_one_run_could_not_measure_is_not_compared_never_passed(tmp_path):
+    base = torch.randn(LARGE, generator=torch.Generator().manual_seed(7))
+    for name, free in (("a", False), ("b", True)):
+        with warnings.catch_warnings(), probe.mode("stats", out=tmp_path / name,
+                                                   ops=["aten.clone.default", "aten.mul.Tensor"]) as session:
+            warnings.simplefilter("ignore", probe.ProbeWarning)
+            x = base.clone()
+            _ = x * 2
+            if free:
+                x.untyped_storage().resize_(0)
+            session.step()
+    report = probe.compare(tmp_path / "a", tmp_path / "b")
+    clone, mul = report.comparisons
+    assert clone.verdict == "not compared" and "no statistics in run B" in clone.message
+    assert mul.verdict == "pass"
+    assert not report.ok  # --fail-on-divergence fails: not everything was compared

@@ -204,6 +204,12 @@ def compare_tensors(
         rule = RULE_NONFINITE if nonfinite else RULE_STATS if stats[0] == PASS else RULE_THRESHOLDS
         return TensorComparison(io, position, stats[0], stats[1], "stats", stats[2], rule)
     note = "; ".join(f"run {name}: {why}" for name, why in (("A", why_a), ("B", why_b)) if why)
+    if (ta.stats is None) != (tb.stats is None):
+        # One run measured it, the other did not (its memory freed before it was read, a
+        # filter, a mode the other run lacked): nothing to compare it against, never a pass.
+        missing = "B" if tb.stats is None else "A"
+        message = f"no statistics in run {missing}" + (f" ({note})" if note else "")
+        return TensorComparison(io, position, NOT_COMPARED, message, "none", {}, RULE_NOT_COMPARED)
     if ta.dtype != tb.dtype:
         return TensorComparison(io, position, PASS, note or f"dtype {ta.dtype} vs {tb.dtype}")
     return TensorComparison(io, position, PASS, note)
