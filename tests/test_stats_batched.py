@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 import warnings
 
@@ -208,6 +209,12 @@ def test_memory_freed_outside_any_op_is_recorded_as_not_measured(tmp_path):
     assert "unmeasured_tensors" not in run.step_info(1).manifest["modes"]["stats"]
     assert all(op.outputs[0].stats["max"] == base.max().item() for op in run.ops(1))
     del kept
+    from probe.analysis.summary import summarize_step
+    from probe.exporters.console import make_console, render_step
+
+    shown = io.StringIO()
+    render_step(make_console(shown), summarize_step(run, 0, 0))
+    assert "first non-finite op: none among the measured (1 tensor(s) not measured" in shown.getvalue()
 
 
 def test_a_tensor_one_run_could_not_measure_is_not_compared_never_passed(tmp_path):

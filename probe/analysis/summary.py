@@ -49,6 +49,8 @@ class StepSummary:
     monitored: int = 0
     """Series the monitor collected (0 without that mode)."""
     anomalies: list[AnomalyRecord] = field(default_factory=list)
+    unmeasured: int = 0
+    """Tensors recorded without statistics, their memory freed before it was read (stats mode)."""
 
 
 def ranked(tensor: TensorRecord) -> bool:
@@ -134,7 +136,14 @@ def summarize_step(run: Run, step: int, rank: int, top: int = 5) -> StepSummary:
         nonfinite_parameters=run.nonfinite_parameters(step, rank),
         monitored=len(run.monitor(step, rank)),
         anomalies=run.anomalies_of(step, rank),
+        unmeasured=_unmeasured(info.manifest),
     )
+
+
+def _unmeasured(manifest: dict) -> int:
+    stats = manifest.get("modes", {}).get("stats") if isinstance(manifest.get("modes"), dict) else None
+    count = stats.get("unmeasured_tensors", 0) if isinstance(stats, dict) else 0
+    return count if isinstance(count, int) else 0
 
 
 def summarize(run: Run, top: int = 5) -> Iterator[StepSummary]:

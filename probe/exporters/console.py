@@ -74,6 +74,10 @@ def render_step(console: Console, summary: StepSummary) -> None:
         pass  # a monitor-only step: its own lines below say what it saw
     elif not summary.has_stats:
         console.print("first non-finite op: [dim]unknown (no statistics recorded: add the stats mode)[/dim]")
+    elif bad is None and summary.unmeasured:
+        console.print(f"first non-finite op: [green]none[/green] among the measured "
+                      f"([yellow]{summary.unmeasured} tensor(s) not measured[/yellow]: their memory was "
+                      "freed before it was read)")
     elif bad is None:
         console.print("first non-finite op: [green]none[/green]")
     else:
