@@ -23,3 +23,11 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     if _DTensor is not None and isinstance(tensor, _DTensor):
         return tensor._local_tensor  # to_local() without the autograd node: read, never trained
     return tensor
+
+
+def replicated(tensor: torch.Tensor) -> bool | None:
+    """For a ``DTensor``, whether every rank holds all of it (replicated on every mesh
+    dimension); None for a plain tensor, which cannot say by itself."""
+    if _DTensor is not None and isinstance(tensor, _DTensor):
+        return all(placement.is_replicate() for placement in tensor.placements)
+    return None

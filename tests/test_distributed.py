@@ -249,7 +249,7 @@ def test_two_fsdp2_runs_compare_clean_though_fsdp2_refills_reallocated_buffers(t
     assert report.counts["error"] == 0 and report.counts["warning"] == 0 and report.counts["pass"] > 500
 
 
-def _first_step_gradients(worker) -> dict[str, torch.Tensor]:
+def first_step_gradients(worker) -> dict[str, torch.Tensor]:
     """The gradients of the first step on the whole model: both ranks' batches, averaged."""
     torch.manual_seed(0)
     model = worker.TinyNet()
@@ -269,7 +269,7 @@ def test_fsdp2_monitor_reduces_each_ranks_shard_into_the_whole_gradient(tmp_path
         assert reports[rank]["probed_losses"] == reports[rank]["plain_losses"]
         assert reports[rank]["identical_params"]
         assert reports[rank]["probe_warnings"] == []
-    expected = _first_step_gradients(worker_module())
+    expected = first_step_gradients(worker_module())
     run = probe.load(out)
     grads = {r.name: r for r in run.monitor(0, 0) if r.kind == "weight_grad"}
     assert sorted(grads) == sorted(expected)

@@ -425,7 +425,7 @@ def test_a_session_without_step_calls_records_one_step(tmp_path):
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 def test_monitor_reduce_ranks_beside_ddp_with_async_flush_finishes_with_the_right_values(tmp_path):
-    from test_distributed import torchrun, worker_module
+    from test_distributed import first_step_gradients, torchrun, worker_module
 
     worker = worker_module()
     torch.manual_seed(0)
@@ -452,4 +452,10 @@ def test_monitor_reduce_ranks_beside_ddp_with_async_flush_finishes_with_the_righ
                            for r in run.monitor(step, rank)] for rank in (0, 1)}
             assert rows[0] == rows[1]
         grads = [r for r in run.monitor(1, 0) if r.kind == "weight_grad"]
-        assert {r.name: r.numel for r in grads} == {name: 2 * n for name, n in sizes.items()}
+        # DDP's gradients are the same on every rank: each element counted once, not once per rank.
+        assert {r.name: r.numel for r in grads} == sizes
+        first = {f"module.{name}": g for name, g in first_step_gradients(worker).items()}
+        for r in run.monitor(0, 0):
+            if r.kind == "weight_grad":  # the whole gradient's norm, not sqrt(2) times it
+                assert r.norm == pytest.approx(first[r.name].norm().item(), rel=1e-5)
+                assert r.mean == pytest.approx(first[r.name].mean().item(), rel=1e-4, abs=1e-8)

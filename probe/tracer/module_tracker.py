@@ -45,7 +45,9 @@ def _in_checkpoint_recompute() -> bool:
     return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
 
 
-def _parallel_layout(root: nn.Module) -> str | None:
+def parallel_layout(root: nn.Module) -> str | None:
+    """How ``root`` holds its parameters across ranks: "replicated" (DDP), "sharded" (DTensor
+    parameters: FSDP2, tensor parallel) or None (not known)."""
     if isinstance(root, nn.parallel.DistributedDataParallel):
         return "replicated"
     dtensor = getattr(torch.distributed, "tensor", None)
@@ -76,7 +78,7 @@ class ModuleNames:
 
     def add_root(self, root: nn.Module, prefix: str) -> None:
         self._roots += 1
-        self.parallel = _parallel_layout(root) or self.parallel
+        self.parallel = parallel_layout(root) or self.parallel
         for name, module in root.named_modules(remove_duplicate=False):
             fqn = f"{prefix}.{name}" if prefix and name else (prefix or name)
             self._names.setdefault(module, fqn)
