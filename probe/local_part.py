@@ -25,9 +25,14 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def replicated(tensor: torch.Tensor) -> bool | None:
-    """For a ``DTensor``, whether every rank holds all of it (replicated on every mesh
-    dimension); None for a plain tensor, which cannot say by itself."""
+def replicas(tensor: torch.Tensor) -> int | None:
+    """For a ``DTensor``, how many ranks hold each of its elements: the product of the sizes of
+    the mesh dimensions it is replicated over (1: sharded everywhere, as FSDP2's; HSDP's
+    replicate dimension). None for a plain tensor, which cannot say by itself."""
     if _DTensor is not None and isinstance(tensor, _DTensor):
-        return all(placement.is_replicate() for placement in tensor.placements)
+        count = 1
+        for dim, placement in enumerate(tensor.placements):
+            if placement.is_replicate():
+                count *= tensor.device_mesh.size(dim)
+        return count
     return None

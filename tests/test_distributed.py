@@ -259,12 +259,14 @@ def first_step_gradients(worker) -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in model.named_parameters()}
 
 
-def test_fsdp2_monitor_reduces_each_ranks_shard_into_the_whole_gradient(tmp_path):
+@pytest.mark.parametrize("wrap", ["fsdp2", "hsdp"])
+def test_fsdp2_monitor_reduces_each_ranks_shard_into_the_whole_gradient(tmp_path, wrap):
     # FSDP2's gradients are DTensors: reduced as DTensors, the monitor's metrics issued
     # collectives of their own and failed on partial placements (training stopped at the first
-    # optimizer step). Each rank reduces its shard; reduce_ranks makes the whole gradient's.
+    # optimizer step). Each rank reduces its shard; reduce_ranks makes the whole gradient's,
+    # each element counted once: HSDP's replicas (every rank holds all of it here) too.
     out = tmp_path / "run"
-    reports = torchrun(out, "--wrap", "fsdp2", "--modes", "monitor", "--monitor-reduce")
+    reports = torchrun(out, "--wrap", wrap, "--modes", "monitor", "--monitor-reduce")
     for rank in (0, 1):
         assert reports[rank]["probed_losses"] == reports[rank]["plain_losses"]
         assert reports[rank]["identical_params"]

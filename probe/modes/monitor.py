@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from probe.errors import ProbeError, warn_once
-from probe.local_part import local_part, replicated
+from probe.local_part import local_part, replicas
 from probe.modes import monitor_distribution
 from probe.modes.anomaly import Anomaly, AnomalyDetector, Series, anomaly_json, incidents, read_anomalies
 from probe.modes.base import SessionPlugin
@@ -296,7 +296,7 @@ class MonitorMode(SessionPlugin):
         self._closure_unread: set[int] = set()
         """Optimizers (ids) in a step whose closure has not run yet (weight grads not read)."""
         self._nesting = StepNesting()
-        self._replicas = False
+        self._ddp = False
         """The model is DDP's: every rank holds all of each parameter, gradient and moment."""
         if self.config.tensorboard:
             self._tensorboard_class()  # fail now, naming the package, not at the first step
@@ -309,7 +309,7 @@ class MonitorMode(SessionPlugin):
                              "targets name)")
         self.rank = self._sink.rank = rank
         roots = model.values() if isinstance(model, dict) else [model]
-        self._replicas = any(parallel_layout(root) == "replicated" for root in roots)
+        self._ddp = any(parallel_layout(root) == "replicated" for root in roots)
         matched = self._install_module_hooks(model)
         self._params = {id(p): name for name, p in _named_parameters(model)}
         # msprobe's targets may name a parameter ("embedding.word_embeddings.weight": {}): its
@@ -401,7 +401,7 @@ class MonitorMode(SessionPlugin):
                         untraced=untraced)
 
     def _record(self, kind: str, name: str, slot: str, call: int, tensor: torch.Tensor) -> None:
-        whole = self._replicated(kind, tensor)
+        held_by = self._replicas(kind, tensor)
         tensor = local_part(tensor)
         if not (tensor.is_floating_point() or tensor.is_complex()):
             return
@@ -409,23 +409,28 @@ class MonitorMode(SessionPlugin):
             if self._distribution is not None:  # opt-in: counted now, on the device
                 with torch.no_grad(), untraced():
                     self._distribution.capture(len(self._rows), tensor)
-            self._rows.capture(Series(kind, name, slot, call), tensor, whole)
+            self._rows.capture(Series(kind, name, slot, call), tensor, held_by)
 
-    def _replicated(self, kind: str, tensor: torch.Tensor) -> bool:
-        """Whether every rank holds the whole of ``tensor``: a DTensor replicated on every mesh
-        dimension, or a parameter's gradient, value or optimizer state under DDP. Summed over
-        ranks (``reduce_ranks``) such a tensor would count each element once per rank (its
-        norm sqrt(world) times too large): its sums are divided by the world size instead."""
-        whole = replicated(tensor)
-        if whole is None:
-            return kind != "activation" and self._replicas
-        return whole
+    def _replicas(self, kind: str, tensor: torch.Tensor) -> int:
+        """How many ranks hold each element of ``tensor``: a DTensor's replicated mesh
+        dimensions (HSDP's replicate dimension; 1 for FSDP2's shards), every rank for a
+        parameter's gradient, value or optimizer state under DDP, else 1. Summed over ranks
+        (``reduce_ranks``) such a tensor would count each element that many times (its norm
+        sqrt(replicas) times too large): its sums are divided by it instead."""
+        count = replicas(tensor)
+        if count is not None:
+            return count
+        if kind != "activation" and self._ddp:
+            import torch.distributed as dist
+
+            return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return 1
 
     def _record_adam_update(self, name: str, group: dict[str, Any], state: dict[str, Any]) -> bool:
         m, v, step = state.get("exp_avg"), state.get("exp_avg_sq"), state.get("step")
         if not (isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor)) or step is None:
             return False
-        whole = self._replicated("update", m)
+        held_by = self._replicas("update", m)
         m, v = local_part(m), local_part(v)
         if isinstance(step, torch.Tensor):
             step = local_part(step)
@@ -434,7 +439,7 @@ class MonitorMode(SessionPlugin):
             row, numel = adam_update_row(m, v, float(group["lr"]), beta1, beta2, group["eps"], step,
                                          self.config.eps)
         with self._lock:
-            self._rows.add_row(Series("update", name), row, numel, whole)
+            self._rows.add_row(Series("update", name), row, numel, held_by)
         return True
 
     def _flush(self) -> None:
@@ -563,9 +568,8 @@ class MonitorMode(SessionPlugin):
                                  "every rank")
             extremes = torch.stack([-stacked[:, 0], stacked[:, 1]], dim=1)
             sums = stacked[:, 2:].clone()
-            if any(rows.replicated):  # each rank holds all of these: count their elements once
-                whole = torch.tensor(rows.replicated, device=sums.device)
-                sums[whole] /= dist.get_world_size()
+            if any(r > 1 for r in rows.replicas):  # held by several ranks: count each element once
+                sums /= torch.tensor(rows.replicas, dtype=sums.dtype, device=sums.device)[:, None]
             if n == 0:  # every rank has nothing: no buffers to reduce
                 return _Reduction(extremes, sums, [])
             works = [dist.all_reduce(extremes, op=dist.ReduceOp.MAX, async_op=True),

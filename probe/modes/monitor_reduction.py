@@ -74,8 +74,8 @@ class StepRows:
         self.eps, self.volatility, self.budget, self._untraced = eps, volatility, budget, untraced
         self.series: list[Series] = []
         self.numel: list[int] = []
-        self.replicated: list[bool] = []
-        """Per series: every rank holds the whole tensor (see ``MonitorMode._replicated``)."""
+        self.replicas: list[int] = []
+        """Per series: how many ranks hold each of its elements (see ``MonitorMode._replicas``)."""
         self.held = held
         """Row index -> tensor, kept for ``on_anomaly="dump"``."""
         self._chunks: list[tuple[list[int], torch.Tensor]] = []
@@ -86,12 +86,12 @@ class StepRows:
     def __len__(self) -> int:
         return len(self.series)
 
-    def capture(self, series: Series, tensor: torch.Tensor, replicated: bool = False) -> None:
+    def capture(self, series: Series, tensor: torch.Tensor, replicas: int = 1) -> None:
         """Record ``tensor``'s statistics as they are now (reduced now or in a later batch)."""
         index = len(self.series)
         self.series.append(series)
         self.numel.append(tensor.numel() * (2 if tensor.is_complex() else 1))  # as raw_row counts
-        self.replicated.append(replicated)
+        self.replicas.append(replicas)
         if self.held is not None:
             self.held[index] = tensor
         version = _version(tensor)
@@ -110,13 +110,13 @@ class StepRows:
             with torch.no_grad(), self._untraced():
                 self.flush()
 
-    def add_row(self, series: Series, row: torch.Tensor, numel: int, replicated: bool = False) -> None:
+    def add_row(self, series: Series, row: torch.Tensor, numel: int, replicas: int = 1) -> None:
         """A series whose raw row was computed already (Adam's update)."""
         with self._untraced():
             self._chunks.append(([len(self.series)], row[None]))
         self.series.append(series)
         self.numel.append(numel)
-        self.replicated.append(replicated)
+        self.replicas.append(replicas)
 
     def flush(self) -> None:
         """Reduce the tensors captured since the last flush, in batches by device."""

@@ -5,7 +5,7 @@ without the probe and then (same seeds) under it, and writes what it saw to
 ``--report`` (one JSON file per rank): the losses and final parameters of both
 runs, so the test can check that the probe left training bit-identical.
 
-``--wrap ddp|fsdp2`` picks the engine, ``--width`` the model's (256: parameters
+``--wrap ddp|fsdp2|hsdp`` picks the engine, ``--width`` the model's (256: parameters
 large enough for the statistics to queue them, which FSDP2 frees and reallocates
 between uses); ``--desync-rank R`` perturbs one parameter on rank R after the first
 step (a planted desynchronisation the cross-rank consistency check must find).
@@ -49,11 +49,14 @@ def build(wrap: str, width: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = TinyNet(width)
     if wrap == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
-    elif wrap == "fsdp2":
+    elif wrap in ("fsdp2", "hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        world = dist.get_world_size()
+        # HSDP: every rank holds all of each parameter (replicated over ranks, sharded over one)
+        mesh = (init_device_mesh("cpu", (world,)) if wrap == "fsdp2" else
+                init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")))
         for layer in (model.inp, model.mlp, model.head):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -120,7 +123,7 @@ def main() -> None:
     ranks = None if args.ranks is None else [int(r) for r in args.ranks.split(",")]
     options: dict = {"model": model} if args.model else {}
     if args.monitor_reduce:
-        head = "module.head" if args.wrap == "ddp" else "head"
+        head = "module.head" if args.wrap == "ddp" else "head"  # FSDP2 keeps the module's names
         options = dict(model=model, targets={head: {"output": "tensor"}}, wg_distribution=True,
                        reduce_ranks=True)
     with warnings.catch_warnings(record=True) as said:
