@@ -295,6 +295,19 @@ def test_tensorboard_events_hold_the_csv_values(tmp_path):
         assert scalar.value == pytest.approx(row.norm, rel=1e-6)
 
 
+def test_the_model_itself_is_a_target_named_empty(tmp_path):
+    # "" is the root module's name in named_modules(): its output (the logits) and their gradient.
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    run = _train(tmp_path, steps=2, targets=[""])
+    rows = run.monitor(1)
+    assert {(r.kind, r.name, r.slot) for r in rows} == {("activation", "", "output"),
+                                                        ("activation", "", "output_grad")}
+    events = event_accumulator.EventAccumulator(str(tmp_path / "run" / "rank0" / "tensorboard"))
+    events.Reload()
+    output = next(r for r in rows if r.slot == "output")
+    assert events.Scalars("activation/<model>/output/norm")[-1].value == pytest.approx(output.norm, rel=1e-6)
+
+
 def _reduce_worker(rank: int, world: int, out: str, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

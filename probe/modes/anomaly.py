@@ -60,6 +60,13 @@ class Series:
     def label(self) -> str:
         return self.slot or self.kind
 
+    @property
+    def tag(self) -> str:
+        """Its TensorBoard tag prefix, ``kind/name[/slot][#call]``; the model itself (name "")
+        is ``<model>`` there, so the tag has no empty part."""
+        prefix = f"{self.kind}/{self.name or '<model>'}" + (f"/{self.slot}" if self.slot else "")
+        return prefix + (f"#{self.call}" if self.call else "")
+
 
 @dataclass(frozen=True)
 class Observation:

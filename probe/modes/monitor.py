@@ -152,9 +152,7 @@ class _WriteSide:
         if self._tag_cache is None or self._tag_cache[0] != key:
             tags = []
             for s in series:
-                prefix = f"{s.kind}/{s.name}" + (f"/{s.slot}" if s.slot else "")
-                prefix += f"#{s.call}" if s.call else ""
-                tags.extend(f"{prefix}/{metric}" for metric in self.metrics)
+                tags.extend(f"{s.tag}/{metric}" for metric in self.metrics)
             self._tag_cache = (key, tuple(tags))
         columns = [METRIC_COLUMNS.index("mean" if m == "id" else m) for m in self.metrics]
         return self._tag_cache[1], columns

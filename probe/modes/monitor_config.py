@@ -336,7 +336,7 @@ def _targets(value: Any) -> tuple[Target, ...]:
                          f"or a list of module globs, got {show(value)}")
     targets = []
     for pattern, slots in value.items():
-        if not isinstance(pattern, str) or not pattern or not isinstance(slots, Mapping):
+        if not isinstance(pattern, str) or not isinstance(slots, Mapping):  # "": the model itself
             raise ProbeError(f"monitor target {show(pattern)}: expected a module glob -> {{slot: spec}} with "
                              f"slots from {list(SLOTS)}, got {show(slots)}")
         bad = sorted((slot for slot in slots if slot not in SLOTS), key=str)

@@ -34,11 +34,6 @@ TENSORBOARD_SHARES = ("zeros_share", "underflow", "near_overflow")
 """The TensorBoard scalar names of :data:`SHARE_NAMES` (``zeros`` is the monitor's ``|x| < eps`` metric)."""
 
 
-def series_prefix(series: Any) -> str:
-    """A series' TensorBoard tag prefix, as the monitor's scalars have it."""
-    prefix = f"{series.kind}/{series.name}" + (f"/{series.slot}" if series.slot else "")
-    return prefix + (f"#{series.call}" if series.call else "")
-
 
 class SeriesDistribution:
     """The distribution rows of one step's series, by series index."""
@@ -62,7 +57,7 @@ def write_step(writer: Any, pending: PendingDistribution, series: list[Any], ten
     if histogram is not None:
         writer.write_array(layout.MONITOR_HISTOGRAM_FILE, histogram)
     if tensorboard is not None:
-        prefixes = [series_prefix(s) for s in series]
+        prefixes = [s.tag for s in series]
         known = ~np.isnan(shares)
         rows, columns = np.nonzero(known)
         tags = [f"{prefixes[r]}/{TENSORBOARD_SHARES[c]}" for r, c in zip(rows, columns, strict=True)]
@@ -100,5 +95,5 @@ def attach_series(directory: Path, records: list[Any]) -> None:
             record.histogram = histograms.get(row)
 
 
-__all__ = ["SHARE_NAMES", "PendingDistribution", "SeriesDistribution", "attach_series", "series_prefix",
+__all__ = ["SHARE_NAMES", "PendingDistribution", "SeriesDistribution", "attach_series",
            "write_step"]
