@@ -51,3 +51,13 @@ def train_steps(model: torch.nn.Module, session: Any = None, steps: int = 2) -> 
         if session is not None:
             session.step()
     return losses
+
+
+def assert_trained_alike(plain_model: torch.nn.Module, plain: list[torch.Tensor], model: torch.nn.Module,
+                         traced: list[torch.Tensor], rng_before: torch.Tensor) -> None:
+    """The probed training equals the plain one: the same losses, the same weights after it,
+    and torch's RNG where the plain run left it (``rng_before``: read right after that run)."""
+    assert all(torch.equal(a, b) for a, b in zip(plain, traced, strict=True))
+    assert torch.equal(rng_before, torch.get_rng_state())
+    for (name, p), q in zip(plain_model.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q), name

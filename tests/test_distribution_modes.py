@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from hf_models import tiny_llama, train_steps
+from hf_models import assert_trained_alike, tiny_llama, train_steps
 
 import probe
 from probe.rundir import layout
@@ -35,10 +35,7 @@ def test_llama_shares_match_the_dumped_values_and_training_is_unchanged(tmp_path
     with probe.mode(["stats", "dump"], out=tmp_path / "r", model=model, distribution=True,
                     histogram=True) as session:
         traced = train_steps(model, session)
-    assert all(torch.equal(a, b) for a, b in zip(plain, traced, strict=True))
-    assert torch.equal(rng, torch.get_rng_state())
-    for (name, p), q in zip(plain_model.named_parameters(), model.parameters(), strict=True):
-        assert torch.equal(p, q), name
+    assert_trained_alike(plain_model, plain, model, traced, rng)
 
     run = probe.load(tmp_path / "r")
     checked = with_zeros = 0

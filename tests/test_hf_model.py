@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import tiny_llama, train_steps
+from hf_models import assert_trained_alike, tiny_llama, train_steps
 
 import probe
 
@@ -23,10 +23,7 @@ def test_hf_llama_two_steps_bitwise_transparent_and_attributed(tmp_path):
     model = _model()
     with probe.mode("stats", out=tmp_path / "r", model=model) as session:
         traced = train_steps(model, session)
-    assert all(torch.equal(a, b) for a, b in zip(plain, traced, strict=True))
-    assert torch.equal(rng, torch.get_rng_state())
-    for (name, p), q in zip(plain_model.named_parameters(), model.parameters(), strict=True):
-        assert torch.equal(p, q), name
+    assert_trained_alike(plain_model, plain, model, traced, rng)
 
     run = probe.load(tmp_path / "r")
     assert run.steps == [0, 1]

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from hf_models import tiny_llama
+from trainer_ops import module_calls, optimizer_frames
 
 import probe
 
@@ -52,14 +53,6 @@ def _train(
     return trainer, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _calls(ops: list[probe.OpRecord], module: str, phase: str) -> set[int]:
-    return {op.module_call for op in ops if op.module == module and op.phase == phase}
-
-
-def _optimizer_frames(ops: list[probe.OpRecord]) -> set[str]:
-    return {op.id.split(":")[1] for op in ops if op.phase == "optimizer"}
-
-
 def test_a_probe_step_is_an_optimizer_step_and_evaluation_is_untraced(tmp_path: Path) -> None:
     callback = ProbeCallback("stats", out=tmp_path / "run")
     _train(tmp_path, [callback])
@@ -75,9 +68,9 @@ def test_a_probe_step_is_an_optimizer_step_and_evaluation_is_untraced(tmp_path: 
         ops = run.ops(step=step)
         # Both micro-batches, forward and backward, and one optimizer step; no evaluation forward
         # (it would be a third call of the embedding, without backward).
-        assert _calls(ops, "model.embed_tokens", "forward") == {0, 1}
-        assert _calls(ops, "lm_head", "backward") == {0, 1}
-        assert _optimizer_frames(ops) == {"optimizer.AdamW[0]"}
+        assert module_calls(ops, "model.embed_tokens", "forward") == {0, 1}
+        assert module_calls(ops, "lm_head", "backward") == {0, 1}
+        assert optimizer_frames(ops) == {"optimizer.AdamW[0]"}
         phase_counts = Counter(op.phase for op in ops if op.phase != "optimizer")
         forward_ops = forward_ops or phase_counts
         assert phase_counts == forward_ops  # the same work every step: nothing of the loop's own leaks in
@@ -106,10 +99,10 @@ def test_trace_evaluation_records_each_evaluation_as_a_step(tmp_path: Path) -> N
         ops = run.ops(step=step)
         if kind == "evaluation":
             assert {op.phase for op in ops} == {"forward"}
-            assert _calls(ops, "model.embed_tokens", "forward") == set(range(EVAL_BATCHES))
+            assert module_calls(ops, "model.embed_tokens", "forward") == set(range(EVAL_BATCHES))
         else:
-            assert _calls(ops, "model.embed_tokens", "forward") == {0, 1}
-            assert _optimizer_frames(ops) == {"optimizer.AdamW[0]"}
+            assert module_calls(ops, "model.embed_tokens", "forward") == {0, 1}
+            assert optimizer_frames(ops) == {"optimizer.AdamW[0]"}
 
 
 class _FailAfterFirstMicroBatch(transformers.TrainerCallback):
@@ -135,7 +128,7 @@ def test_a_crash_in_train_is_written_when_stop_is_called(tmp_path: Path) -> None
     broken = run.step_info(1)
     assert not broken.complete and "data loader died" in broken.reason
     ops = run.ops(step=1)  # the first micro-batch of the broken step, no optimizer step
-    assert _calls(ops, "model.embed_tokens", "forward") == {0} and not _optimizer_frames(ops)
+    assert module_calls(ops, "model.embed_tokens", "forward") == {0} and not optimizer_frames(ops)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from trainer_ops import module_calls, optimizer_frames
 
 import probe
 
@@ -64,14 +65,6 @@ def _fit(callbacks: list[Any], fail_at_batch: int | None = None, **trainer_args:
     return module
 
 
-def _calls(ops: list[probe.OpRecord], module: str, phase: str) -> set[int]:
-    return {op.module_call for op in ops if op.module == module and op.phase == phase}
-
-
-def _optimizer_frames(ops: list[probe.OpRecord]) -> set[str]:
-    return {op.id.split(":")[1] for op in ops if op.phase == "optimizer"}
-
-
 def test_a_probe_step_is_an_optimizer_step_and_validation_is_untraced(tmp_path: Path) -> None:
     callback = ProbeCallback("stats", out=tmp_path / "run")
     _fit([callback])
@@ -85,9 +78,9 @@ def test_a_probe_step_is_an_optimizer_step_and_validation_is_untraced(tmp_path: 
         ops = run.ops(step=step)
         # Both micro-batches: the second one's forward and backward run inside optimizer.step(closure),
         # and still count as forward and backward, not as optimizer ops.
-        assert _calls(ops, "body.0", "forward") == {0, 1}
-        assert _calls(ops, "body.0", "backward") == {0, 1}
-        assert _optimizer_frames(ops) == {"optimizer.AdamW[0]"}
+        assert module_calls(ops, "body.0", "forward") == {0, 1}
+        assert module_calls(ops, "body.0", "backward") == {0, 1}
+        assert optimizer_frames(ops) == {"optimizer.AdamW[0]"}
         counts = Counter(op.phase for op in ops if op.phase != "optimizer")
         model_ops = model_ops or counts
         assert counts == model_ops  # validation (a third forward of body.0, no backward) is not here
@@ -111,9 +104,9 @@ def test_trace_evaluation_records_each_validation_as_a_step(tmp_path: Path) -> N
         ops = run.ops(step=step)
         if kind == "evaluation":
             assert {op.phase for op in ops} == {"forward"}
-            assert _calls(ops, "body.0", "forward") == ({0} if step == 0 else {0, 1})
+            assert module_calls(ops, "body.0", "forward") == ({0} if step == 0 else {0, 1})
         else:
-            assert _calls(ops, "body.0", "backward") == {0, 1}
+            assert module_calls(ops, "body.0", "backward") == {0, 1}
 
 
 def test_a_failed_fit_writes_the_broken_off_step(tmp_path: Path) -> None:
@@ -126,7 +119,7 @@ def test_a_failed_fit_writes_the_broken_off_step(tmp_path: Path) -> None:
     broken = run.step_info(1)
     assert not broken.complete and "bad batch" in broken.reason
     ops = run.ops(step=1)
-    assert _calls(ops, "body.0", "forward") == {0} and not _optimizer_frames(ops)
+    assert module_calls(ops, "body.0", "forward") == {0} and not optimizer_frames(ops)
 
 
 def test_optimizer_closure_ops_keep_their_phases(tmp_path: Path) -> None:
@@ -149,7 +142,7 @@ def test_optimizer_closure_ops_keep_their_phases(tmp_path: Path) -> None:
             optimizer.step(closure)
             session.step()
         ops = probe.load(out).ops(step=0)
-        assert _calls(ops, "0", "forward") and _calls(ops, "0", "backward")
+        assert module_calls(ops, "0", "forward") and module_calls(ops, "0", "backward")
         assert not {op.module for op in ops if op.phase == "optimizer"} - {""}
         assert any(op.phase == "optimizer" for op in ops)
 

@@ -61,8 +61,8 @@ from probe.modes.monitor_config import (
 )
 from probe.modes.monitor_metrics import METRIC_COLUMNS, adam_update_row, finalize
 from probe.modes.monitor_reduction import StepRows, Volatility
-from probe.modes.optimizer_nesting import StepNesting
 from probe.modes.registry import register_mode
+from probe.optimizer_steps import StepNesting, step_closure, with_closure
 from probe.rundir import layout
 from probe.rundir.mode_files import ModeFiles
 from probe.rundir.reading import reading
@@ -294,8 +294,8 @@ class MonitorMode(SessionPlugin):
         self._closure_unread: set[int] = set()
         """Optimizers (ids) in a step whose closure has not run yet (weight grads not read)."""
         self._nesting = StepNesting()
-        self._ddp = False
-        """The model is DDP's: every rank holds all of each parameter, gradient and moment."""
+        self._ddp_replicas = 1
+        """Ranks holding each parameter, gradient and moment whole: the world under DDP, else 1."""
         if self.config.tensorboard:
             self._tensorboard_class()  # fail now, naming the package, not at the first step
 
@@ -307,7 +307,10 @@ class MonitorMode(SessionPlugin):
                              "targets name)")
         self.rank = self._sink.rank = rank
         roots = model.values() if isinstance(model, dict) else [model]
-        self._ddp = any(parallel_layout(root) == "replicated" for root in roots)
+        if any(parallel_layout(root) == "replicated" for root in roots):
+            import torch.distributed as dist
+
+            self._ddp_replicas = dist.get_world_size() if dist.is_initialized() else 1
         matched = self._install_module_hooks(model)
         self._params = {id(p): name for name, p in _named_parameters(model)}
         # msprobe's targets may name a parameter ("embedding.word_embeddings.weight": {}): its
@@ -418,11 +421,7 @@ class MonitorMode(SessionPlugin):
         count = replicas(tensor)
         if count is not None:
             return count
-        if kind != "activation" and self._ddp:
-            import torch.distributed as dist
-
-            return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        return 1
+        return 1 if kind == "activation" else self._ddp_replicas
 
     def _record_adam_update(self, name: str, group: dict[str, Any], state: dict[str, Any]) -> bool:
         m, v, step = state.get("exp_avg"), state.get("exp_avg_sq"), state.get("step")
@@ -480,8 +479,8 @@ class MonitorMode(SessionPlugin):
         outermost = self._nesting.enter(optimizer)  # super().step() runs the hooks again
         if not outermost or not self._collecting or not self.config.wg:
             return None
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
-        if not callable(closure):
+        closure = step_closure(args, kwargs)
+        if closure is None:
             self._record_weight_grads(optimizer, 0)
             return None
         # optimizer.step(closure) (LBFGS, Lightning's automatic optimization): the closure's
@@ -499,9 +498,7 @@ class MonitorMode(SessionPlugin):
             calls += 1
             return result
 
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": closure_then_grads}
-        return (args[0], closure_then_grads, *args[2:]), kwargs
+        return with_closure(args, kwargs, closure_then_grads)
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._nesting.exit(optimizer):

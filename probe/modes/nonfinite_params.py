@@ -25,7 +25,7 @@ import torch
 
 from probe.errors import warn_once
 from probe.local_part import local_part
-from probe.modes.optimizer_nesting import StepNesting
+from probe.optimizer_steps import StepNesting, step_closure, with_closure
 from probe.tracer.mode_stack import untraced
 
 NAMES_KEPT = 100
@@ -118,8 +118,8 @@ class NonfiniteParameters:
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if not self._nesting.enter(optimizer):  # super().step() runs the hooks again
             return None
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
-        if not callable(closure):
+        closure = step_closure(args, kwargs)
+        if closure is None:
             self._check_gradients(optimizer)
             return None
 
@@ -136,9 +136,7 @@ class NonfiniteParameters:
             evaluations += 1
             return result
 
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": closure_then_check}
-        return (args[0], closure_then_check, *args[2:]), kwargs
+        return with_closure(args, kwargs, closure_then_check)
 
     def _check_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         named = []

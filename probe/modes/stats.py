@@ -222,8 +222,9 @@ class StatsMode(Mode):
             call.info.is_view and inputs and call.info.short not in _NOT_SAME_ELEMENTS
         )
         if call.info.namespace == "fsdp":
-            # FSDP2 frees and reallocates what its ops write (unsharded parameters) outside
-            # any op, where before_write cannot see it: those are never queued.
+            # FSDP2 manages the memory of what its ops write (unsharded parameters, reallocated
+            # between uses; its collectives' buffers) outside any op, where before_write cannot
+            # see it: never queued.
             self._rows.unstable(outputs)
         skipped = call.skipped
         if skipped and reuse_base and call.skip_reason("in", 0) is not None:

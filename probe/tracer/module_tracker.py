@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from probe.optimizer_steps import step_closure, with_closure
 from probe.tracer.frames import Frame
 
 _ACCUMULATE_GRAD_SEQ = 2**64 - 1
@@ -233,10 +234,9 @@ class ModuleTracker:
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """``optimizer.step(closure)`` (LBFGS; Lightning's automatic optimization) runs the
         closure's forward and backward inside the step: they are the model's ops, not the
-        optimizer's, so the closure runs with the optimizer frame closed. ``args[0]`` is the
-        optimizer itself."""
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if not callable(closure):
+        optimizer's, so the closure runs with the optimizer frame closed."""
+        closure = step_closure(args, kwargs)
+        if closure is None:
             return None
 
         def closure_as_model_ops() -> Any:
@@ -247,9 +247,7 @@ class ModuleTracker:
             finally:
                 self._optimizer, self._optimizer_depth = saved
 
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": closure_as_model_ops}
-        return (args[0], closure_as_model_ops, *args[2:]), kwargs
+        return with_closure(args, kwargs, closure_as_model_ops)
 
     def _exit_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self.enabled or self._optimizer_depth == 0:

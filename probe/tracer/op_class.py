@@ -89,8 +89,9 @@ class OpClass:
     math_bit_view: bool = False
     """Returns a conjugate or negative view (``_conj``, ``_neg_view``): same memory, other values."""
     refills_buffers: bool = False
-    """What the op writes are views of buffers reallocated before each of its calls: a later
-    view of such a buffer is uninitialized (see ``Tracer._is_refilled``)."""
+    """What the op writes are views of buffers reallocated before each of its calls, outside
+    any op: a later view of such a buffer is uninitialized until the op fills it
+    (``Tracer._is_refilled``)."""
     counts_writes: bool = False
     """Autograd adds one to the version counter of each tensor the op writes once the op
     returns, after every dispatch mode's work on it: in-place and ``out=`` ops do;
