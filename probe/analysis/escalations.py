@@ -233,7 +233,7 @@ class EscalationLinks:
         """Pass the summaries through, noting what each step adds."""
         for summary in summaries:
             parameters = summary.nonfinite_parameters
-            self.add(summary.step, summary.rank, summary.anomalies, summary.first_nonfinite,
+            self.add(summary.step, summary.rank, summary.anomalies, summary.fault,
                      summary.has_stats, [] if parameters is None else parameters.describe())
             yield summary
 

@@ -15,8 +15,9 @@ import torch
 
 from probe.errors import ProbeError
 from probe.rundir import layout
+from probe.rundir.loss_scaler import ScalerStep, handled_by_scaler
 from probe.rundir.reader import AnomalyRecord, CheckRecord, OpRecord, Run
-from probe.rundir.records import NonfiniteParameterRecord, TensorRecord, first_nonfinite_in
+from probe.rundir.records import NonfiniteParameterRecord, TensorRecord, nonfinite_origins_in
 
 MASK_FRACTION = 0.5
 """An output whose largest magnitude reaches this fraction of its dtype's largest finite value
@@ -51,6 +52,17 @@ class StepSummary:
     anomalies: list[AnomalyRecord] = field(default_factory=list)
     unmeasured: int = 0
     """Tensors recorded without statistics, their memory freed before it was read (stats mode)."""
+    loss_scaler: ScalerStep | None = None
+    """What ``GradScaler`` did in the step (stats mode; None without a scaler)."""
+    overflow_handled: bool = False
+    """The step's non-finite values are a gradient overflow the loss scaler handled: it skipped
+    the step (see :func:`probe.rundir.loss_scaler.handled_by_scaler`); no fault of the model."""
+
+    @property
+    def fault(self) -> OpRecord | None:
+        """The first non-finite op when it is a fault: None in a step whose only non-finite
+        values are an overflow the loss scaler handled."""
+        return None if self.overflow_handled else self.first_nonfinite
 
 
 def ranked(tensor: TensorRecord) -> bool:
@@ -67,8 +79,11 @@ def ranked(tensor: TensorRecord) -> bool:
 
 
 def _largest(run: Run, step: int, rank: int, op_of_row: np.ndarray, values: np.ndarray, top: int,
-             value_of: Callable[[TensorRecord], float | None]) -> list[tuple[OpRecord, float]]:
-    """The ``top`` ops with the largest ranked output value (:func:`ranked`), largest first.
+             value_of: Callable[[TensorRecord], float | None], scaler: ScalerStep | None = None
+             ) -> list[tuple[OpRecord, float]]:
+    """The ``top`` ops with the largest ranked output value (:func:`ranked`), largest first,
+    the loss scaler's own ops aside (``ScalerStep.owns``: a scale of 65536 and the loss times
+    it are no magnitudes of the model).
 
     Candidates are decoded a batch at a time in the order of their raw rows (an op's ranked
     value is at most its largest raw row), until no op left can beat the ``top`` found."""
@@ -84,6 +99,8 @@ def _largest(run: Run, step: int, rank: int, op_of_row: np.ndarray, values: np.n
     for start in range(0, len(candidates), batch):
         chunk = candidates[start:start + batch]
         for record in run.ops_at([op for op, _ in chunk], step, rank):
+            if scaler is not None and scaler.owns(record):
+                continue
             eligible = [v for t in record.outputs if ranked(t) and (v := value_of(t)) is not None]
             if eligible:
                 found.append((record, max(eligible)))
@@ -110,17 +127,21 @@ def summarize_step(run: Run, step: int, rank: int, top: int = 5) -> StepSummary:
     failed = [c for c in checks if c.verdict == "fail"]
     failed.sort(key=lambda c: -(c.ratio or 0.0) / (c.threshold or 1.0))
     stats = run.output_stats(step, rank)
-    first, by_abs_max, by_norm = None, [], []
+    first, by_abs_max, by_norm, scaler, handled = None, [], [], None, False
+    origins: list[OpRecord] = []
     if stats is not None:
         op_of_row, rows = stats
         lo, hi = np.abs(rows[:, 0]), np.abs(rows[:, 1])
         # max(|min|, |max|) as TensorRecord.abs_max computes it (NaN when |min| is NaN)
         abs_max = np.where(hi > lo, hi, lo)
         if np.any(rows[:, 4] + rows[:, 5] > 0):  # only then is the step's graph needed
-            first = first_nonfinite_in(run.ops(step, rank))
-        by_abs_max = _largest(run, step, rank, op_of_row, abs_max, top, lambda t: t.abs_max)
+            origins = nonfinite_origins_in(run.ops(step, rank))
+            first = origins[0] if origins else None
+        scaler = run.loss_scaler(step, rank)  # after run.ops: read from the decoded step when it is
+        handled = handled_by_scaler(origins, scaler)
+        by_abs_max = _largest(run, step, rank, op_of_row, abs_max, top, lambda t: t.abs_max, scaler)
         by_norm = _largest(run, step, rank, op_of_row, rows[:, 3], top,
-                           lambda t: None if t.stats is None else t.stats["norm"])
+                           lambda t: None if t.stats is None else t.stats["norm"], scaler)
     return StepSummary(
         step=step,
         rank=rank,
@@ -137,6 +158,8 @@ def summarize_step(run: Run, step: int, rank: int, top: int = 5) -> StepSummary:
         monitored=len(run.monitor(step, rank)),
         anomalies=run.anomalies_of(step, rank),
         unmeasured=_unmeasured(info.manifest),
+        loss_scaler=scaler,
+        overflow_handled=handled,
     )
 
 

@@ -83,8 +83,13 @@ def render_step(console: Console, summary: StepSummary) -> None:
     else:
         finite = {True: "finite", False: "non-finite",
                   None: "not all known (add inputs=True to record them)"}[bad.inputs_finite]
-        console.print(f"first non-finite op: [red]{_op_label(bad)}[/red]  id {bad.id}")
+        if summary.overflow_handled:
+            console.print(f"first non-finite op: [yellow]{_op_label(bad)}[/yellow]  id {bad.id} "
+                          f"({HANDLED})")
+        else:
+            console.print(f"first non-finite op: [red]{_op_label(bad)}[/red]  id {bad.id}")
         console.print(f"  its inputs were {finite}")
+    _render_loss_scaler(console, summary)
     if summary.nonfinite_parameters is not None:
         for line in summary.nonfinite_parameters.describe():
             console.print(line, style="red", markup=False, highlight=False)
@@ -117,6 +122,24 @@ def render_step(console: Console, summary: StepSummary) -> None:
                 console.print(f"  {incident.describe()}", style="red", markup=False, highlight=False)
 
 
+def _render_loss_scaler(console: Console, summary: StepSummary) -> None:
+    """The loss scaler's line: the step it skipped and the scale, or the scale of a clean step."""
+    scaler = summary.loss_scaler
+    if scaler is None:
+        return
+    if not scaler.skipped:
+        console.print(scaler.describe(), style="dim", markup=False, highlight=False)
+    elif summary.first_nonfinite is not None and not summary.overflow_handled:
+        console.print(f"{scaler.describe()}; the NaN/Inf started before the backward, where the scale "
+                      "does not reach: a fault of the model, not an overflow", style="red", markup=False,
+                      highlight=False)
+    else:
+        console.print(scaler.describe(), style="yellow", markup=False, highlight=False)
+
+
+HANDLED = "step skipped by the loss scaler: the overflow was handled"
+"""Said after the first non-finite op of a step whose overflow the loss scaler handled."""
+
 DETAILED_STEPS = 10
 """Runs with more (step, rank) pairs than this are summarized one line a step (tables are slow
 and unreadable by the thousand); the first step with a non-finite op still gets its tables."""
@@ -138,9 +161,12 @@ def _step_line(summary: StepSummary) -> str:
     if not summary.complete:
         parts.append(f"INCOMPLETE ({summary.reason})")
     if summary.first_nonfinite is not None:
-        parts.append(f"first non-finite {summary.first_nonfinite.id}")
+        handled = f" ({HANDLED})" if summary.overflow_handled else ""
+        parts.append(f"first non-finite {summary.first_nonfinite.id}{handled}")
     elif summary.has_stats:
         parts.append("finite")
+    if summary.loss_scaler is not None and summary.loss_scaler.skipped:
+        parts.append(summary.loss_scaler.describe())
     if summary.nonfinite_parameters is not None:
         parts += summary.nonfinite_parameters.describe()
     if summary.largest_abs_max:
@@ -164,9 +190,9 @@ def render_run(console: Console, run: Run, summaries: Iterable[StepSummary]) -> 
         if pairs <= DETAILED_STEPS:
             render_step(console, summary)
             continue
-        style = "red" if summary.first_nonfinite is not None or not summary.complete else None
+        style = "red" if summary.fault is not None or not summary.complete else None
         console.print(_step_line(summary), style=style, markup=False, highlight=False)
-        if summary.first_nonfinite is not None and not detailed_nonfinite:
+        if summary.fault is not None and not detailed_nonfinite:
             detailed_nonfinite = True
             render_step(console, summary)
     for link in links.links():

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from probe.rundir.loss_scaler import handled_by_scaler, scaler_step_in
 from probe.rundir.records import OpRecord, nonfinite_origins_in
 
 if TYPE_CHECKING:
@@ -136,8 +137,9 @@ class RankOrigin:
         return line
 
 
-def _rank_first(run: Run, rank: int, steps: list[int]) -> RankFirst | None:
-    """``rank``'s first non-finite op of the earliest of ``steps`` with one."""
+def _rank_first(run: Run, rank: int, steps: list[int], handled: bool) -> RankFirst | None:
+    """``rank``'s first non-finite op of the earliest of ``steps`` with one (steps whose only
+    faults are an overflow the loss scaler handled are passed over unless ``handled``)."""
     for step in steps:
         if not run.has_step(step, rank):
             continue
@@ -147,18 +149,19 @@ def _rank_first(run: Run, rank: int, steps: list[int]) -> RankFirst | None:
             continue
         ops = run.ops(step, rank)
         origins = nonfinite_origins_in(ops)
-        if origins:
+        if origins and (handled or not handled_by_scaler(origins, scaler_step_in(ops))):
             op = origins[0]
             following = next((o for o in ops[op.index + 1:] if is_collective(o)), None)
             return RankFirst(op, collective_clock(ops, op), following)
     return None
 
 
-def rank_origin(run: Run, step: int | None = None) -> RankOrigin | None:
+def rank_origin(run: Run, step: int | None = None, handled: bool = False) -> RankOrigin | None:
     """Where a non-finite fault started over the ranks of ``run`` (in ``step`` when given), or
-    None when no rank has one. See the module's docstring for the clock."""
-    found = [first for rank in run.ranks
-             if (first := _rank_first(run, rank, run.steps if step is None else [step])) is not None]
+    None when no rank has one. See the module's docstring for the clock; ``handled``: count the
+    gradient overflows the loss scaler handled as faults (:mod:`probe.rundir.loss_scaler`)."""
+    steps = run.steps if step is None else [step]
+    found = [first for rank in run.ranks if (first := _rank_first(run, rank, steps, handled)) is not None]
     if not found:
         return None
     found.sort(key=lambda f: (f.step, f.clock, f.rank))

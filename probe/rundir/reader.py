@@ -32,6 +32,13 @@ import torch
 
 from probe.errors import ProbeError, warn_once
 from probe.rundir import layout
+from probe.rundir.loss_scaler import (
+    SCALER_OP_PREFIX,
+    ScalerStep,
+    handled_by_scaler,
+    scaler_step,
+    scaler_step_in,
+)
 from probe.rundir.mode_files import ModeFiles, StepFiles
 from probe.rundir.op_graph import build_graph
 from probe.rundir.op_records import decode as decode_op_record
@@ -46,7 +53,6 @@ from probe.rundir.records import (
     StepInfo,
     TensorRecord,
     WriteFailure,
-    first_nonfinite_in,
     nonfinite_origins_in,
 )
 
@@ -335,7 +341,8 @@ class Run:
         op = self.op(op_id, step, rank)
         return self.dump(op.step, op.rank).tensor(op.index, io, index)
 
-    def first_nonfinite(self, step: int | None = None, rank: int | None = None) -> OpRecord | None:
+    def first_nonfinite(self, step: int | None = None, rank: int | None = None,
+                        handled: bool = False) -> OpRecord | None:
         """The earliest op where a non-finite fault starts, or None.
 
         A NaN or Inf is a fault when it reaches the loss, a gradient, a parameter or a result
@@ -345,19 +352,57 @@ class Run:
         (``rank`` None), the op of the rank where the fault started, before the collective that
         spread it (``bad.rank``; the lowest rank when several are tied: see
         :meth:`first_nonfinite_ranks`). Ops without statistics are not considered.
+
+        A gradient overflow the loss scaler handled (a step ``GradScaler`` skipped, see
+        :meth:`skipped_steps`) is no fault: its step is passed over unless ``handled`` is True.
         """
         if rank is None and len(self.ranks) > 1:
-            origin = self.first_nonfinite_ranks(step)
+            origin = self.first_nonfinite_ranks(step, handled)
             return None if origin is None else origin.ops[0]
         for s in self.steps if step is None else [step]:
             for r in self.ranks if rank is None else [rank]:
                 if self.has_step(s, r):
-                    found = first_nonfinite_in(self.ops(s, r))
-                    if found is not None:
-                        return found
+                    origins = nonfinite_origins_in(self.ops(s, r))
+                    if origins and (handled or not handled_by_scaler(origins, self.loss_scaler(s, r))):
+                        return origins[0]
         return None
 
-    def first_nonfinite_ranks(self, step: int | None = None) -> RankOrigin | None:
+    def loss_scaler(self, step: int | None = None, rank: int | None = None) -> ScalerStep | None:
+        """What ``torch.amp.GradScaler`` did in one step: whether the gradients overflowed (it then
+        skipped the optimizer step), the scale in force and the next one, and which ops were its
+        own (see :mod:`probe.rundir.loss_scaler`). None when the step recorded no scaler op."""
+        place = _Place(*self.resolve(step, rank))
+        cached = self._ops.peek(place)
+        if cached is not None:
+            return scaler_step_in(cached)
+        # Find the scaler's few ops by name in the raw records (op #i is line i), decode only those.
+        candidates = [i for i, line in enumerate(self._lines(place)[1]) if SCALER_OP_PREFIX in line]
+        if not candidates:
+            return None
+        return scaler_step(place.step, place.rank, self.ops_at(candidates, place.step, place.rank),
+                           lambda i: self.ops_at([i], place.step, place.rank)[0])
+
+    def skipped_steps(self, rank: int | None = None) -> list[ScalerStep]:
+        """The steps the loss scaler skipped (their gradients overflowed), by step then rank
+        (every rank when ``rank`` is None); each says at which scale (``.scale``, ``.describe()``:
+        "step N skipped by the loss scaler: gradients overflowed at scale S"). Needs the stats
+        mode: a step without statistics is not known to be skipped."""
+        found = []
+        for step in self.steps:
+            for r in self.ranks if rank is None else [rank]:
+                if not self.has_step(step, r):
+                    continue
+                stats = self.output_stats(step, r)
+                # An overflow leaves Inf or NaN in the gradients the scaler unscaled: without one,
+                # the step was not skipped, and nothing is decoded.
+                if stats is None or not (stats[1][:, 4] + stats[1][:, 5] > 0).any():
+                    continue
+                scaler = self.loss_scaler(step, r)
+                if scaler is not None and scaler.skipped:
+                    found.append(scaler)
+        return found
+
+    def first_nonfinite_ranks(self, step: int | None = None, handled: bool = False) -> RankOrigin | None:
         """Where a non-finite fault started over the ranks (in ``step`` when given), or None.
 
         Each rank's first non-finite op (of the earliest step with one) is placed on the
@@ -366,9 +411,10 @@ class Run:
         the clock, so the rank with the lowest (step, clock) is where it started; ranks tied
         there are all named. ``.ranks``, ``.ops`` (one per origin rank), ``.step``, ``.clock``,
         ``.later`` (the other ranks' first non-finite ops), ``.describe()``: see
-        :mod:`probe.rundir.rank_origin`.
+        :mod:`probe.rundir.rank_origin`. Overflows the loss scaler handled are passed over
+        unless ``handled`` is True (see :meth:`first_nonfinite`).
         """
-        return rank_origin(self, step)
+        return rank_origin(self, step, handled)
 
     def nonfinite_origins(self, step: int | None = None, rank: int | None = None) -> list[OpRecord]:
         """Every op of one step where a non-finite fault starts, in execution order (the first
