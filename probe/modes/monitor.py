@@ -15,7 +15,12 @@ step it reduces, on the device and without a host sync
   with ``optimizer.step(closure)`` when the closure (forward, backward) returns;
 - with ``param_distribution``: weights after the update; ``mv_distribution``:
   Adam's moments ``exp_avg`` / ``exp_avg_sq``; ``ur_distribution``: the norm of
-  Adam's update over the norm of the weight.
+  Adam's update over the norm of the weight;
+- with ``scaler=`` (the loop's ``torch.amp.GradScaler``): the loss scale in force during
+  the step, series ``loss_scale/scaler``. GradScaler has no hooks, and a step it skips
+  never calls the optimizer's: the scale tensor is copied on the device when the step
+  begins (no host sync) and recorded when it ends; in the step that creates the scale
+  (its first ``scaler.scale(loss)``) the scale in force was its ``init_scale``.
 
 At ``session.step()`` the rows are stacked on the device and, with
 ``reduce_ranks=True``, their cross-rank reductions are started there, on the
@@ -294,6 +299,8 @@ class MonitorMode(SessionPlugin):
         self._closure_unread: set[int] = set()
         """Optimizers (ids) in a step whose closure has not run yet (weight grads not read)."""
         self._nesting = StepNesting()
+        self._scale_at_start: torch.Tensor | None = None
+        """A copy of the loss scaler's scale taken when the step began (``scaler=``)."""
         self._ddp_replicas = 1
         """Ranks holding each parameter, gradient and moment whole: the world under DDP, else 1."""
         if self.config.tensorboard:
@@ -340,6 +347,7 @@ class MonitorMode(SessionPlugin):
         # A step that raised inside optimizer.step never ran its post-hooks: start afresh.
         self._nesting.reset()
         self._closure_unread.clear()
+        self._scale_at_start = self._copy_scale() if self._collecting else None
 
     def pause(self) -> None:
         # The hooks stay installed; they check _collecting (evaluation forwards pass unseen).
@@ -353,6 +361,8 @@ class MonitorMode(SessionPlugin):
 
     def end_step(self, step: int) -> MonitorStep | None:
         alone, self._alone = self._alone, False
+        if self._collecting:
+            self._record_loss_scale()
         with self._lock:
             rows, self._rows = self._rows, self._new_rows()
             distribution, self._distribution = self._distribution, self._new_distribution()
@@ -438,6 +448,33 @@ class MonitorMode(SessionPlugin):
         with self._lock:
             self._rows.add_row(Series("update", name), row, numel, held_by)
         return True
+
+    def _copy_scale(self) -> torch.Tensor | None:
+        """A device copy of the loss scaler's scale (no host sync); None without an enabled
+        scaler, or before its first ``scale()`` (the scale does not exist yet)."""
+        scaler = self.config.scaler
+        if scaler is None or not scaler.is_enabled():
+            return None
+        # The scale tensor itself: get_scale() would read it to the host, a sync every step.
+        scale = scaler._get_scale_async()
+        if scale is None:
+            return None
+        with torch.no_grad(), untraced():
+            return scale.detach().clone()
+
+    def _record_loss_scale(self) -> None:
+        """The series ``loss_scale/scaler``: the scale in force during the step (the scaler's
+        update at the step's end changed the tensor in place: the copy from its start is used)."""
+        in_force, self._scale_at_start = self._scale_at_start, None
+        scaler = self.config.scaler
+        if in_force is None and scaler is not None and scaler.is_enabled():
+            scale = scaler._get_scale_async()
+            if scale is not None:  # created in this step, at its initial value
+                with torch.no_grad(), untraced():
+                    in_force = torch.full((), float(scaler._init_scale), dtype=scale.dtype,
+                                          device=scale.device)
+        if in_force is not None:
+            self._record("loss_scale", "scaler", "", 0, in_force)
 
     def _flush(self) -> None:
         """Reduce the queued tensors now (the optimizer changes its gradients, weights and moments

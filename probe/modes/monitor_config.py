@@ -81,7 +81,7 @@ MONITOR_KEYS = frozenset({
     "targets", "module_ranks", "xy_distribution", "wg_distribution", "mv_distribution",
     "param_distribution", "ur_distribution", "forward_only", "backward_only", "metrics", "eps",
     "start_step", "step_interval", "alert", "on_anomaly", "anomaly_rules", "reduce_ranks", "tensorboard",
-    "trace_modes", "trace_options", "trace_steps", "trace_limit", "distribution", "histogram",
+    "trace_modes", "trace_options", "trace_steps", "trace_limit", "distribution", "histogram", "scaler",
 })
 
 
@@ -279,6 +279,9 @@ class MonitorConfig:
     """Per series: shares of zeros, underflow and near-overflow of its dtype (probe.modes.distribution)."""
     histogram: bool = False
     """Per series: a log2-magnitude histogram (and the shares), TensorBoard histograms too."""
+    scaler: Any = field(default=None, hash=False, compare=False)
+    """The ``torch.amp.GradScaler`` of the training loop: its scale in force each step is the
+    series ``loss_scale/scaler`` (None: no such series)."""
 
     def collects(self, step: int) -> bool:
         return step >= self.start_step and (step - self.start_step) % self.step_interval == 0
@@ -426,6 +429,15 @@ _FLAGS = (("xy_distribution", "xy"), ("wg_distribution", "wg"), ("mv_distributio
           ("tensorboard", "tensorboard"), ("distribution", "distribution"), ("histogram", "histogram"))
 
 
+def _scaler(value: Any) -> Any:
+    """The ``scaler`` option: a ``torch.amp.GradScaler`` (``torch.cuda.amp``'s and FSDP's
+    ``ShardedGradScaler`` are ones) or None."""
+    if value is None or isinstance(value, torch.amp.GradScaler):
+        return value
+    raise ProbeError("monitor option 'scaler': expected the torch.amp.GradScaler the training loop uses "
+                     f"(its scale becomes the series loss_scale/scaler), got {show(value)}")
+
+
 def parse_monitor_options(options: Mapping[str, Any]) -> MonitorConfig:
     """The mode's keyword options (the msprobe keys, ``metrics`` for ``ops``) -> config."""
     if "module_ranks" in options:
@@ -457,6 +469,8 @@ def parse_monitor_options(options: Mapping[str, Any]) -> MonitorConfig:
         kwargs["user_rules"] = tuple(rules)
     if "on_anomaly" in options:
         kwargs["on_anomaly"] = parse_choice("on_anomaly", options["on_anomaly"], ON_ANOMALY)
+    if "scaler" in options:
+        kwargs["scaler"] = _scaler(options["scaler"])
     kwargs.update(_trace_settings(options, kwargs.get("on_anomaly", "log")))
     config = MonitorConfig(**kwargs)
     if config.forward_only and config.backward_only:
