@@ -1,0 +1,182 @@
+"""fp16 training with torch.amp.GradScaler: the steps the scaler skips (its first steps overflow at
+a large initial scale) are named with their scale, are no model fault, its own ops are no
+magnitudes of the model, the monitor records the scale, and training under the probe is unchanged."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from hf_models import tiny_llama
+from rich.console import Console
+from torch import nn
+
+import probe
+from probe.analysis.summary import summarize
+from probe.exporters.console import render_run
+
+STEPS = 4
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def _train_mlp(model: nn.Module, scaler: torch.amp.GradScaler, session=None,
+               poison_step: int | None = None) -> list[torch.Tensor]:
+    """SGD steps under fp16 autocast with ``scaler``; ``poison_step``: the model's output is Inf
+    in that step's forward (a fault of the model, whatever the scaler does)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)
+    losses = []
+    for step in range(STEPS):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+            if step == poison_step:
+                out = out * float("inf")
+            loss = nn.functional.mse_loss(out.float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        if session is not None:
+            session.step()
+    return losses
+
+
+def _train_llama(model: nn.Module, scaler: torch.amp.GradScaler, session=None) -> list[torch.Tensor]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=gen)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(input_ids=ids, labels=ids).loss
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        if session is not None:
+            session.step()
+    return losses
+
+
+def _summary_text(run: probe.rundir.reader.Run) -> str:
+    buffer = io.StringIO()
+    render_run(Console(file=buffer, width=250), run, summarize(run))
+    return buffer.getvalue()
+
+
+def _assert_transparent(plain_model, plain_losses, model, losses) -> None:
+    assert all(torch.equal(a, b) for a, b in zip(plain_losses, losses, strict=True))
+    for (name, p), q in zip(plain_model.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+@pytest.fixture(scope="module")
+def mlp_run(tmp_path_factory):
+    """2**18: steps 0 and 1 overflow (scales 2**18, 2**17), steps 2 and 3 train at 2**16."""
+    out = tmp_path_factory.mktemp("scaler") / "mlp"
+    plain = _mlp()
+    plain_losses = _train_mlp(plain, torch.amp.GradScaler("cpu", init_scale=2.0**18))
+    model, scaler = _mlp(), torch.amp.GradScaler("cpu", init_scale=2.0**18)
+    with probe.mode("stats", out=out, model=model) as session:
+        losses = _train_mlp(model, scaler, session)
+    _assert_transparent(plain, plain_losses, model, losses)
+    assert scaler.get_scale() == 2.0**16
+    return probe.load(out)
+
+
+def test_skipped_steps_are_named_with_their_scale(mlp_run):
+    skipped = mlp_run.skipped_steps()
+    assert [(s.step, s.scale) for s in skipped] == [(0, 2.0**18), (1, 2.0**17)]
+    assert [s.next_scale for s in skipped] == [2.0**17, 2.0**16]
+    assert skipped[0].describe() == "step 0 skipped by the loss scaler: gradients overflowed at scale 262144"
+    assert skipped[1].describe() == "step 1 skipped by the loss scaler: gradients overflowed at scale 131072"
+
+
+def test_a_healthy_step_is_not_called_skipped(mlp_run):
+    for step in (2, 3):
+        scaler = mlp_run.loss_scaler(step)
+        assert scaler is not None and scaler.overflowed is False and not scaler.skipped
+        assert scaler.scale == 2.0**16
+        assert "skipped" not in scaler.describe()
+
+
+def test_the_handled_overflow_is_no_fault_but_is_said(mlp_run):
+    assert mlp_run.first_nonfinite() is None
+    bad = mlp_run.first_nonfinite(handled=True)
+    assert bad is not None and bad.step == 0 and bad.phase == "backward"
+    text = _summary_text(mlp_run)
+    assert "step 0 skipped by the loss scaler: gradients overflowed at scale 262144" in text
+    assert "step 1 skipped by the loss scaler: gradients overflowed at scale 131072" in text
+    assert f"id {bad.id} (step skipped by the loss scaler: the overflow was handled)" in text
+    assert "step 2: loss scaler at scale 65536, no overflow" in text
+
+
+def test_the_scalers_ops_are_not_among_the_largest_values(mlp_run):
+    for summary in summarize(mlp_run):
+        scaler = summary.loss_scaler
+        assert scaler is not None
+        ranked = summary.largest_abs_max + summary.largest_norm
+        assert ranked and not any(e.op.name.startswith("aten._amp_") for e in ranked)
+        # Nor the scale itself, its copies, or the loss times it.
+        assert not any(scaler.owns(e.op) for e in ranked)
+        assert all(e.value < scaler.scale for e in ranked if e.op.phase == "forward")
+    text = _summary_text(mlp_run)
+    assert "_amp_update_scale_" not in text
+
+
+def test_a_fault_in_the_forward_stays_a_fault_in_a_skipped_step(tmp_path):
+    model, scaler = _mlp(), torch.amp.GradScaler("cpu", init_scale=2.0**10)  # no overflow of its own
+    with probe.mode("stats", out=tmp_path / "r", model=model) as session:
+        _train_mlp(model, scaler, session, poison_step=2)
+    run = probe.load(tmp_path / "r")
+    assert [s.step for s in run.skipped_steps()] == [2]
+    bad = run.first_nonfinite()
+    assert bad is not None and (bad.step, bad.phase, bad.name) == (2, "forward", "aten.mul.Tensor")
+    text = _summary_text(run)
+    assert "step 2 skipped by the loss scaler: gradients overflowed at scale 1024; the NaN/Inf started " \
+           "before the backward" in text
+    assert "the overflow was handled" not in text
+
+
+def test_the_monitor_records_the_scale_in_force_each_step(tmp_path):
+    model, scaler = _mlp(), torch.amp.GradScaler("cpu", init_scale=2.0**18)
+    with probe.mode("monitor", out=tmp_path / "m", model=model, targets=["0"], scaler=scaler) as session:
+        _train_mlp(model, scaler, session)
+    run = probe.load(tmp_path / "m")
+    scales = [(m.step, m.mean) for m in run.monitor() if (m.kind, m.name) == ("loss_scale", "scaler")]
+    assert scales == [(0, 2.0**18), (1, 2.0**17), (2, 2.0**16), (3, 2.0**16)]
+
+
+def test_the_monitor_refuses_a_scaler_that_is_not_one(tmp_path):
+    with pytest.raises(probe.ProbeError, match=r"'scaler': expected the torch\.amp\.GradScaler"):
+        probe.mode("monitor", out=tmp_path / "m", model=_mlp(), targets=["0"], scaler=2.0**16)
+
+
+@pytest.mark.slow
+def test_hf_llama_skipped_steps_summary_and_transparency(tmp_path):
+    pytest.importorskip("transformers")
+    plain = tiny_llama()
+    plain_losses = _train_llama(plain, torch.amp.GradScaler("cpu", init_scale=2.0**20))
+    model, scaler = tiny_llama(), torch.amp.GradScaler("cpu", init_scale=2.0**20)
+    with probe.mode(["stats", "monitor"], out=tmp_path / "r", model=model, targets=["model.layers.0"],
+                    scaler=scaler) as session:
+        losses = _train_llama(model, scaler, session)
+    _assert_transparent(plain, plain_losses, model, losses)
+    run = probe.load(tmp_path / "r")
+    assert [(s.step, s.scale) for s in run.skipped_steps()] == [(0, 2.0**20), (1, 2.0**19)]
+    assert [run.loss_scaler(step).skipped for step in range(STEPS)] == [True, True, False, False]
+    assert run.first_nonfinite() is None
+    text = _summary_text(run)
+    assert "step 0 skipped by the loss scaler: gradients overflowed at scale 1048576" in text
+    assert "step 1 skipped by the loss scaler: gradients overflowed at scale 524288" in text
+    assert "_amp_" not in text
+    scales = [m.mean for m in run.monitor() if m.kind == "loss_scale"]
+    assert scales == [2.0**20, 2.0**19, 2.0**18, 2.0**18]
