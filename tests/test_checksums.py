@@ -100,8 +100,13 @@ def test_each_step_records_inputs_and_rng_and_the_first_the_parameters(tmp_path)
         assert call.tensors[0].checksum == _one(ids)
         assert set(step.rng) == {"torch", "python", "numpy"}
     assert first.rng["torch"] != second.rng["torch"]  # dropout drew in between
-    assert run.step_info(0).manifest["modes"]["checksums"] == {"parameters": 21, "inputs": 1,
+    assert run.step_info(0).manifest["modes"]["checksums"] == {"parameters": 21, "buffers": 2, "inputs": 1,
                                                                "rng": ["numpy", "python", "torch"]}
+    # The buffers with the parameters (inv_freq is not persistent, not in the state dict: recorded too).
+    assert first.buffers is not None and second.buffers is None
+    inv_freq = model.model.rotary_emb.inv_freq
+    assert first.buffers["model.rotary_emb.inv_freq"].checksum == _one(inv_freq)
+    assert set(first.buffers) == {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}
 
 
 def test_parameters_each_step_and_kinds_are_options(tmp_path):

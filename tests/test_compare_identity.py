@@ -20,14 +20,18 @@ pytestmark = pytest.mark.slow  # six two-step training runs, shared by the modul
 
 
 def _run(out, init_seed=0, dropout_seed=1, model_given=True, data_seed=5, dropout=0.2, host_seed=None,
-         fault=False, **options):
+         fault=False, bf16_inv_freq=False, **options):
     """Two training steps of a tiny Llama with attention dropout: weights from ``init_seed``,
     dropout masks from ``dropout_seed``; ``host_seed`` seeds Python's and NumPy's generators
-    (nothing draws from them); ``fault`` plants a bug: layer 1's MLP output x1.01."""
+    (nothing draws from them); ``fault`` plants a bug: layer 1's MLP output x1.01;
+    ``bf16_inv_freq`` rounds the rotary embedding's ``inv_freq`` buffer through bf16."""
     model = tiny_llama(seed=init_seed, attention_dropout=dropout)
     model.train()
     if fault:
         model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out * 1.01)
+    if bf16_inv_freq:
+        inv_freq = model.model.rotary_emb.inv_freq
+        inv_freq.copy_(inv_freq.to(torch.bfloat16).float())
     torch.manual_seed(dropout_seed)
     host_states = random.getstate(), np.random.get_state()
     if host_seed is not None:
@@ -165,3 +169,38 @@ def test_identity_in_json_csv_and_console(runs, tmp_path, capsys):
     assert [(r["Kind"], r["Status"]) for r in rows] == [("weights", "same"), ("inputs", "same"),
                                                        ("rng", "differ")]
     assert "RNG state differs" in (tmp_path / "out" / "report.html").read_text()
+
+
+def test_a_changed_buffer_is_named_and_explains_the_divergence(runs, tmp_path):
+    # inv_freq is a non-persistent buffer: not a parameter, not in the state dict, and it turns
+    # every attention's rotation. Rounded through bf16 in run B, the start differs there.
+    report = probe.compare(runs["a"], _run(tmp_path / "b", bf16_inv_freq=True))
+    weights = report.identity.check("weights")
+    assert weights.status == "differ" and weights.step == 0
+    assert weights.names == ["model.rotary_emb.inv_freq"]  # every parameter is the same
+    assert weights.message == ("initial buffers differ at step 0 (buffer model.rotary_emb.inv_freq "
+                               "differs)")
+    assert report.identity.started_alike is False
+    assert report.first_divergence is not None
+    assert report.conclusion.startswith("the runs did not start alike: initial buffers differ at step 0 "
+                                        "(buffer model.rotary_emb.inv_freq differs); that explains the "
+                                        "differences downstream (first divergence at")
+
+
+def test_the_same_buffers_are_counted_and_old_runs_compare_their_parameters(runs, tmp_path):
+    weights = probe.compare(runs["a"], runs["same"]).identity.check("weights")
+    assert weights.message == "same initial weights at step 0 (21 parameters, 2 buffers)"
+    # A run written before buffers were recorded: its checksums.json has no "buffers".
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(runs["same"], old)
+    for path in old.rglob("checksums.json"):
+        data = json.loads(path.read_text())
+        data.pop("buffers", None)
+        path.write_text(json.dumps(data))
+    identity = probe.compare(runs["a"], old).identity
+    assert identity.check("weights").status == "same" and identity.started_alike is True
+    assert identity.check("weights").message == "same initial weights at step 0 (21 parameters)"
+    assert identity.notes == ["run B recorded no buffers (written by an older probe): the weights are "
+                              "compared on their parameters only"]

@@ -8,9 +8,12 @@ Two parts, both read from what each run recorded (no tensor data):
   seeds (``probe.seed_all``). Differences are findings to read, not verdicts: another
   cuBLAS may or may not change a result.
 - **Start**: the checksums mode's records (``probe.modes.checksums``): whether the runs
-  started from the same **weights** (the parameter checksums at the first step both
-  recorded them), were fed the same **inputs** and drew from the same **RNG state** at
-  each step compared. A run without checksums is "not recorded": unknown, never a pass.
+  started from the same **weights** (the parameter and buffer checksums at the first step
+  both recorded them: a buffer such as a rotary embedding's ``inv_freq`` is as much a
+  starting point as a weight), were fed the same **inputs** and drew from the same **RNG
+  state** at each step compared. A run without checksums is "not recorded": unknown, never
+  a pass; runs written before buffers were recorded are compared on their parameters, with
+  a note.
 
 A difference at the start explains everything downstream of it: a different initial
 weight changes every op that reads it, a different dropout RNG every dropout mask. So
@@ -319,8 +322,20 @@ class _Steps:
         return f"run {' and '.join(names)} recorded none (record with probe.mode(..., model=model))"
 
 
-def _weights(steps: _Steps, run_a: Run, run_b: Run, plan: dict[int, list[int]]) -> StartCheck:
-    """The parameters at the first step both runs recorded them (on each rank)."""
+def _buffers_listed(names: list[str], total: int) -> str:
+    """``buffer NAME differs``, or ``N of M buffers differ: NAME, ...``."""
+    if len(names) == 1:
+        return f"buffer {names[0]} differs"
+    return f"{len(names)} of {total} buffers differ: {_listed(names)}"
+
+
+def _counted(count: int, what: str) -> str:
+    return f"{count} {what}{'s' if count != 1 else ''}"
+
+
+def _weights(steps: _Steps, run_a: Run, run_b: Run, plan: dict[int, list[int]], notes: list[str]
+             ) -> StartCheck:
+    """The parameters and buffers at the first step both runs recorded them (on each rank)."""
     results: list[StartCheck] = []
     for rank, compared in plan.items():
         last = max(compared)
@@ -329,13 +344,30 @@ def _weights(steps: _Steps, run_a: Run, run_b: Run, plan: dict[int, list[int]]) 
             a, b = steps.get("A", step, rank), steps.get("B", step, rank)
             if a is None or b is None or a.parameters is None or b.parameters is None:
                 continue
-            initial = "initial weights" if step == common[0] else "weights at the start of step"
             where = f"step {step}" + (f" rank {rank}" if len(plan) > 1 else "")
             differ, other_dtype, unknown = _tensor_differences(a.parameters, b.parameters)
             total = len(set(a.parameters) | set(b.parameters))
-            if differ:
+            buffers_differ: list[str] = []
+            buffer_total = 0
+            counts = _counted(total, "parameter")
+            if a.buffers is not None and b.buffers is not None:
+                buffers_differ, buffers_other, buffers_unknown = _tensor_differences(a.buffers, b.buffers)
+                other_dtype, unknown = other_dtype + buffers_other, unknown + buffers_unknown
+                buffer_total = len(set(a.buffers) | set(b.buffers))
+                counts += f", {_counted(buffer_total, 'buffer')}"
+            else:
+                lacking = " and ".join(side for side, c in (("A", a), ("B", b)) if c.buffers is None)
+                note = (f"run {lacking} recorded no buffers (written by an older probe): the weights are "
+                        "compared on their parameters only")
+                if note not in notes:
+                    notes.append(note)
+            state = "weights" if differ or not buffers_differ else "buffers"
+            initial = f"initial {state}" if step == common[0] else f"{state} at the start of step"
+            if differ or buffers_differ:
+                found = ([_listed(differ, total, "parameters")] if differ else []) + \
+                    ([_buffers_listed(buffers_differ, buffer_total)] if buffers_differ else [])
                 results.append(StartCheck("weights", DIFFER, f"{initial} differ at {where} "
-                                          f"({_listed(differ, total, 'parameters')})", step, rank, differ, 1))
+                                          f"({'; '.join(found)})", step, rank, differ + buffers_differ, 1))
             elif other_dtype or unknown:
                 why = f"{len(other_dtype)} held in another dtype" if other_dtype else \
                     f"{len(unknown)} without a checksum"
@@ -343,7 +375,7 @@ def _weights(steps: _Steps, run_a: Run, run_b: Run, plan: dict[int, list[int]]) 
                                           f"{where}: {why} ({_listed(other_dtype or unknown)})", step, rank,
                                           other_dtype or unknown, 1))
             else:
-                results.append(StartCheck("weights", SAME, f"same {initial} at {where} ({total} parameters)",
+                results.append(StartCheck("weights", SAME, f"same {initial} at {where} ({counts})",
                                           step, rank, [], 1))
             break
     if not results:
@@ -430,6 +462,6 @@ def identity(run_a: Run, run_b: Run, plan: dict[int, list[int]]) -> Identity:
     if not plan:
         checks = [StartCheck(what, NOT_RECORDED, f"{what}: no step in common") for what in CHECKS]
         return Identity(differences, checks, notes)
-    checks = [_weights(steps, run_a, run_b, plan), _per_step(steps, plan, "inputs"),
+    checks = [_weights(steps, run_a, run_b, plan, notes), _per_step(steps, plan, "inputs"),
               _per_step(steps, plan, "rng")]
     return Identity(differences, checks, notes)

@@ -10,7 +10,8 @@ queues:
   the session's first recorded step (the weights the run started from; every step with
   ``checksums=[..., "parameters_each_step"]``: reading every weight once a step costs
   about a ``sum`` over the model, 3% of a CPU step of a LLaMA-7B-wide layer, see
-  docs/format.md);
+  docs/format.md); with them, each **buffer**'s (``named_buffers()``, non-persistent ones
+  included: a rotary embedding's ``inv_freq`` shapes every attention as much as a weight);
 - **inputs**: a checksum of each tensor argument of the first :data:`MAX_CALLS` calls of
   the model in the step (``input_ids``, ``labels``, ...);
 - **rng**: the state of torch's CPU generator, the current accelerator's, Python's
@@ -149,12 +150,13 @@ class _Call:
 class ChecksumsStep:
     """One step's queued checksums, written as ``checksums.json`` on the writer thread."""
 
-    def __init__(self, parameters: _Queued | None, calls: list[_Call], rng: dict[str, Any] | None) -> None:
-        self.parameters, self.calls, self.rng = parameters, calls, rng
+    def __init__(self, parameters: _Queued | None, calls: list[_Call], rng: dict[str, Any] | None,
+                 buffers: _Queued | None = None) -> None:
+        self.parameters, self.calls, self.rng, self.buffers = parameters, calls, rng, buffers
         self.on_written: Callable[[], None] | None = None
         # Marks, on the training thread's streams, the end of the step's queued checksums: the writer
         # thread waits on them (its own stream would not order it after them).
-        queued = [q for q in (parameters, *(c.inputs for c in calls)) if q is not None]
+        queued = [q for q in (parameters, buffers, *(c.inputs for c in calls)) if q is not None]
         devices = {values.device for q in queued for _, values in q.groups}
         self.events = [record_event(device) for device in devices if is_accelerator(device)]
 
@@ -164,6 +166,8 @@ class ChecksumsStep:
         data: dict[str, Any] = {}
         if self.parameters is not None:
             data["parameters"] = self.parameters.to_json()
+        if self.buffers is not None:
+            data["buffers"] = self.buffers.to_json()
         if self.calls:
             data["inputs"] = [{"module": c.module, "call": c.call, **c.inputs.to_json()} for c in self.calls]
         if self.rng is not None:
@@ -172,6 +176,7 @@ class ChecksumsStep:
         if self.on_written is not None:
             self.on_written()
         return {"parameters": len(self.parameters.names) if self.parameters is not None else None,
+                "buffers": len(self.buffers.names) if self.buffers is not None else None,
                 "inputs": len(self.calls) if "inputs" in data else None,
                 "rng": sorted(data["rng"]) if "rng" in data else None}
 
@@ -205,6 +210,9 @@ class StepChecksums:
     parameters: dict[str, TensorChecksum] | None
     inputs: list[InputCall] | None
     rng: dict[str, str] | None
+    buffers: dict[str, TensorChecksum] | None = None
+    """Recorded with the parameters (empty for a model without buffers); None in a step without
+    them, and in runs written before buffers were recorded."""
 
 
 def _tensor_list(data: dict[str, Any], what: str) -> list[TensorChecksum]:
@@ -232,10 +240,13 @@ class ChecksumsFiles(ModeFiles):
             path = self.where.directory / layout.CHECKSUMS_FILE
             data = read_json(path)
             with reading(path):
-                parameters = inputs = rng = None
+                parameters = inputs = rng = buffers = None
                 if "parameters" in data:
                     tensors = _tensor_list(expect(data["parameters"], dict, "parameters"), "parameters")
                     parameters = {t.name: t for t in tensors}
+                if "buffers" in data:
+                    tensors = _tensor_list(expect(data["buffers"], dict, "buffers"), "buffers")
+                    buffers = {t.name: t for t in tensors}
                 if "inputs" in data:
                     inputs = [InputCall(expect(c.get("module"), str, "inputs.module"),
                                         expect(c.get("call"), int, "inputs.call"), _tensor_list(c, "inputs"))
@@ -244,7 +255,7 @@ class ChecksumsFiles(ModeFiles):
                 if "rng" in data:
                     rng = {kind: expect(v, str, f"rng.{kind}")
                            for kind, v in expect(data["rng"], dict, "rng").items()}
-            self._read = StepChecksums(self.where.step, self.where.rank, parameters, inputs, rng)
+            self._read = StepChecksums(self.where.step, self.where.rank, parameters, inputs, rng, buffers)
         return self._read
 
 
@@ -271,6 +282,7 @@ class ChecksumsMode(SessionPlugin):
         modes write, and makes no step of its own."""
         self._cache = ChecksumCache()
         self._params: list[tuple[str, torch.Tensor]] = []
+        self._roots: list[tuple[str, torch.nn.Module]] = []
         self._handles: list[Any] = []
         self._collecting = self._collecting_before_pause = False
         # The step holding the initial parameters' checksums: weakly, to know whether the session
@@ -282,6 +294,7 @@ class ChecksumsMode(SessionPlugin):
     def _reset(self) -> None:
         self._started = False
         self._parameters: _Queued | None = None
+        self._buffers: _Queued | None = None
         self._calls: list[_Call] = []
         self._rng: dict[str, Any] | None = None
 
@@ -289,7 +302,7 @@ class ChecksumsMode(SessionPlugin):
         if model is None:
             raise ProbeError("mode 'checksums' needs model= (the module whose parameters and inputs it "
                              "checksums)")
-        roots = _roots(model)
+        roots = self._roots = _roots(model)
         self._params = [(f"{prefix}.{name}" if prefix else name, p)
                         for prefix, root in roots for name, p in root.named_parameters()]
         # A model compiled already: its compiled call runs the hook eagerly, not traced into its graph
@@ -323,6 +336,10 @@ class ChecksumsMode(SessionPlugin):
             each_step = "parameters_each_step" in self.kinds
             if each_step or ("parameters" in self.kinds and not self._parameters_recorded()):
                 self._parameters = _Queued.of(self._params, self._cache)
+                # Found now, not at attach: a model may replace a buffer (rotary scaling does).
+                buffers = [(f"{prefix}.{name}" if prefix else name, b)
+                           for prefix, root in self._roots for name, b in root.named_buffers()]
+                self._buffers = _Queued.of(buffers, self._cache)
             if "rng" in self.kinds:
                 self._rng = _rng_states()
         if "inputs" in self.kinds and len(self._calls) < MAX_CALLS:
@@ -343,7 +360,8 @@ class ChecksumsMode(SessionPlugin):
         return self._parameters_step is not None and self._parameters_step() is not None
 
     def end_step(self, step: int) -> ChecksumsStep | None:
-        found = ChecksumsStep(self._parameters, self._calls, self._rng) if self._started else None
+        found = (ChecksumsStep(self._parameters, self._calls, self._rng, self._buffers) if self._started
+                 else None)
         if found is not None and found.parameters is not None and "parameters_each_step" not in self.kinds:
             self._parameters_step = weakref.ref(found)
             found.on_written = self._parameters_were_written
