@@ -26,18 +26,19 @@ def _mlp() -> nn.Module:
 
 def _train_mlp(model: nn.Module, scaler: torch.amp.GradScaler, session=None,
                poison_step: int | None = None) -> list[torch.Tensor]:
-    """SGD steps under fp16 autocast with ``scaler``; ``poison_step``: the model's output is Inf
-    in that step's forward (a fault of the model, whatever the scaler does)."""
+    """SGD steps under fp16 autocast with ``scaler``; ``poison_step``: the last layer's output is
+    Inf in that step's forward (a fault of the model, whatever the scaler does)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)
     losses = []
     for step in range(STEPS):
+        poison = model[2].register_forward_hook(lambda m, a, out: out * float("inf")) \
+            if step == poison_step else None
         with torch.autocast("cpu", dtype=torch.float16):
-            out = model(x)
-            if step == poison_step:
-                out = out * float("inf")
-            loss = nn.functional.mse_loss(out.float(), y)
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        if poison is not None:
+            poison.remove()
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
@@ -134,7 +135,8 @@ def test_the_scalers_ops_are_not_among_the_largest_values(mlp_run):
 
 def test_a_fault_in_the_forward_stays_a_fault_in_a_skipped_step(tmp_path):
     model, scaler = _mlp(), torch.amp.GradScaler("cpu", init_scale=2.0**10)  # no overflow of its own
-    with probe.mode("stats", out=tmp_path / "r", model=model) as session:
+    with probe.mode(["stats", "monitor"], out=tmp_path / "r", model=model, targets=[""],
+                    scaler=scaler) as session:
         _train_mlp(model, scaler, session, poison_step=2)
     run = probe.load(tmp_path / "r")
     assert [s.step for s in run.skipped_steps()] == [2]
@@ -144,15 +146,33 @@ def test_a_fault_in_the_forward_stays_a_fault_in_a_skipped_step(tmp_path):
     assert "step 2 skipped by the loss scaler: gradients overflowed at scale 1024; the NaN/Inf started " \
            "before the backward" in text
     assert "the overflow was handled" not in text
+    # The monitor alerts on the model's output; its gradient's NaN is the one the scaler skipped.
+    assert [(a.step, a.module, a.metric, a.rule) for a in run.anomalies()] == [(2, "", "output.infs",
+                                                                                 "nonfinite")]
 
 
 def test_the_monitor_records_the_scale_in_force_each_step(tmp_path):
     model, scaler = _mlp(), torch.amp.GradScaler("cpu", init_scale=2.0**18)
-    with probe.mode("monitor", out=tmp_path / "m", model=model, targets=["0"], scaler=scaler) as session:
+    with probe.mode("monitor", out=tmp_path / "m", model=model, targets=["0", "2"], wg_distribution=True,
+                    scaler=scaler) as session:
         _train_mlp(model, scaler, session)
     run = probe.load(tmp_path / "m")
-    scales = [(m.step, m.mean) for m in run.monitor() if (m.kind, m.name) == ("loss_scale", "scaler")]
-    assert scales == [(0, 2.0**18), (1, 2.0**17), (2, 2.0**16), (3, 2.0**16)]
+    series = [(m.step, m.kind, m.mean) for m in run.monitor() if m.name == "scaler"]
+    assert series == [(0, "loss_scale", 2.0**18), (0, "loss_scale_skipped", 1.0),
+                      (1, "loss_scale", 2.0**17), (1, "loss_scale_skipped", 1.0),
+                      (2, "loss_scale", 2.0**16), (2, "loss_scale_skipped", 0.0),
+                      (3, "loss_scale", 2.0**16), (3, "loss_scale_skipped", 0.0)]
+    # The overflowed output gradients are the scaler's business: no alert.
+    overflowed = [m for m in run.monitor(0, 0) if m.slot == "output_grad"]
+    assert overflowed and all(m.infs + m.nans > 0 for m in overflowed)
+    assert run.anomalies() == []
+    # Without a traced op, the monitor's series say which steps were skipped.
+    assert [s.describe() for s in run.skipped_steps()] == [
+        "step 0 skipped by the loss scaler: gradients overflowed at scale 262144",
+        "step 1 skipped by the loss scaler: gradients overflowed at scale 131072"]
+    text = _summary_text(run)
+    assert "step 1 skipped by the loss scaler: gradients overflowed at scale 131072" in text
+    assert "step 2: loss scaler at scale 65536, no overflow" in text
 
 
 def test_the_monitor_refuses_a_scaler_that_is_not_one(tmp_path):

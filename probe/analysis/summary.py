@@ -137,11 +137,12 @@ def summarize_step(run: Run, step: int, rank: int, top: int = 5) -> StepSummary:
         if np.any(rows[:, 4] + rows[:, 5] > 0):  # only then is the step's graph needed
             origins = nonfinite_origins_in(run.ops(step, rank))
             first = origins[0] if origins else None
-        scaler = run.loss_scaler(step, rank)  # after run.ops: read from the decoded step when it is
-        handled = handled_by_scaler(origins, scaler)
+        handled = handled_by_scaler(origins, scaler := run.loss_scaler(step, rank))  # after run.ops
         by_abs_max = _largest(run, step, rank, op_of_row, abs_max, top, lambda t: t.abs_max, scaler)
         by_norm = _largest(run, step, rank, op_of_row, rows[:, 3], top,
                            lambda t: None if t.stats is None else t.stats["norm"], scaler)
+    if stats is None:
+        scaler = run.loss_scaler(step, rank)  # the monitor's series (scaler=), if any
     return StepSummary(
         step=step,
         rank=rank,

@@ -182,15 +182,19 @@ class AnomalyDetector:
         training thread with ``on_anomaly="dump"``/``"stop"``): ``probe.escalation`` learns of
         incidents this way, without a sync of its own. A listener must be quick and thread-safe."""
 
-    def scan(self, step: int, rank: int, series: list[Series], values: np.ndarray) -> list[Anomaly]:
-        """The step's alerts, in series order (per series: non-finite, turbulence, user rules)."""
+    def scan(self, step: int, rank: int, series: list[Series], values: np.ndarray,
+             handled: np.ndarray | None = None) -> list[Anomaly]:
+        """The step's alerts, in series order (per series: non-finite, turbulence, user rules).
+        ``handled``: per series, its NaN and Inf are an overflow the loss scaler handled (a
+        gradient in a step it skipped): no non-finite alert, and no alert in progress."""
         values = np.asarray(values, dtype=np.float64)
         if values.shape[0] != len(series):
             raise ValueError(f"anomaly scan: {len(series)} series but {values.shape[0]} rows of values")
         layout = self._layout_of(series)
         alerts: list[tuple[int, int, Anomaly]] = []  # (position, order within the series, alert)
         for positions in layout.groups:
-            self._scan_rows(step, rank, positions, layout.rows[positions], values[positions], alerts)
+            self._scan_rows(step, rank, positions, layout.rows[positions], values[positions], alerts,
+                            None if handled is None else handled[positions])
         if self.config.user_rules:
             self._user_rules(step, rank, series, values, alerts)
         alerts.sort(key=lambda entry: (entry[0], entry[1]))
@@ -229,11 +233,13 @@ class AnomalyDetector:
         return self._layout
 
     def _scan_rows(self, step: int, rank: int, positions: np.ndarray, rows: np.ndarray, values: np.ndarray,
-                   alerts: list[tuple[int, int, Anomaly]]) -> None:
+                   alerts: list[tuple[int, int, Anomaly]], handled: np.ndarray | None = None) -> None:
         """The built-in rules over distinct series (their state rows ``rows``)."""
         nans, infs = values[:, _NANS], values[:, _INFS]
         nonfinite = nans + infs
         bad = nonfinite > 0  # a NaN count (a row of unknown values) is neither bad nor calm
+        if handled is not None:  # the loss scaler's overflow: neither an alert nor calm
+            bad &= ~handled
         if self.config.nonfinite:
             for i in np.flatnonzero(bad & ~self._bad[rows]).tolist():
                 s = self._series[rows[i]]

@@ -17,10 +17,13 @@ step it reduces, on the device and without a host sync
   Adam's moments ``exp_avg`` / ``exp_avg_sq``; ``ur_distribution``: the norm of
   Adam's update over the norm of the weight;
 - with ``scaler=`` (the loop's ``torch.amp.GradScaler``): the loss scale in force during
-  the step, series ``loss_scale/scaler``. GradScaler has no hooks, and a step it skips
-  never calls the optimizer's: the scale tensor is copied on the device when the step
-  begins (no host sync) and recorded when it ends; in the step that creates the scale
-  (its first ``scaler.scale(loss)``) the scale in force was its ``init_scale``.
+  the step, series ``loss_scale/scaler``, and ``loss_scale_skipped/scaler``: 1 when the
+  scaler skipped the step (its gradients overflowed: its update lowered the scale), else
+  0. GradScaler has no hooks, and a step it skips never calls the optimizer's: the scale
+  tensor is copied on the device when the step begins (no host sync) and compared with the
+  scale when it ends; in the step that creates the scale (its first ``scaler.scale(loss)``)
+  the scale in force was its ``init_scale``. In a skipped step the non-finite gradients
+  (``*_grad`` slots, ``weight_grad``) are the overflow the scaler handled: no alert.
 
 At ``session.step()`` the rows are stacked on the device and, with
 ``reduce_ranks=True``, their cross-rank reductions are started there, on the
@@ -190,7 +193,8 @@ class MonitorStep:
             raw = rows.host_rows()  # the step's one transfer
         self.values = finalize(raw, numel)
         self._add_update_ratios()
-        self.anomalies = self._sink.detector.scan(self.step, self._sink.rank, rows.series, self.values)
+        self.anomalies = self._sink.detector.scan(self.step, self._sink.rank, rows.series, self.values,
+                                                  handled=_overflow_handled(rows.series, self.values))
         if rows.held is not None and self.anomalies:
             flagged = {(a.kind, a.module, a.call) for a in self.anomalies}
             for index, tensor in rows.held.items():
@@ -463,18 +467,23 @@ class MonitorMode(SessionPlugin):
             return scale.detach().clone()
 
     def _record_loss_scale(self) -> None:
-        """The series ``loss_scale/scaler``: the scale in force during the step (the scaler's
-        update at the step's end changed the tensor in place: the copy from its start is used)."""
+        """The series ``loss_scale/scaler``, the scale in force during the step (the scaler's
+        update at the step's end changed the tensor in place: the copy from its start is used),
+        and ``loss_scale_skipped/scaler``: whether that update lowered it, which GradScaler does
+        exactly when the step's gradients overflowed and it skipped the optimizer step."""
         in_force, self._scale_at_start = self._scale_at_start, None
         scaler = self.config.scaler
-        if in_force is None and scaler is not None and scaler.is_enabled():
-            scale = scaler._get_scale_async()
-            if scale is not None:  # created in this step, at its initial value
-                with torch.no_grad(), untraced():
-                    in_force = torch.full((), float(scaler._init_scale), dtype=scale.dtype,
-                                          device=scale.device)
-        if in_force is not None:
-            self._record("loss_scale", "scaler", "", 0, in_force)
+        if scaler is None or not scaler.is_enabled():
+            return
+        scale = scaler._get_scale_async()
+        if scale is None:  # no loss scaled yet
+            return
+        with torch.no_grad(), untraced():
+            if in_force is None:  # created in this step, at its initial value
+                in_force = torch.full((), float(scaler._init_scale), dtype=scale.dtype, device=scale.device)
+            skipped = (scale < in_force).to(scale.dtype)
+        self._record("loss_scale", "scaler", "", 0, in_force)
+        self._record("loss_scale_skipped", "scaler", "", 0, skipped)
 
     def _flush(self) -> None:
         """Reduce the queued tensors now (the optimizer changes its gradients, weights and moments
@@ -618,6 +627,20 @@ class MonitorMode(SessionPlugin):
         from probe.exporters.tensorboard_events import ScalarEventWriter
 
         return ScalarEventWriter
+
+
+def _is_gradient(series: Series) -> bool:
+    return series.kind == "weight_grad" or (series.kind == "activation" and series.slot.endswith("_grad"))
+
+
+def _overflow_handled(series: list[Series], values: np.ndarray) -> np.ndarray | None:
+    """Per series, whether its non-finite values are an overflow the loss scaler handled: a
+    gradient in a step the scaler skipped (``loss_scale_skipped`` is 1). None when it did not
+    skip the step, or is not monitored."""
+    mean = METRIC_COLUMNS.index("mean")
+    if not any(s.kind == "loss_scale_skipped" and values[i, mean] > 0 for i, s in enumerate(series)):
+        return None
+    return np.array([_is_gradient(s) for s in series], dtype=bool)
 
 
 class _ModuleWatcher:

@@ -38,6 +38,7 @@ from probe.rundir.loss_scaler import (
     handled_by_scaler,
     scaler_step,
     scaler_step_in,
+    scaler_step_monitored,
 )
 from probe.rundir.mode_files import ModeFiles, StepFiles
 from probe.rundir.op_graph import build_graph
@@ -370,23 +371,27 @@ class Run:
     def loss_scaler(self, step: int | None = None, rank: int | None = None) -> ScalerStep | None:
         """What ``torch.amp.GradScaler`` did in one step: whether the gradients overflowed (it then
         skipped the optimizer step), the scale in force and the next one, and which ops were its
-        own (see :mod:`probe.rundir.loss_scaler`). None when the step recorded no scaler op."""
+        own (see :mod:`probe.rundir.loss_scaler`): from its ops (stats mode), else from the
+        monitor's series (``scaler=``). None when the step recorded neither."""
         place = _Place(*self.resolve(step, rank))
         cached = self._ops.peek(place)
         if cached is not None:
-            return scaler_step_in(cached)
-        # Find the scaler's few ops by name in the raw records (op #i is line i), decode only those.
-        candidates = [i for i, line in enumerate(self._lines(place)[1]) if SCALER_OP_PREFIX in line]
-        if not candidates:
-            return None
-        return scaler_step(place.step, place.rank, self.ops_at(candidates, place.step, place.rank),
-                           lambda i: self.ops_at([i], place.step, place.rank)[0])
+            found = scaler_step_in(cached)
+        else:
+            # The scaler's few ops found by name in the raw records (op #i is line i), only those decoded.
+            candidates = [i for i, line in enumerate(self._lines(place)[1]) if SCALER_OP_PREFIX in line]
+            found = None if not candidates else scaler_step(
+                place.step, place.rank, self.ops_at(candidates, place.step, place.rank),
+                lambda i: self.ops_at([i], place.step, place.rank)[0])
+        if found is None:
+            found = scaler_step_monitored(place.step, place.rank, self.monitor(place.step, place.rank))
+        return found
 
     def skipped_steps(self, rank: int | None = None) -> list[ScalerStep]:
         """The steps the loss scaler skipped (their gradients overflowed), by step then rank
         (every rank when ``rank`` is None); each says at which scale (``.scale``, ``.describe()``:
-        "step N skipped by the loss scaler: gradients overflowed at scale S"). Needs the stats
-        mode: a step without statistics is not known to be skipped."""
+        "step N skipped by the loss scaler: gradients overflowed at scale S"). Known from the
+        stats mode's records of the scaler's ops, or from the monitor's series (``scaler=``)."""
         found = []
         for step in self.steps:
             for r in self.ranks if rank is None else [rank]:
@@ -395,7 +400,7 @@ class Run:
                 stats = self.output_stats(step, r)
                 # An overflow leaves Inf or NaN in the gradients the scaler unscaled: without one,
                 # the step was not skipped, and nothing is decoded.
-                if stats is None or not (stats[1][:, 4] + stats[1][:, 5] > 0).any():
+                if stats is not None and not (stats[1][:, 4] + stats[1][:, 5] > 0).any():
                     continue
                 scaler = self.loss_scaler(step, r)
                 if scaler is not None and scaler.skipped:
