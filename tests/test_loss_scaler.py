@@ -11,10 +11,13 @@ import torch
 from hf_models import tiny_llama
 from rich.console import Console
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import probe
 from probe.analysis.summary import summarize
 from probe.exporters.console import render_run
+from probe.tracer.op_class import classify
+from probe.tracer.op_tensors import counted_writes, written_tensors
 
 STEPS = 4
 
@@ -200,3 +203,64 @@ def test_hf_llama_skipped_steps_summary_and_transparency(tmp_path):
     assert "_amp_" not in text
     scales = [m.mean for m in run.monitor() if m.kind == "loss_scale"]
     assert scales == [2.0**20, 2.0**19, 2.0**18, 2.0**18]
+
+
+class _VersionBumps(TorchDispatchMode):
+    """Per op: each written argument's version counter when the op returns inside the mode
+    (before autograd counts the write), to compare with its counter afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, bool, int]] = []
+        self._pending: list[tuple[str, torch.Tensor, bool, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        info = classify(func)
+        counted = {id(t) for t in counted_writes(info, args, kwargs)}
+        for t in written_tensors(info, args, kwargs):
+            self._pending.append((info.name, t, id(t) in counted, t._version))
+        return out
+
+    def settle(self) -> None:
+        self.seen += [(name, counted, t._version - before) for name, t, counted, before in self._pending]
+        self._pending.clear()
+
+
+def test_the_tracer_knows_which_writes_autograd_counts():
+    # The scaler's ops, fused optimizers and _foreach ops write without a version bump (the
+    # growth tracker of _amp_update_scale_ too, its scale with one); in-place and out= ops bump.
+    mode = _VersionBumps()
+    grads, found_inf = [torch.ones(3)], torch.zeros(())
+    scale, tracker = torch.ones(()), torch.zeros((), dtype=torch.int32)
+    weight = nn.Parameter(torch.ones(3))
+    weight.grad = torch.ones(3)
+    adamw = torch.optim.AdamW([weight], fused=True)
+    calls = [lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.ones(())),
+             lambda: torch._amp_update_scale_(scale, tracker, found_inf, 2.0, 0.5, 10),
+             adamw.step,
+             lambda: torch._foreach_add_(grads, 1.0),
+             lambda: grads[0].add_(1.0),
+             lambda: torch.max(torch.ones(2, 3), 0, out=(torch.empty(3), torch.empty(3, dtype=torch.long)))]
+    for call in calls:
+        with mode:
+            call()
+        mode.settle()
+    assert all(bumped == int(counted) for _, counted, bumped in mode.seen), mode.seen
+    names = {name for name, _, _ in mode.seen}
+    assert {"aten._amp_foreach_non_finite_check_and_unscale_.default", "aten._amp_update_scale_.default",
+            "aten._fused_adamw_.default", "aten.add_.Tensor", "aten.max.dim_max"} <= names
+
+
+def test_the_optimizer_reads_the_unscaled_gradients(mlp_run):
+    # Unscaling writes the gradients in place without a version bump: the optimizer's reads are
+    # of the unscale op's outputs (the unscaled values), not of the scaled gradients before it.
+    ops = mlp_run.ops(3)
+    unscale = next(op for op in ops if op.name.startswith("aten._amp_foreach_non_finite"))
+    update = next(op for op in ops if op.name.startswith("aten._amp_update_scale_"))
+    assert update.inputs[2].source == (unscale.index, len(unscale.outputs) - 1)  # found_inf
+    grad_reads = [t for op in ops if op.phase == "optimizer" for t in op.inputs
+                  if t.source is not None and t.source[0] == unscale.index]
+    assert len(grad_reads) == len(unscale.outputs) - 1  # every gradient, once (SGD's add_)
+    for t in grad_reads:
+        assert t.stats == unscale.outputs[t.source[1]].stats

@@ -88,7 +88,7 @@ class UpcastMode(Mode):
         args = [convert(a) for a in call.args]
         kwargs = {k: convert(v) for k, v in (call.kwargs or {}).items()}
         results = results_of(call.info, args, kwargs, call.func(*args, **kwargs))
-        bump = 1 if call.info.counts_writes else 0
+        moving = call.versions_moving()
         for position, original in enumerate(call.output_tensors or ()):
             if position >= len(results) or not self._low(original):
                 continue
@@ -98,6 +98,7 @@ class UpcastMode(Mode):
             with torch.no_grad():
                 original.copy_(exact)
             mutated = call.outputs[position][2]
+            bump = 1 if any(original is m for m in moving) else 0
             if mutated and bump == 0:
                 self._shadows.pop(original, None)
             else:

@@ -263,6 +263,7 @@ class Tracer:
         if phase in _NODE_CREATING_PHASES:
             self.modules.note_autograd_node(frame)
 
+        rewritten: list[torch.Tensor] = []
         if info.is_collective:
             # c10d schemas do not mark what they write: an output that is an argument was written.
             out_tensors = collective_outputs(info, args, out)
@@ -270,6 +271,11 @@ class Tracer:
         else:
             out_tensors = tensors_out(out)
             written = call.written()
+            if written and (info.uncounted_writes or not info.counts_writes):
+                # Written without a version bump (_foreach_*, _fused_*, _amp_* ops): the new value
+                # has the old one's version, and must replace it under that key.
+                moving = call.versions_moving()
+                rewritten = [t for t in written if not any(t is m for m in moving)]
         if info.refills_buffers:
             for t in written:
                 base = t._base if t._base is not None else t
@@ -279,10 +285,11 @@ class Tracer:
         if written:
             out_tensors += [t for t in written if not any(t is r for r in out_tensors)]
         try:
-            outputs, skipped_outputs = self._register_outputs(out_tensors, written, index, info.is_view)
+            outputs, skipped_outputs = self._register_outputs(out_tensors, written, index, info.is_view,
+                                                              rewritten=rewritten)
         except UNKEYABLE_ERRORS:
             outputs, skipped_outputs = self._register_outputs(
-                out_tensors, written, index, info.is_view, careful=True
+                out_tensors, written, index, info.is_view, careful=True, rewritten=rewritten
             )
             call.skipped += skipped_outputs
         call.outputs = outputs
@@ -307,11 +314,12 @@ class Tracer:
 
     def _register_outputs(
         self, results: list[torch.Tensor], written: list[torch.Tensor], index: int, view: bool,
-        careful: bool = False,
+        careful: bool = False, rewritten: list[torch.Tensor] | None = None,
     ) -> tuple[list[OutputMeta], tuple[Skipped, ...]]:
         """The results' metadata, each registered as a value op ``index`` produced, and the
         results skipped. ``careful`` (after a key read failed) first asks :func:`unkeyable`
-        of each result and skips those it names."""
+        of each result and skips those it names. ``rewritten``: the written ones whose version
+        counter does not move (see ``ValueIndex.produced``)."""
         produced = self.values.produced
         fresh_kind = "view" if view else "fresh"
         outputs: list[OutputMeta] = []
@@ -324,7 +332,10 @@ class Tracer:
                 skipped += (("out", position, reason),)
                 continue
             outputs.append((_DTYPE_NAMES[t.dtype], tuple(t.shape), mutated))
-            produced(t, index, position, "written" if mutated else fresh_kind)
+            kind = fresh_kind
+            if mutated:
+                kind = "rewritten" if rewritten and any(t is r for r in rewritten) else "written"
+            produced(t, index, position, kind)
         return outputs, skipped
 
     def _inputs_skipping_unkeyable(

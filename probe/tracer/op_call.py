@@ -26,7 +26,7 @@ import torch
 
 from probe.tracer.frames import Frame
 from probe.tracer.op_class import OpClass
-from probe.tracer.op_tensors import written_tensors
+from probe.tracer.op_tensors import counted_writes, written_tensors
 
 Source = tuple[int, int, bool]
 InputMeta = tuple[str, tuple[int, ...], Source | None]
@@ -161,6 +161,8 @@ class OpCall:
         returns (see ``OpClass.counts_writes``)."""
         if self.writes_in_flight is not None:
             return self.writes_in_flight
+        if self.info.uncounted_writes:
+            return counted_writes(self.info, self.args, self.kwargs)
         return self.written() if self.info.counts_writes else []
 
     def skip_reason(self, io: str, position: int) -> str | None:

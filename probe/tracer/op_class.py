@@ -94,8 +94,12 @@ class OpClass:
     (``Tracer._is_refilled``)."""
     counts_writes: bool = False
     """Autograd adds one to the version counter of each tensor the op writes once the op
-    returns, after every dispatch mode's work on it: in-place and ``out=`` ops do;
-    ``_foreach`` ops and c10d collectives do not."""
+    returns, after every dispatch mode's work on it (but those of :attr:`uncounted_writes`):
+    in-place and ``out=`` ops do; ``_foreach``, ``_fused_*`` (fused optimizers) and
+    ``_amp_foreach_non_finite_check_and_unscale_`` ops and c10d collectives do not."""
+    uncounted_writes: tuple[int | str, ...] = ()
+    """Written arguments (positions, keyword names) whose writes autograd does not count in an
+    op that counts others: ``_amp_update_scale_``'s growth tracker."""
     compiled_region: bool = False
     """One call of a compiled graph (``compiled="keep"``, see probe.tracer.compiled_regions): it
     cannot be re-run by the modes that re-run ops."""
@@ -103,6 +107,33 @@ class OpClass:
     @property
     def mutates(self) -> bool:
         return bool(self.mutated_args or self.mutated_kwargs)
+
+
+def _uncounted_writes(func: torch._ops.OpOverload, args: list[int], kwargs: list[str]
+                      ) -> tuple[int | str, ...]:
+    """The written arguments whose writes autograd's version counters do not count.
+
+    For aten ops the ADInplaceOrView kernel, generated from the schema, bumps the version of
+    each written argument the op returns, and an op without that kernel bumps none (checked on
+    torch 2.13 against in-place, ``out=``, ``_foreach_*``, ``_fused_*`` and ``_amp_*`` ops).
+    Other namespaces are taken to count every write (``torch.library.custom_op`` ops do)."""
+    if func.namespace != "aten" or not (args or kwargs):
+        return ()
+    schema = func._schema
+    qualified = f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "ADInplaceOrView"):
+        return (*args, *kwargs)
+    returned: set[str] = set()
+    for r in schema.returns:
+        if r.alias_info is not None and r.alias_info.is_write:
+            returned.update(r.alias_info.before_set)
+    by_name = {a.name: a for a in schema.arguments}
+
+    def counted(arg: torch._C.Argument) -> bool:
+        return arg.alias_info is not None and bool(set(arg.alias_info.before_set) & returned)
+
+    return (*(i for i in args if not counted(schema.arguments[i])),
+            *(k for k in kwargs if not counted(by_name[k])))
 
 
 def op_name(func: object) -> str:
@@ -142,6 +173,10 @@ def classify(func: torch._ops.OpOverload) -> OpClass:
         r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
     ) and not mutated_args
     tags = set(getattr(func, "tags", ()))
+    written = (bool(mutated_args or mutated_kwargs) and not is_collective
+               and not func._opname.startswith("_foreach"))
+    uncounted = _uncounted_writes(func, mutated_args, mutated_kwargs) if written else ()
+    counts_writes = written and len(uncounted) < len(mutated_args) + len(mutated_kwargs)
     return OpClass(
         name=name,
         short=func._opname,
@@ -163,8 +198,8 @@ def classify(func: torch._ops.OpOverload) -> OpClass:
         region=_REGION_MARKERS.get(name, 0),
         math_bit_view=name in _MATH_BIT_VIEWS,
         refills_buffers=name in _REFILLS_BUFFERS,
-        counts_writes=bool(mutated_args or mutated_kwargs) and not is_collective
-        and not func._opname.startswith("_foreach"),
+        counts_writes=counts_writes,
+        uncounted_writes=uncounted if counts_writes else (),
     )
 
 

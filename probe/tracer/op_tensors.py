@@ -46,6 +46,20 @@ def written_tensors(
     return tensors_in(values, {})
 
 
+def counted_writes(info: OpClass, args: Sequence[Any], kwargs: Mapping[str, Any] | None
+                   ) -> list[torch.Tensor]:
+    """The written tensors whose version counters autograd moves once the op returns (see
+    ``OpClass.counts_writes``)."""
+    if not info.counts_writes:
+        return []
+    if not info.uncounted_writes:
+        return written_tensors(info, args, kwargs)
+    values = [args[i] for i in info.mutated_args if i < len(args) and i not in info.uncounted_writes]
+    if kwargs:
+        values += [kwargs[k] for k in info.mutated_kwargs if k in kwargs and k not in info.uncounted_writes]
+    return tensors_in(values, {})
+
+
 def results_of(info: OpClass, args: Sequence[Any], kwargs: Mapping[str, Any] | None, out: Any
                ) -> list[torch.Tensor]:
     """What an op produced: its returned tensors, then the written arguments it does not return

@@ -121,7 +121,10 @@ class ValueIndex:
         """Register ``t`` as output ``position`` of op ``op_index``.
 
         ``kind`` is "fresh" (a new value), "view" (exposes a value, writes
-        nothing) or "written" (an argument the op wrote in place).
+        nothing), "written" (an argument the op wrote in place: autograd moves its
+        version counter once the op returns) or "rewritten" (written in place without
+        a version bump, by ``_foreach_*``, ``_fused_*`` and ``_amp_*`` ops: the new value
+        takes the key of the value it replaced).
         """
         ptr = t.data_ptr()
         if ptr == 0:
