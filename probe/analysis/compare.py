@@ -72,7 +72,7 @@ from probe.exporters.compare_report import write_csv, write_html
 from probe.modes.dump import DumpIndex
 from probe.modes.perturbations import reduction_length
 from probe.rundir.reader import OpRecord, Run, TensorRecord
-from probe.tracer.op_class import draws_random
+from probe.tracer.op_class import creates_uninitialized, draws_random
 
 METRIC_KEYS = ("cosine", "max_abs_err", "max_rel_err", "one_thousandth_ratio",
                "five_thousandth_ratio", "rmse", "max_ulp", "ref_rms")
@@ -141,7 +141,8 @@ class _Side:
 
     def __init__(self, run: Run, step: int, rank: int) -> None:
         self.run = run
-        self.ops = run.ops(step, rank)
+        # A loss scaler's gradients are compared with its scale divided out (precision.unscaled).
+        self.ops, self.loss_scale, self._scaled = precision.unscaled(run.ops(step, rank))
         self.dump: DumpIndex | None = run.dump(step, rank) if run.has_dump(step, rank) else None
 
     def data(self, op: OpRecord, io: str, position: int) -> tuple[torch.Tensor | None, str | None]:
@@ -156,9 +157,12 @@ class _Side:
         if entry.status is not None:
             return None, entry.status
         try:
-            return self.dump.tensor(op.index, io, position), None
+            data = self.dump.tensor(op.index, io, position)
         except ProbeError as e:
             return None, f"unreadable: {e}"
+        if (op.index, io, position) in self._scaled and self.loss_scale:
+            data = data.double() / self.loss_scale
+        return data, None
 
 
 def _is_float(dtype: str) -> bool:
@@ -258,6 +262,27 @@ class Divergence:
         return self.comparison.rule
 
 
+@dataclass(frozen=True)
+class Carry:
+    """What the steps compared before this one say about the state the runs carry into it
+    (weights, optimizer state, buffers: the inputs from outside the step).
+
+    A difference explained once stays explained: the weights two runs of different precision
+    hold at step k differ by what their earlier steps computed differently, and that is no
+    new divergence. Two runs that computed alike bit for bit so far are in the exact regime:
+    any difference in what they carry, however small, entered between the steps."""
+
+    before: int = 0
+    """How many steps were compared before this one."""
+    identical: bool = True
+    """Every op compared so far had bit-identical results (statistics or data) in both runs."""
+    explained: bool = True
+    """No divergence entered in the steps before."""
+    bound: float = 0.0
+    """The largest difference (relative, as ``_error_of`` measures it) of a value the steps
+    before wrote and that may be read again: optimizer outputs and in-place writes."""
+
+
 @dataclass
 class StepComparison:
     step: int
@@ -266,6 +291,8 @@ class StepComparison:
     divergence: Divergence | None
     policy: str = ""
     """How run B's precision differs from run A's, in words ("bf16 autocast")."""
+    carry: Carry = field(default_factory=Carry)
+    """What this step hands to the next (:class:`Carry`)."""
 
 
 def _inputs_agree(op: OpComparison, by_index: dict[int, OpComparison]) -> tuple[bool, bool]:
@@ -420,21 +447,53 @@ def _input_error(side_a: _Side, side_b: _Side, c: OpComparison, position: int,
     return _error_of(t, c.a.inputs[position], c.b.inputs[position])
 
 
+def _sources_error(side_a: _Side, side_b: _Side, a: TensorRecord, b: TensorRecord) -> float | None:
+    """An input's difference from the statistics each run recorded for it, or else for the
+    producer output it is (None when either is unknown)."""
+    found = []
+    for side, record in ((side_a, a), (side_b, b)):
+        if record.stats is None and record.source is not None and record.source[0] < len(side.ops) \
+                and record.source[1] < len(side.ops[record.source[0]].outputs):
+            record = side.ops[record.source[0]].outputs[record.source[1]]
+        found.append(record)
+    ra, rb = found
+    if ra.stats is None or rb.stats is None or ra.numel != rb.numel:
+        return None
+    return precision.stats_error(ra.stats, rb.stats, ra.numel)
+
+
+def _uninitialized(a: TensorRecord, b: TensorRecord, by_index: dict[int, OpComparison]) -> bool:
+    """Whether the input is memory nothing had written yet (``empty_like``'s, filled by this op,
+    e.g. ``copy_``'s destination): it holds no value of the program, so no difference."""
+    producer = by_index.get(a.source[0]) if a.source is not None else None
+    return (a.stats is None and b.stats is None and producer is not None and producer.a is not None
+            and creates_uninitialized(producer.a.name))
+
+
 def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
-                          by_index: dict[int, OpComparison]) -> tuple[bool, str] | None:
+                          by_index: dict[int, OpComparison],
+                          carried: dict[int, float] | None = None) -> tuple[bool, str] | None:
     """(enters, message) from the inputs' difference: beyond ``CONDITION`` x it plus each run's
-    rounding, the difference enters here. None when an input computed in the step is unknown."""
+    rounding, the difference enters here. None when an input computed in the step is unknown.
+    ``carried``: the differences of inputs from outside the step that earlier steps explain
+    (input position -> relative difference)."""
     assert c.a is not None and c.b is not None
     in_error = 0.0
     for position, record in enumerate(c.a.inputs):
-        if record.source is None or position >= len(c.b.inputs):
+        if position >= len(c.b.inputs) or _uninitialized(record, c.b.inputs[position], by_index):
+            continue
+        if record.source is None and c.b.inputs[position].source is None:
+            if carried is not None:  # state from the steps before: its difference is explained
+                in_error = max(in_error, carried.get(position, 0.0))
             continue
         t = compare_tensors(side_a, side_b, c.a, c.b, "input", position)
         if t.verdict == ERROR and t.rule in (RULE_SHAPE, RULE_NONFINITE):
             return None
         error = _input_error(side_a, side_b, c, position, t)
-        if error is None:  # the input's own record holds nothing: its producer's output may
-            error = _producer_error(by_index, record.source)
+        if error is None and record.source is not None:  # nothing in the input's own record:
+            error = _producer_error(by_index, record.source)  # its producer's output may hold it
+        if error is None:  # producers that were not matched: their outputs, as each run recorded them
+            error = _sources_error(side_a, side_b, record, c.b.inputs[position])
         if error is None:
             return None
         in_error = max(in_error, error)
@@ -451,21 +510,93 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
     bound = precision.CONDITION * in_error + rounding
     detail = (f"output differs by {out_error:.3g} (relative), {precision.CONDITION:g} x the inputs' "
               f"{in_error:.3g} + rounding {rounding:.3g} = {bound:.3g}")
+    if c.a.phase == "optimizer" and in_error > 0:
+        # Adam's m / (sqrt(v) + eps) is sign(g) where gradients are near zero: no condition
+        # bounds what it makes of a difference of its inputs. A difference enters an
+        # optimizer op only where its inputs agree.
+        return False, (f"consistent with precision: the optimizer's update of inputs that differ by "
+                       f"{in_error:.3g} (relative; its normalisation is unbounded near zero gradients)")
     if out_error > bound:
         return True, f"{detail}: beyond what the inputs and each run's precision explain"
     return False, f"consistent with precision: {detail}"
 
 
-def _external_inputs_differ(side_a: _Side, side_b: _Side, c: OpComparison) -> list[str]:
-    """Inputs from outside the step (in run A) that differ beyond rounding."""
+def _external_inputs_differ(side_a: _Side, side_b: _Side, c: OpComparison, carry: Carry,
+                            carried: dict[int, float]) -> list[str]:
+    """Inputs from outside the step (in run A) whose difference enters here, in words.
+
+    In the exact regime (``carry.identical``) any difference does: the runs computed alike
+    bit for bit, so what they carry cannot differ. When the steps before explained their
+    differences, one up to ``carry.bound`` is carried state (recorded in ``carried``, input
+    position -> difference); beyond it, or with nothing before to explain it, one beyond
+    the thresholds enters here."""
     assert c.a is not None and c.b is not None
     differ = []
     for position, record in enumerate(c.a.inputs):
-        if record.source is None and position < len(c.b.inputs):
-            t = compare_tensors(side_a, side_b, c.a, c.b, "input", position)
-            if t.verdict in (ERROR, WARNING):
-                differ.append(f"input {position} (from outside the step) differs: {t.message}")
+        if record.source is not None or position >= len(c.b.inputs) \
+                or c.b.inputs[position].source is not None:
+            continue  # computed in the step (in run B: by ops of B only, which the rules judge)
+        other = c.b.inputs[position]
+        t = compare_tensors(side_a, side_b, c.a, c.b, "input", position)
+        beyond_thresholds = t.verdict in (ERROR, WARNING)
+        if carry.identical:
+            # Another dtype by design (a bf16 model) is judged by the thresholds of the lower one.
+            if not _alike(t, record, other) and (record.dtype == other.dtype or beyond_thresholds):
+                differ.append(f"input {position} (from outside the step) differs while the runs computed "
+                              f"alike bit for bit up to here: {t.message or 'its statistics differ'}")
+            continue
+        error = _error_of(t, record, other)
+        lower = precision.lower_of(_dtype(record), _dtype(other))
+        if record.dtype != other.dtype and error is not None and error <= precision.rounding(lower):
+            carried[position] = error  # held in another dtype by design (a bf16 model): its rounding
+            continue
+        if carry.before and carry.explained and error is not None:
+            if error <= carry.bound:
+                carried[position] = error
+                continue
+            differ.append(f"input {position} (from outside the step) differs by {error:.3g} (relative), "
+                          f"beyond the {carry.bound:.3g} the steps before explain"
+                          + (f": {t.message}" if t.message else ""))
+        elif beyond_thresholds:
+            differ.append(f"input {position} (from outside the step) differs: {t.message}")
     return differ
+
+
+SUM_ROUNDING = 1e-12
+"""How far (relative) two statistics sums of the same values may differ: fp64 sums taken in
+another order (another thread count) round differently."""
+
+
+def _alike(t: TensorComparison, a: TensorRecord, b: TensorRecord) -> bool:
+    """Whether a compared tensor pair is bit-identical as far as the runs recorded it: equal
+    data, or equal statistics (their fp64 sums up to their own rounding)."""
+    if t.kind == "data":
+        return t.metrics.get("max_abs_err") == 0 and not t.metrics.get("nonfinite_mismatch")
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.stats is None or b.stats is None:
+        return a.stats is b.stats
+    for key, x in a.stats.items():
+        y = b.stats.get(key)
+        if key in ("mean", "norm") and isinstance(x, float) and isinstance(y, float):
+            if abs(x - y) > SUM_ROUNDING * max(abs(x), abs(y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _written_error(c: OpComparison) -> float:
+    """The largest difference of a value ``c`` leaves for later steps to read (0 when none)."""
+    if c.a is None or c.b is None:
+        return 0.0
+    worst_error = 0.0
+    for t in c.outputs:
+        record = c.a.outputs[t.position]
+        if c.a.phase == "optimizer" or record.mutated:
+            error = _error_of(t, record, c.b.outputs[t.position])
+            worst_error = max(worst_error, error or 0.0)  # unknown: nothing it could explain
+    return worst_error
 
 
 def _one_run_producers(op: OpRecord, position: int, ops: dict[int, OpRecord], only: set[int],
@@ -513,6 +644,8 @@ def _edge_error(side_a: _Side, side_b: _Side, c: OpComparison, position: int,
     if error is None and ra is not None and rb is not None and ra.stats is not None \
             and rb.stats is not None and ra.numel == rb.numel:
         error = precision.stats_error(ra.stats, rb.stats, ra.numel)
+    if error is None:
+        error = _sources_error(side_a, side_b, c.a.inputs[position], c.b.inputs[position])
     return error
 
 
@@ -616,14 +749,18 @@ def _common_module(modules: list[str]) -> str:
 
 
 def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
-           lowerings: dict[int, precision.Lowering], replay_limit: int = 0) -> None:
+           lowerings: dict[int, precision.Lowering], replay_limit: int = 0,
+           carry: Carry | None = None) -> Carry:
     """Re-judges each op, in execution order, with the precision each run computed it in.
 
     Sets ``verdict``, ``rule`` and ``enters``: an op lowering precision unexplained is an
     error that enters there; a difference that the inputs' differences and each run's
     rounding explain is a warning; one they do not explain enters there (error); beyond
     the thresholds and downstream of a divergence, it is an error carried from it.
+    ``carry`` is what the steps before hand to this one; returns what this step hands on.
     """
+    carry = carry or Carry()
+    identical, written = carry.identical, carry.bound
     by_index = {c.a.index: c for c in comparisons if c.a is not None}
     views = (
         _RunView(side_a, {op.index: op for op in side_a.ops}, by_index,
@@ -646,10 +783,16 @@ def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
                 blamed.verdict, blamed.rule, blamed.enters = ERROR, RULE_UNMATCHED_PRODUCER, True
                 blamed.message = f"{message}; {blamed.message}" if blamed.message else message
                 tainted = True
-        _judge_op(side_a, side_b, c, by_index, lowerings, tainted, replay_limit)
+        regime = Carry(carry.before, identical, carry.explained, carry.bound)
+        _judge_op(side_a, side_b, c, by_index, lowerings, tainted, replay_limit, regime)
         if tainted or c.verdict == ERROR:
             reached_a.update([c.a.index] if c.a is not None else [])
             reached_b.update([c.b.index] if c.b is not None else [])
+        identical = identical and c.a is not None and c.b is not None and all(
+            _alike(t, c.a.outputs[t.position], c.b.outputs[t.position]) for t in c.outputs)
+        written = max(written, _written_error(c))
+    explained = carry.explained and not any(c.enters for c in comparisons)
+    return Carry(carry.before + 1, identical, explained, written)
 
 
 def _reads(op: OpRecord, indices: set[int]) -> bool:
@@ -657,20 +800,25 @@ def _reads(op: OpRecord, indices: set[int]) -> bool:
 
 
 def _judge_op(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int, OpComparison],
-              lowerings: dict[int, precision.Lowering], tainted: bool, replay_limit: int) -> None:
-    """Sets ``c``'s verdict, rule and ``enters``; ``tainted``: an input comes from a divergence."""
+              lowerings: dict[int, precision.Lowering], tainted: bool, replay_limit: int,
+              carry: Carry) -> None:
+    """Sets ``c``'s verdict, rule and ``enters``; ``tainted``: an input comes from a divergence;
+    ``carry``: the regime the runs are in at this op (:class:`Carry`)."""
     if c.b is not None and c.b.index in lowerings:
         message = lowerings[c.b.index].message
         c.verdict, c.rule, c.enters = ERROR, RULE_LOWERED, True
         c.message = f"{message}; {c.message}" if c.message else message
         return
-    if c.a is None or c.b is None or c.verdict in (PASS, NOT_COMPARED, UNMATCHED):
+    if c.a is None or c.b is None or c.verdict in (NOT_COMPARED, UNMATCHED):
+        return
+    carried: dict[int, float] = {}
+    outside = [] if tainted else _external_inputs_differ(side_a, side_b, c, carry, carried)
+    if c.verdict == PASS and not (outside and carry.identical):
         return
     magnitude = c.verdict
     if c.rule in (RULE_SHAPE, RULE_NONFINITE):
         c.enters = magnitude == ERROR and not tainted
         return
-    outside = _external_inputs_differ(side_a, side_b, c)
     if outside:
         c.verdict, c.rule, c.enters = ERROR, RULE_OUTSIDE, not tainted
         c.message = "; ".join([c.message, *outside] if c.message else outside)
@@ -679,7 +827,7 @@ def _judge_op(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int,
     skipped = None if tainted else _replay_skipped(c, replay_limit)
     judged, rule = (None if tainted or skipped else _judge_by_replay(side_a, side_b, c)), RULE_REPLAY
     if judged is None:
-        judged, rule = _judge_by_propagation(side_a, side_b, c, by_index), RULE_PROPAGATION
+        judged, rule = _judge_by_propagation(side_a, side_b, c, by_index, carried), RULE_PROPAGATION
         if judged is not None and skipped and _replayable(side_a, c.a) and _replayable(side_b, c.b):
             judged = (judged[0], f"{judged[1]} ({skipped})")
     if judged is None:  # an input unknown: the thresholds alone decide
@@ -719,7 +867,8 @@ def _divergence(run_a: Run, step: int, rank: int, comparisons: list[OpComparison
 def compare_step(run_a: Run, run_b: Run, step: int, rank: int,
                  module_map: dict[str, str] | None = None,
                  on_op: Callable[[], None] | None = None,
-                 replay_limit: int = REPLAY_LIMIT) -> StepComparison:
+                 replay_limit: int = REPLAY_LIMIT, carry: Carry | None = None) -> StepComparison:
+    """Compares one step of one rank; ``carry``: what the steps compared before it hand on."""
     side_a, side_b = _Side(run_a, step, rank), _Side(run_b, step, rank)
     matches = match_ops(side_a.ops, side_b.ops, module_map)
     comparisons = []
@@ -729,16 +878,27 @@ def compare_step(run_a: Run, run_b: Run, step: int, rank: int,
             on_op()
     partner_of_b = {m.b.index: m.a for m in matches if m.a is not None and m.b is not None}
     lowerings = precision.lowered_precision(side_a.ops, side_b.ops, partner_of_b)
-    _judge(side_a, side_b, comparisons, lowerings, replay_limit)
+    handed_on = _judge(side_a, side_b, comparisons, lowerings, replay_limit, carry)
     divergence = _divergence(run_a, step, rank, comparisons)
     policy = precision.describe_policy(side_a.ops, side_b.ops)
-    return StepComparison(step, rank, comparisons, divergence, policy)
+    return StepComparison(step, rank, comparisons, divergence, policy, handed_on)
+
+
+def _compare_steps(run_a: Run, run_b: Run, steps: list[int], rank: int, module_map: dict[str, str] | None,
+                   on_op: Callable[[], None] | None, replay_limit: int) -> list[StepComparison]:
+    """The steps of one rank in order, each handed what the one before found (:class:`Carry`).
+    A gap in the steps (a step one run lacks, or not asked for) breaks the chain: what the
+    runs carry across it is judged as at a first step."""
+    out: list[StepComparison] = []
+    for i, step in enumerate(steps):
+        carry = out[-1].carry if out and steps[i - 1] == step - 1 else None
+        out.append(compare_step(run_a, run_b, step, rank, module_map, on_op, replay_limit, carry))
+    return out
 
 
 def _compare_rank(path_a: str, path_b: str, steps: list[int], rank: int,
                   module_map: dict[str, str] | None, replay_limit: int) -> list[StepComparison]:
-    run_a, run_b = Run(path_a), Run(path_b)
-    return [compare_step(run_a, run_b, step, rank, module_map, replay_limit=replay_limit) for step in steps]
+    return _compare_steps(Run(path_a), Run(path_b), steps, rank, module_map, None, replay_limit)
 
 
 class Report:
@@ -960,8 +1120,8 @@ def compare(
                 results += future.result()
                 advance(sum(n for (_, r), n in sizes.items() if r == futures[future]))
     else:
-        results = [compare_step(run_a, run_b, s, r, module_map, advance, replay_limit)
-                   for r, ss in plan.items() for s in ss]
+        results = [c for r, ss in plan.items()
+                   for c in _compare_steps(run_a, run_b, ss, r, module_map, advance, replay_limit)]
     return Report(run_a.path, run_b.path, sorted(results, key=lambda s: (s.step, s.rank)), missing,
                   identity(run_a, run_b, plan))
 

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from probe.analysis.metrics import TensorMetrics
 from probe.modes.perturbations import CONDITION, ROUNDING_ULPS, eps, threshold
-from probe.rundir.reader import OpRecord
+from probe.rundir.reader import OpRecord, TensorRecord
 
 __all__ = [
     "CONDITION",
@@ -61,6 +61,8 @@ _PASS_THROUGH = frozenset({
     "clone", "detach", "alias", "unsqueeze", "squeeze", "slice", "select", "split", "split_with_sizes",
     "chunk", "unbind", "as_strided", "lift_fresh", "dropout", "native_dropout", "expand_as", "view_as",
 })
+SCALER_OPS = ("aten._amp_foreach_non_finite_check_and_unscale_", "aten._amp_update_scale_")
+"""The ops of ``torch.amp.GradScaler``: what feeds only them is the scaler's, not the model's."""
 _CASTS = frozenset({"_to_copy", "to", "copy_", "_to_dtype", "type_as"})
 
 
@@ -98,6 +100,11 @@ def model_dtype(ops: list[OpRecord]) -> torch.dtype | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
+def lower_of(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """The less precise of two floating dtypes."""
+    return a if _lower(a, b) else b
+
+
 def _lower(a: torch.dtype, b: torch.dtype) -> bool:
     """Whether ``a`` is less precise than ``b``."""
     return _RANKS.get(a, 0) < _RANKS.get(b, 0)
@@ -125,15 +132,20 @@ class Lowering:
                 f"{how}{extra}, which neither autocast nor run B's model dtype explains")
 
 
-def _terminal_consumers(op: OpRecord, consumers: dict[int, list[OpRecord]]) -> list[OpRecord]:
-    """Who computes on ``op``'s result, looking past views, copies and dropout."""
+def _terminal_consumers(op: OpRecord, consumers: dict[int, list[OpRecord]],
+                        through_casts: bool = False) -> list[OpRecord]:
+    """Who computes on ``op``'s result in its own phase, looking past views, copies and dropout.
+
+    A backward op reading the result (a tensor the forward op saved for its gradient) is
+    the backward of a forward consumer, not a consumer of its own: autocast's cast feeding
+    SDPA is read again by SDPA's backward, which is autocast's too."""
     seen, found, stack = {op.index}, [], list(consumers.get(op.index, []))
     while stack:
         other = stack.pop()
-        if other.index in seen:
+        if other.index in seen or other.phase != op.phase:
             continue
         seen.add(other.index)
-        if short_name(other.name) in _PASS_THROUGH:
+        if short_name(other.name) in _PASS_THROUGH or (through_casts and short_name(other.name) in _CASTS):
             stack += consumers.get(other.index, [])
         else:
             found.append(other)
@@ -171,6 +183,9 @@ def lowered_precision(ops_a: list[OpRecord], ops_b: list[OpRecord],
         targets = _terminal_consumers(op, consumers)
         if targets and all(short_name(t.name) in AUTOCAST_LOWERED for t in targets):
             continue  # autocast's cast at the input of the ops it lowers
+        scaler = _terminal_consumers(op, consumers, through_casts=True)
+        if scaler and all(t.name.startswith(SCALER_OPS) for t in scaler):
+            continue  # the loss scaler's own bookkeeping (its inverse scale in fp32)
         found[op.index] = Lowering(op, reference, out, partner is None)
     return found
 
@@ -278,3 +293,78 @@ def stats_error(a: dict, b: dict, numel: int) -> float:
         if pair[0] != pair[1]:
             worst = max(worst, abs(pair[0] - pair[1]) / scale if scale > 0 else math.inf)
     return worst
+
+
+UNSCALE_OP = "aten._amp_foreach_non_finite_check_and_unscale_.default"
+"""The op ``GradScaler.unscale_`` runs: its last input is ``1 / scale``."""
+
+
+def _value(ops: list[OpRecord], record: TensorRecord) -> float | None:
+    """The value of a one-element tensor, from its own statistics or its producer's."""
+    stats = record.stats
+    if stats is None and record.source is not None and record.source[0] < len(ops):
+        producer = ops[record.source[0]]
+        if record.source[1] < len(producer.outputs):
+            stats = producer.outputs[record.source[1]].stats
+    if stats is None or record.numel != 1 or stats.get("max") is None:
+        return None
+    return float(stats["max"])
+
+
+def loss_scale(ops: list[OpRecord]) -> float | None:
+    """The scale a loss scaler (``torch.amp.GradScaler``) multiplied this step's loss by: one
+    over the ``inv_scale`` its unscale op read; None when the step unscaled nothing."""
+    for op in ops:
+        if op.name == UNSCALE_OP and op.inputs:
+            inverse = _value(ops, op.inputs[-1])
+            if inverse is not None and inverse > 0 and math.isfinite(inverse):
+                return 1.0 / inverse
+    return None
+
+
+def _divided(stats: dict | None, scale: float) -> dict | None:
+    if stats is None:
+        return None
+    out = dict(stats)
+    for key in ("min", "max", "mean", "norm"):
+        if out.get(key) is not None:
+            out[key] = out[key] / scale
+    return out
+
+
+def unscaled(ops: list[OpRecord]) -> tuple[list[OpRecord], float | None, set[tuple[int, str, int]]]:
+    """The step's ops with the loss scale divided out of every value that carries it, the scale,
+    and which tensors carried it (``(op index, "input" | "output", position)``).
+
+    A loss scaler multiplies the loss by S (a power of two) so that small fp16 gradients do not
+    underflow, and divides the gradients by S before the optimizer reads them. Between the two,
+    every gradient of a run with a scaler is S times the one of a run without: compared as
+    they are, a healthy fp32 run and its fp16 + ``GradScaler`` twin differ everywhere in
+    backward. Carrying S are the outputs of the ops that read the scale (the scaled loss, the
+    backward of that product) and, from there, of every backward op that reads a tensor
+    carrying it; the unscale op's results no longer do. The records are copies: the run's own
+    are left as they are."""
+    scale = loss_scale(ops)
+    if scale is None or scale == 1.0:
+        return ops, scale, set()
+    carrying: set[tuple[int, int]] = set()
+    marked: set[tuple[int, str, int]] = set()
+    out: list[OpRecord] = []
+    for op in ops:
+        reads = [t.source is not None and (t.source[0], t.source[1]) in carrying for t in op.inputs]
+        seed = op.module == "" and op.name == "aten.mul.Tensor" and any(
+            t.numel == 1 and t.dtype.startswith("float") and _value(ops, t) == scale for t in op.inputs)
+        spreads = op.name != UNSCALE_OP and (seed or (op.phase == "backward" and any(reads)))
+        if not any(reads) and not spreads:
+            out.append(op)
+            continue
+        inputs = [replace(t, stats=_divided(t.stats, scale)) if r else t
+                  for t, r in zip(op.inputs, reads, strict=True)]
+        marked.update((op.index, "input", i) for i, r in enumerate(reads) if r)
+        outputs = op.outputs
+        if spreads:
+            outputs = [replace(t, stats=_divided(t.stats, scale)) for t in op.outputs]
+            carrying.update((op.index, i) for i in range(len(op.outputs)))
+            marked.update((op.index, "output", i) for i in range(len(op.outputs)))
+        out.append(replace(op, inputs=inputs, outputs=outputs))
+    return out, scale, marked

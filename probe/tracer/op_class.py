@@ -234,6 +234,14 @@ def draws_random(name: str) -> bool | None:
         return None
 
 
+def creates_uninitialized(name: str) -> bool:
+    """Whether the op named ``name`` returns memory nothing has written yet (``empty_like``, ...):
+    whatever it holds is no value of the program."""
+    parts = name.split(".")
+    aten = len(parts) >= 2 and parts[0] == "aten" and parts[1] in _UNINITIALIZED
+    return aten or name in _UNINITIALIZED_BUFFERS
+
+
 class OpClassCache(dict):
     """``func -> OpClass``; a miss classifies the op once.
 
