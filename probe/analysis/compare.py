@@ -496,6 +496,11 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
             error = _sources_error(side_a, side_b, record, c.b.inputs[position])
         if error is None:
             return None
+        other = c.b.inputs[position]
+        if record.dtype != other.dtype and _is_float(record.dtype) and _is_float(other.dtype):
+            # Statistics average a rounding away; a value held in a lower dtype in one run
+            # differs from its twin element by element by up to that dtype's rounding.
+            error = max(error, float(torch.finfo(precision.lower_of(_dtype(record), _dtype(other))).eps))
         in_error = max(in_error, error)
     out_error, out_dtypes = 0.0, (torch.float64, torch.float64)
     for t in c.outputs:
@@ -679,7 +684,7 @@ def _upstream_error(view: _RunView, boundary: list[tuple[int, int]]) -> float | 
     return upstream
 
 
-def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
+def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView], carry: Carry
                                ) -> tuple[OpComparison, str] | None:
     """(the one-run-only op to blame, why) when an input of ``c`` produced by ops of one run
     only differs by more than the matched ops upstream of them and rounding explain.
@@ -712,6 +717,8 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
                                           floor=on_data)
                        for op, w in zip(ops, walks, strict=True) if w is not None)
         worst_upstream = max(u for u in upstream if u is not None)
+        if carry.before and carry.explained and _reads_outside(ops, position, walks):
+            worst_upstream = max(worst_upstream, carry.bound)  # state earlier steps explain
         bound = precision.CONDITION * worst_upstream + rounding
         if difference <= bound:
             continue
@@ -726,6 +733,18 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
                    f"{'AB'[k]} only ({len(producers)} op(s): {names}, in {module or '<outside modules>'})")
         return views[k].comparisons[blamed.index], message
     return None
+
+
+def _reads_outside(ops: tuple[OpRecord, OpRecord], position: int,
+                   walks: list[tuple[list[OpRecord], list[tuple[int, int]]] | None]) -> bool:
+    """Whether input ``position`` of either op is, or is computed by one-run-only ops from, a
+    tensor from outside the step."""
+    for op, walk in zip(ops, walks, strict=True):
+        if op.inputs[position].source is None:
+            return True
+        if walk is not None and any(t.source is None for p in walk[0] for t in p.inputs):
+            return True
+    return False
 
 
 def _chain_precision(record: TensorRecord, producers: list[OpRecord]) -> torch.dtype:
@@ -777,7 +796,7 @@ def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
             or (c.b is not None and _reads(c.b, reached_b))
         if not tainted and c.a is not None and c.b is not None \
                 and (_reads(c.a, views[0].only) or _reads(c.b, views[1].only)):
-            entered = _entered_through_unmatched(c, views)
+            entered = _entered_through_unmatched(c, views, carry)
             if entered is not None:
                 blamed, message = entered
                 blamed.verdict, blamed.rule, blamed.enters = ERROR, RULE_UNMATCHED_PRODUCER, True

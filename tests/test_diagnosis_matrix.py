@@ -1,0 +1,73 @@
+"""``probe compare`` as a detector, on cases of the generated matrix of ``benchmarks.diagnosis``
+one step outside the shapes the older tests used: Hugging Face's defaults (SDPA attention,
+real vocabularies, several optimizer steps), other precision policies (fp16 autocast with a
+GradScaler, a bf16 model, another thread count) and faults planted in the exact regime.
+
+Each case trains a transformers model from a config (random weights) twice under the stats
+mode, a reference run A in fp32 and a run B, and compares them. The whole matrix is the
+benchmark (``python -m benchmarks.diagnosis``); these are the cases CI keeps an eye on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is an optional test dependency")
+
+from benchmarks.diagnosis import Case, Outcome, run_case
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    """Runs cases sharing their reference runs A (one per model, vocabulary and steps)."""
+    root = tmp_path_factory.mktemp("diagnosis")
+    references: dict[Case, Path] = {}
+
+    def run(case: Case) -> Outcome:
+        return run_case(case, root, references)
+    return run
+
+
+HEALTHY = [
+    # Hugging Face's default attention (SDPA) under bf16 autocast, over two AdamW steps.
+    Case("llama", "sdpa", 256, 2, "adamw", ("stats",), "bf16-autocast"),
+    # A real vocabulary: the embedding gradient is copied into an uninitialized buffer.
+    Case("llama", "eager", 1024, 2, "adamw", ("stats",), "bf16-autocast"),
+    # fp16 autocast with a GradScaler against fp32 without one: the scale divided out.
+    Case("llama", "sdpa", 256, 2, "adamw", ("stats",), "fp16-autocast"),
+    Case("llama", "sdpa", 256, 2, "adamw", ("stats",), "bf16-model"),
+    # One thread against two: reductions in another order, and statistics summed in another.
+    Case("llama", "eager", 1024, 2, "adamw", ("stats",), "threads-1"),
+    # Other families: learned positions and Conv1D projections; a partial rotary.
+    Case("gpt2", "sdpa", 256, 2, "adamw", ("stats",), "bf16-autocast"),
+    Case("phi", "sdpa", 256, 2, "adamw", ("stats",), "fp16-autocast"),
+]
+
+
+@pytest.mark.parametrize("case", HEALTHY, ids=[c.label for c in HEALTHY])
+def test_a_healthy_pair_is_no_divergence(matrix, case):
+    outcome = matrix(case)
+    assert outcome.error is None, outcome.error
+    assert outcome.found is False, outcome.answer
+    assert outcome.conclusion.startswith("no divergence"), outcome.conclusion
+
+
+FAULTS = [
+    # A weight element changed before the second step, in an fp32 pair: the runs computed alike
+    # bit for bit through step 0, so the weight's own difference is where it enters.
+    (Case("llama", "sdpa", 256, 2, "adamw", ("stats",), "fp32", "weight_corrupt"), None),
+    (Case("qwen2", "eager", 1024, 2, "sgd", ("stats",), "fp32", "eps_removed"), None),
+    # A norm computed in bf16 inside a bf16 autocast run: behind SDPA's casts, not hidden by them.
+    (Case("llama", "sdpa", 256, 2, "adamw", ("stats",), "bf16-autocast", "norm_bf16"), None),
+    (Case("mistral", "sdpa", 1024, 2, "adamw", ("stats",), "bf16-autocast", "rotary_bf16"), None),
+]
+
+
+@pytest.mark.parametrize("case, rule", FAULTS, ids=[c.label for c, _ in FAULTS])
+def test_a_planted_fault_is_named_at_its_module_and_step(matrix, case, rule):
+    outcome = matrix(case)
+    assert outcome.error is None, outcome.error
+    assert outcome.found, f"expected {outcome.expected}, got {outcome.answer}"
+    if rule is not None:
+        assert f"({rule})" in outcome.answer
