@@ -43,6 +43,10 @@ class CompiledKernel:
                 return self._fallback(*args)
         if self._compiled is None:
             self._compiled = torch.compile(self._fn, dynamic=True, fullgraph=True)
+        # Detached: whether an input requires grad is part of dynamo's guards, and tensors that
+        # do (weights, activations) would compile every kernel twice, reaching the recompile
+        # limit (8 per function) after four dtypes, which turns the kernel off for good.
+        args = tuple(a.detach() for a in args)
         try:
             # Always without grad: grad mode is part of dynamo's guards, and the
             # kernels run in forward, backward and optimizer alike.
@@ -53,7 +57,8 @@ class CompiledKernel:
             warn_once(f"compile-{self._fn.__name__}-{device.type}",
                       f"compiled kernel {self._fn.__name__} unavailable on {device.type} "
                       f"({type(e).__name__}: {e}); using its eager form")
-            return self._fallback(*args)
+            with torch.no_grad():  # as above: callers read the result on the host
+                return self._fallback(*args)
 
 
 class StandaloneCpuKernel:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import probe
-from probe.modes.batch_stats import FP32_SUM_MAX_NUMEL, cpu_rows, device_rows
+from probe.modes.batch_stats import cpu_rows, device_rows
 from probe.modes.stat_rows import STAGE_MAX_NUMEL
 
 LARGE = 4 * STAGE_MAX_NUMEL  # queued, not staged
@@ -19,7 +19,7 @@ LARGE = 4 * STAGE_MAX_NUMEL  # queued, not staged
 def _reference(t: torch.Tensor) -> list[float]:
     x = t.detach().to(torch.float64)
     return [x.min().item(), x.max().item(), x.sum().item(), (x * x).sum().item(),
-            float(torch.isnan(x).sum()), float(torch.isinf(x).sum())]
+            float(torch.isnan(x).sum()), float(torch.isinf(x).sum()), float(torch.isneginf(x).sum())]
 
 
 def _close(row, ref, rel: float = 1e-5) -> None:
@@ -57,12 +57,12 @@ def test_batched_rows_match_fp64_reference(rows, dtype):
     for row, x in zip(got, xs, strict=True):
         _close(row, _reference(x))  # in fp16 the fp32 mask is all -inf: sums -inf/inf, counts exact
     bad = got[2]
-    assert bad[4] == 3 and bad[5] == 3  # exact NaN and Inf counts
+    assert bad[4] == 3 and bad[5] == 3 and bad[6] == 1  # exact NaN, Inf and -Inf counts
 
 
 @pytest.mark.parametrize("compiled", [True, False])
 def test_long_tensors_are_summed_in_fp64(compiled):
-    x = torch.rand(FP32_SUM_MAX_NUMEL * 2 + 3, generator=torch.Generator().manual_seed(4)) * 0.1 + 0.05
+    x = torch.rand((1 << 21) + 3, generator=torch.Generator().manual_seed(4)) * 0.1 + 0.05
     row = cpu_rows([x], compiled=compiled)[0]
     wide = x.to(torch.float64)
     assert row[2] == pytest.approx(wide.sum().item(), rel=1e-10)

@@ -37,9 +37,25 @@ from probe.rundir.writer import StepWriter
 from probe.tracer.op_call import OpCall
 
 INPUT, OUTPUT = 0, 1
-STAT_NAMES = ("min", "max", "mean", "norm", "nan", "inf")
-"""The columns of ``stats.npy``; an empty tensor's min, max and mean are NaN there, None when read."""
-_EMPTY_STATS = {"min": None, "max": None, "mean": None, "norm": 0.0, "nan": 0, "inf": 0}
+STAT_NAMES = ("min", "max", "mean", "norm", "nan", "inf", "posinf", "neginf")
+"""The columns of ``stats.npy``; an empty tensor's min, max and mean are NaN there, None when read.
+``inf`` counts both signs (``posinf`` + ``neginf``)."""
+_COUNTS = frozenset({"nan", "inf", "posinf", "neginf"})
+_SIGNLESS_COLUMNS = 6
+"""Runs of format version 2 and before: ``stats.npy`` without ``posinf`` and ``neginf``."""
+_EMPTY_STATS = {"min": None, "max": None, "mean": None, "norm": 0.0,
+                "nan": 0, "inf": 0, "posinf": 0, "neginf": 0}
+
+
+def _row_stats(values: list[float]) -> dict[str, float | int | None]:
+    """One row of ``stats.npy`` as ``TensorRecord.stats``. A row of a run before format version 3
+    has no ``posinf``/``neginf``: both 0 when it holds no Inf, None (unknown) when it does."""
+    if len(values) == _SIGNLESS_COLUMNS:
+        unknown = None if values[5] else 0.0
+        values = [*values, unknown, unknown]
+    return {name: (None if value is None else int(value)) if name in _COUNTS else float(value)
+            for name, value in zip(STAT_NAMES, values, strict=True)}
+
 # Views whose elements may overlap or repeat even with the same numel as the base.
 _NOT_SAME_ELEMENTS = frozenset({"as_strided", "unfold", "diagonal"})
 
@@ -75,7 +91,8 @@ class StatsFiles(ModeFiles):
         op_count = self.where.op_count()
         with reading(stats_path):
             stats = np.load(stats_path, allow_pickle=False)
-            if stats.ndim != 2 or stats.shape[1] != len(STAT_NAMES) or stats.dtype.kind != "f":
+            if (stats.ndim != 2 or stats.shape[1] not in (len(STAT_NAMES), _SIGNLESS_COLUMNS)
+                    or stats.dtype.kind != "f"):
                 raise ValueError(f"statistics are an array of shape {stats.shape} and dtype {stats.dtype}, "
                                  f"expected (rows, {len(STAT_NAMES)}) floats")
         with reading(index_path):
@@ -125,8 +142,7 @@ class StatsFiles(ModeFiles):
                     tensor.stats = dict(_EMPTY_STATS)
                     continue
                 if row not in rows:
-                    rows[row] = {name: int(value) if name in ("nan", "inf") else float(value)
-                                 for name, value in zip(STAT_NAMES, stats[row].tolist(), strict=True)}
+                    rows[row] = _row_stats(stats[row].tolist())
                 tensor.stats = rows[row]
         distribution_files.attach_files(self.where.directory, index, records, len(stats))
         fp8_files.attach_file(self.where.directory, records)

@@ -10,9 +10,10 @@ import re
 from pathlib import Path
 
 FORMAT_NAME = "probe-run"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """2: per-tensor distribution shares and histograms, fp8 scales (stats mode), monitor distribution
-files. Version-1 runs read the same, without them."""
+files. Version-1 runs read the same, without them. 3: ``stats.npy`` counts +Inf and -Inf apart
+(columns ``posinf``, ``neginf``); older runs read with those None where a tensor held an Inf."""
 
 RUN_FILE = "run.json"
 RANK_FILE = "rank.json"
