@@ -61,3 +61,16 @@ def assert_trained_alike(plain_model: torch.nn.Module, plain: list[torch.Tensor]
     assert torch.equal(rng_before, torch.get_rng_state())
     for (name, p), q in zip(plain_model.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+def tiny_qwen2(seed: int | None = 0, **config: Any) -> torch.nn.Module:
+    """A ``Qwen2ForCausalLM`` with eager attention; ``config`` overrides the sizes below."""
+    import transformers
+
+    sizes: dict[str, Any] = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
+    )
+    if seed is not None:
+        torch.manual_seed(seed)
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**sizes, **config}))

@@ -9,10 +9,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 _FLOATING_PREFIXES = ("float", "bfloat", "complex")
 """Dtype names (``TensorRecord.dtype``) of tensors that can hold NaN or Inf."""
+
+NAN, POSINF, NEGINF = "nan", "+inf", "-inf"
+"""The kinds of non-finite values (:attr:`TensorRecord.nonfinite_kinds`)."""
+
+
+def nonfinite_kinds(stats: dict[str, float | int | None]) -> frozenset[str]:
+    """The kinds of non-finite values a tensor's statistics count. Statistics without the sign
+    of their Infs (``posinf``/``neginf`` None: a run of format version 2 or before) give both."""
+    kinds = []
+    if stats["nan"]:
+        kinds.append(NAN)
+    if stats["inf"]:
+        positive, negative = stats.get("posinf"), stats.get("neginf")
+        if positive is None or negative is None:
+            kinds += [POSINF, NEGINF]
+        else:
+            kinds += [kind for kind, count in ((POSINF, positive), (NEGINF, negative)) if count]
+    return frozenset(kinds)
 
 
 @dataclass(slots=True)
@@ -22,7 +41,9 @@ class TensorRecord:
     dtype: str
     shape: tuple[int, ...]
     stats: dict[str, float | int | None] | None = None
-    """min, max, mean, norm (floats; None for empty tensors), nan, inf (counts)."""
+    """min, max, mean, norm (floats; None for empty tensors), nan, inf, posinf, neginf (counts;
+    ``inf`` = ``posinf`` + ``neginf``; the two are None in a run of format version 2 or before
+    when ``inf`` is not 0: the sign was not recorded)."""
     source: tuple[int, int] | None = None
     """For inputs: (index of the producing op in this step, its output position)."""
     mutated: bool = False
@@ -50,6 +71,14 @@ class TensorRecord:
         if self.stats is None:
             return None if self.floating else True
         return self.stats["nan"] == 0 and self.stats["inf"] == 0
+
+    @property
+    def nonfinite_kinds(self) -> frozenset[str] | None:
+        """Which of NaN, +Inf and -Inf (:data:`NAN`, :data:`POSINF`, :data:`NEGINF`) the tensor
+        held: empty when finite (integer and bool tensors always), None without statistics."""
+        if self.stats is None:
+            return None if self.floating else frozenset()
+        return nonfinite_kinds(self.stats)
 
     @property
     def numel(self) -> int:
@@ -277,53 +306,124 @@ def _short_name(op: OpRecord) -> str:
     return parts[1] if len(parts) > 2 else parts[-1]
 
 
-def _passes_on(reader: OpRecord, on_path: list[bool]) -> bool:
-    """Whether a non-finite value ``reader`` read may go on to a fault: the reader is on a fault
-    path, or its outputs are unknown, or it has none (``.item()`` hands the value to Python)."""
-    return on_path[reader.index] or not reader.outputs or reader.outputs_finite is None
+_SIGN_CHANGING = frozenset({
+    "neg", "negative", "sub", "subtract", "rsub", "mul", "multiply", "div", "divide", "true_divide",
+    "floor_divide", "abs", "absolute", "pow", "float_power", "square", "addcmul", "addcdiv", "lerp",
+    "copysign", "prod", "cumprod", "cosh", "hypot", "var", "std", "var_mean", "std_mean", "dist", "cdist",
+    "mm", "bmm", "addmm", "addbmm", "baddbmm", "addmv", "addr", "matmul", "mv", "dot", "vdot", "outer",
+    "einsum", "tensordot", "_scaled_mm", "_scaled_grouped_mm", "_grouped_mm", "sgn_backward",
+})
+"""Ops that may turn an Inf into one of the other sign (a product with a negative value, a
+negation, an absolute value or a square). Any other op keeps the sign of the Infs it passes on
+(``exp`` of -Inf is 0, never +Inf; ``add``, ``softmax``, ``max``, ``where``, copies), or makes
+NaN of them."""
+_SIGN_CHANGING_PARTS = ("backward", "loss", "norm", "conv", "attention", "linear")
+"""...and ops whose name holds one of these: gradients (derivatives of either sign), losses
+(negative log-likelihoods), norms (absolute values; normalisation layers scale by weights of
+either sign), convolutions and attention (products with weights)."""
+_KEEPS_SIGN_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "fsdp"})
+"""Collectives sum, gather or copy: the sign of an Inf stays (or two signs make NaN)."""
+
+
+@lru_cache(maxsize=4096)
+def _may_change_sign(name: str) -> bool:
+    """Whether op ``name`` (full overload name) may turn +Inf into -Inf or back. Ops outside
+    aten and the collectives (custom ops, higher-order ops) may: nothing is known of them."""
+    namespace = name.split(".", 1)[0]
+    if namespace in _KEEPS_SIGN_NAMESPACES:
+        return False
+    if namespace not in ("aten", "prims"):
+        return True
+    parts = name.split(".")
+    short = (parts[1] if len(parts) > 2 else parts[-1]).removesuffix("_").removeprefix("_foreach_")
+    return short in _SIGN_CHANGING or any(part in short for part in _SIGN_CHANGING_PARTS)
+
+
+_OTHER_SIGN = {POSINF: NEGINF, NEGINF: POSINF}
+
+
+def _heirs(reader: OpRecord, kind: str) -> frozenset[str]:
+    """The kinds a non-finite value of ``kind`` may become in ``reader``'s outputs: itself, NaN
+    (``inf - inf``, ``0 * inf``, a softmax of a row of -Inf), the other sign of Inf where the op
+    may change signs. Never a finite value's kind: an op whose output holds a kind none of these
+    explains made it."""
+    if kind == NAN:
+        return frozenset({NAN})
+    if _may_change_sign(reader.name):
+        return frozenset({NAN, POSINF, NEGINF})
+    return frozenset({kind, NAN})
 
 
 def nonfinite_origins_in(ops: list[OpRecord]) -> list[OpRecord]:
     """The ops of one step (``ops``: its records in execution order) where a non-finite fault
     starts, in execution order.
 
-    An op with a NaN or Inf output is on a *fault path* when one of its non-finite outputs
+    Non-finite values are told apart by kind: NaN, +Inf and -Inf. A kind in an op's output
+    *reaches a fault* when that output
 
     - is read by no later op of the step, other than for its shape: it is the loss, a
       gradient, a parameter or optimizer state the optimizer wrote, or a result handed to
       the user; or
-    - is read by an op that is itself on a fault path, or whose outputs are unknown, or that
-      has no tensor outputs (``.item()`` hands the value to Python).
+    - is read by an op that has no tensor outputs (``.item()`` hands the value to Python),
+      or whose outputs are unknown (no statistics), or one of whose outputs holds a kind this
+      one may become there (itself; NaN; the other sign of Inf in an op that may change
+      signs, see ``_SIGN_CHANGING``) that reaches a fault in turn.
 
-    A non-finite value read only by ops whose outputs are all finite is *absorbed*: an
-    ``-inf`` attention mask that softmax turns into zeros is no fault. The origins are the
-    ops on a fault path that no non-finite output of another op on it leads to (the first
-    op of each path); the earliest of them is where the fault entered the step.
+    A kind that no reader passes on is *absorbed*: the ``-inf`` of an attention mask that
+    softmax, or ``exp``, turns into zeros is no fault, even where the reader makes another
+    kind of its own (an ``exp`` that overflows to +Inf on the unmasked scores). The origins
+    are the ops with a kind reaching a fault that none of their inputs computed in the step
+    held (an Inf of either sign, in an op that may change signs): a kind the op created (an
+    overflow to +Inf; a NaN of ``inf - inf``), or one that entered the step there (a weight or
+    a batch holding it). The earliest of them is where
+    the fault started; an op that made NaN out of an Inf an earlier origin made is an origin
+    too, later.
     """
+    outputs = [[t.nonfinite_kinds for t in op.outputs] for op in ops]
     readers: dict[tuple[int, int], list[int]] = {}
     for op in ops:
-        for tensor in op.inputs:
-            if tensor.source is not None and _short_name(op) not in _READS_SHAPE_ONLY:
-                readers.setdefault(tensor.source, []).append(op.index)
-    on_path = [False] * len(ops)
-    for op in reversed(ops):  # a reader comes after what it reads
-        for position, tensor in enumerate(op.outputs):
-            if tensor.finite is not False:
-                continue
-            values = readers.get((op.index, position), [])
-            if not values or any(_passes_on(ops[c], on_path) for c in values):
-                on_path[op.index] = True
-                break
-    origins = []
-    fed: set[int] = set()  # ops on a path that a non-finite output of another such op reaches
-    for op in ops:
-        if not on_path[op.index]:
+        if _short_name(op) in _READS_SHAPE_ONLY:
             continue
-        if op.index not in fed:
+        for tensor in op.inputs:
+            if tensor.source is not None:
+                readers.setdefault(tensor.source, []).append(op.index)
+    reaching: dict[tuple[int, int], frozenset[str]] = {}  # (op, output) -> its kinds that reach a fault
+
+    def passes_on(reader: OpRecord, kind: str) -> bool:
+        kinds = outputs[reader.index]
+        if not kinds or any(k is None for k in kinds):
+            return True
+        heirs = _heirs(reader, kind)
+        return any(heirs & reaching.get((reader.index, q), frozenset()) for q in range(len(kinds)))
+
+    for op in reversed(ops):  # a reader comes after what it reads
+        for position, kinds in enumerate(outputs[op.index]):
+            if not kinds:
+                continue
+            values = readers.get((op.index, position))
+            reached = kinds if not values else frozenset(
+                k for k in kinds if any(passes_on(ops[c], k) for c in values))
+            if reached:
+                reaching[(op.index, position)] = reached
+    origins = []
+    for op in ops:
+        reached = frozenset().union(*(reaching.get((op.index, q), ()) for q in range(len(op.outputs))))
+        if not reached:
+            continue
+        held: set[str] = set()  # kinds its inputs computed in the step held
+        if _short_name(op) not in _READS_SHAPE_ONLY:
+            for tensor in op.inputs:
+                if tensor.source is None:
+                    continue  # from outside the step: a kind it brings enters the step here
+                kinds = tensor.nonfinite_kinds
+                if kinds is None and tensor.source[0] < len(outputs):  # the producer's, when known
+                    produced = outputs[tensor.source[0]]
+                    kinds = produced[tensor.source[1]] if tensor.source[1] < len(produced) else None
+                held.update(kinds or ())
+            if (POSINF in held or NEGINF in held) and _may_change_sign(op.name):
+                held.update((POSINF, NEGINF))  # -x of -Inf is +Inf: passed on, not made here
+        if reached - held:
             origins.append(op)
-        for position, tensor in enumerate(op.outputs):
-            if tensor.finite is False:
-                fed.update(c for c in readers.get((op.index, position), []) if on_path[c])
     return origins
 
 
