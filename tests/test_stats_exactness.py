@@ -357,3 +357,20 @@ def test_gpt2_fp16_overflow_in_a_queued_tensor_is_counted(tmp_path):
     assert addmm.outputs[0].numel > STAGE_MAX_NUMEL  # queued, not staged
     assert addmm.outputs[0].stats["inf"] > 0
     assert run.first_nonfinite().id == addmm.id
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_monitors_reductions_are_exact_too(device):
+    """The monitor's rows (min, max, sum, sum of squares, NaN, Inf, zeros): its one-pass kernel
+    for large tensors and its batched form for small ones accumulate in fp64 as well."""
+    from probe.modes.monitor_metrics import raw_row, raw_rows
+
+    large = [_constant(1_000_000, torch.float16, device), _ramp(N, torch.bfloat16, device),
+             _offset_noise(N, torch.float32, device), _mask(N, torch.float32, device)]
+    small = [t[:STAGE_MAX_NUMEL - 1] for t in large]
+    for t in large:
+        _check_row(np.array([*raw_row(t.requires_grad_(True), 0.0)[0].cpu().numpy()[:6], 0.0]), t)
+    rows, numel = raw_rows(small, 0.0)
+    for row, t, n in zip(rows.cpu().numpy(), small, numel, strict=True):
+        assert n == t.numel()
+        _check_row(np.array([*row[:6], 0.0]), t)
