@@ -143,6 +143,7 @@ class _Side:
         self.run = run
         # A loss scaler's gradients are compared with its scale divided out (precision.unscaled).
         self.ops, self.loss_scale, self._scaled = precision.unscaled(run.ops(step, rank))
+        self.held = precision.held_precision(self.ops)
         self.dump: DumpIndex | None = run.dump(step, rank) if run.has_dump(step, rank) else None
 
     def data(self, op: OpRecord, io: str, position: int) -> tuple[torch.Tensor | None, str | None]:
@@ -193,6 +194,12 @@ def compare_tensors(
     if ta.stats is not None and tb.stats is not None:
         m = stats_metrics(ta.stats, tb.stats)
         stats = (*stats_verdict(m, dtype, ta.stats["norm"] or 0.0, ta.numel), m.as_dict())
+        if (precision.masked(ta.stats) or precision.masked(tb.stats)) and not (m.nan_diff or m.inf_diff):
+            # Mask fills dominate the sums: the extremes that are no fill decide.
+            error = precision.masked_error(ta.stats, tb.stats)
+            verdict = PASS if error <= precision.rounding(dtype) else WARNING
+            stats = (verdict, f"masked: statistics differ by {error:.3g} on the extremes that are no fill",
+                     m.as_dict())
     # Both runs dumped this step, and the data of this tensor is missing on a side that
     # should hold it: whatever the statistics say, the data was not compared.
     if side_a.dump is not None and side_b.dump is not None and (why_a or why_b) \
@@ -462,6 +469,21 @@ def _sources_error(side_a: _Side, side_b: _Side, a: TensorRecord, b: TensorRecor
     return precision.stats_error(ra.stats, rb.stats, ra.numel)
 
 
+def _held_apart(side_a: _Side, side_b: _Side, a: TensorRecord, b: TensorRecord) -> float:
+    """The rounding one run's value of an input passed through and the other's did not (0 when
+    none): a value held in bf16 in run B on its way here differs from run A's element by element
+    by up to bf16's rounding, which its statistics average away."""
+    held = []
+    for side, record in ((side_a, a), (side_b, b)):
+        dtype = _dtype(record) if _is_float(record.dtype) else torch.float64
+        if record.source is not None:
+            dtype = precision.lower_of(dtype, side.held.get(record.source, dtype))
+        held.append(dtype)
+    if held[0] == held[1]:
+        return 0.0
+    return float(torch.finfo(precision.lower_of(held[0], held[1])).eps)
+
+
 def _uninitialized(a: TensorRecord, b: TensorRecord, by_index: dict[int, OpComparison]) -> bool:
     """Whether the input is memory nothing had written yet (``empty_like``'s, filled by this op,
     e.g. ``copy_``'s destination): it holds no value of the program, so no difference."""
@@ -496,12 +518,8 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
             error = _sources_error(side_a, side_b, record, c.b.inputs[position])
         if error is None:
             return None
-        other = c.b.inputs[position]
-        if record.dtype != other.dtype and _is_float(record.dtype) and _is_float(other.dtype):
-            # Statistics average a rounding away; a value held in a lower dtype in one run
-            # differs from its twin element by element by up to that dtype's rounding.
-            error = max(error, float(torch.finfo(precision.lower_of(_dtype(record), _dtype(other))).eps))
-        in_error = max(in_error, error)
+        floor = _held_apart(side_a, side_b, record, c.b.inputs[position])
+        in_error = max(in_error, error, floor)
     out_error, out_dtypes = 0.0, (torch.float64, torch.float64)
     for t in c.outputs:
         error = _error_of(t, c.a.outputs[t.position], c.b.outputs[t.position])
@@ -510,10 +528,15 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
         if error >= out_error:
             out_error = error
             out_dtypes = (_dtype(c.a.outputs[t.position]), _dtype(c.b.outputs[t.position]))
-    rounding = (precision.rounding(out_dtypes[0], _reduction(c.a), floor=False)
-                + precision.rounding(out_dtypes[1], _reduction(c.b), floor=False))
-    bound = precision.CONDITION * in_error + rounding
-    detail = (f"output differs by {out_error:.3g} (relative), {precision.CONDITION:g} x the inputs' "
+    cancellation = max(precision.condition(c.a), precision.condition(c.b))
+    # An op's own rounding is relative to its terms; where they cancel, relative to its result
+    # it grows as its inputs' differences do (a gradient that is zero in exact arithmetic, such
+    # as a key bias's, is rounding alone).
+    rounding = max(cancellation, 1.0) * (precision.rounding(out_dtypes[0], _reduction(c.a), floor=False)
+                                         + precision.rounding(out_dtypes[1], _reduction(c.b), floor=False))
+    factor = max(precision.CONDITION, cancellation)
+    bound = factor * in_error + rounding
+    detail = (f"output differs by {out_error:.3g} (relative), {factor:.3g} x the inputs' "
               f"{in_error:.3g} + rounding {rounding:.3g} = {bound:.3g}")
     if c.a.phase == "optimizer" and in_error > 0:
         # Adam's m / (sqrt(v) + eps) is sign(g) where gradients are near zero: no condition

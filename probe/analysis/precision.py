@@ -152,6 +152,18 @@ def _terminal_consumers(op: OpRecord, consumers: dict[int, list[OpRecord]],
     return found
 
 
+def _in_sdpa_math(op: OpRecord, consumers: dict[int, list[OpRecord]], depth: int = 3) -> bool:
+    """Whether ``op`` is part of SDPA's math path, which autocast lowers as SDPA: an op within
+    ``depth`` ops before its ``_safe_softmax`` (an op SDPA's decomposition alone uses; the path
+    it takes where no fused kernel applies, e.g. a float mask such as T5's position bias)."""
+    frontier = [op]
+    for _ in range(depth + 1):
+        if any(short_name(o.name) == "_safe_softmax" for o in frontier):
+            return True
+        frontier = [c for o in frontier for c in consumers.get(o.index, []) if c.phase == op.phase]
+    return False
+
+
 def lowered_precision(ops_a: list[OpRecord], ops_b: list[OpRecord],
                       partner_of_b: dict[int, OpRecord]) -> dict[int, Lowering]:
     """B ops (by index) that lower precision where B's policy does not explain it.
@@ -181,7 +193,9 @@ def lowered_precision(ops_a: list[OpRecord], ops_b: list[OpRecord],
         if short_name(op.name) in AUTOCAST_LOWERED or (model_lowered and out == dtype_b):
             continue
         targets = _terminal_consumers(op, consumers)
-        if targets and all(short_name(t.name) in AUTOCAST_LOWERED for t in targets):
+        if not targets:
+            continue  # nothing in the step computes on it
+        if all(short_name(t.name) in AUTOCAST_LOWERED or _in_sdpa_math(t, consumers) for t in targets):
             continue  # autocast's cast at the input of the ops it lowers
         scaler = _terminal_consumers(op, consumers, through_casts=True)
         if scaler and all(t.name.startswith(SCALER_OPS) for t in scaler):
@@ -265,13 +279,44 @@ def differing_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((y - x).abs().max()) / rms if rms > 0 else math.inf
 
 
+_MASK_MAGNITUDE = 1e30
+"""Values this large are mask fills (``finfo.min``), written as constants, never computed."""
+
+
+def _is_fill(value: float | None) -> bool:
+    return value is not None and math.isfinite(value) and abs(value) >= _MASK_MAGNITUDE
+
+
+def masked(stats: dict | None) -> bool:
+    """Whether a tensor's statistics show a mask fill among its values (its min or max)."""
+    return stats is not None and (_is_fill(stats.get("min")) or _is_fill(stats.get("max")))
+
+
+def masked_error(a: dict, b: dict) -> float:
+    """Two masked tensors apart, on the extremes that are no fill in either (0 when none is:
+    fills are the program's constants, ``finfo.min`` of one dtype or another)."""
+    worst = 0.0
+    for key in ("min", "max"):
+        x, y = a.get(key), b.get(key)
+        if x is None or y is None or _is_fill(x) or _is_fill(y) or x == y:
+            continue
+        if not (math.isfinite(x) and math.isfinite(y)):
+            return math.inf
+        worst = max(worst, abs(x - y) / max(abs(x), abs(y)))
+    return worst
+
+
 def stats_error(a: dict, b: dict, numel: int) -> float:
     """Two tensors' statistics apart, as one relative number.
 
     The norm relatively; max, min and mean against ``max(|a|, |b|, rms)`` (rms =
     ``norm / sqrt(numel)``): like :func:`own_error`, a statistic near zero (the min of a
     square, a mean) is judged by what its difference does to the tensor, not relatively.
+    Where a mask fill (``finfo.min``) is among the values, it dominates the sums and the
+    norm: only the extremes that are no fill are compared (:func:`masked_error`).
     """
+    if masked(a) or masked(b):
+        return masked_error(a, b)
     def known(key: str) -> tuple[float, float] | None:
         x, y = a.get(key), b.get(key)
         if x is None or y is None or not (math.isfinite(x) and math.isfinite(y)):
@@ -368,3 +413,81 @@ def unscaled(ops: list[OpRecord]) -> tuple[list[OpRecord], float | None, set[tup
             marked.update((op.index, "output", i) for i in range(len(op.outputs)))
         out.append(replace(op, inputs=inputs, outputs=outputs))
     return out, scale, marked
+
+
+def _rms(record: TensorRecord) -> float | None:
+    stats = record.stats
+    if stats is None or stats.get("norm") is None or not record.numel:
+        return None
+    return float(stats["norm"]) / math.sqrt(record.numel)
+
+
+
+
+def _magnitude(record: TensorRecord) -> float | None:
+    """The largest finite magnitude below mask fills (None without statistics)."""
+    stats = record.stats
+    if stats is None or stats.get("min") is None or stats.get("max") is None:
+        return None
+    values = [abs(float(stats[k])) for k in ("min", "max")]
+    kept = [v for v in values if math.isfinite(v) and v < _MASK_MAGNITUDE]
+    return max(kept) if kept else 0.0
+
+
+_SUMS = frozenset({"sum", "mean", "nansum", "cumsum"})
+_ADDS = frozenset({"add", "sub", "add_", "sub_", "rsub"})
+_SOFTMAX = frozenset({"_softmax", "softmax", "_log_softmax", "log_softmax", "logsumexp"})
+_NORMS = frozenset({"native_layer_norm"})
+
+
+def condition(op: OpRecord) -> float:
+    """How much ``op`` may amplify a relative difference of its inputs into one of its outputs,
+    estimated from its recorded statistics (1 where nothing says more; the caller's floor,
+    ``CONDITION``, covers the ordinary ops).
+
+    Cancellation is what amplifies: a sum of K terms of rms r whose result has rms s
+    (sqrt(K) r / s: bias gradients summed over a batch); an addition whose result is smaller
+    than its terms ((r_x + r_y) / s); layer norm's ``x - mean(x)`` (max |x| x max rstd); a
+    softmax, which turns a relative difference of its logits into an absolute one of their
+    size (2 max |x|, masks aside)."""
+    short = short_name(op.name)
+    if not op.outputs or not op.inputs:
+        return 1.0
+    out_rms = _rms(op.outputs[0])
+    if short in _SUMS:
+        in_rms = _rms(op.inputs[0])
+        if in_rms is None or not out_rms or not op.outputs[0].numel:
+            return 1.0
+        terms = max(op.inputs[0].numel // op.outputs[0].numel, 1)
+        scale = terms if short == "mean" else 1
+        return math.sqrt(terms) * in_rms / (scale * out_rms)
+    if short in _ADDS:
+        rms = [r for t in op.inputs if (r := _rms(t)) is not None]
+        return sum(rms) / out_rms if rms and out_rms else 1.0
+    if short in _NORMS and len(op.outputs) >= 3:
+        magnitude = _magnitude(op.inputs[0])
+        rstd = op.outputs[2].stats
+        if magnitude is None or rstd is None or rstd.get("max") is None:
+            return 1.0
+        return magnitude * abs(float(rstd["max"]))
+    if short in _SOFTMAX:
+        magnitude = _magnitude(op.inputs[0])
+        return 2.0 * magnitude if magnitude is not None else 1.0
+    return 1.0
+
+
+def held_precision(ops: list[OpRecord]) -> dict[tuple[int, int], torch.dtype]:
+    """For each floating output ``(op index, position)``, the lowest precision its value passed
+    through on its way from the step's inputs: a value computed from a bf16 matmul's result
+    carries bf16's rounding, whatever dtype it is held in now."""
+    held: dict[tuple[int, int], torch.dtype] = {}
+    for op in ops:
+        upstream = [held[s] for t in op.inputs
+                    if (s := t.source) is not None and (s[0], s[1]) in held]
+        for position, t in enumerate(op.outputs):
+            own = _floating(t.dtype)
+            if own is not None:
+                found = _lowest([own, *upstream])
+                if found is not None:
+                    held[(op.index, position)] = found
+    return held
