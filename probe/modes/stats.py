@@ -148,6 +148,15 @@ class StatsFiles(ModeFiles):
         fp8_files.attach_file(self.where.directory, records)
 
 
+def _value_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """The value ``t`` holds (its memory, layout and version), or None for a tensor without one."""
+    try:
+        return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t._version,
+                t.dtype)
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 @register_mode
 class StatsMode(Mode):
     """Per-op tensor statistics, computed on device in fp32, one transfer per step."""
@@ -157,12 +166,18 @@ class StatsMode(Mode):
     files = StatsFiles
 
     def __init__(
-        self, inputs: bool = False, stats_backend: str = "auto", saturation: bool | str = "auto",
+        self, inputs: bool | str = "external", stats_backend: str = "auto", saturation: bool | str = "auto",
         distribution: bool = False, histogram: bool = False,
     ) -> None:
-        """``saturation``: count values at +-max of their dtype as Inf ("auto": on devices whose
+        """``inputs``: True records every tensor input; ``"external"`` (the default) the inputs
+        from outside the step (weights, optimizer state, data), which no recorded output
+        describes: what ``probe compare`` needs to tell a difference the runs carried into a
+        step from one that entered in it; False none.
+
+        ``saturation``: count values at +-max of their dtype as Inf ("auto": on devices whose
         overflow saturates, i.e. an Ascend NPU without inf/nan support; True: everywhere)."""
-        parse_bool("inputs", inputs)
+        if not (isinstance(inputs, bool) or inputs == "external"):
+            raise ProbeError(f"option 'inputs': expected True, False or 'external', got {show(inputs)}")
         parse_bool("distribution", distribution)
         parse_bool("histogram", histogram)
         # Opt-in: a few more reductions per recorded tensor (docs/stats.md, "Distribution").
@@ -195,6 +210,7 @@ class StatsMode(Mode):
         self._index: list[tuple[int, int, int, int]] = []  # (op index, INPUT/OUTPUT, position, row)
         self._output_rows: dict[tuple[int, int], int] = {}
         self._input_rows: dict[int, int] = {}  # current op: input position -> row
+        self._external_rows: dict[tuple[Any, ...], int] = {}  # inputs from outside the step -> row
 
     def _input_row(self, call: OpCall, position: int) -> int | None:
         row = self._input_rows.get(position)
@@ -214,16 +230,24 @@ class StatsMode(Mode):
             self._rows.before_write(call.written())
         if not self.inputs:
             return
+        every = self.inputs is True
         # An input the op writes is read now: queued, its statistics would be the op's result's.
         written = {w.untyped_storage()._cdata for w in call.written()} if call.info.mutates else ()
         for position, t in enumerate(call.input_tensors or ()):
             if call.skipped and call.skip_reason("in", position) is not None:
                 continue
+            if not every and call.inputs[position][2] is not None:
+                continue  # computed in the step: its producer's output row describes it
             row = self._input_row(call, position)
+            key = None if every else _value_key(t)
+            if row is None and key is not None:
+                row = self._external_rows.get(key)  # a weight read by several ops: reduced once
             if row is None:
                 row = self._rows.add(t, now=bool(written) and t.untyped_storage()._cdata in written)
                 if row is not None and self._distribution is not None:
                     self._distribution.add(t, row)
+                if row is not None and key is not None:
+                    self._external_rows[key] = row
             if row is not None:
                 self._input_rows[position] = row
                 self._index.append((call.index, INPUT, position, row))
