@@ -26,10 +26,10 @@ def _gpt2() -> torch.nn.Module:
     return tiny_gpt2(vocab_size=VOCAB, n_layer=3, bos_token_id=0, eos_token_id=0).to(torch.float16)
 
 
-def _train(model: torch.nn.Module, out, steps: int = 1) -> probe.Run:
+def _train(model: torch.nn.Module, out, steps: int = 1, **options) -> probe.Run:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
-    with probe.mode("stats", out=out, model=model) as session:
+    with probe.mode("stats", out=out, model=model, **options) as session:
         for _ in range(steps):
             ids = torch.randint(0, VOCAB, (2, 16), generator=gen)
             model(input_ids=ids, labels=ids).loss.backward()
@@ -60,7 +60,7 @@ def test_overflow_planted_in_c_fc_is_the_first_nonfinite_op(tmp_path, capsys):
     bad = run.first_nonfinite()
     assert bad is not None
     assert (bad.name, bad.module, bad.phase) == ("aten.addmm.default", "transformer.h.2.mlp.c_fc", "forward")
-    assert bad.inputs_finite is None  # its weight and bias were not measured: not a guess
+    assert bad.inputs_finite is True  # its weight and bias come from outside the step: measured
     assert run.nonfinite_origins(0)[0].id == bad.id
     # Every gradient the optimizer was about to apply is poisoned, named by parameter.
     names, count = run.nonfinite_parameters(0).gradients
@@ -102,11 +102,22 @@ def test_gradients_poisoned_in_backward_are_named_before_the_optimizer_step(tmp_
 
 
 def test_inputs_finite_is_none_when_an_input_is_unknown(tmp_path):
+    run = _train(_gpt2(), tmp_path / "r", inputs=False)
+    embedding = next(op for op in run.ops(0) if op.name == "aten.embedding.default")
+    assert embedding.inputs[0].stats is None  # the weight, read from outside the step, not recorded
+    assert embedding.inputs_finite is None
+
+
+def test_inputs_from_outside_the_step_are_measured_by_default(tmp_path):
     model = _gpt2()
+    weight = model.transformer.wte.weight.detach().double().clone()
     run = _train(model, tmp_path / "r")
     embedding = next(op for op in run.ops(0) if op.name == "aten.embedding.default")
-    assert embedding.inputs[0].stats is None  # the weight, read from outside the step
-    assert embedding.inputs_finite is None
+    assert embedding.inputs[0].source is None and embedding.inputs_finite is True
+    assert embedding.inputs[0].stats["norm"] == pytest.approx(float(weight.norm()), rel=1e-7)
+    # Computed inputs are described by their producers' outputs, mostly not recorded again.
+    computed = [t for op in run.ops(0) for t in op.inputs if t.source is not None]
+    assert sum(t.stats is None for t in computed) > 0.9 * len(computed)
 
 
 def test_magnitude_rankings_skip_integer_tensors_and_mask_fills(tmp_path):

@@ -177,7 +177,7 @@ class StatsMode(Mode):
         ``saturation``: count values at +-max of their dtype as Inf ("auto": on devices whose
         overflow saturates, i.e. an Ascend NPU without inf/nan support; True: everywhere)."""
         if not (isinstance(inputs, bool) or inputs == "external"):
-            raise ProbeError(f"option 'inputs': expected True, False or 'external', got {show(inputs)}")
+            raise ProbeError(f"option 'inputs': expected True or False (or 'external'), got {show(inputs)}")
         parse_bool("distribution", distribution)
         parse_bool("histogram", histogram)
         # Opt-in: a few more reductions per recorded tensor (docs/stats.md, "Distribution").
