@@ -115,9 +115,6 @@ def test_inputs_from_outside_the_step_are_measured_by_default(tmp_path):
     embedding = next(op for op in run.ops(0) if op.name == "aten.embedding.default")
     assert embedding.inputs[0].source is None and embedding.inputs_finite is True
     assert embedding.inputs[0].stats["norm"] == pytest.approx(float(weight.norm()), rel=1e-7)
-    # Computed inputs are described by their producers' outputs, mostly not recorded again.
-    computed = [t for op in run.ops(0) for t in op.inputs if t.source is not None]
-    assert sum(t.stats is None for t in computed) > 0.9 * len(computed)
 
 
 def test_magnitude_rankings_skip_integer_tensors_and_mask_fills(tmp_path):
