@@ -404,7 +404,8 @@ def record(case: Case, out: Path, side: str) -> Planted | None:
             if pair.model_dtype is not None:
                 batch = {k: v.to(pair.model_dtype) if v.is_floating_point() else v for k, v in batch.items()}
             if fault is not None and planted is not None:
-                fault.before_step(model, family, step, planted)
+                with session.paused():  # silent corruption: nothing traces it
+                    fault.before_step(model, family, step, planted)
             autocast = pair.autocast or torch.bfloat16
             with torch.autocast("cpu", dtype=autocast, enabled=pair.autocast is not None):
                 loss = model(**batch).loss

@@ -288,6 +288,36 @@ class Carry:
     bound: float = 0.0
     """The largest difference (relative, as ``_error_of`` measures it) of a value the steps
     before wrote and that may be read again: optimizer outputs and in-place writes."""
+    state_a: dict[tuple, float | None] = field(default_factory=dict, repr=False)
+    """Run A's values the step before left (what it wrote in place or in its optimizer, and
+    what it read from outside), by :func:`_fingerprint`, with their difference from run B's."""
+    state_b: frozenset[tuple] = field(default=frozenset(), repr=False)
+    """Run B's values the step before left, by :func:`_fingerprint`."""
+
+
+def _fingerprint(record: TensorRecord) -> tuple | None:
+    """A value as its statistics identify it within one run (None without statistics). Sums are
+    rounded: the same tensor reduced by another path (queued, eager) sums in another order."""
+    stats = record.stats
+    if stats is None:
+        return None
+    def sig(x: object) -> object:
+        return float(f"{x:.9g}") if isinstance(x, float) and math.isfinite(x) else x
+    return (record.dtype, tuple(record.shape), *(sig(stats.get(k)) for k in ("min", "max", "mean", "norm")),
+            stats.get("nan"), stats.get("inf"))
+
+
+def _left_state(ops: list[OpRecord]) -> dict[tuple, tuple[int, str, int]]:
+    """The values a step leaves for the next (fingerprint -> where: op index, io, position)."""
+    found: dict[tuple, tuple[int, str, int]] = {}
+    for op in ops:
+        for position, t in enumerate(op.inputs):
+            if t.source is None and (key := _fingerprint(t)) is not None:
+                found[key] = (op.index, "input", position)
+        for position, t in enumerate(op.outputs):
+            if (op.phase == "optimizer" or t.mutated) and (key := _fingerprint(t)) is not None:
+                found[key] = (op.index, "output", position)
+    return found
 
 
 @dataclass
@@ -574,6 +604,16 @@ def _external_inputs_differ(side_a: _Side, side_b: _Side, c: OpComparison, carry
                               f"alike bit for bit up to here: {t.message or 'its statistics differ'}")
             continue
         error = _error_of(t, record, other)
+        fa, fb = _fingerprint(record), _fingerprint(other)
+        if carry.before and fa is not None and fa in carry.state_a:  # state run A carries over
+            if fb is not None and carry.state_b and fb not in carry.state_b:
+                differ.append(f"input {position} (from outside the step) holds in run B a value its step "
+                              f"before did not leave: it changed between the steps")
+                continue
+            known = carry.state_a[fa]
+            if error is not None and known is not None and error <= known * (1 + 1e-6) + 1e-12:
+                carried[position] = error
+                continue
         lower = precision.lower_of(_dtype(record), _dtype(other))
         if record.dtype != other.dtype and error is not None and error <= precision.rounding(lower):
             carried[position] = error  # held in another dtype by design (a bf16 model): its rounding
@@ -739,6 +779,12 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
         rounding = sum(precision.rounding(_chain_precision(op.inputs[position], w[0]), len(w[0]) + 1,
                                           floor=on_data)
                        for op, w in zip(ops, walks, strict=True) if w is not None)
+        changed = _changed_between_steps(ops, position, walks, carry)
+        if changed is not None:
+            return views[1].comparisons[changed.index], (
+                f"input {position} of {c.a.id} is computed in run B from a value from outside the step "
+                f"that run B's step before did not leave (run A's is what its step before left): it "
+                f"changed between the steps")
         worst_upstream = max(u for u in upstream if u is not None)
         if carry.before and carry.explained and _reads_outside(ops, position, walks):
             worst_upstream = max(worst_upstream, carry.bound)  # state earlier steps explain
@@ -755,6 +801,24 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
                    f"rounding {rounding:.3g} = {bound:.3g}: it was produced by ops that exist in run "
                    f"{'AB'[k]} only ({len(producers)} op(s): {names}, in {module or '<outside modules>'})")
         return views[k].comparisons[blamed.index], message
+    return None
+
+
+def _changed_between_steps(ops: tuple[OpRecord, OpRecord], position: int,
+                           walks: list[tuple[list[OpRecord], list[tuple[int, int]]] | None],
+                           carry: Carry) -> OpRecord | None:
+    """Run B's op of its own (autocast's cast of a weight) that reads, for input ``position``, a
+    value from outside the step that B's step before did not leave, where run A reads there a
+    value its step before left: state changed between the steps in run B. None when none."""
+    walk = walks[1]
+    fa = _fingerprint(ops[0].inputs[position])
+    if not carry.before or not carry.state_b or walk is None or fa is None or fa not in carry.state_a:
+        return None
+    for producer in walk[0]:
+        for t in producer.inputs:
+            key = _fingerprint(t) if t.source is None else None
+            if key is not None and key not in carry.state_b:
+                return producer
     return None
 
 
@@ -834,7 +898,30 @@ def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
             _alike(t, c.a.outputs[t.position], c.b.outputs[t.position]) for t in c.outputs)
         written = max(written, _written_error(c))
     explained = carry.explained and not any(c.enters for c in comparisons)
-    return Carry(carry.before + 1, identical, explained, written)
+    return Carry(carry.before + 1, identical, explained, written, _state_errors(comparisons, side_a),
+                 frozenset(_left_state(side_b.ops)))
+
+
+def _state_errors(comparisons: list[OpComparison], side_a: _Side) -> dict[tuple, float | None]:
+    """Run A's values left for the next step, each with its difference from run B's (None:
+    not known, e.g. an op of run A only)."""
+    by_index = {c.a.index: c for c in comparisons if c.a is not None}
+    out: dict[tuple, float | None] = {}
+    for key, (index, io, position) in _left_state(side_a.ops).items():
+        c = by_index.get(index)
+        error = None
+        if c is not None and c.b is not None:
+            records = (c.a.inputs, c.b.inputs) if io == "input" else (c.a.outputs, c.b.outputs)
+            if position < len(records[1]):
+                error = _stats_difference(records[0][position], records[1][position])
+        out[key] = error
+    return out
+
+
+def _stats_difference(a: TensorRecord, b: TensorRecord) -> float | None:
+    if a.stats is None or b.stats is None or a.numel != b.numel:
+        return None
+    return precision.stats_error(a.stats, b.stats, a.numel)
 
 
 def _reads(op: OpRecord, indices: set[int]) -> bool:
