@@ -440,6 +440,15 @@ _SOFTMAX = frozenset({"_softmax", "softmax", "_log_softmax", "log_softmax", "log
 _NORMS = frozenset({"native_layer_norm"})
 
 
+def _sum_condition(x: TensorRecord, y: TensorRecord, mean: bool) -> float:
+    """A sum (or mean) of ``x`` into ``y``: sqrt(K) rms(x) / rms(sum), K terms per result."""
+    in_rms, out_rms = _rms(x), _rms(y)
+    if in_rms is None or not out_rms or not y.numel:
+        return 1.0
+    terms = max(x.numel // y.numel, 1)
+    return math.sqrt(terms) * in_rms / ((terms if mean else 1) * out_rms)
+
+
 def condition(op: OpRecord) -> float:
     """How much ``op`` may amplify a relative difference of its inputs into one of its outputs,
     estimated from its recorded statistics (1 where nothing says more; the caller's floor,
@@ -455,21 +464,18 @@ def condition(op: OpRecord) -> float:
         return 1.0
     out_rms = _rms(op.outputs[0])
     if short in _SUMS:
-        in_rms = _rms(op.inputs[0])
-        if in_rms is None or not out_rms or not op.outputs[0].numel:
-            return 1.0
-        terms = max(op.inputs[0].numel // op.outputs[0].numel, 1)
-        scale = terms if short == "mean" else 1
-        return math.sqrt(terms) * in_rms / (scale * out_rms)
+        return _sum_condition(op.inputs[0], op.outputs[0], mean=short == "mean")
     if short in _ADDS:
         rms = [r for t in op.inputs if (r := _rms(t)) is not None]
         return sum(rms) / out_rms if rms and out_rms else 1.0
     if short in _NORMS and len(op.outputs) >= 3:
+        # The normalised output through x - mean(x); the row means themselves, a sum's.
+        means = _sum_condition(op.inputs[0], op.outputs[1], mean=True)
         magnitude = _magnitude(op.inputs[0])
         rstd = op.outputs[2].stats
         if magnitude is None or rstd is None or rstd.get("max") is None:
-            return 1.0
-        return magnitude * abs(float(rstd["max"]))
+            return means
+        return max(means, magnitude * abs(float(rstd["max"])))
     if short in _SOFTMAX:
         magnitude = _magnitude(op.inputs[0])
         return 2.0 * magnitude if magnitude is not None else 1.0
