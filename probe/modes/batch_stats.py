@@ -15,10 +15,10 @@ thousand elements.
   graph: no dynamo frame, no guards, about 15 us of host time a call against 100+ for a
   ``torch.compile``d function; a slice with gaps is copied for it), or where that is
   unavailable, ``_foreach_max`` and ``_foreach_powsum`` over the batch with an ``amin`` and
-  a ``sum`` per tensor. The
-  generated loop widens fp32 to fp64 at full vector speed but 16-bit floats three to four
-  times slower, so a bf16 tensor is read as pairs of values in int32 lanes (a bf16 value
-  is the top half of an fp32 one) and an fp16 one is widened to fp32 first (one copy).
+  a ``sum`` per tensor. The generated loop widens fp32 to fp64 at full vector speed but
+  16-bit floats three to four times slower, so a bf16 tensor is read as pairs of values in
+  int32 lanes (a bf16 value is the top half of an fp32 one) and an fp16 one is widened to
+  fp32 first (one copy).
   The rows are already in host memory, so they are checked there, without a device sync:
   a row whose min, max, sum or sum of squares is not finite (a NaN or Inf in the tensor)
   is computed again exactly, in fp64 with NaN, Inf and -Inf counts. Every other row has
@@ -27,8 +27,9 @@ thousand elements.
   branches on a value (that would be a host sync): min and max by ``_foreach_max`` of
   the values and of their negation, sums of squares by ``_foreach_powsum`` in the
   accumulation dtype (multi-tensor kernels on CUDA), plus a sum and NaN, Inf and -Inf
-  counts per tensor. It is the portable form (NPU, any device with ``_foreach_*`` reductions); one
-  generated multi-tensor kernel per batch would do the same work in one launch.
+  counts per tensor. It is the portable form (NPU, any device with ``_foreach_*``
+  reductions); one generated multi-tensor kernel per batch would do the same work in one
+  launch.
 
 Both return rows of :data:`tensor_stats.RAW_COLUMNS` for non-empty floating-point
 compact tensors of one device and dtype.
