@@ -476,7 +476,7 @@ def _input_error(side_a: _Side, side_b: _Side, c: OpComparison, position: int,
     """Input ``position``'s difference for the propagation bound: on data, over the elements
     that differ (a mask's fill would otherwise dilute it); else as :func:`_error_of` says."""
     assert c.a is not None and c.b is not None
-    if t.kind == "data" and t.verdict != PASS:
+    if t.kind == "data":
         data_a, _ = side_a.data(c.a, "input", position)
         data_b, _ = side_b.data(c.b, "input", position)
         if data_a is not None and data_b is not None:
