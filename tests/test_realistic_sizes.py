@@ -14,6 +14,7 @@ an fp64 recomputation of the same tensor, captured by a forward hook in the plai
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -58,14 +59,17 @@ def gpt2(attn: str) -> torch.nn.Module:
 FAMILIES = {"llama": llama, "gpt2": gpt2}
 
 
-def train(model: torch.nn.Module, session: Any = None, steps: int = STEPS) -> list[torch.Tensor]:
-    """AdamW steps on seeded random batches of 4 x 128 tokens; the detached losses."""
+def train(model: torch.nn.Module, session: Any = None, steps: int = STEPS,
+          autocast: torch.dtype | None = None) -> list[torch.Tensor]:
+    """AdamW steps on seeded random batches of 4 x 128 tokens (the forward under CPU autocast to
+    ``autocast`` when given); the detached losses."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -85,7 +89,7 @@ class Plain:
 
 
 @functools.cache
-def plain(family: str, attn: str, steps: int = STEPS) -> Plain:
+def plain(family: str, attn: str, steps: int = STEPS, autocast: torch.dtype | None = None) -> Plain:
     """The run without the probe (computed once per configuration), with the lm_head's tensors of
     each step taken by a forward hook."""
     model = FAMILIES[family](attn)
@@ -95,14 +99,14 @@ def plain(family: str, attn: str, steps: int = STEPS) -> Plain:
         seen.append((args[0].detach().clone(), module.weight.detach().clone(), out.detach().clone()))
 
     hook = model.lm_head.register_forward_hook(keep)
-    losses = train(model, steps=steps)
+    losses = train(model, steps=steps, autocast=autocast)
     rng = torch.get_rng_state()
     hook.remove()
     return Plain(model, losses, rng, seen)
 
 
 def probed(out: Path, modes: str | list[str], family: str, attn: str, steps: int = STEPS,
-           **options: Any) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+           autocast: torch.dtype | None = None, **options: Any) -> tuple[torch.nn.Module, list[torch.Tensor]]:
     """A fresh model trained under ``probe.mode(modes, ...)``; no warning from the probe on the way
     (``warnings``, nor a log record of WARNING or above from a ``probe`` logger)."""
     model = FAMILIES[family](attn)
@@ -113,7 +117,7 @@ def probed(out: Path, modes: str | list[str], family: str, attn: str, steps: int
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with probe.mode(modes, out=out, model=model, **options) as session:
-                losses = train(model, session, steps)
+                losses = train(model, session, steps, autocast)
     finally:
         logger.removeHandler(logged)
     said = [str(w.message) for w in caught
@@ -162,10 +166,12 @@ def assert_exact_lm_head_stats(run: probe.Run, reference: Plain) -> None:
     weight (an input from outside the step, recorded by default), as the plain run computed them."""
     for step, (hidden, weight, logits) in enumerate(reference.lm_head):
         op = logits_op(run, step)
+        assert op.outputs[0].dtype == str(logits.dtype).removeprefix("torch.")
         assert_exact(op.outputs[0].stats, logits)
         assert [t.shape for t in op.inputs] == [(BATCH * SEQ, hidden.shape[-1]), tuple(weight.t().shape)]
-        assert_exact(op.inputs[0].stats, hidden)
-        assert_exact(op.inputs[1].stats, weight)
+        # Under autocast the matmul reads its own low-precision casts of both.
+        assert_exact(op.inputs[0].stats, hidden.to(logits.dtype))
+        assert_exact(op.inputs[1].stats, weight.to(logits.dtype))
 
 
 PASSIVE = ["stats", "structure", "monitor"]
@@ -184,11 +190,13 @@ def _options(mode: str, family: str) -> dict[str, Any]:
     return {}
 
 
-def _check_passive(tmp_path: Path, mode: str, family: str, attn: str) -> None:
-    reference = plain(family, attn)
+def _check_passive(tmp_path: Path, mode: str, family: str, attn: str,
+                   autocast: torch.dtype | None = None) -> None:
+    reference = plain(family, attn, autocast=autocast)
     out = tmp_path / "run"
     modes = mode.split("+")
-    model, losses = probed(out, modes if len(modes) > 1 else mode, family, attn, **_options(mode, family))
+    model, losses = probed(out, modes if len(modes) > 1 else mode, family, attn, autocast=autocast,
+                           **_options(mode, family))
     assert_trained_alike(reference.model, reference.losses, model, losses, reference.rng)
 
     run = readable(out)
@@ -215,7 +223,7 @@ def _check_passive(tmp_path: Path, mode: str, family: str, attn: str) -> None:
         if "stats" in modes:
             assert len(with_stats) > 500
             assert all(t.stats is not None for op in ops for t in op.outputs
-                       if t.dtype.startswith("float") and op.name not in _UNINITIALIZED), [
+                       if t.floating and op.name not in _UNINITIALIZED), [
                 (op.name, op.module) for op in ops for t in op.outputs if t.stats is None]
         else:
             assert not with_stats
@@ -249,6 +257,12 @@ def test_llama_dump_is_transparent_and_readable(tmp_path, mode, attn):
 @pytest.mark.parametrize("mode", ["stats", "structure", "monitor"])
 def test_gpt2_passive_mode_is_transparent_and_readable(tmp_path, mode):
     _check_passive(tmp_path, mode, "gpt2", "eager")
+
+
+def test_llama_stats_under_bf16_autocast(tmp_path):
+    # The bf16 tensors of autocast (the logits among them, 2^21 elements) take the queue's bf16
+    # path: read as int32 pairs of values.
+    _check_passive(tmp_path, "stats", "llama", "sdpa", autocast=torch.bfloat16)
 
 
 def test_llama_free_benchmark_check_is_transparent(tmp_path):
