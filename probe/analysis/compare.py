@@ -146,6 +146,14 @@ class _Side:
         self.held = precision.held_precision(self.ops)
         self.dump: DumpIndex | None = run.dump(step, rank) if run.has_dump(step, rank) else None
 
+    def unscale(self, op: OpRecord, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """An op's outputs recomputed from its dumped inputs, with the loss scale divided out
+        where its recorded outputs carry it (as :meth:`data` reads them)."""
+        if not self.loss_scale:
+            return outputs
+        return [t.double() / self.loss_scale if (op.index, "output", i) in self._scaled else t
+                for i, t in enumerate(outputs)]
+
     def data(self, op: OpRecord, io: str, position: int) -> tuple[torch.Tensor | None, str | None]:
         """The dumped tensor, or None and why its data is not there (None: never dumped by design)."""
         if self.dump is None:
@@ -422,8 +430,8 @@ def _judge_by_replay(side_a: _Side, side_b: _Side, c: OpComparison) -> tuple[boo
         return None
     cpu = torch.device("cpu")
     try:
-        exact_a = recompute(side_a.run, c.a, cpu, torch.float64)
-        exact_b = recompute(side_b.run, c.b, cpu, torch.float64)
+        exact_a = side_a.unscale(c.a, recompute(side_a.run, c.a, cpu, torch.float64))
+        exact_b = side_b.unscale(c.b, recompute(side_b.run, c.b, cpu, torch.float64))
     except (ProbeError, RuntimeError, TypeError, ValueError, NotImplementedError):
         return None
     worst_note, carried = "", 0.0
@@ -436,11 +444,18 @@ def _judge_by_replay(side_a: _Side, side_b: _Side, c: OpComparison) -> tuple[boo
             if result is None or tuple(result.shape) != tuple(exact.shape):
                 return None
             error = precision.own_error(result, exact)
-            bound = precision.rounding(_dtype(op.outputs[p]), _reduction(op))
+            # Rounding relative to a result smaller than its terms grows as they cancel.
+            # An op on operands of a lower dtype (layer norm's backward on fp16 gradients, with
+            # fp32 weights) may compute in it.
+            computed = _dtype(op.outputs[p])
+            operands = precision.input_precision(op)
+            if operands is not None:
+                computed = precision.lower_of(computed, operands)
+            bound = precision.rounding(computed, _reduction(op)) * max(precision.condition(op), 1.0)
             if error > bound:
                 return True, (f"output {p}: run {name}'s result is {error:.3g} (relative) from the "
                               f"exact result on its own inputs (fp64 replay), beyond the rounding bound "
-                              f"{bound:.3g} of {op.outputs[p].dtype}")
+                              f"{bound:.3g} of {str(computed).removeprefix('torch.')}")
         if tuple(exact_a[p].shape) == tuple(exact_b[p].shape):
             carried = max(carried, precision.own_error(exact_b[p], exact_a[p]))
             worst_note = (f"consistent with precision (fp64 replay): each run's result is within its "

@@ -481,6 +481,11 @@ def condition(op: OpRecord) -> float:
         if magnitude is None or rstd is None or rstd.get("max") is None:
             return means
         return max(means, magnitude * abs(float(rstd["max"])))
+    if short == "native_layer_norm_backward" and len(op.outputs) >= 3:
+        # The weight's and the bias's gradients sum the output gradient over the rows (the
+        # normalised input, which the weight's multiplies it by, has rms 1).
+        grad = op.inputs[0]
+        return max(_sum_condition(grad, out, mean=False) for out in op.outputs[1:3])
     if short in _SOFTMAX:
         magnitude = _magnitude(op.inputs[0])
         return 2.0 * magnitude if magnitude is not None else 1.0
