@@ -457,10 +457,11 @@ def run_case(case: Case, root: Path, references: dict[Case, Path]) -> Outcome:
 
 
 def matrix(quick: bool, families: list[str]) -> list[Case]:
-    """The generated cases. Full: every family x attention x vocabulary x pair, each healthy and
-    with each fault that applies, over steps {1, 3} x optimizers x modes in a rotation (so each
-    value of each dimension meets every family). Quick: one vocabulary and attention per
-    family in rotation, 2 steps, the stats mode, the faults in rotation."""
+    """The generated cases. Full: every family x attention x vocabulary x healthy pair, and each
+    fault that applies under each pair it applies to with the vocabularies in rotation, over
+    steps {1, 3} x optimizers x modes in a rotation (so each value of each dimension meets
+    every family). Quick: one vocabulary and attention per family in rotation, 2 steps, the
+    stats mode, the faults in rotation."""
     cases: list[Case] = []
     rotation = itertools.count()
     for name in families:
@@ -484,7 +485,9 @@ def matrix(quick: bool, families: list[str]) -> list[Case]:
                 for pair_name in ("fp32", "bf16-autocast"):
                     if not fault.applies(family, PAIRS[pair_name]):
                         continue
-                    if quick and (j + i) % 3:
+                    # Each fault meets every vocabulary over the attentions and faults (full),
+                    # a third of the faults per model (quick).
+                    if (quick and (j + i) % 3) or (not quick and (j + i) % len(vocabs)):
                         continue
                     cases.append(Case(name, attn, vocab, steps, optimizer, modes, pair_name, fault_name))
     return cases
@@ -512,8 +515,10 @@ def _table(title: str, rows: list[list[str]], header: list[str]) -> Table:
     return table
 
 
-def report(outcomes: list[Outcome], console: Console, markdown: Path | None,
-           seconds: float) -> dict[str, Any]:
+def report(outcomes: list[Outcome], console: Console | None, markdown: Path | None,
+           seconds: float, planned: int | None = None) -> dict[str, Any]:
+    """Prints the tables (``console``) and writes them (``markdown``); ``planned``: the cases of
+    a run still going (the file says how many are done)."""
     totals = summarise(outcomes)
     by: dict[tuple[str, str], list[Outcome]] = {}
     for o in outcomes:
@@ -527,15 +532,17 @@ def report(outcomes: list[Outcome], console: Console, markdown: Path | None,
                      f"{s['found']} / {s['faults']}"])
     rows.append(["all", str(len(outcomes)), f"{totals['false_divergences']} / {totals['healthy']}",
                  f"{totals['found']} / {totals['faults']} ({100 * totals['found_share']:.0f}%)"])
-    console.print(_table("Diagnosis benchmark", rows, header))
     misses = [o for o in outcomes if not o.ok]
     miss_rows = [[o.case.label, o.expected, o.error or o.answer] for o in misses]
-    if misses:
-        console.print(_table("Wrong answers", miss_rows, ["case", "expected", "answer"]))
+    if console is not None:
+        console.print(_table("Diagnosis benchmark", rows, header))
+        if misses:
+            console.print(_table("Wrong answers", miss_rows, ["case", "expected", "answer"]))
     if markdown is not None:
         lines = ["# Diagnosis benchmark", "",
-                 f"`python -m benchmarks.diagnosis{' --quick' if len(outcomes) < 150 else ''}`: "
-                 f"{len(outcomes)} cases in {seconds:.0f} s on {_machine()}.", "",
+                 f"`python -m benchmarks.diagnosis{' --quick' if (planned or len(outcomes)) < 150 else ''}`: "
+                 f"{len(outcomes)} cases in {seconds:.0f} s on {_machine()}"
+                 + (f" (in progress: {len(outcomes)} of {planned})" if planned else "") + ".", "",
                  "Targets: 0 false divergences over the healthy pairs; >= 95% of planted faults "
                  "named at the planted module and step.", "",
                  "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -593,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
                     console.print(f"[red]miss[/red] {case.label}: expected {outcome.expected}, "
                                   f"got {outcome.error or outcome.answer}")
                 progress.advance(task)
+                if args.markdown is not None and len(outcomes) % 25 == 0:  # a long run leaves its part
+                    report(outcomes, None, args.markdown, time.perf_counter() - start, len(cases))
     totals = report(outcomes, console, args.markdown, time.perf_counter() - start)
     met = totals["false_divergences"] == 0 and (totals["faults"] == 0 or totals["found_share"] >= 0.95)
     return 1 if args.check and not met else 0
