@@ -447,13 +447,17 @@ def run_case(case: Case, root: Path, references: dict[Case, Path]) -> Outcome:
     d = report.divergence
     answer = "none" if d is None else \
         f"step {d.step} {d.op.module or '<outside modules>'} {d.op.name} ({d.rule})"
+    conclusion = report.conclusion
     if planted is None:
         found, expected, at_op = d is not None, "no divergence", None
+        found = found or not conclusion.startswith("no divergence")  # the line a person reads
     else:
-        expected = f"step {planted.step} {planted.module or '<outside modules>'}"
-        found = d is not None and d.step == planted.step and _inside(d.op.module, planted.module)
+        where = planted.module or "<outside modules>"
+        expected = f"step {planted.step} {where}"
+        found = d is not None and d.step == planted.step and _inside(d.op.module, planted.module) \
+            and where in conclusion
         at_op = found
-    return Outcome(case, found, at_op, report.conclusion, answer, expected, time.perf_counter() - start)
+    return Outcome(case, found, at_op, conclusion, answer, expected, time.perf_counter() - start)
 
 
 def matrix(quick: bool, families: list[str]) -> list[Case]:
