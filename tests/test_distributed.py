@@ -144,10 +144,12 @@ def test_compare_goes_rank_by_rank_and_summarises_across_ranks(ddp, ddp_desync):
     per_rank = {row["rank"]: row for row in report.by_rank()}
     assert set(per_rank) == {0, 1}
     # Rank 0 only sees rank 1's drift through the averaged gradients (small differences);
-    # rank 1 diverges at the first op that reads the nudged weight.
+    # rank 1 diverges at the op of its own that nudged the weight (traced: the worker's
+    # add_ runs inside the session), named with the head's ops that read it.
     assert per_rank[0]["first_divergence"] is None
     first = per_rank[1]["first_divergence"]
-    assert first["step"] == 1 and first["module"] == "module.head"
+    assert first["step"] == 1 and first["op_a"] is None and first["name"] == "aten.add_.Tensor"
+    assert first["rule"] == "unmatched producer" and "module.head[0]:aten.t.default" in first["message"]
     assert report.divergence.rank == 1
     assert report.summary["per_rank"] == report.by_rank()
 

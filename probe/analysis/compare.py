@@ -529,6 +529,22 @@ def _held_apart(side_a: _Side, side_b: _Side, a: TensorRecord, b: TensorRecord) 
     return float(torch.finfo(precision.lower_of(held[0], held[1])).eps)
 
 
+_OVERWRITES_SELF = frozenset({"aten.copy_.default", "aten.fill_.Scalar", "aten.fill_.Tensor",
+                              "aten.zero_.default"})
+
+
+def _overwritten(op: OpRecord) -> set[int]:
+    """Positions of the inputs ``op`` overwrites whole without reading them (``out=`` arguments,
+    ``copy_``'s destination): their old contents (a reused buffer's, uninitialized memory) are
+    no value of the program."""
+    if op.name.split(".")[-1].startswith("out"):
+        written = sum(t.mutated for t in op.outputs)
+        return set(range(len(op.inputs) - written, len(op.inputs)))
+    if op.name in _OVERWRITES_SELF and op.inputs and op.outputs and op.inputs[0].shape == op.outputs[0].shape:
+        return {0}
+    return set()
+
+
 def _uninitialized(a: TensorRecord, b: TensorRecord, by_index: dict[int, OpComparison]) -> bool:
     """Whether the input is memory nothing had written yet (``empty_like``'s, filled by this op,
     e.g. ``copy_``'s destination): it holds no value of the program, so no difference."""
@@ -546,8 +562,10 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
     (input position -> relative difference)."""
     assert c.a is not None and c.b is not None
     in_error = 0.0
+    overwritten = _overwritten(c.a)
     for position, record in enumerate(c.a.inputs):
-        if position >= len(c.b.inputs) or _uninitialized(record, c.b.inputs[position], by_index):
+        if position >= len(c.b.inputs) or position in overwritten \
+                or _uninitialized(record, c.b.inputs[position], by_index):
             continue
         if record.source is None and c.b.inputs[position].source is None:
             if carried is not None:  # state from the steps before: its difference is explained
@@ -605,9 +623,10 @@ def _external_inputs_differ(side_a: _Side, side_b: _Side, c: OpComparison, carry
     the thresholds enters here."""
     assert c.a is not None and c.b is not None
     differ = []
+    overwritten = _overwritten(c.a)
     for position, record in enumerate(c.a.inputs):
         if record.source is not None or position >= len(c.b.inputs) \
-                or c.b.inputs[position].source is not None:
+                or c.b.inputs[position].source is not None or position in overwritten:
             continue  # computed in the step (in run B: by ops of B only, which the rules judge)
         other = c.b.inputs[position]
         t = compare_tensors(side_a, side_b, c.a, c.b, "input", position)
