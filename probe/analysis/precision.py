@@ -29,6 +29,7 @@ import torch
 
 from probe.analysis.metrics import TensorMetrics
 from probe.modes.perturbations import CONDITION, ROUNDING_ULPS, eps, threshold
+from probe.rundir.loss_scaler import is_scaler_op, scaler_step_in
 from probe.rundir.reader import OpRecord, TensorRecord
 
 __all__ = [
@@ -61,8 +62,6 @@ _PASS_THROUGH = frozenset({
     "clone", "detach", "alias", "unsqueeze", "squeeze", "slice", "select", "split", "split_with_sizes",
     "chunk", "unbind", "as_strided", "lift_fresh", "dropout", "native_dropout", "expand_as", "view_as",
 })
-SCALER_OPS = ("aten._amp_foreach_non_finite_check_and_unscale_", "aten._amp_update_scale_")
-"""The ops of ``torch.amp.GradScaler``: what feeds only them is the scaler's, not the model's."""
 _CASTS = frozenset({"_to_copy", "to", "copy_", "_to_dtype", "type_as"})
 
 
@@ -198,7 +197,7 @@ def lowered_precision(ops_a: list[OpRecord], ops_b: list[OpRecord],
         if all(short_name(t.name) in AUTOCAST_LOWERED or _in_sdpa_math(t, consumers) for t in targets):
             continue  # autocast's cast at the input of the ops it lowers
         scaler = _terminal_consumers(op, consumers, through_casts=True)
-        if scaler and all(t.name.startswith(SCALER_OPS) for t in scaler):
+        if scaler and all(is_scaler_op(t) for t in scaler):
             continue  # the loss scaler's own bookkeeping (its inverse scale in fp32)
         found[op.index] = Lowering(op, reference, out, partner is None)
     return found
@@ -346,7 +345,7 @@ def stats_error(a: dict, b: dict, numel: int) -> float:
 
 
 UNSCALE_OP = "aten._amp_foreach_non_finite_check_and_unscale_.default"
-"""The op ``GradScaler.unscale_`` runs: its last input is ``1 / scale``."""
+"""The op ``GradScaler.unscale_`` runs: its results no longer carry the scale."""
 
 
 def _value(ops: list[OpRecord], record: TensorRecord) -> float | None:
@@ -362,14 +361,10 @@ def _value(ops: list[OpRecord], record: TensorRecord) -> float | None:
 
 
 def loss_scale(ops: list[OpRecord]) -> float | None:
-    """The scale a loss scaler (``torch.amp.GradScaler``) multiplied this step's loss by: one
-    over the ``inv_scale`` its unscale op read; None when the step unscaled nothing."""
-    for op in ops:
-        if op.name == UNSCALE_OP and op.inputs:
-            inverse = _value(ops, op.inputs[-1])
-            if inverse is not None and inverse > 0 and math.isfinite(inverse):
-                return 1.0 / inverse
-    return None
+    """The scale a loss scaler (``torch.amp.GradScaler``) multiplied this step's loss by
+    (``probe.rundir.loss_scaler``); None when the step ran no scaler."""
+    scaler = scaler_step_in(ops)
+    return None if scaler is None or scaler.scale is None or not math.isfinite(scaler.scale) else scaler.scale
 
 
 def _divided(stats: dict | None, scale: float) -> dict | None:
