@@ -53,6 +53,7 @@ bench-quick: $(STAMP)
 	$(PY) -m benchmarks.graph_export --quick
 	$(PY) -m benchmarks.monitor --quick
 	$(PY) -m benchmarks.report --quick
+	$(PY) -m benchmarks.diagnosis --quick --check
 
 system-deps:
 	command -v dot >/dev/null && test -x /usr/bin/chromium && test -x /usr/bin/chromedriver || { \
