@@ -56,6 +56,9 @@ def _row_stats(values: list[float]) -> dict[str, float | int | None]:
     return {name: (None if value is None else int(value)) if name in _COUNTS else float(value)
             for name, value in zip(STAT_NAMES, values, strict=True)}
 
+_OVERWRITING = frozenset({"copy_", "fill_", "zero_", "split_with_sizes_copy", "_foreach_copy_", "normal_",
+                          "uniform_", "bernoulli_", "random_", "exponential_"})
+"""In-place ops that write their argument without reading it: its old contents are no input."""
 # Views whose elements may overlap or repeat even with the same numel as the base.
 _NOT_SAME_ELEMENTS = frozenset({"as_strided", "unfold", "diagonal"})
 
@@ -228,16 +231,21 @@ class StatsMode(Mode):
         if call.info.mutates:
             # Queued results about to be overwritten are reduced first (see stat_rows).
             self._rows.before_write(call.written())
-        if not self.inputs:
-            return
+        if not self.inputs or (self.inputs == "external" and call.uninitialized):
+            return  # a view into memory nothing wrote yet (FSDP2's reallocated buffers): garbage
         every = self.inputs is True
         # An input the op writes is read now: queued, its statistics would be the op's result's.
         written = {w.untyped_storage()._cdata for w in call.written()} if call.info.mutates else ()
+        info = call.info
+        overwrites = bool(written) and (info.is_out or info.is_collective or info.namespace != "aten"
+                                        or info.short in _OVERWRITING)
         for position, t in enumerate(call.input_tensors or ()):
             if call.skipped and call.skip_reason("in", position) is not None:
                 continue
             if not every and call.inputs[position][2] is not None:
                 continue  # computed in the step: its producer's output row describes it
+            if not every and overwrites and t.untyped_storage()._cdata in written:
+                continue  # a buffer the op fills (out=, a collective's, FSDP2's): no value yet
             row = self._input_row(call, position)
             key = None if every else _value_key(t)
             if row is None and key is not None:
