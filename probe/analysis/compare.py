@@ -586,6 +586,11 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
     out_error, out_dtypes = 0.0, (torch.float64, torch.float64)
     for t in c.outputs:
         error = _error_of(t, c.a.outputs[t.position], c.b.outputs[t.position])
+        if t.kind == "data":  # measured as the inputs are (a sparse gradient's rms is no scale)
+            data_a, _ = side_a.data(c.a, "output", t.position)
+            data_b, _ = side_b.data(c.b, "output", t.position)
+            if data_a is not None and data_b is not None:
+                error = precision.differing_error(data_a, data_b)
         if error is None:
             return None
         if error >= out_error:
@@ -599,6 +604,8 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
                                          + precision.rounding(out_dtypes[1], _reduction(c.b), floor=False))
     factor = max(precision.CONDITION, cancellation)
     bound = factor * in_error + rounding
+    if in_error >= WHOLLY:
+        bound = math.inf  # inputs that differ as much as their values bound nothing
     detail = (f"output differs by {out_error:.3g} (relative), {factor:.3g} x the inputs' "
               f"{in_error:.3g} + rounding {rounding:.3g} = {bound:.3g}")
     if c.a.phase == "optimizer" and in_error > 0:
@@ -664,6 +671,11 @@ def _external_inputs_differ(side_a: _Side, side_b: _Side, c: OpComparison, carry
     return differ
 
 
+WHOLLY = 1.0
+"""An input difference (relative) at which the runs' values are no longer each other's
+approximations (a gradient of a near-zero quantity in a bf16 model): from it no bound
+follows, and an op downstream is not where a divergence enters."""
+
 SUM_ROUNDING = 1e-12
 """How far (relative) two statistics sums of the same values may differ: fp64 sums taken in
 another order (another thread count) round differently."""
@@ -678,10 +690,13 @@ def _alike(t: TensorComparison, a: TensorRecord, b: TensorRecord) -> bool:
         return False
     if a.stats is None or b.stats is None:
         return a.stats is b.stats
+    norm = a.stats.get("norm")
+    rms = norm / math.sqrt(a.numel) if isinstance(norm, float) and math.isfinite(norm) and a.numel else 0.0
     for key, x in a.stats.items():
         y = b.stats.get(key)
         if key in ("mean", "norm") and isinstance(x, float) and isinstance(y, float):
-            if abs(x - y) > SUM_ROUNDING * max(abs(x), abs(y)):
+            # A mean near zero is the cancellation of its terms: its rounding is the rms's.
+            if abs(x - y) > SUM_ROUNDING * max(abs(x), abs(y), rms):
                 return False
         elif x != y:
             return False
@@ -822,6 +837,8 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
         worst_upstream = max(u for u in upstream if u is not None)
         if carry.before and carry.explained and _reads_outside(ops, position, walks):
             worst_upstream = max(worst_upstream, carry.bound)  # state earlier steps explain
+        if worst_upstream >= WHOLLY:
+            continue  # the values upstream differ as much as they are large: nothing to bound
         bound = precision.CONDITION * worst_upstream + rounding
         if difference <= bound:
             continue
