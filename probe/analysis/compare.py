@@ -315,6 +315,12 @@ def _fingerprint(record: TensorRecord) -> tuple | None:
             stats.get("nan"), stats.get("inf"))
 
 
+def _leaves_state(op: OpRecord, output: TensorRecord) -> bool:
+    """Whether an output of ``op`` may be read again in a later step: written in place, or by
+    the optimizer (its moments, momentum buffers, the weights)."""
+    return op.phase == "optimizer" or output.mutated
+
+
 def _left_state(ops: list[OpRecord]) -> dict[tuple, tuple[int, str, int]]:
     """The values a step leaves for the next (fingerprint -> where: op index, io, position)."""
     found: dict[tuple, tuple[int, str, int]] = {}
@@ -323,7 +329,7 @@ def _left_state(ops: list[OpRecord]) -> dict[tuple, tuple[int, str, int]]:
             if t.source is None and (key := _fingerprint(t)) is not None:
                 found[key] = (op.index, "input", position)
         for position, t in enumerate(op.outputs):
-            if (op.phase == "optimizer" or t.mutated) and (key := _fingerprint(t)) is not None:
+            if _leaves_state(op, t) and (key := _fingerprint(t)) is not None:
                 found[key] = (op.index, "output", position)
     return found
 
@@ -508,10 +514,7 @@ def _sources_error(side_a: _Side, side_b: _Side, a: TensorRecord, b: TensorRecor
                 and record.source[1] < len(side.ops[record.source[0]].outputs):
             record = side.ops[record.source[0]].outputs[record.source[1]]
         found.append(record)
-    ra, rb = found
-    if ra.stats is None or rb.stats is None or ra.numel != rb.numel:
-        return None
-    return precision.stats_error(ra.stats, rb.stats, ra.numel)
+    return _stats_difference(*found)
 
 
 def _held_apart(side_a: _Side, side_b: _Side, a: TensorRecord, b: TensorRecord) -> float:
@@ -710,7 +713,7 @@ def _written_error(c: OpComparison) -> float:
     worst_error = 0.0
     for t in c.outputs:
         record = c.a.outputs[t.position]
-        if c.a.phase == "optimizer" or record.mutated:
+        if _leaves_state(c.a, record):
             error = _error_of(t, record, c.b.outputs[t.position])
             worst_error = max(worst_error, error or 0.0)  # unknown: nothing it could explain
     return worst_error
@@ -758,9 +761,8 @@ def _edge_error(side_a: _Side, side_b: _Side, c: OpComparison, position: int,
         return math.inf
     error = _input_error(side_a, side_b, c, position, t)
     ra, rb = records
-    if error is None and ra is not None and rb is not None and ra.stats is not None \
-            and rb.stats is not None and ra.numel == rb.numel:
-        error = precision.stats_error(ra.stats, rb.stats, ra.numel)
+    if error is None and ra is not None and rb is not None:
+        error = _stats_difference(ra, rb)
     if error is None:
         error = _sources_error(side_a, side_b, c.a.inputs[position], c.b.inputs[position])
     return error
@@ -970,6 +972,7 @@ def _state_errors(comparisons: list[OpComparison], side_a: _Side) -> dict[tuple,
 
 
 def _stats_difference(a: TensorRecord, b: TensorRecord) -> float | None:
+    """Two records' statistics apart (``precision.stats_error``); None when either is unknown."""
     if a.stats is None or b.stats is None or a.numel != b.numel:
         return None
     return precision.stats_error(a.stats, b.stats, a.numel)
