@@ -47,11 +47,11 @@ from probe.modes.anomaly import Anomaly, anomaly_json
 from probe.modes.base import OpObserver, SessionPlugin
 from probe.modes.monitor import MonitorMode
 from probe.modes.registry import MODES
-from probe.options import Options
 from probe.tracer import mode_stack
 from probe.tracer.compat import compiled_regions_eager
 from probe.tracer.dispatch_mode import ProbeDispatchMode, Tracer
 from probe.tracer.op_call import OpCall
+from probe.vocabulary.option_values import Options
 
 log = logging.getLogger("probe.monitor")
 

@@ -18,17 +18,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from probe.errors import ProbeError
+from probe.vocabulary.option_values import show
 
 MAX_DEPTH = 8
 MAX_VALUES = 10_000
 MAX_CHARS = 1_000
 _CUT = "..."
-
-
-def _show(value: Any) -> str:
-    from probe.options import show  # options imports this module
-
-    return show(value)
 
 
 class _Budget:
@@ -55,7 +50,7 @@ def _json_value(value: Any, depth: int, budget: _Budget) -> Any:
         return [_json_value(item, depth + 1, budget) for item in value[:MAX_VALUES]]
     if isinstance(value, (set, frozenset)):  # sorted: a set's order changes from process to process
         return sorted((_json_value(item, depth + 1, budget) for item in list(value)[:MAX_VALUES]), key=repr)
-    return _show(value)
+    return show(value)
 
 
 def _as_mapping(value: Any) -> Mapping[Any, Any] | None:
@@ -70,7 +65,7 @@ def _as_mapping(value: Any) -> Mapping[Any, Any] | None:
         try:
             found = to_dict()
         except Exception as e:  # the user's object: its failure is named, not raised as is
-            raise ProbeError(f"option 'hparams': {_show(value)}.to_dict() failed: {type(e).__name__}: {e}"
+            raise ProbeError(f"option 'hparams': {show(value)}.to_dict() failed: {type(e).__name__}: {e}"
                              ) from None
         return found if isinstance(found, Mapping) else None
     return None
@@ -83,7 +78,7 @@ def parse_hparams(value: Any) -> dict[str, Any] | None:
     mapping = _as_mapping(value)
     if mapping is None:
         raise ProbeError("option 'hparams': expected a dict of name -> value (or an argparse.Namespace, a "
-                         f"dataclass, an object with to_dict()), got {_show(value)}")
+                         f"dataclass, an object with to_dict()), got {show(value)}")
     return _json_value(mapping, 0, _Budget())
 
 

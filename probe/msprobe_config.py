@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from probe.errors import ProbeError, warn_once
-from probe.options import IntSet, parse_bool, show
+from probe.vocabulary.option_values import IntSet, parse_bool, show
 
 # msprobe task -> probe modes (and options the task implies)
 _TASKS: dict[str, tuple[list[str], dict[str, Any]]] = {

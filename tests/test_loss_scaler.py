@@ -16,8 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import probe
 from probe.analysis.summary import summarize
 from probe.exporters.console import render_run
-from probe.tracer.op_class import classify
-from probe.tracer.op_tensors import counted_writes, written_tensors
+from probe.vocabulary.op_class import classify
+from probe.vocabulary.op_tensors import counted_writes, written_tensors
 
 STEPS = 4
 

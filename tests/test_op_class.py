@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from probe.tracer.op_class import OpClassCache, classify
+from probe.vocabulary.op_class import OpClassCache, classify
 
 aten = torch.ops.aten
 

@@ -18,8 +18,8 @@ from probe.analysis.run_identity import Identity
 from probe.analysis.summary import Extreme, StepSummary, lost_steps, tails
 from probe.analysis.verdicts import NOT_COMPARED, VERDICTS
 from probe.modes.anomaly import incidents
-from probe.options import PHASES
 from probe.rundir.reader import OpRecord, Run
+from probe.vocabulary.option_values import PHASES
 
 LOG_WIDTH = 200
 """Columns when the output is not a terminal (a log, CI): wide enough that op ids stay on one line."""

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from probe.errors import warn_once
-from probe.options import parse_bool
 from probe.session import Session
+from probe.vocabulary.option_values import parse_bool
 
 EVALUATION = "evaluation"
 """The manifest ``"kind"`` of a step that recorded an evaluation."""

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Protocol
 
 from probe.rundir.mode_files import ModeFiles
 from probe.rundir.writer import StepWriter
-from probe.tracer.op_call import OpCall
+from probe.tracer.observer import OpObserver
 
 
 class StepResult(Protocol):
@@ -30,22 +30,6 @@ class StepResult(Protocol):
     def write(self, writer: StepWriter) -> dict[str, Any]:
         """Write the step's files; return a small summary for the step manifest."""
         ...
-
-
-class OpObserver:
-    """Per-op work, called by the tracer for each selected op."""
-
-    replaces_execution: ClassVar[bool] = False
-
-    def before(self, call: OpCall) -> None:
-        """Inputs are live and unmodified; the op has not run."""
-
-    def run(self, call: OpCall, func: Any, args: tuple, kwargs: dict) -> Any:
-        """Run the op in place of the tracer (only when ``replaces_execution``)."""
-        raise NotImplementedError
-
-    def after(self, call: OpCall) -> None:
-        """The op ran; ``call.output_tensors`` holds its results."""
 
 
 class SessionPlugin:

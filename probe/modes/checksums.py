@@ -43,12 +43,12 @@ from probe.errors import ProbeError, warn_once
 from probe.modes.base import SessionPlugin
 from probe.modes.bit_checksum import ChecksumCache, checksummable, combine, hex_checksum, local, row_sums
 from probe.modes.registry import register_mode
-from probe.options import DEFAULT_CHECKSUMS, IntSet
 from probe.rundir import layout
 from probe.rundir.mode_files import ModeFiles
 from probe.rundir.reading import expect, read_json, reading
 from probe.rundir.writer import StepWriter
 from probe.tracer.mode_stack import untraced
+from probe.vocabulary.option_values import DEFAULT_CHECKSUMS, IntSet
 
 MAX_CALLS = 8
 """Calls of the model per step whose inputs are checksummed (a generation loop calls it often)."""

@@ -34,7 +34,6 @@ import torch
 from probe.errors import ProbeError
 from probe.modes.base import Mode
 from probe.modes.registry import register_mode
-from probe.options import host_memory_bytes, parse_bool, parse_choice, parse_int
 from probe.rundir import layout
 from probe.rundir.call_args import encode_args
 from probe.rundir.mode_files import ModeFiles
@@ -44,6 +43,7 @@ from probe.rundir.writer import StepWriter
 from probe.tracer.dispatch_mode import dtype_name
 from probe.tracer.op_call import OpCall
 from probe.tracer.value_ids import unkeyable
+from probe.vocabulary.option_values import host_memory_bytes, parse_bool, parse_choice, parse_int
 
 INPUT, OUTPUT = 0, 1
 TENSOR_CHOICES = ("all", "inputs", "outputs")

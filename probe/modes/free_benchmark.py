@@ -54,7 +54,6 @@ from probe.modes.perturbations import (
     threshold,
 )
 from probe.modes.registry import register_mode
-from probe.options import parse_bool, parse_choice, parse_int
 from probe.rundir import layout
 from probe.rundir.mode_files import ModeFiles
 from probe.rundir.reading import read_jsonl, reading, record_from_row
@@ -62,8 +61,9 @@ from probe.rundir.records import CheckRecord
 from probe.rundir.writer import StepWriter
 from probe.tracer.dispatch_mode import dtype_name
 from probe.tracer.op_call import OpCall
-from probe.tracer.op_class import OpClass
-from probe.tracer.op_tensors import results_of
+from probe.vocabulary.op_class import OpClass
+from probe.vocabulary.op_tensors import results_of
+from probe.vocabulary.option_values import parse_bool, parse_choice, parse_int
 
 HANDLERS = ("check", "fix")
 PASS, FAIL, SKIP = "pass", "fail", "skip"

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from probe.errors import ProbeError, warn_once
-from probe.options import IntSet, parse_bool, parse_choice, parse_int, parse_number, show
+from probe.vocabulary.option_values import IntSet, parse_bool, parse_choice, parse_int, parse_number, show
 
 SLOTS = ("input", "output", "input_grad", "output_grad")
 ALERT_METRICS = ("min", "max", "mean", "norm", "zeros", "nans")

@@ -28,13 +28,13 @@ from probe.modes.nonfinite_params import NonfiniteParameters, NonfiniteParameter
 from probe.modes.registry import register_mode
 from probe.modes.stat_rows import PendingRows, StepRows
 from probe.modes.tensor_stats import BACKENDS, TensorStats, finalize
-from probe.options import parse_bool, parse_choice, show
 from probe.rundir import layout
 from probe.rundir.mode_files import ModeFiles
 from probe.rundir.reading import expect, reading
 from probe.rundir.records import NonfiniteParameterRecord, OpRecord
 from probe.rundir.writer import StepWriter
 from probe.tracer.op_call import OpCall
+from probe.vocabulary.option_values import parse_bool, parse_choice, show
 
 INPUT, OUTPUT = 0, 1
 STAT_NAMES = ("min", "max", "mean", "norm", "nan", "inf", "posinf", "neginf")

@@ -26,9 +26,9 @@ from probe.errors import ProbeError
 from probe.modes.base import Mode
 from probe.modes.free_benchmark import eligible
 from probe.modes.registry import register_mode
-from probe.options import show
 from probe.tracer.op_call import OpCall
-from probe.tracer.op_tensors import results_of
+from probe.vocabulary.op_tensors import results_of
+from probe.vocabulary.option_values import show
 
 _LOW = (torch.float16, torch.bfloat16)
 _UPCAST_DTYPES = {torch.float32: torch.float32, torch.float64: torch.float64,

@@ -15,8 +15,8 @@ from collections.abc import Collection, Sequence
 import networkx as nx
 
 from probe.errors import ProbeError
-from probe.options import PHASES
 from probe.rundir.records import OpRecord, TensorRecord
+from probe.vocabulary.option_values import PHASES
 
 
 def _largest(values: list[float | int | None]) -> float | int | None:

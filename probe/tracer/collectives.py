@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from probe.tracer.op_call import GroupMeta, OpCall
-from probe.tracer.op_class import OpClass
+from probe.vocabulary.op_class import OpClass
 
 _WAIT_OPS = frozenset({"_c10d_functional.wait_tensor.default"})
 _PURE_WRITES = frozenset({"copy_", "fill_", "zero_"})

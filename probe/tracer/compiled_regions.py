@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import (
 )
 
 from probe.errors import warn_once
-from probe.tracer.op_class import OpClass
+from probe.vocabulary.op_class import OpClass
 
 _EVAL_FRAME_FILE = ("_dynamo/eval_frame.py", "_dynamo\\eval_frame.py")
 _MODULE_CALL_FILE = ("nn/modules/module.py", "nn\\modules\\module.py")

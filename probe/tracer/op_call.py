@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from probe.tracer.frames import Frame
-from probe.tracer.op_class import OpClass
-from probe.tracer.op_tensors import counted_writes, written_tensors
+from probe.vocabulary.op_class import OpClass
+from probe.vocabulary.op_tensors import counted_writes, written_tensors
 
 Source = tuple[int, int, bool]
 InputMeta = tuple[str, tuple[int, ...], Source | None]

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from probe.tracer.op_class import OpClass
+from probe.vocabulary.op_class import OpClass
 
 
 def tensors_in(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
