@@ -72,7 +72,7 @@ from probe.exporters.compare_report import write_csv, write_html
 from probe.modes.dump import DumpIndex
 from probe.modes.perturbations import reduction_length
 from probe.rundir.reader import OpRecord, Run, TensorRecord
-from probe.tracer.op_class import creates_uninitialized, draws_random
+from probe.vocabulary.op_class import creates_uninitialized, draws_random
 
 METRIC_KEYS = ("cosine", "max_abs_err", "max_rel_err", "one_thousandth_ratio",
                "five_thousandth_ratio", "rmse", "max_ulp", "ref_rms")

@@ -21,8 +21,8 @@ from probe.errors import ProbeError
 from probe.modes.dump import DumpIndex
 from probe.rundir.call_args import decode_args
 from probe.rundir.reader import OpRecord, Run
-from probe.tracer.op_class import classify, draws_random, resolve_op
-from probe.tracer.op_tensors import results_of
+from probe.vocabulary.op_class import classify, draws_random, resolve_op
+from probe.vocabulary.op_tensors import results_of
 
 
 @dataclass

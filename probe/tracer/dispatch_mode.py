@@ -21,16 +21,16 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from probe.errors import warn_once
-from probe.modes.base import OpObserver
-from probe.options import Options
 from probe.tracer.call_sites import CallSites
 from probe.tracer.collectives import GroupCache, PendingCollectives, collective_outputs
 from probe.tracer.frames import Frame
 from probe.tracer.module_tracker import ModuleTracker
+from probe.tracer.observer import OpObserver
 from probe.tracer.op_call import InputMeta, OpCall, OpRecordTuple, OutputMeta, Skipped
-from probe.tracer.op_class import OpClass, OpClassCache
-from probe.tracer.op_tensors import tensors_in, tensors_out, written_tensors
 from probe.tracer.value_ids import UNKEYABLE_ERRORS, ValueIndex, unkeyable
+from probe.vocabulary.op_class import OpClass, OpClassCache
+from probe.vocabulary.op_tensors import tensors_in, tensors_out, written_tensors
+from probe.vocabulary.option_values import Options
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)
 _get_infra_mode = torch._C._get_dispatch_mode
