@@ -46,6 +46,7 @@ from probe.analysis.verdicts import (
     ERROR,
     NOT_COMPARED,
     PASS,
+    RULE_ARGUMENTS,
     RULE_CARRIED,
     RULE_LOWERED,
     RULE_NONFINITE,
@@ -470,6 +471,56 @@ def _judge_by_replay(side_a: _Side, side_b: _Side, c: OpComparison) -> tuple[boo
     return False, worst_note or "consistent with precision (fp64 replay)"
 
 
+def _scalar_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    """The numbers and flags of a recorded call, by where they sit ("1", "alpha", "2.0"): what
+    the call says beside its tensors. Dtypes, devices and layouts are left out, since
+    precision policies change them and their rules judge them."""
+    found: dict[str, Any] = {}
+
+    def walk(where: str, value: Any) -> None:
+        if isinstance(value, (bool, int, float)) or (isinstance(value, dict) and set(value) == {"float"}):
+            found[where] = value
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(f"{where}.{i}", v)
+
+    for i, value in enumerate(call.get("args", [])):
+        walk(str(i), value)
+    for name, value in call.get("kwargs", {}).items():
+        walk(name, value)
+    return found
+
+
+def _called_otherwise(side_a: _Side, side_b: _Side, c: OpComparison) -> str | None:
+    """Why ``c`` was called with other arguments on identical tensors (None: it was not).
+
+    With every tensor input equal bit for bit (values, dtype, shape) in both runs, a result
+    that differs can only come from what the call says beside its tensors: an eps, a scale,
+    a dim. That is a change of the computation itself, at this op, however small its effect.
+    """
+    assert c.a is not None and c.b is not None
+    if side_a.dump is None or side_b.dump is None or not c.a.inputs or len(c.a.inputs) != len(c.b.inputs):
+        return None
+    for position in range(len(c.a.inputs)):
+        data_a, _ = side_a.data(c.a, "input", position)
+        data_b, _ = side_b.data(c.b, "input", position)
+        if data_a is None or data_b is None or data_a.dtype != data_b.dtype \
+                or data_a.shape != data_b.shape or not torch.equal(data_a, data_b):
+            return None
+    try:
+        call_a, call_b = side_a.dump.call(c.a.index), side_b.dump.call(c.b.index)
+    except ProbeError:
+        return None
+    scalars_a, scalars_b = _scalar_arguments(call_a), _scalar_arguments(call_b)
+    differing = [f"argument {where}: {scalars_a.get(where)!r} in run A, {scalars_b.get(where)!r} in run B"
+                 for where in sorted(set(scalars_a) | set(scalars_b))
+                 if scalars_a.get(where) != scalars_b.get(where)]
+    if not differing:
+        return None
+    return (f"its tensor inputs are identical in both runs, but it was called with other arguments "
+            f"({'; '.join(differing)})")
+
+
 def _replay_skipped(c: OpComparison, replay_limit: int) -> str | None:
     """Why the replay of ``c`` is skipped for its size (None: it is not)."""
     assert c.a is not None and c.b is not None
@@ -503,6 +554,18 @@ def _input_error(side_a: _Side, side_b: _Side, c: OpComparison, position: int,
         if data_a is not None and data_b is not None:
             return precision.differing_error(data_a, data_b)
     return _error_of(t, c.a.inputs[position], c.b.inputs[position])
+
+
+def _concentration(side_a: _Side, side_b: _Side, c: OpComparison, position: int) -> float:
+    """The factor by which input ``position``'s difference, measured on the whole tensor, may
+    be larger in the part ``c`` selects of it (:func:`precision.selection_gain`); 1 when both
+    runs dumped that input, whose difference is then measured element by element."""
+    assert c.a is not None and c.b is not None
+    if position != 0:
+        return 1.0
+    if side_a.data(c.a, "input", 0)[0] is not None and side_b.data(c.b, "input", 0)[0] is not None:
+        return 1.0
+    return max(precision.selection_gain(c.a), precision.selection_gain(c.b))
 
 
 def _sources_error(side_a: _Side, side_b: _Side, a: TensorRecord, b: TensorRecord) -> float | None:
@@ -572,12 +635,15 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
             continue
         if record.source is None and c.b.inputs[position].source is None:
             if carried is not None:  # state from the steps before: its difference is explained
-                in_error = max(in_error, carried.get(position, 0.0))
+                gain = _concentration(side_a, side_b, c, position)
+                in_error = max(in_error, carried.get(position, 0.0) * gain)
             continue
         t = compare_tensors(side_a, side_b, c.a, c.b, "input", position)
         if t.verdict == ERROR and t.rule in (RULE_SHAPE, RULE_NONFINITE):
             return None
         error = _input_error(side_a, side_b, c, position, t)
+        if error is not None and t.kind != "data":
+            error *= _concentration(side_a, side_b, c, position)
         if error is None and record.source is not None:  # nothing in the input's own record:
             error = _producer_error(by_index, record.source)  # its producer's output may hold it
         if error is None:  # producers that were not matched: their outputs, as each run recorded them
@@ -1005,6 +1071,11 @@ def _judge_op(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int,
     if outside:
         c.verdict, c.rule, c.enters = ERROR, RULE_OUTSIDE, not tainted
         c.message = "; ".join([c.message, *outside] if c.message else outside)
+        return
+    otherwise = None if tainted else _called_otherwise(side_a, side_b, c)
+    if otherwise is not None:
+        c.verdict, c.rule, c.enters = ERROR, RULE_ARGUMENTS, True
+        c.message = f"{otherwise}; {c.message}" if c.message else otherwise
         return
     # Downstream of a divergence a replay would only say where it grows: the cheap bound does.
     skipped = None if tainted else _replay_skipped(c, replay_limit)

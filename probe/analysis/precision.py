@@ -487,6 +487,28 @@ def condition(op: OpRecord) -> float:
     return 1.0
 
 
+_SELECTIONS = frozenset({"embedding", "index_select", "gather", "index", "take", "_embedding_bag",
+                         "embedding_bag"})
+
+
+def selection_gain(op: OpRecord) -> float:
+    """How much larger, relatively, a difference of ``op``'s first input may be in the part of
+    it ``op`` selects (an embedding's rows, a gather) than its statistics say of the whole.
+
+    A relative difference known from statistics is one of the whole tensor; its elements that
+    differ may all sit in the rows selected (the rows of the tokens seen, where an optimizer
+    changed a table it updates sparsely). Concentrated there, it is larger relative to the
+    selected part by the ratio of the norms: ``norm(input) / norm(output)`` (at least 1).
+    1 for other ops, and without statistics."""
+    if short_name(op.name) not in _SELECTIONS or not op.inputs or not op.outputs:
+        return 1.0
+    whole, selected = op.inputs[0].stats, op.outputs[0].stats
+    if whole is None or selected is None or not whole.get("norm") or not selected.get("norm"):
+        return 1.0
+    ratio = float(whole["norm"]) / float(selected["norm"])
+    return max(ratio, 1.0) if math.isfinite(ratio) else 1.0
+
+
 def held_precision(ops: list[OpRecord]) -> dict[tuple[int, int], torch.dtype]:
     """For each floating output ``(op index, position)``, the lowest precision its value passed
     through on its way from the step's inputs: a value computed from a bf16 matmul's result

@@ -40,6 +40,7 @@ RULE_UNMATCHED = "unmatched"          # only in one run
 RULE_OUTSIDE = "outside input"        # an input from outside the step differs: it enters here
 RULE_REPLAY = "replay"                # fp64 replay on each run's inputs: own rounding vs carried
 RULE_PROPAGATION = "propagation"      # inputs' difference x 32 + each run's rounding
+RULE_ARGUMENTS = "arguments"          # identical inputs, other exact results: called with other arguments
 RULE_LOWERED = "lowered precision"    # computed lower than run A, unexplained by B's policy
 RULE_CARRIED = "carried"              # downstream of a divergence, beyond the thresholds
 RULE_UNMATCHED_PRODUCER = "unmatched producer"  # entered through ops that exist in one run only
