@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -118,6 +119,14 @@ class Session:
 
     def __enter__(self) -> Session:
         global _active
+        if self._tracer is not None:
+            raise ProbeError(f"the session writing {str(self.out)!r} is already running; a session is "
+                             "entered once (with probe.mode(...) as s, or s.start()), not twice")
+        if self._ran:
+            raise ProbeError(f"the session writing {str(self.out)!r} has stopped and runs once: entering it "
+                             "again would add steps to a finished run; create a new one with probe.mode(...) "
+                             "(to leave part of training untraced, use session.pause()/resume() or "
+                             "session.paused())")
         if _active is not None:
             raise ProbeError(f"a probe session (writing {str(_active.out)!r}) is already active; nest none "
                              "inside another, and stop() one started with start() before the next")
@@ -168,6 +177,7 @@ class Session:
                 self._close_modes_and_writer()
             raise
         self._tracer, self._exit_stack = tracer, stack
+        self._ran = True  # only a start that succeeded counts: after a failed one, start again
         _active = self
         self._begin_step(rank)
         return self
@@ -265,7 +275,6 @@ class Session:
                              "once; create a new one with probe.mode(...) (to leave part of training "
                              "untraced, use session.pause()/resume() or session.paused())")
         self.__enter__()
-        self._ran = True
         return self
 
     def stop(self, error: BaseException | None = None) -> None:
@@ -415,10 +424,21 @@ class Session:
                     ended.append((mode, mode.end_step(step)))
                 except BaseException as e:
                     interrupted = interrupted or e
+                    # What the broken-off end_step left (half handed over) must not open the
+                    # next step: a second end_step hands it over, and it is dropped.
+                    with contextlib.suppress(BaseException):
+                        mode.ending_alone()
+                        mode.end_step(step)
             if interrupted is not None:
                 complete = False
                 reason = f"{type(interrupted).__name__} during the step hand-over: {interrupted}"
-            job = self._step_job(step, tail, records, ended, complete, reason)
+            try:
+                job = self._step_job(step, tail, records, ended, complete, reason)
+            except BaseException as e:
+                if interrupted is None:  # the job is plain data: made again, the step marked broken off
+                    interrupted, complete = e, False
+                    reason = f"{type(e).__name__} during the step hand-over: {e}"
+                job = self._step_job(step, tail, records, ended, complete, reason)
         try:
             if job is not None:
                 self._hand_to_writer(job, wait=not complete)
@@ -489,7 +509,17 @@ class Session:
             with untraced():  # the writer thread has none; here the user's may be on
                 job()
             return
-        self._background.submit(job)
+        once = _Once(job)
+        try:
+            self._background.submit(once)
+        except BaseException:
+            # Interrupted (Ctrl-C) before the job was surely queued: write the step here, after
+            # the steps before it, unless the writer thread has taken it; then let it go on.
+            with contextlib.suppress(BaseException):
+                self._background.drain()
+            with contextlib.suppress(BaseException), untraced():
+                once()
+            raise
         if wait:  # the block is raising: be on disk before it propagates
             self._background.drain()
 
@@ -540,6 +570,21 @@ class Session:
             f"training goes on; the step is left unfinished ({first['directory']}) and every step given up "
             f"is listed in {layout.WRITE_FAILURES_FILE} there",
         )
+
+
+class _Once:
+    """A step's write, run by whichever thread calls it first (the writer thread, or the training
+    thread when handing it over was interrupted); later calls do nothing."""
+
+    def __init__(self, job: Callable[[], None]) -> None:
+        self._job: Callable[[], None] | None = job
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            job, self._job = self._job, None
+        if job is not None:
+            job()
 
 
 def active_session() -> Session | None:

@@ -247,66 +247,75 @@ class Tracer:
         call = OpCall(index, op_id, info, phase, frame, inputs, in_tensors, args, kwargs, callsite, func)
         if skipped_inputs:
             call.skipped = skipped_inputs
-        if info.is_view and inputs and (
-            ((src := inputs[0][2]) is not None and src[0] in self._unwritten)
-            or (self._refilled and self._is_refilled(in_tensors[0]))
-        ):
-            call.uninitialized = True  # a view into an ``empty`` or reallocated buffer nothing wrote yet
-        if call.uninitialized:
-            self._unwritten.add(index)
-        for mode in self._before_modes:
-            mode.before(call)
-        if self._replacer is not None:
-            out = self._replacer.run(call, func, args, kwargs)
-        else:
-            out = func(*args, **kwargs)
-        if phase in _NODE_CREATING_PHASES:
-            self.modules.note_autograd_node(frame)
-
-        rewritten: list[torch.Tensor] = []
-        if info.is_collective:
-            # c10d schemas do not mark what they write: an output that is an argument was written.
-            out_tensors = collective_outputs(info, args, out)
-            written = [t for t in out_tensors if any(t is i for i in in_tensors)]
-        else:
-            out_tensors = tensors_out(out)
-            written = call.written()
-            if written and (info.uncounted_writes or not info.counts_writes):
-                # Written without a version bump (_foreach_*, _fused_*, _amp_* ops): the new value
-                # has the old one's version, and must replace it under that key.
-                moving = call.versions_moving()
-                rewritten = [t for t in written if not any(t is m for m in moving)]
-        if info.refills_buffers:
-            for t in written:
-                base = t._base if t._base is not None else t
-                self._refilled[id(base)] = weakref.ref(base)
-        # Written arguments the op does not return (running statistics, foreach
-        # updates) are results too.
-        if written:
-            out_tensors += [t for t in written if not any(t is r for r in out_tensors)]
         try:
-            outputs, skipped_outputs = self._register_outputs(out_tensors, written, index, info.is_view,
-                                                              rewritten=rewritten)
-        except UNKEYABLE_ERRORS:
-            outputs, skipped_outputs = self._register_outputs(
-                out_tensors, written, index, info.is_view, careful=True, rewritten=rewritten
-            )
-            call.skipped += skipped_outputs
-        call.outputs = outputs
-        call.output_tensors = out_tensors
-        group = None
-        if info.is_collective:
-            group = self.groups.of(info, args, kwargs)
-            if not self.pending.maybe_defer(call, out):
+            if info.is_view and inputs and (
+                ((src := inputs[0][2]) is not None and src[0] in self._unwritten)
+                or (self._refilled and self._is_refilled(in_tensors[0]))
+            ):
+                call.uninitialized = True  # a view into an ``empty`` or reallocated buffer nothing wrote yet
+            if call.uninitialized:
+                self._unwritten.add(index)
+            for mode in self._before_modes:
+                mode.before(call)
+            if self._replacer is not None:
+                out = self._replacer.run(call, func, args, kwargs)
+            else:
+                out = func(*args, **kwargs)
+            if phase in _NODE_CREATING_PHASES:
+                self.modules.note_autograd_node(frame)
+
+            rewritten: list[torch.Tensor] = []
+            if info.is_collective:
+                # c10d schemas do not mark what they write: an output that is an argument was written.
+                out_tensors = collective_outputs(info, args, out)
+                written = [t for t in out_tensors if any(t is i for i in in_tensors)]
+            else:
+                out_tensors = tensors_out(out)
+                written = call.written()
+                if written and (info.uncounted_writes or not info.counts_writes):
+                    # Written without a version bump (_foreach_*, _fused_*, _amp_* ops): the new value
+                    # has the old one's version, and must replace it under that key.
+                    moving = call.versions_moving()
+                    rewritten = [t for t in written if not any(t is m for m in moving)]
+            if info.refills_buffers:
+                for t in written:
+                    base = t._base if t._base is not None else t
+                    self._refilled[id(base)] = weakref.ref(base)
+            # Written arguments the op does not return (running statistics, foreach
+            # updates) are results too.
+            if written:
+                out_tensors += [t for t in written if not any(t is r for r in out_tensors)]
+            try:
+                outputs, skipped_outputs = self._register_outputs(out_tensors, written, index, info.is_view,
+                                                                  rewritten=rewritten)
+            except UNKEYABLE_ERRORS:
+                outputs, skipped_outputs = self._register_outputs(
+                    out_tensors, written, index, info.is_view, careful=True, rewritten=rewritten
+                )
+                call.skipped += skipped_outputs
+            call.outputs = outputs
+            call.output_tensors = out_tensors
+            group = None
+            if info.is_collective:
+                group = self.groups.of(info, args, kwargs)
+                if not self.pending.maybe_defer(call, out):
+                    self._finish(call)
+            else:
                 self._finish(call)
-        else:
-            self._finish(call)
-        # In the order of OP_RECORD_FIELDS.
-        self.records.append(
-            (index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack(),
-             tuple(inputs), tuple(outputs), callsite, group, call.skipped)
-        )
-        return out
+            # In the order of OP_RECORD_FIELDS.
+            self.records.append(
+                (index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack(),
+                 tuple(inputs), tuple(outputs), callsite, group, call.skipped)
+            )
+            return out
+        except BaseException:
+            # The op raised, or a Ctrl-C landed in a mode's per-op work: the modes may hold rows
+            # for op #index already, so its record is kept (with the outputs known so far); else the
+            # step's files would point past its records, and the next op would reuse the index.
+            if len(self.records) == index:
+                self.records.append((index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack(),
+                                     tuple(inputs), tuple(call.outputs), callsite, None, call.skipped))
+            raise
 
     def _is_refilled(self, t: torch.Tensor) -> bool:
         known = self._refilled.get(id(t))
