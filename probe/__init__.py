@@ -19,6 +19,7 @@ from probe.analysis.compare import Report, compare
 from probe.analysis.consistency import ConsistencyReport, check_consistency
 from probe.analysis.replay import replay, replay_step
 from probe.errors import ProbeError, ProbeWarning, warn_once
+from probe.exporters import compare_report as _compare_report  # noqa: F401  (registers Report.to_csv/to_html's writers)
 from probe.exporters.graph_export import export_graph
 from probe.modes.cpu_reference import register_cpu_reference
 from probe.modes.monitor import AnomalyStop

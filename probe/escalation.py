@@ -47,6 +47,7 @@ from probe.modes.anomaly import Anomaly, anomaly_json
 from probe.modes.base import OpObserver, SessionPlugin
 from probe.modes.monitor import MonitorMode
 from probe.modes.registry import MODES
+from probe.rundir import layout
 from probe.tracer import mode_stack
 from probe.tracer.compat import compiled_regions_eager
 from probe.tracer.dispatch_mode import ProbeDispatchMode, Tracer
@@ -55,8 +56,8 @@ from probe.vocabulary.option_values import Options
 
 log = logging.getLogger("probe.monitor")
 
-MANIFEST_KEY = "escalated"
-REFUSED_KEY = "escalation_refused"
+MANIFEST_KEY = layout.ESCALATED_KEY
+REFUSED_KEY = layout.ESCALATION_REFUSED_KEY
 """Manifest entry of the step at whose start incidents were learned but not traced: the
 session had traced ``trace_limit`` windows already."""
 

@@ -41,6 +41,7 @@ from probe.analysis import precision
 from probe.analysis.matching import Match, match_ops
 from probe.analysis.metrics import stats_metrics, tensor_metrics
 from probe.analysis.replay import recompute
+from probe.analysis.report_writers import write_report
 from probe.analysis.run_identity import Identity, identity
 from probe.analysis.verdicts import (
     ERROR,
@@ -69,11 +70,10 @@ from probe.analysis.verdicts import (
     worst,
 )
 from probe.errors import ProbeError
-from probe.exporters.compare_report import write_csv, write_html
-from probe.modes.dump import DumpIndex
-from probe.modes.perturbations import reduction_length
+from probe.rundir.mode_files import DumpReader
 from probe.rundir.reader import OpRecord, Run, TensorRecord
 from probe.vocabulary.op_class import creates_uninitialized, draws_random
+from probe.vocabulary.rounding import reduction_length
 
 METRIC_KEYS = ("cosine", "max_abs_err", "max_rel_err", "one_thousandth_ratio",
                "five_thousandth_ratio", "rmse", "max_ulp", "ref_rms")
@@ -145,7 +145,7 @@ class _Side:
         # A loss scaler's gradients are compared with its scale divided out (precision.unscaled).
         self.ops, self.loss_scale, self._scaled = precision.unscaled(run.ops(step, rank))
         self.held = precision.held_precision(self.ops)
-        self.dump: DumpIndex | None = run.dump(step, rank) if run.has_dump(step, rank) else None
+        self.dump: DumpReader | None = run.dump(step, rank) if run.has_dump(step, rank) else None
 
     def unscale(self, op: OpRecord, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """An op's outputs recomputed from its dumped inputs, with the loss scale divided out
@@ -1293,7 +1293,7 @@ class Report:
 
     def to_csv(self, path: str | Path) -> None:
         """The rows as CSV, msprobe-like columns (cells escaped against spreadsheet formulas)."""
-        write_csv(self.rows, Path(path))
+        write_report("compare_csv", self.summary, self.rows, Path(path))
 
     def to_json(self, path: str | Path) -> None:
         """The summary and the rows as JSON."""
@@ -1302,7 +1302,7 @@ class Report:
 
     def to_html(self, path: str | Path) -> None:
         """A self-contained HTML page: the summary, the first divergence and a sortable table."""
-        write_html(self.summary, self.rows, Path(path))
+        write_report("compare_html", self.summary, self.rows, Path(path))
 
 
 def _count(comparisons: list[OpComparison]) -> dict[str, int]:

@@ -25,7 +25,7 @@ from typing import Any
 
 from probe.analysis.summary import StepSummary, ranked
 from probe.errors import ProbeError
-from probe.escalation import MANIFEST_KEY, REFUSED_KEY
+from probe.rundir.layout import ESCALATED_KEY, ESCALATION_REFUSED_KEY
 from probe.rundir.reader import AnomalyRecord, OpRecord, Run
 from probe.rundir.reading import record_from_row
 
@@ -246,13 +246,13 @@ class EscalationLinks:
         if not self.tracing:
             return
         manifest = self.run.step_info(step, rank).manifest
-        refused = manifest.get(REFUSED_KEY)
+        refused = manifest.get(ESCALATION_REFUSED_KEY)
         if isinstance(refused, dict) and isinstance(refused.get("incidents"), list):
             limit = refused.get("trace_limit")
             for row in refused["incidents"]:
                 if isinstance(row, dict) and isinstance(row.get("step"), int):
                     self._refused[(rank, row["step"])] = limit if isinstance(limit, int) else None
-        marker = manifest.get(MANIFEST_KEY)
+        marker = manifest.get(ESCALATED_KEY)
         if not isinstance(marker, dict):
             return
         window = self._window(rank, marker)
@@ -354,7 +354,7 @@ def escalation_links(run: Run) -> list[IncidentLink]:
         return []
     for rank in run.ranks:
         for step in run.steps_of(rank):
-            marker = run.step_info(step, rank).manifest.get(MANIFEST_KEY)
+            marker = run.step_info(step, rank).manifest.get(ESCALATED_KEY)
             first, has_stats, parameters = None, False, []
             if marker is not None:
                 stats = run.output_stats(step, rank)

@@ -28,9 +28,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from probe.analysis.metrics import TensorMetrics
-from probe.modes.perturbations import CONDITION, ROUNDING_ULPS, eps, threshold
 from probe.rundir.loss_scaler import is_scaler_op, scaler_step_in
 from probe.rundir.reader import OpRecord, TensorRecord
+from probe.vocabulary.rounding import CONDITION, ROUNDING_ULPS, eps, threshold
 
 __all__ = [
     "CONDITION",

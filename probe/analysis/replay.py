@@ -18,8 +18,8 @@ import torch
 
 from probe.analysis.metrics import tensor_metrics
 from probe.errors import ProbeError
-from probe.modes.dump import DumpIndex
 from probe.rundir.call_args import decode_args
+from probe.rundir.mode_files import DumpReader
 from probe.rundir.reader import OpRecord, Run
 from probe.vocabulary.op_class import classify, draws_random, resolve_op
 from probe.vocabulary.op_tensors import results_of
@@ -133,7 +133,7 @@ def replay_step(
     return ranked + skipped
 
 
-def _why_not_replayable(dump: DumpIndex | None, op: OpRecord) -> tuple[str | None, str]:
+def _why_not_replayable(dump: DumpReader | None, op: OpRecord) -> tuple[str | None, str]:
     """(reason, detail) when ``op`` cannot be replayed from the dump; (None, "") when it can."""
     if dump is None:
         return "no dump", "the step has no dump"

@@ -27,11 +27,13 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from probe.hparams import flatten
-from probe.modes.checksums import StepChecksums, TensorChecksum, step_checksums
+from probe.rundir.mode_files import ChecksumsReader
 from probe.rundir.reader import Run
+from probe.rundir.records import StepChecksums, TensorChecksum
+from probe.vocabulary.csv_cells import csv_safe
 
 SAME, DIFFER, NOT_RECORDED, NOT_COMPARABLE = "same", "differ", "not recorded", "not comparable"
 CHECKS = ("weights", "inputs", "rng")
@@ -195,8 +197,6 @@ class Identity:
 
     def to_csv(self, path: str | Path) -> None:
         """One line per start check and per environment difference."""
-        from probe.exporters.compare_report import csv_safe
-
         with open(path, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["Section", "Kind", "Name", "Run A", "Run B", "Status", "Step", "Rank",
@@ -298,6 +298,13 @@ def _tensor_differences(a: dict[str, TensorChecksum], b: dict[str, TensorChecksu
     return differ, other_dtype, unknown
 
 
+def _step_checksums(run: Run, step: int, rank: int) -> StepChecksums | None:
+    """The checksums a run recorded for one step, or None without them (read through the reader
+    the checksums mode registered: the modes sit above the analyses)."""
+    files = cast("ChecksumsReader | None", run.mode_files("checksums", step, rank))
+    return None if files is None else files.checksums()
+
+
 class _Steps:
     """The checksums of each (run, step, rank), read once."""
 
@@ -309,7 +316,7 @@ class _Steps:
         key = (side, step, rank)
         if key not in self._read:
             run = self.runs[side]
-            self._read[key] = step_checksums(run, step, rank) if run.has_step(step, rank) else None
+            self._read[key] = _step_checksums(run, step, rank) if run.has_step(step, rank) else None
         return self._read[key]
 
     def lacking(self, steps: dict[int, list[int]], part: str) -> str:

@@ -18,12 +18,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from probe.analysis.report_writers import register_report_writer
+from probe.vocabulary.csv_cells import csv_safe
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 # The verdict names and their order of severity, as probe.analysis.verdicts defines them (a test
-# checks that they agree): this module imports nothing of the probe.
+# checks that they agree): this module imports no analysis but the writers' registry.
 PASS, WARNING, ERROR, UNMATCHED, NOT_COMPARED = "pass", "warning", "error", "unmatched", "not compared"
 SEVERITY = {PASS: 0, UNMATCHED: 1, WARNING: 2, NOT_COMPARED: 3, ERROR: 4}
 
@@ -48,20 +51,6 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         return repr(value) if not math.isfinite(value) else f"{value:.6g}"
     return str(value)
-
-
-_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
-
-
-def csv_safe(text: str) -> str:
-    """``text`` as a spreadsheet shows it, never as a formula: a leading = + - @ tab or CR
-    gets a quote in front (OWASP's CSV-injection rule), except plain numbers such as -0.5."""
-    if text.startswith(_FORMULA_STARTS):
-        try:
-            float(text)
-        except ValueError:
-            return "'" + text
-    return text
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
@@ -259,7 +248,6 @@ def error_chart(rows: Sequence[Mapping[str, Any]], divergence: Mapping[str, Any]
         if title:
             ax.set_title(mpl_text(title), loc="left", fontsize=9)
     return figure
-
 
 
 # -- the page ---------------------------------------------------------------------------
@@ -580,3 +568,8 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
+
+
+# Report.to_csv / to_html find these here: the analysis layer sits below the exporters.
+register_report_writer("compare_csv", lambda summary, rows, path: write_csv(rows, path))
+register_report_writer("compare_html", write_html)

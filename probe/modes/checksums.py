@@ -46,6 +46,7 @@ from probe.modes.registry import register_mode
 from probe.rundir import layout
 from probe.rundir.mode_files import ModeFiles
 from probe.rundir.reading import expect, read_json, reading
+from probe.rundir.records import InputCall, StepChecksums, TensorChecksum
 from probe.rundir.writer import StepWriter
 from probe.tracer.mode_stack import untraced
 from probe.vocabulary.option_values import DEFAULT_CHECKSUMS, IntSet
@@ -181,38 +182,10 @@ class ChecksumsStep:
                 "rng": sorted(data["rng"]) if "rng" in data else None}
 
 
-@dataclass(frozen=True)
-class TensorChecksum:
-    """One checksummed tensor: its name (a parameter's, or an input's path), dtype, shape and
-    checksum (16 hex digits; None when it could not be computed)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    checksum: str | None
 
 
-@dataclass(frozen=True)
-class InputCall:
-    """The tensor arguments of one call of the model (root ``module``, ``call`` in the step)."""
-
-    module: str
-    call: int
-    tensors: list[TensorChecksum]
 
 
-@dataclass(frozen=True)
-class StepChecksums:
-    """What ``checksums.json`` holds for one step; each part None when it was not recorded."""
-
-    step: int
-    rank: int
-    parameters: dict[str, TensorChecksum] | None
-    inputs: list[InputCall] | None
-    rng: dict[str, str] | None
-    buffers: dict[str, TensorChecksum] | None = None
-    """Recorded with the parameters (empty for a model without buffers); None in a step without
-    them, and in runs written before buffers were recorded."""
 
 
 def _tensor_list(data: dict[str, Any], what: str) -> list[TensorChecksum]:

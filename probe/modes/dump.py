@@ -24,7 +24,6 @@ the test behind ``OpCall.skipped``) and quantized ones are recorded with a
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from probe.rundir import layout
 from probe.rundir.call_args import encode_args
 from probe.rundir.mode_files import ModeFiles
 from probe.rundir.reading import expect, plain_name, read_json, read_jsonl, reading
+from probe.rundir.records import DumpedTensor
 from probe.rundir.shards import ShardWriter, StepShards, map_blob, read_header
 from probe.rundir.writer import StepWriter
 from probe.tracer.dispatch_mode import dtype_name
@@ -117,24 +117,6 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
 _DTYPES = {str(t).removeprefix("torch."): t for t in vars(torch).values() if isinstance(t, torch.dtype)}
 
 
-@dataclass(frozen=True)
-class DumpedTensor:
-    """One entry of a step's dump index."""
-
-    op: int
-    io: str
-    position: int
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    blob: int | None
-    offset: int
-    checksum: int | None
-    status: str | None
-    """None when the bytes are on disk; otherwise why not (skipped, lost, not dumpable)."""
-    conj: bool = False
-    neg: bool = False
-    """A conjugate / negative view: its values are its bytes conjugated / negated (dump mode)."""
 
 
 def _entry(e: Any) -> DumpedTensor:

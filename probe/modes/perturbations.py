@@ -30,17 +30,21 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from probe.compiled import CompiledKernel
 from probe.modes.tensor_stats import COMPILED_MAX_NUMEL, COMPILED_MIN_NUMEL
+from probe.vocabulary.rounding import (  # noqa: F401  (the checks' bounds; imported from here too)
+    CONDITION,
+    RELATIVE_FLOOR,
+    ROUNDING_ULPS,
+    eps,
+    reduction_length,
+    threshold,
+)
 
 PERTURBATIONS = ("improve_precision", "add_noise", "bit_noise", "change_value", "no_change", "to_cpu")
-CONDITION = 32.0
-ROUNDING_ULPS = 4.0
-RELATIVE_FLOOR = 1e-5
 MIN_BITS = 4
 # The bits rule's input change is one ULP; the inputs' own rounding is at most half of one:
 # the output change that rounding can make is this fraction of the measured one.
@@ -50,16 +54,6 @@ BITS_BOUND = 2.0 ** -MIN_BITS / ROUNDING_PER_ULP
 JUDGES_BITS = ("improve_precision", "add_noise", "bit_noise")
 
 _HIGHER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
-
-
-def eps(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
-
-
-def threshold(delta: float, out_dtype: torch.dtype, reduction: int = 1) -> float:
-    """The rounding rule's bound on the relative output change (see the module docstring)."""
-    rounding = ROUNDING_ULPS * eps(out_dtype) * math.sqrt(max(reduction, 1))
-    return CONDITION * delta + max(rounding, RELATIVE_FLOOR)
 
 
 def significant_bits(dtype: torch.dtype) -> int:
@@ -97,36 +91,6 @@ def rounding_scale(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if len(set(halves)) == 1:
         return (largest * halves[0]).max()
     return (largest * torch.tensor(halves, dtype=torch.float64).to(device, non_blocking=True)).max()
-
-
-# Contractions: (argument holding the left operand, its contracted dimension).
-_CONTRACTIONS = {
-    "aten.mm.default": (0, -1), "aten.bmm.default": (0, -1), "aten.matmul.default": (0, -1),
-    "aten.mv.default": (0, -1), "aten.dot.default": (0, -1), "aten.linear.default": (0, -1),
-    "aten.addmm.default": (1, -1), "aten.baddbmm.default": (1, -1), "aten.addbmm.default": (1, -1),
-    "aten.addmv.default": (1, -1),
-}
-
-
-def reduction_length(name: str, args: Sequence[Any], output: int = 0) -> int:
-    """How many terms each element of output ``output`` of a contraction sums (1 for other ops).
-
-    Two runs of a sum of K terms round differently by about sqrt(K) ULPs (the
-    random-walk model of floating-point summation), and libraries differ in how
-    they block the sum (cuBLAS splits K where MKL does not): the bound grows with it.
-    Layer norm's backward sums over the normalized elements for the input's gradient
-    and over the rows for the weight's and the bias's.
-    """
-    if name == "aten.native_layer_norm_backward.default":
-        if len(args) < 3 or not isinstance(args[0], torch.Tensor) or not isinstance(args[2], (list, tuple)):
-            return 1
-        normalized = math.prod(int(n) for n in args[2])
-        return max(normalized if output == 0 else args[0].numel() // max(normalized, 1), 1)
-    where = _CONTRACTIONS.get(name)
-    if where is None or len(args) <= where[0] or not isinstance(args[where[0]], torch.Tensor):
-        return 1
-    operand = args[where[0]]
-    return operand.shape[where[1]] if operand.dim() else 1
 
 
 def higher_precision(dtype: torch.dtype, target: torch.dtype | None = None) -> torch.dtype | None:

@@ -1,9 +1,11 @@
-"""Mode names -> classes. A mode registers itself by name; the session looks it up."""
+"""Mode names -> classes. A mode registers itself by name; the session looks it up, and the run
+reader finds the mode's file reader (registered with it into :mod:`probe.rundir.mode_files`)."""
 
 from __future__ import annotations
 
 from probe.errors import ProbeError
 from probe.modes.base import SessionPlugin
+from probe.rundir.mode_files import register_mode_files
 
 MODES: dict[str, type[SessionPlugin]] = {}
 
@@ -25,6 +27,7 @@ def register_mode(cls: type[SessionPlugin]) -> type[SessionPlugin]:
             f"register {cls.__module__}.{cls.__qualname__} under another name"
         )
     MODES[name] = cls
+    register_mode_files(name, cls.files)
     return cls
 
 

@@ -46,6 +46,10 @@ LOCK_FILE = ".lock"
 """In each rank directory: the advisory lock of its one writer, naming the holder's host and pid."""
 WRITE_FAILURES_FILE = "write_failures.jsonl"
 """In each rank directory: one line per step (or tail) whose files could not be written."""
+ESCALATED_KEY = "escalated"
+"""Step manifest entry of a step monitor escalation traced (its window, the incidents)."""
+ESCALATION_REFUSED_KEY = "escalation_refused"
+"""Step manifest entry of the step at whose start incidents were learned but not traced."""
 
 _RANK_RE = re.compile(r"rank(\d+)")
 _STEP_RE = re.compile(r"step(\d+)")

@@ -1,8 +1,9 @@
 """The reader half of a mode: what one mode wrote in one step, read back.
 
 Each mode keeps its reader beside its writer (``probe/modes/<mode>.py``) and names it on
-its plug-in class (``files = StatsFiles``). :class:`probe.rundir.reader.Run` looks the
-class up in the mode registry for a mode a step's manifest lists, makes one per (mode,
+its plug-in class (``files = StatsFiles``); registering the mode registers that class here
+(:func:`register_mode_files`). :class:`probe.rundir.reader.Run` looks the class up in this
+registry for a mode a step's manifest lists, makes one per (mode,
 step, rank) when asked, keeps those of a few recent steps, and calls :meth:`ModeFiles.attach`
 while decoding the step's op records. So the run reader knows no mode's files: a new mode
 (a plug-in registered anywhere) is read back without touching it.
@@ -17,9 +18,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from probe.rundir.records import OpRecord
+from probe.rundir.records import (
+    AnomalyRecord,
+    CheckRecord,
+    DumpedTensor,
+    MonitorRecord,
+    NonfiniteParameterRecord,
+    OpRecord,
+    StepChecksums,
+)
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 
 @dataclass(frozen=True)
@@ -49,3 +62,65 @@ class ModeFiles:
     def attach(self, records: dict[int, OpRecord]) -> None:
         """Add to the step's op records (op index -> record; all of them, or the few being
         decoded) what this mode recorded of them. The default adds nothing."""
+
+
+# -- the registry the modes fill -------------------------------------------------------
+
+_READERS: dict[str, type[ModeFiles] | None] = {}
+
+
+def register_mode_files(mode: str, files: type[ModeFiles] | None) -> None:
+    """Make ``mode`` known to :func:`probe.load`, with the class that reads its files of a step
+    (None: it writes none). Called by the mode registry (``probe.modes.registry.register_mode``)
+    as each mode registers, so the run reader, below the modes, imports none of them."""
+    _READERS[mode] = files
+
+
+def registered_mode_files() -> dict[str, type[ModeFiles] | None]:
+    """Mode name -> the reader of its files (None: it writes none), for every registered mode."""
+    return _READERS
+
+
+# -- what the run reader and the analyses call on the built-in modes' readers -------------
+
+
+class ChecksReader(Protocol):
+    """free_benchmark's files of a step."""
+
+    def checks(self) -> list[CheckRecord]: ...
+
+
+class MonitorReader(Protocol):
+    """The monitor's files of a step."""
+
+    def series(self) -> list[MonitorRecord]: ...
+
+    def anomalies(self) -> list[AnomalyRecord]: ...
+
+
+class StatsReader(Protocol):
+    """The stats mode's files of a step."""
+
+    def nonfinite_parameters(self) -> NonfiniteParameterRecord: ...
+
+    def output_stats(self) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+class DumpReader(Protocol):
+    """The dump of a step (``run.dump(step, rank)``)."""
+
+    @property
+    def complete(self) -> bool: ...
+
+    @property
+    def entries(self) -> dict[tuple[int, str, int], DumpedTensor]: ...
+
+    def tensor(self, op: int, io: str, position: int) -> torch.Tensor: ...
+
+    def call(self, op: int) -> dict[str, Any]: ...
+
+
+class ChecksumsReader(Protocol):
+    """The checksums of a step (``checksums.json``)."""
+
+    def checksums(self) -> StepChecksums: ...

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar, cast
+from typing import Any, Generic, NamedTuple, TypeVar, cast
 
 import networkx as nx
 import numpy as np
@@ -40,7 +40,15 @@ from probe.rundir.loss_scaler import (
     scaler_step_in,
     scaler_step_monitored,
 )
-from probe.rundir.mode_files import ModeFiles, StepFiles
+from probe.rundir.mode_files import (  # the modes sit above: their readers are found in a registry
+    ChecksReader,
+    DumpReader,
+    ModeFiles,
+    MonitorReader,
+    StatsReader,
+    StepFiles,
+    registered_mode_files,
+)
 from probe.rundir.op_graph import build_graph
 from probe.rundir.op_records import decode as decode_op_record
 from probe.rundir.rank_origin import RankOrigin, rank_origin
@@ -56,12 +64,6 @@ from probe.rundir.records import (
     WriteFailure,
     nonfinite_origins_in,
 )
-
-if TYPE_CHECKING:  # the modes sit above the run directory: their readers are found at run time
-    from probe.modes.dump import DumpIndex
-    from probe.modes.free_benchmark import ChecksFiles
-    from probe.modes.monitor import MonitorFiles
-    from probe.modes.stats import StatsFiles
 
 __all__ = ["AnomalyRecord", "CheckRecord", "MonitorRecord", "OpRecord", "Run", "StepInfo", "TensorRecord",
            "WriteFailure", "load"]
@@ -82,14 +84,6 @@ class _Place(NamedTuple):
 
     def directory(self, run: Path) -> Path:
         return (layout.tail_dir if self.tail else layout.step_dir)(run, self.rank, self.step)
-
-
-def _registered_modes() -> dict[str, Any]:
-    """Mode name -> plug-in class, from the registry (imported here, not at module level: the
-    modes import the run directory's writer and records, never this reader)."""
-    from probe.modes.registry import MODES
-
-    return MODES
 
 
 class _Recent(Generic[K, V]):
@@ -204,7 +198,7 @@ class Run:
             modes = expect(manifest.get("modes", {}), dict, "modes")
             if place.tail and manifest.get("tail") is not True:
                 raise ValueError("a tail's manifest must say \"tail\": true")
-        registered = _registered_modes()
+        registered = registered_mode_files()
         for name in sorted(set(modes) - set(registered)):
             warn_once(f"unknown-mode-{name}", f"{str(path)!r} lists mode {name!r}, which this probe does not "
                       "know (written by a newer probe, or a plug-in not imported?): reading the step "
@@ -224,8 +218,7 @@ class Run:
         if mode not in readers:
             readers[mode] = None
             summary = self._step_info(place).manifest.get("modes", {}).get(mode)
-            plugin = _registered_modes().get(mode)
-            files = None if plugin is None else plugin.files
+            files = registered_mode_files().get(mode)
             if summary is not None and files is not None:
                 where = StepFiles(self.path, place.rank, place.step, place.directory(self.path),
                                   summary if isinstance(summary, dict) else {},
@@ -287,14 +280,14 @@ class Run:
         """Free-benchmark checks, in execution order (every step and rank when not given)."""
         if step is None and rank is None:
             return [c for r in self.ranks for s in self.steps_of(r) for c in self.checks(s, r)]
-        files = cast("ChecksFiles | None", self.mode_files("free_benchmark", step, rank))
+        files = cast("ChecksReader | None", self.mode_files("free_benchmark", step, rank))
         return [] if files is None else files.checks()
 
     def monitor(self, step: int | None = None, rank: int | None = None) -> list[MonitorRecord]:
         """The monitor's series, per step in collection order (every step and rank when not given)."""
         if step is None and rank is None:
             return [m for r in self.ranks for s in self.steps_of(r) for m in self.monitor(s, r)]
-        files = cast("MonitorFiles | None", self.mode_files("monitor", step, rank))
+        files = cast("MonitorReader | None", self.mode_files("monitor", step, rank))
         return [] if files is None else files.series()
 
     def anomalies(self) -> list[AnomalyRecord]:
@@ -304,7 +297,7 @@ class Run:
 
     def anomalies_of(self, step: int, rank: int) -> list[AnomalyRecord]:
         """The monitor's alerts of one step and rank, in detection order."""
-        files = cast("MonitorFiles | None", self.mode_files("monitor", step, rank))
+        files = cast("MonitorReader | None", self.mode_files("monitor", step, rank))
         return [] if files is None else files.anomalies()
 
     def module_types(self, step: int | None = None, rank: int | None = None) -> dict[str, str]:
@@ -322,10 +315,10 @@ class Run:
         """Whether the step holds a dump (dump mode)."""
         return self.mode_files("dump", step, rank) is not None
 
-    def dump(self, step: int | None = None, rank: int | None = None) -> DumpIndex:
+    def dump(self, step: int | None = None, rank: int | None = None) -> DumpReader:
         """The dump index of one step (dump mode)."""
         place = _Place(*self.resolve(step, rank))
-        index = cast("DumpIndex | None", self._mode_files(place, "dump"))
+        index = cast("DumpReader | None", self._mode_files(place, "dump"))
         if index is None:
             raise ProbeError(f"step {place.step} of rank {place.rank} has no dump (its manifest lists no "
                              f"dump: {str(place.directory(self.path) / layout.MANIFEST_FILE)!r})")
@@ -430,7 +423,7 @@ class Run:
                              ) -> NonfiniteParameterRecord | None:
         """The parameters that held NaN or Inf at the step's start and the gradients that did
         before its optimizer step, by name (stats mode with ``model=``); None without statistics."""
-        files = cast("StatsFiles | None", self.mode_files("stats", step, rank))
+        files = cast("StatsReader | None", self.mode_files("stats", step, rank))
         return None if files is None else files.nonfinite_parameters()
 
     # -- loading -------------------------------------------------------------------
@@ -552,7 +545,7 @@ class Run:
         """The stats mode's rows of one step's op outputs, without decoding the op records:
         ``(op index per row, rows)``, rows of min, max, mean, norm, nan, inf (an empty tensor's
         min, max and mean are NaN). None when the step has no statistics."""
-        files = cast("StatsFiles | None", self.mode_files("stats", step, rank))
+        files = cast("StatsReader | None", self.mode_files("stats", step, rank))
         return None if files is None else files.output_stats()
 
 

@@ -432,3 +432,60 @@ def first_nonfinite_in(ops: list[OpRecord]) -> OpRecord | None:
     :func:`nonfinite_origins_in`), or None; ops without statistics never are."""
     origins = nonfinite_origins_in(ops)
     return origins[0] if origins else None
+
+
+# -- what the modes' readers return (their files are theirs; the records are shared) --
+
+
+@dataclass(frozen=True)
+class DumpedTensor:
+    """One entry of a step's dump index."""
+
+    op: int
+    io: str
+    position: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    blob: int | None
+    offset: int
+    checksum: int | None
+    status: str | None
+    """None when the bytes are on disk; otherwise why not (skipped, lost, not dumpable)."""
+    conj: bool = False
+    neg: bool = False
+    """A conjugate / negative view: its values are its bytes conjugated / negated (dump mode)."""
+
+
+@dataclass(frozen=True)
+class TensorChecksum:
+    """One checksummed tensor: its name (a parameter's, or an input's path), dtype, shape and
+    checksum (16 hex digits; None when it could not be computed)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    checksum: str | None
+
+
+@dataclass(frozen=True)
+class InputCall:
+    """The tensor arguments of one call of the model (root ``module``, ``call`` in the step)."""
+
+    module: str
+    call: int
+    tensors: list[TensorChecksum]
+
+
+@dataclass(frozen=True)
+class StepChecksums:
+    """What ``checksums.json`` holds for one step; each part None when it was not recorded."""
+
+    step: int
+    rank: int
+    parameters: dict[str, TensorChecksum] | None
+    inputs: list[InputCall] | None
+    rng: dict[str, str] | None
+    buffers: dict[str, TensorChecksum] | None = None
+    """Recorded with the parameters (empty for a model without buffers); None in a step without
+    them, and in runs written before buffers were recorded."""

@@ -1,0 +1,35 @@
+"""How a report is written to a file, registered by the exporters.
+
+The analysis layer sits below the exporters (``tests/test_layers.py``): a report's ``to_csv`` or
+``to_html`` finds its writer here, by name, and :mod:`probe.exporters.compare_report` registers
+its writers when imported (``import probe`` imports it, so the writers are there whenever a
+report exists).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from probe.errors import ProbeError
+
+ReportWriter = Callable[[dict[str, Any], list[dict[str, Any]], Path], None]
+"""``writer(summary, rows, path)``: one report's summary and rows written to ``path``."""
+
+_WRITERS: dict[str, ReportWriter] = {}
+
+
+def register_report_writer(name: str, writer: ReportWriter) -> None:
+    """Register ``writer`` under ``name`` (``"compare_csv"``, ``"compare_html"``); a later
+    registration replaces an earlier one (a reloaded exporter)."""
+    _WRITERS[name] = writer
+
+
+def write_report(name: str, summary: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
+    """Write a report with the writer registered as ``name``."""
+    writer = _WRITERS.get(name)
+    if writer is None:
+        raise ProbeError(f"no report writer {name!r} is registered (registered: {sorted(_WRITERS)}); "
+                         "import probe.exporters.compare_report")
+    writer(summary, rows, path)

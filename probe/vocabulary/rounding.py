@@ -1,0 +1,61 @@
+"""What rounding a dtype makes, and how far two computations of one op may differ by it.
+
+Read by the free benchmark (its rounding rule, ``docs/free_benchmark.md``) and by compare (its
+exact regime's tolerance) alike, so the two judge an op's rounding by the same bound: a result
+computed another way may differ by ``CONDITION * delta + max(ROUNDING_ULPS * eps(out) * sqrt(K),
+RELATIVE_FLOOR)``, ``K`` the terms each output element sums (:func:`reduction_length`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+CONDITION = 32.0
+ROUNDING_ULPS = 4.0
+RELATIVE_FLOOR = 1e-5
+"""The smallest relative bound, whatever the dtype."""
+
+
+def eps(dtype: torch.dtype) -> float:
+    """The machine epsilon of a floating dtype (0 for others)."""
+    return torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+
+
+def threshold(delta: float, out_dtype: torch.dtype, reduction: int = 1) -> float:
+    """The rounding rule's bound on the relative output change (see the module docstring)."""
+    rounding = ROUNDING_ULPS * eps(out_dtype) * math.sqrt(max(reduction, 1))
+    return CONDITION * delta + max(rounding, RELATIVE_FLOOR)
+
+
+# Contractions: (argument holding the left operand, its contracted dimension).
+_CONTRACTIONS = {
+    "aten.mm.default": (0, -1), "aten.bmm.default": (0, -1), "aten.matmul.default": (0, -1),
+    "aten.mv.default": (0, -1), "aten.dot.default": (0, -1), "aten.linear.default": (0, -1),
+    "aten.addmm.default": (1, -1), "aten.baddbmm.default": (1, -1), "aten.addbmm.default": (1, -1),
+    "aten.addmv.default": (1, -1),
+}
+
+
+def reduction_length(name: str, args: Sequence[Any], output: int = 0) -> int:
+    """How many terms each element of output ``output`` of a contraction sums (1 for other ops).
+
+    Two runs of a sum of K terms round differently by about sqrt(K) ULPs (the
+    random-walk model of floating-point summation), and libraries differ in how
+    they block the sum (cuBLAS splits K where MKL does not): the bound grows with it.
+    Layer norm's backward sums over the normalized elements for the input's gradient
+    and over the rows for the weight's and the bias's.
+    """
+    if name == "aten.native_layer_norm_backward.default":
+        if len(args) < 3 or not isinstance(args[0], torch.Tensor) or not isinstance(args[2], (list, tuple)):
+            return 1
+        normalized = math.prod(int(n) for n in args[2])
+        return max(normalized if output == 0 else args[0].numel() // max(normalized, 1), 1)
+    where = _CONTRACTIONS.get(name)
+    if where is None or len(args) <= where[0] or not isinstance(args[where[0]], torch.Tensor):
+        return 1
+    operand = args[where[0]]
+    return operand.shape[where[1]] if operand.dim() else 1
