@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from probe.exporters.tensorboard_events import _event, _length_delimited, _varint, record
+from probe.exporters.tensorboard_records import _event, _length_delimited, _varint, record
 
 
 def _double(field: int, value: float) -> bytes:
