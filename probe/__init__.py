@@ -12,8 +12,6 @@ pluggable modes per op. The public interface is this module:
 - :class:`ProbeError` is raised for bad options and unreadable input.
 """
 
-__version__ = "0.1.0"
-
 from probe import modes as _modes  # noqa: F401  (registers the built-in modes)
 from probe.analysis.compare import Report, compare
 from probe.analysis.consistency import ConsistencyReport, check_consistency
@@ -26,6 +24,7 @@ from probe.modes.monitor import AnomalyStop
 from probe.rundir.reader import OpRecord, Run, TensorRecord, load
 from probe.seeding import seed_all
 from probe.session import Session, active_session, mode
+from probe.version import __version__
 
 __all__ = [
     "AnomalyStop", "ConsistencyReport", "OpRecord", "ProbeError", "ProbeWarning", "Report", "Run", "Session",

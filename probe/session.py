@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from probe import __version__
 from probe.errors import ProbeError, warn_once
 from probe.escalation import Escalation
 from probe.modes.base import OpObserver, SessionPlugin, StepResult
@@ -51,6 +50,7 @@ from probe.tracer.dispatch_mode import ProbeDispatchMode, Tracer
 from probe.tracer.mode_stack import untraced
 from probe.tracer.op_call import RECORD_CALLSITE, RECORD_MODULE, RECORD_PHASE, OpRecordTuple
 from probe.tracer.rank import current_rank, process_info
+from probe.version import __version__
 
 _active: Session | None = None
 

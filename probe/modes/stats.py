@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
+import probe.modes.distribution as distribution_files
+import probe.modes.fp8_scales as fp8_files
 from probe.errors import ProbeError
-from probe.modes import distribution as distribution_files
-from probe.modes import fp8_scales as fp8_files
 from probe.modes.base import Mode
 from probe.modes.nonfinite_params import NonfiniteParameters, NonfiniteParametersStep
 from probe.modes.registry import register_mode

@@ -25,13 +25,31 @@ are never origins, as in :func:`~probe.rundir.records.first_nonfinite_in`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from probe.rundir.loss_scaler import handled_by_scaler, scaler_step_in
 from probe.rundir.records import OpRecord, nonfinite_origins_in
 
 if TYPE_CHECKING:
-    from probe.rundir.reader import Run
+    import numpy as np
+
+
+class Run(Protocol):
+    """What this module reads of a run (``probe.rundir.reader.Run``, which calls it: a Protocol
+    here, so the two do not import each other)."""
+
+    @property
+    def steps(self) -> list[int]: ...
+
+    @property
+    def ranks(self) -> list[int]: ...
+
+    def has_step(self, step: int, rank: int) -> bool: ...
+
+    def ops(self, step: int | None = None, rank: int | None = None) -> list[OpRecord]: ...
+
+    def output_stats(self, step: int | None = None, rank: int | None = None
+                     ) -> tuple[np.ndarray, np.ndarray] | None: ...
 
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"})
 # In the collective namespaces but exchanging nothing: the wait that completes a functional
