@@ -1,0 +1,187 @@
+"""The layer contract of ``probe/`` (issue 22), read from every import statement in the code.
+
+Every ``import`` and ``from ... import`` is counted: at module level, inside functions, and under
+``if TYPE_CHECKING:`` (a type is a dependency too). A statement depends on each module it names:
+``import a.b`` on ``a.b``; ``from a import b`` on ``a`` (its ``__init__`` runs) and on ``a.b`` when
+that is a module; relative imports are resolved. Why an ast test and not import-linter: see
+docs/architecture.md ("Layers").
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The layers, lowest first, as docs/architecture.md draws them. A module belongs to the layer whose
+# name is the longest prefix of its own.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("vocabulary", ("probe.vocabulary", "probe.errors", "probe.version", "probe.devices")),
+    ("rundir", ("probe.rundir",)),
+    ("tracer", ("probe.tracer",)),
+    ("modes", ("probe.modes",)),
+    ("analysis", ("probe.analysis",)),
+    ("exporters", ("probe.exporters",)),
+    ("session", ("probe.options", "probe.escalation", "probe.session")),
+    ("integrations", ("probe.integrations",)),
+    ("cli", ("probe.cli",)),
+]
+
+# The contract: what each layer never imports (issue 22, "What to build", item 1).
+NEVER_IMPORTS: dict[str, tuple[str, ...]] = {
+    "probe.tracer": ("probe.modes", "probe.analysis", "probe.exporters", "probe.session", "probe.cli",
+                     "probe.integrations", "probe.escalation"),
+    "probe.rundir": ("probe.modes", "probe.analysis", "probe.exporters", "probe.session", "probe.cli"),
+    "probe.modes": ("probe.analysis", "probe.session", "probe.cli", "probe.integrations"),
+    "probe.analysis": ("probe.exporters", "probe.session", "probe.cli", "probe.modes", "probe.tracer"),
+    "probe.exporters": ("probe.session", "probe.cli"),
+    "probe.vocabulary": ("probe.rundir", "probe.tracer", "probe.modes", "probe.analysis", "probe.exporters",
+                         "probe.options", "probe.session", "probe.escalation", "probe.cli",
+                         "probe.integrations"),
+}
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def probe_modules(root: Path = ROOT) -> dict[str, Path]:
+    """Module name -> file, for every module of the ``probe`` package."""
+    found = {}
+    for path in sorted((root / "probe").rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> dict[str, int]:
+    """The probe modules that ``name`` (at ``path``) imports -> the line of the first statement."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            targets = [source] + [f"{source}.{alias.name}" for alias in node.names
+                                  if f"{source}.{alias.name}" in known]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # a name inside a module: the module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.setdefault(target, node.lineno)
+    return found
+
+
+def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
+    modules = probe_modules(root)
+    return {name: imports_of(name, path, set(modules)) for name, path in modules.items()}
+
+
+def contract_violations(graph: dict[str, dict[str, int]]) -> list[str]:
+    found = []
+    for module, imported in sorted(graph.items()):
+        for layer, forbidden in NEVER_IMPORTS.items():
+            if not _within(module, layer):
+                continue
+            for target, line in sorted(imported.items()):
+                if any(_within(target, f) for f in forbidden):
+                    found.append(f"{module} -> {target} (line {line})")
+    return found
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_layer_contract_holds() -> None:
+    assert contract_violations(import_graph()) == []
+
+
+def test_no_import_cycle() -> None:
+    graph = import_graph()
+    found = cycles(graph)
+    described = [" <-> ".join(c) + ": " + "; ".join(f"{a} -> {b} (line {graph[a][b]})"
+                                                     for a in c for b in graph[a] if b in c) for c in found]
+    assert described == []
+
+
+def test_every_layer_of_the_contract_exists() -> None:
+    # A layer renamed away would make its contract vacuous.
+    modules = probe_modules()
+    for layer, forbidden in NEVER_IMPORTS.items():
+        for name in (layer, *forbidden):
+            assert any(_within(m, name) for m in modules), name
+    for _, prefixes in LAYERS:
+        for prefix in prefixes:
+            assert any(_within(m, prefix) for m in modules), prefix
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_the_reading_sees_function_level_and_type_checking_imports(tmp_path: Path) -> None:
+    # The checker itself must be able to fail: a lazy import and a TYPE_CHECKING import against the
+    # contract, and a cycle made of a function-level import, are all found.
+    _write(tmp_path, {
+        "probe/__init__.py": "",
+        "probe/tracer/__init__.py": "",
+        "probe/tracer/a.py": "def f():\n    from probe.modes import b\n",
+        "probe/rundir/__init__.py": "",
+        "probe/rundir/r.py": ("from typing import TYPE_CHECKING\n"
+                              "if TYPE_CHECKING:\n    from ..modes.b import X\n"),
+        "probe/modes/__init__.py": "",
+        "probe/modes/b.py": "X = 1\ndef g():\n    import probe.modes.c\n",
+        "probe/modes/c.py": "from probe.modes.b import X\n",
+    })
+    graph = import_graph(tmp_path)
+    assert contract_violations(graph) == [
+        "probe.rundir.r -> probe.modes.b (line 3)",
+        "probe.tracer.a -> probe.modes (line 2)", "probe.tracer.a -> probe.modes.b (line 2)",
+    ]
+    assert cycles(graph) == [["probe.modes.b", "probe.modes.c"]]
+
