@@ -14,12 +14,13 @@ alerts, dump's the dump index. A step listing a mode the registry does not know 
 read without that mode's files, with one warning.
 
 Every file is read through :mod:`probe.rundir.reading`: damage to a run's metadata
-is a :class:`ProbeError` naming the file, never another exception.
+is a :class:`ProbeError` naming the file, never another exception. A run is untrusted input:
+files are opened only through :mod:`probe.rundir.confined_files` (regular files inside the
+run), and a rank directory that is a link leading outside the run is refused.
 """
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from functools import cached_property
@@ -32,6 +33,7 @@ import torch
 
 from probe.errors import ProbeError, warn_once
 from probe.rundir import layout
+from probe.rundir.confined_files import check_directory
 from probe.rundir.loss_scaler import (
     SCALER_OP_PREFIX,
     ScalerStep,
@@ -52,7 +54,17 @@ from probe.rundir.mode_files import (  # the modes sit above: their readers are 
 from probe.rundir.op_graph import build_graph
 from probe.rundir.op_records import decode as decode_op_record
 from probe.rundir.rank_origin import RankOrigin, rank_origin
-from probe.rundir.reading import expect, read_json, read_jsonl, reading, record_from_row
+from probe.rundir.reading import (
+    INDEX_LIMIT,
+    OP_LINE_LIMIT,
+    expect,
+    parse_json,
+    read_json,
+    read_jsonl,
+    read_lines,
+    reading,
+    record_from_row,
+)
 from probe.rundir.records import (
     AnomalyRecord,
     CheckRecord,
@@ -65,7 +77,8 @@ from probe.rundir.records import (
     nonfinite_origins_in,
 )
 
-__all__ = ["AnomalyRecord", "CheckRecord", "MonitorRecord", "OpRecord", "Run", "StepInfo", "TensorRecord",
+__all__ = ["AnomalyRecord", "CheckRecord", "DamagedStep", "MonitorRecord", "OpRecord", "Run", "StepInfo",
+           "TensorRecord",
            "WriteFailure", "load"]
 
 STEPS_KEPT = 8
@@ -118,6 +131,18 @@ def _check_version(path: Path, version: Any) -> None:
                          f"1 to {layout.FORMAT_VERSION}{hint}")
 
 
+class DamagedStep(NamedTuple):
+    """A flushed step that cannot be read: which, and why (the :class:`ProbeError`'s message,
+    naming the file)."""
+
+    step: int
+    rank: int
+    reason: str
+
+    def describe(self) -> str:
+        return f"step {self.step} rank {self.rank}: unreadable, skipped: {self.reason}"
+
+
 class Run:
     """A run directory: its steps, ranks, op records, graphs and findings."""
 
@@ -126,7 +151,7 @@ class Run:
         run_file = self.path / layout.RUN_FILE
         if not run_file.is_file():
             raise ProbeError(f"{str(self.path)!r} is not a probe run directory (no {layout.RUN_FILE})")
-        self.info: dict[str, Any] = read_json(run_file)
+        self.info: dict[str, Any] = read_json(run_file, run=self.path)
         if self.info.get("format") != layout.FORMAT_NAME:
             raise ProbeError(f"{str(run_file)!r} is not a probe run (format {self.info.get('format')!r}, "
                              f"expected {layout.FORMAT_NAME!r})")
@@ -138,6 +163,8 @@ class Run:
         self._lines = _Recent[_Place, tuple[Path, list[str]]](self._read_op_lines)
         # Per step: each mode's reader, made when first asked for (None: the step has no such files).
         self._files = _Recent[_Place, dict[str, ModeFiles | None]](lambda place: {})
+        self._damage: dict[tuple[int, int], str | None] = {}
+        """(step, rank) -> why it cannot be read (None: read whole), for the steps checked so far."""
 
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r}, steps={self.steps}, ranks={self.ranks})"
@@ -151,6 +178,8 @@ class Run:
 
     @cached_property
     def _steps_by_rank(self) -> dict[int, tuple[list[int], list[int]]]:
+        for rank in self.ranks:  # its steps are listed (read) only when it lies inside the run
+            check_directory(layout.rank_dir(self.path, rank), self.path)
         with reading(self.path):
             return {rank: layout.list_steps(self.path, rank) for rank in self.ranks}
 
@@ -178,11 +207,57 @@ class Run:
             (s, r) for r, (_, unfinished) in self._steps_by_rank.items() for s in unfinished
         )
 
+    def damaged_steps(self) -> list[DamagedStep]:
+        """The flushed steps that cannot be read, with the reason (a damaged or missing file,
+        records that disagree with each other), by rank then step. Reads every step whole (its
+        manifest, op records and every mode's files), once per Run: the other steps read as usual,
+        and the run-wide readers (:meth:`checks`, :meth:`monitor`, :meth:`anomalies`,
+        :meth:`first_nonfinite`, :meth:`skipped_steps`) pass damaged steps over with a warning."""
+        found = []
+        for rank in self.ranks:
+            for step in self.steps_of(rank):
+                reason = self.step_damage(step, rank)
+                if reason is not None:
+                    found.append(DamagedStep(step, rank, reason))
+        return found
+
+    def step_damage(self, step: int, rank: int | None = None) -> str | None:
+        """Why one flushed step cannot be read, or None when every file of it reads (see
+        :meth:`damaged_steps`)."""
+        step, rank = self.resolve(step, rank)
+        if (step, rank) not in self._damage:
+            try:
+                self._read_whole(step, rank)
+                self._damage[(step, rank)] = None
+            except ProbeError as e:
+                self._damage[(step, rank)] = str(e)
+        return self._damage[(step, rank)]
+
+    def _read_whole(self, step: int, rank: int) -> None:
+        self.step_info(step, rank)
+        self.ops(step, rank)  # with every mode's files attached to them (statistics, checks)
+        self.checks(step, rank)
+        self.monitor(step, rank)
+        self.anomalies_of(step, rank)
+        if self.has_dump(step, rank):
+            self.dump(step, rank)
+
+    def _readable(self, step: int, rank: int, read: Callable[[int, int], V]) -> V | None:
+        """``read(step, rank)``, or None with a warning naming the step when it cannot be read: a
+        run-wide reader goes on over the other steps (see :meth:`damaged_steps`)."""
+        try:
+            return read(step, rank)
+        except ProbeError as e:
+            self._damage[(step, rank)] = str(e)
+            warn_once(f"damaged-step:{self.path}:{step}:{rank}",
+                      f"{DamagedStep(step, rank, str(e)).describe()}; the other steps are read")
+            return None
+
     def process(self, rank: int) -> dict[str, Any]:
         """What rank ``rank`` recorded about its process (``rank.json``): world size, backend,
         host, pid, device; empty for runs written before it existed."""
         path = layout.rank_dir(self.path, rank) / layout.RANK_FILE
-        return read_json(path) if path.exists() else {}
+        return read_json(path, run=self.path) if path.exists() else {}
 
     def step_info(self, step: int, rank: int = 0) -> StepInfo:
         """The manifest of one flushed step: complete or not, why, and what each mode wrote."""
@@ -190,7 +265,7 @@ class Run:
 
     def _load_step_info(self, place: _Place) -> StepInfo:
         path = place.directory(self.path) / layout.MANIFEST_FILE
-        manifest = read_json(path)
+        manifest = read_json(path, run=self.path)
         _check_version(path, manifest.get("format_version"))
         with reading(path):
             complete = expect(manifest.get("complete"), bool, "complete")
@@ -222,7 +297,8 @@ class Run:
             if summary is not None and files is not None:
                 where = StepFiles(self.path, place.rank, place.step, place.directory(self.path),
                                   summary if isinstance(summary, dict) else {},
-                                  lambda: len(self._lines(place)[1]))
+                                  lambda: len(self._lines(place)[1]),
+                                  lambda index: self.ops_at([index], place.step, place.rank)[0])
                 readers[mode] = files(where)
         return readers[mode]
 
@@ -254,7 +330,7 @@ class Run:
         found = []
         for r in self.ranks if rank is None else [rank]:
             path = layout.rank_dir(self.path, r) / layout.WRITE_FAILURES_FILE
-            rows = read_jsonl(path)
+            rows = read_jsonl(path, run=self.path)
             with reading(path):
                 found += [record_from_row(WriteFailure, row, rank=r) for row in rows]
         return found
@@ -279,21 +355,23 @@ class Run:
     def checks(self, step: int | None = None, rank: int | None = None) -> list[CheckRecord]:
         """Free-benchmark checks, in execution order (every step and rank when not given)."""
         if step is None and rank is None:
-            return [c for r in self.ranks for s in self.steps_of(r) for c in self.checks(s, r)]
+            return [c for r in self.ranks for s in self.steps_of(r)
+                    for c in self._readable(s, r, self.checks) or []]
         files = cast("ChecksReader | None", self.mode_files("free_benchmark", step, rank))
         return [] if files is None else files.checks()
 
     def monitor(self, step: int | None = None, rank: int | None = None) -> list[MonitorRecord]:
         """The monitor's series, per step in collection order (every step and rank when not given)."""
         if step is None and rank is None:
-            return [m for r in self.ranks for s in self.steps_of(r) for m in self.monitor(s, r)]
+            return [m for r in self.ranks for s in self.steps_of(r)
+                    for m in self._readable(s, r, self.monitor) or []]
         files = cast("MonitorReader | None", self.mode_files("monitor", step, rank))
         return [] if files is None else files.series()
 
     def anomalies(self) -> list[AnomalyRecord]:
         """The monitor's alerts, in step order, then rank, then detection order."""
         return [a for step in self.steps for rank in self.ranks if self.has_step(step, rank)
-                for a in self.anomalies_of(step, rank)]
+                for a in self._readable(step, rank, self.anomalies_of) or []]
 
     def anomalies_of(self, step: int, rank: int) -> list[AnomalyRecord]:
         """The monitor's alerts of one step and rank, in detection order."""
@@ -305,7 +383,7 @@ class Run:
         path = _Place(*self.resolve(step, rank)).directory(self.path) / layout.MODULES_FILE
         if not path.exists():
             return {}
-        types = read_json(path)
+        types = read_json(path, run=self.path)
         with reading(path):
             for name, kind in types.items():
                 expect(kind, str, f"the class of module {name!r}")
@@ -355,10 +433,13 @@ class Run:
             return None if origin is None else origin.ops[0]
         for s in self.steps if step is None else [step]:
             for r in self.ranks if rank is None else [rank]:
-                if self.has_step(s, r):
-                    origins = nonfinite_origins_in(self.ops(s, r))
-                    if origins and (handled or not handled_by_scaler(origins, self.loss_scaler(s, r))):
-                        return origins[0]
+                if not self.has_step(s, r):
+                    continue
+                # Every step when none is named: a damaged one is passed over (said in a warning).
+                ops = self.ops(s, r) if step is not None else self._readable(s, r, self.ops)
+                origins = nonfinite_origins_in(ops or [])
+                if origins and (handled or not handled_by_scaler(origins, self.loss_scaler(s, r))):
+                    return origins[0]
         return None
 
     def loss_scaler(self, step: int | None = None, rank: int | None = None) -> ScalerStep | None:
@@ -390,12 +471,12 @@ class Run:
             for r in self.ranks if rank is None else [rank]:
                 if not self.has_step(step, r):
                     continue
-                stats = self.output_stats(step, r)
+                stats = self._readable(step, r, self.output_stats)
                 # An overflow leaves Inf or NaN in the gradients the scaler unscaled: without one,
                 # the step was not skipped, and nothing is decoded.
                 if stats is not None and not (stats[1][:, 4] + stats[1][:, 5] > 0).any():
                     continue
-                scaler = self.loss_scaler(step, r)
+                scaler = self._readable(step, r, self.loss_scaler)
                 if scaler is not None and scaler.skipped:
                     found.append(scaler)
         return found
@@ -456,8 +537,7 @@ class Run:
     def _read_op_lines(self, place: _Place) -> tuple[Path, list[str]]:
         """``ops.jsonl`` of a step and its records' lines (op #i is line i, blank lines aside)."""
         path = place.directory(self.path) / layout.OPS_FILE
-        with reading(path):
-            return path, [line for line in path.read_bytes().decode("utf-8").split("\n") if line.strip()]
+        return path, read_lines(path, run=self.path, line_limit=OP_LINE_LIMIT)
 
     def _decode_ops(self, place: _Place, only: Collection[int] | None) -> dict[int, OpRecord]:
         """Op #i -> its record with what each mode knows of it attached (statistics): every op,
@@ -466,7 +546,7 @@ class Run:
         info = self._step_info(place)  # a step is read only under a readable manifest (written last)
         step, rank = place.step, place.rank
         sites_path = place.directory(self.path) / layout.CALLSITES_FILE
-        sites = read_json(sites_path) if sites_path.exists() else {}
+        sites = read_json(sites_path, run=self.path, limit=INDEX_LIMIT) if sites_path.exists() else {}
         ops_path, lines = self._lines(place)
         records: dict[int, OpRecord] = {}
         exact: dict[int, list[bool]] = {}  # per input: shares its producer's statistics row
@@ -475,7 +555,7 @@ class Run:
             if not 0 <= number < len(lines):
                 raise ProbeError(f"{str(ops_path)!r} holds {len(lines)} op records: there is no op #{number}")
             with reading(f"{ops_path}, line {number + 1}"):
-                row = json.loads(lines[number])
+                row = parse_json(lines[number], "the record")
             try:  # decode checks every field and names the one that is wrong
                 index, op_id, name, phase, module, call, stack, ins, outs, site, group, skipped = \
                     decode_op_record(row)
