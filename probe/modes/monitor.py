@@ -54,8 +54,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 from torch import nn
-import probe.modes.monitor_distribution as monitor_distribution
 
+import probe.modes.monitor_distribution as monitor_distribution
 from probe.errors import ProbeError, warn_once
 from probe.local_part import local_part, replicas
 from probe.modes.anomaly import Anomaly, AnomalyDetector, Series, anomaly_json, incidents, read_anomalies
