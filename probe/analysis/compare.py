@@ -345,6 +345,8 @@ class StepComparison:
     """How run B's precision differs from run A's, in words ("bf16 autocast")."""
     carry: Carry = field(default_factory=Carry)
     """What this step hands to the next (:class:`Carry`)."""
+    unreadable: str | None = None
+    """Why the step could not be read in one run or both (its ops are "not compared"); None when read."""
 
 
 def _inputs_agree(op: OpComparison, by_index: dict[int, OpComparison]) -> tuple[bool, bool]:
@@ -1145,9 +1147,31 @@ def _compare_steps(run_a: Run, run_b: Run, steps: list[int], rank: int, module_m
     runs carry across it is judged as at a first step."""
     out: list[StepComparison] = []
     for i, step in enumerate(steps):
-        carry = out[-1].carry if out and steps[i - 1] == step - 1 else None
-        out.append(compare_step(run_a, run_b, step, rank, module_map, on_op, replay_limit, carry))
+        carry = out[-1].carry if out and steps[i - 1] == step - 1 and out[-1].unreadable is None else None
+        try:
+            out.append(compare_step(run_a, run_b, step, rank, module_map, on_op, replay_limit, carry))
+        except ProbeError as e:  # a damaged step: its ops are not compared, the other steps are
+            out.append(_unreadable_step(run_a, run_b, step, rank, str(e)))
     return out
+
+
+def _unreadable_step(run_a: Run, run_b: Run, step: int, rank: int, reason: str) -> StepComparison:
+    """A step one run (or both) cannot read: each op of a run that can is "not compared", with
+    the reason (paired by id when both runs read their ops)."""
+    ops: dict[str, list[OpRecord] | None] = {}
+    for side, run in (("A", run_a), ("B", run_b)):
+        try:
+            ops[side] = run.ops(step, rank)
+        except ProbeError:
+            ops[side] = None
+    unread = [side for side, records in ops.items() if records is None] or ["A", "B"]
+    message = "; ".join(f"run {side}: unreadable: {reason}" for side in unread)
+    ops_a, ops_b = ops["A"] or [], ops["B"] or []
+    by_id = {op.id: op for op in ops_b}
+    pairs = [(a, by_id.pop(a.id, None)) for a in ops_a] + [(None, b) for b in by_id.values()]
+    rows = [OpComparison(step, rank, a, b, "not read", NOT_COMPARED, message, rule=RULE_NOT_COMPARED)
+            for a, b in pairs]
+    return StepComparison(step, rank, rows, None, unreadable=message)
 
 
 def _compare_rank(path_a: str, path_b: str, steps: list[int], rank: int,
@@ -1377,10 +1401,19 @@ def compare(
         results = [c for r, ss in plan.items()
                    for c in _compare_steps(run_a, run_b, ss, r, module_map, advance, replay_limit)]
     return Report(run_a.path, run_b.path, sorted(results, key=lambda s: (s.step, s.rank)), missing,
-                  identity(run_a, run_b, plan))
+                  identity(run_a, run_b, _readable_plan(plan, results)))
+
+
+def _readable_plan(plan: dict[int, list[int]], results: list[StepComparison]) -> dict[int, list[int]]:
+    """``plan`` without the steps that could not be read."""
+    unread = {(s.step, s.rank) for s in results if s.unreadable is not None}
+    return {rank: [s for s in steps if (s, rank) not in unread] for rank, steps in plan.items()}
 
 
 def _op_count(run: Run, step: int, rank: int) -> int:
     """How many ops a step holds, from its manifest (no need to load them to size a progress bar)."""
-    count = run.step_info(step, rank).manifest.get("ops")
-    return count if type(count) is int and count >= 0 else len(run.ops(step, rank))
+    try:
+        count = run.step_info(step, rank).manifest.get("ops")
+        return count if type(count) is int and count >= 0 else len(run.ops(step, rank))
+    except ProbeError:  # a damaged step: compared as "not compared" when its turn comes
+        return 0

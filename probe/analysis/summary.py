@@ -57,6 +57,16 @@ class StepSummary:
     overflow_handled: bool = False
     """The step's non-finite values are a gradient overflow the loss scaler handled: it skipped
     the step (see :func:`probe.rundir.loss_scaler.handled_by_scaler`); no fault of the model."""
+    unreadable: str | None = None
+    """Why the step could not be read (a damaged file, named): it is reported and skipped, the
+    other fields are empty. None for a step that was read."""
+
+    @classmethod
+    def of_unreadable(cls, step: int, rank: int, reason: str) -> StepSummary:
+        """The summary of a step that could not be read: only where it is and why."""
+        return cls(step=step, rank=rank, complete=False, reason=None, phase_counts={}, has_stats=False,
+                   first_nonfinite=None, largest_abs_max=[], largest_norm=[], check_counts={},
+                   failed_checks=[], unreadable=reason)
 
     @property
     def fault(self) -> OpRecord | None:
@@ -171,10 +181,16 @@ def _unmeasured(manifest: dict) -> int:
 
 
 def summarize(run: Run, top: int = 5) -> Iterator[StepSummary]:
-    """The summary of every (step, rank), rank by rank, each step as it is read."""
+    """The summary of every (step, rank), rank by rank, each step as it is read. A step that
+    cannot be read (damaged, cut short) does not stop the others: its summary says why
+    (:attr:`StepSummary.unreadable`)."""
     for rank in run.ranks:
         for step in run.steps_of(rank):
-            yield summarize_step(run, step, rank, top)
+            try:
+                summary = summarize_step(run, step, rank, top)
+            except ProbeError as e:
+                summary = StepSummary.of_unreadable(step, rank, str(e))
+            yield summary
 
 
 @dataclass

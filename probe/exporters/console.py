@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from rich.console import Console
 from rich.markup import escape
@@ -17,6 +17,7 @@ from probe.analysis.escalations import EscalationLinks
 from probe.analysis.run_identity import Identity
 from probe.analysis.summary import Extreme, StepSummary, lost_steps, tails
 from probe.analysis.verdicts import NOT_COMPARED, VERDICTS
+from probe.errors import ProbeError
 from probe.modes.anomaly import incidents
 from probe.rundir.reader import OpRecord, Run
 from probe.vocabulary.option_values import PHASES
@@ -58,6 +59,9 @@ def _extremes_table(title: str, rows: list[Extreme]) -> Table:
 
 
 def render_step(console: Console, summary: StepSummary) -> None:
+    if summary.unreadable is not None:
+        console.print(_step_line(summary), style="red", markup=False, highlight=False)
+        return
     status = "" if summary.complete else f" [red]incomplete: {summary.reason}[/red]"
     console.rule(f"step {summary.step} · rank {summary.rank}{status}")
     counts = Table(show_edge=False, pad_edge=False)
@@ -157,6 +161,8 @@ def _ranges(values: list[int]) -> str:
 
 
 def _step_line(summary: StepSummary) -> str:
+    if summary.unreadable is not None:
+        return f"step {summary.step} rank {summary.rank}: UNREADABLE, skipped: {summary.unreadable}"
     parts = [f"step {summary.step} rank {summary.rank}: {sum(summary.phase_counts.values())} ops"]
     if not summary.complete:
         parts.append(f"INCOMPLETE ({summary.reason})")
@@ -186,7 +192,8 @@ def render_run(console: Console, run: Run, summaries: Iterable[StepSummary]) -> 
     console.print(f"[bold]{run.path}[/bold]  modes {modes}  ranks {run.ranks}  steps {_ranges(run.steps)}")
     detailed_nonfinite = False
     links = EscalationLinks(run)  # on_anomaly="trace": each incident -> what its traced steps found
-    for summary in links.follow(summaries):
+    unreadable: list[StepSummary] = []
+    for summary in _followed(links, summaries, unreadable):
         if pairs <= DETAILED_STEPS:
             render_step(console, summary)
             continue
@@ -199,13 +206,32 @@ def render_run(console: Console, run: Run, summaries: Iterable[StepSummary]) -> 
         console.print(link.describe(), style="red" if link.recurred else None, markup=False, highlight=False)
     for line in lost_steps(run):
         console.print(line, style="red", markup=False, highlight=False)
+    if unreadable:
+        console.print(f"{len(unreadable)} step(s) unreadable, skipped: "
+                      + ", ".join(f"step {s.step} rank {s.rank}" for s in unreadable),
+                      style="red", markup=False, highlight=False)
     for line in tails(run):
         console.print(line, markup=False, highlight=False)
     if len(run.ranks) > 1:
-        origin = run.first_nonfinite_ranks()  # which rank a NaN started on, before it spread
-        if origin is not None:
-            console.print(origin.describe(), style="red", markup=False, highlight=False)
-        render_consistency(console, check_consistency(run), limit=3)
+        try:
+            origin = run.first_nonfinite_ranks()  # which rank a NaN started on, before it spread
+            if origin is not None:
+                console.print(origin.describe(), style="red", markup=False, highlight=False)
+            render_consistency(console, check_consistency(run), limit=3)
+        except ProbeError as e:  # a damaged step: the steps above are what could be read
+            console.print(f"across ranks: not checked ({e})", style="red", markup=False, highlight=False)
+
+
+def _followed(links: EscalationLinks, summaries: Iterable[StepSummary],
+              unreadable: list[StepSummary]) -> Iterator[StepSummary]:
+    """The summaries, each readable one noted by ``links``; the unreadable ones (which hold
+    nothing to link) also gathered in ``unreadable``."""
+    for summary in summaries:
+        if summary.unreadable is not None:
+            unreadable.append(summary)
+            yield summary
+        else:
+            yield from links.follow([summary])
 
 
 def render_identity(console: Console, identity: Identity, limit: int = 10) -> None:
@@ -237,6 +263,9 @@ def render_compare(console: Console, report: Report, out: str | None) -> None:
                       "unreadable (see the rows marked 'not compared')[/yellow]")
     for line in report.missing:
         console.print(f"[yellow]not compared: {line}[/yellow]")
+    for unread in (s for s in report.steps if s.unreadable is not None):
+        console.print(f"not compared: step {unread.step} rank {unread.rank}, {unread.unreadable}",
+                      style="yellow", markup=False, highlight=False)
     d = report.divergence
     if d is None and counts[NOT_COMPARED]:
         console.print("first divergence: [yellow]none among the ops compared[/yellow]")
