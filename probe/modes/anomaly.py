@@ -87,10 +87,10 @@ def anomaly_json(anomaly: Anomaly) -> dict[str, Any]:
     return out
 
 
-def read_anomalies(path: Path) -> list[Anomaly]:
+def read_anomalies(path: Path, run: Path | None = None) -> list[Anomaly]:
     """The lines of an ``anomalies.jsonl`` (:func:`anomaly_json`'s), in detection order; none
-    when the file is absent."""
-    rows = read_jsonl(path)
+    when the file is absent. ``run``: the run directory, which the file must lie in."""
+    rows = read_jsonl(path, run=run)
     with reading(path):
         return [record_from_row(Anomaly, row) for row in rows]
 

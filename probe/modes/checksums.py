@@ -211,7 +211,7 @@ class ChecksumsFiles(ModeFiles):
     def checksums(self) -> StepChecksums:
         if self._read is None:
             path = self.where.directory / layout.CHECKSUMS_FILE
-            data = read_json(path)
+            data = read_json(path, run=self.where.run)
             with reading(path):
                 parameters = inputs = rng = buffers = None
                 if "parameters" in data:

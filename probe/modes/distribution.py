@@ -365,20 +365,22 @@ def write_files(writer: Any, pending: PendingDistribution, rows: int) -> dict[st
     return {"distribution": True, "histogram": histogram is not None}
 
 
-def attach_files(directory: Any, index: np.ndarray, records: dict[int, Any], rows: int) -> None:
+def attach_files(directory: Any, index: np.ndarray, records: dict[int, Any], rows: int,
+                 run: Any = None) -> None:
     """Give the tensors of ``records`` their ``distribution`` and ``histogram`` from a step's files,
     where they exist (steps written without ``distribution=``/``histogram=``, and runs of format
-    version 1, have none: the records keep None). ``index`` rows: (op, io, position, stats row)."""
+    version 1, have none: the records keep None). ``index`` rows: (op, io, position, stats row).
+    ``run``: the run directory, which the files must lie in."""
     from probe.rundir import layout
-    from probe.rundir.reading import reading
+    from probe.rundir.reading import read_npy, reading
 
     shares_path = directory / layout.DISTRIBUTION_FILE
     if not shares_path.exists():
         return
     histogram_path = directory / layout.HISTOGRAM_FILE
+    shares = read_npy(shares_path, run=run)
+    histogram = read_npy(histogram_path, run=run) if histogram_path.exists() else None
     with reading(shares_path):
-        shares = np.load(shares_path, allow_pickle=False)
-        histogram = np.load(histogram_path, allow_pickle=False) if histogram_path.exists() else None
         check_arrays(shares, histogram, rows)
     histograms = read_histograms(histogram) if histogram is not None else {}
     decoded: dict[int, dict[str, float | None]] = {}

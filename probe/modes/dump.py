@@ -36,7 +36,7 @@ from probe.modes.registry import register_mode
 from probe.rundir import layout
 from probe.rundir.call_args import encode_args
 from probe.rundir.mode_files import ModeFiles
-from probe.rundir.reading import expect, plain_name, read_json, read_jsonl, reading
+from probe.rundir.reading import INDEX_LIMIT, expect, plain_name, read_json, read_jsonl, reading
 from probe.rundir.records import DumpedTensor
 from probe.rundir.shards import ShardWriter, StepShards, map_blob, read_header
 from probe.rundir.writer import StepWriter
@@ -151,7 +151,8 @@ class DumpIndex(ModeFiles):
     A tensor is rebuilt as a strided view of its memory-mapped blob, so it loads bitwise-equal
     with the original layout and nothing is read from disk until it is used. Damage to
     ``tensors.json`` or ``calls.jsonl`` is a :class:`ProbeError` naming the file; a tensor whose
-    bytes cannot be read (a shard missing, cut short, or named outside the run) is a
+    bytes cannot be read (a shard missing, cut short, or named outside the run), or whose entry
+    disagrees with its op's record (dtype, shape, or an extent past its blob), is a
     ``ProbeError`` from :meth:`tensor` only, so the rest of the step stays usable.
     """
 
@@ -175,7 +176,7 @@ class DumpIndex(ModeFiles):
         if not path.exists():
             raise ProbeError(f"step {self.where.step} of rank {self.where.rank} has no dump "
                              f"({str(path)!r} is missing)")
-        index = read_json(path)
+        index = read_json(path, run=self.where.run, limit=INDEX_LIMIT)
         with reading(path):
             complete = expect(index["complete"], bool, "complete")
             # A blob's shard is checked when it is read, so one bad name costs only its tensors.
@@ -196,7 +197,7 @@ class DumpIndex(ModeFiles):
         path = self.where.directory / layout.CALLS_FILE
         if not path.exists():
             raise ProbeError(f"cannot read {str(path)!r}: the file is missing")
-        rows = read_jsonl(path)
+        rows = read_jsonl(path, run=self.where.run)
         with reading(path):
             calls = {expect(row.pop("i"), int, "i"): row for row in rows}
             for row in calls.values():
@@ -211,6 +212,7 @@ class DumpIndex(ModeFiles):
         dtype = _DTYPES[entry.dtype]
         if entry.status is not None:
             raise ProbeError(f"{io} {position} of op #{op} has no data: {entry.status}")
+        self._check_against_record(entry)
         if entry.blob is None:  # an empty tensor
             return torch.empty_strided(entry.shape, entry.stride, dtype=dtype)
         blobs = self._index[1]
@@ -223,9 +225,9 @@ class DumpIndex(ModeFiles):
         path = layout.tensors_dir(self.where.run, self.where.rank, self.where.step) / shard
         with reading(path):
             if shard not in self._headers:
-                self._headers[shard] = read_header(path)
+                self._headers[shard] = read_header(path, self.where.run)
             data_start, header = self._headers[shard]
-            raw = map_blob(path, data_start, header[name])
+            raw = map_blob(path, data_start, header[name], self.where.run)
             itemsize = dtype.itemsize
             # The view must lie within the blob: a damaged index must not read past it.
             extent = 1 + sum((n - 1) * s for n, s in zip(entry.shape, entry.stride, strict=True)) \
@@ -241,6 +243,20 @@ class DumpIndex(ModeFiles):
         if entry.conj:
             typed = typed.conj()
         return torch._neg_view(typed) if entry.neg else typed
+
+    def _check_against_record(self, entry: DumpedTensor) -> None:
+        """Refuse an entry whose dtype or shape is not its op record's: the index of a damaged or
+        edited run must not make a tensor of another shape than the op produced."""
+        record = self.where.op(entry.op)
+        tensors = record.inputs if entry.io == "input" else record.outputs
+        where = f"{str(self._index_path)!r}: {entry.io} {entry.position} of op #{entry.op} ({record.id})"
+        if entry.position >= len(tensors):
+            raise ProbeError(f"{where} is not in its op record, which has {len(tensors)} {entry.io}s")
+        expected = tensors[entry.position]
+        if entry.dtype != expected.dtype or entry.shape != tuple(expected.shape):
+            raise ProbeError(f"{where} is dumped as {entry.dtype} {list(entry.shape)}, its op record "
+                             f"says {expected.dtype} {list(expected.shape)}: the dump index disagrees "
+                             "with the op record")
 
     def call(self, op: int) -> dict[str, Any]:
         """The recorded ``{"args": ..., "kwargs": ...}`` of op #``op``."""

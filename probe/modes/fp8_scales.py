@@ -105,13 +105,14 @@ def write_file(writer: Any, entries: list[tuple[int, str, tuple[int, ...], torch
     return {"fp8_scaled_ops": len(rows)}
 
 
-def attach_file(directory: Any, records: dict[int, Any]) -> None:
-    """Set ``OpRecord.fp8_scales`` of the ops a step's ``fp8_scales.jsonl`` names (others keep None)."""
+def attach_file(directory: Any, records: dict[int, Any], run: Any = None) -> None:
+    """Set ``OpRecord.fp8_scales`` of the ops a step's ``fp8_scales.jsonl`` names (others keep None);
+    ``run``: the run directory, which the file must lie in."""
     from probe.rundir import layout
     from probe.rundir.reading import expect, read_jsonl, reading
 
     path = directory / layout.FP8_SCALES_FILE
-    for row in read_jsonl(path):
+    for row in read_jsonl(path, run=run):
         with reading(path):
             op_index = expect(row.get("i"), int, "i")
             scales = expect(row.get("scales"), dict, "scales")

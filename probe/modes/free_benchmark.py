@@ -100,7 +100,7 @@ class ChecksFiles(ModeFiles):
     def checks(self) -> list[CheckRecord]:
         """The step's checks in execution order; keys a reader does not know are ignored."""
         path = self.where.directory / layout.CHECKS_FILE
-        rows = read_jsonl(path)
+        rows = read_jsonl(path, run=self.where.run)
         with reading(path):
             return [record_from_row(CheckRecord, row, {"op": "op_index"}, step=self.where.step,
                                     rank=self.where.rank) for row in rows]

@@ -43,7 +43,6 @@ tensors around an anomalous module can be saved, or training stopped by
 from __future__ import annotations
 
 import csv
-import io
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -72,6 +71,7 @@ from probe.modes.monitor_reduction import StepRows, Volatility
 from probe.modes.registry import register_mode
 from probe.optimizer_steps import StepNesting, step_closure, with_closure
 from probe.rundir import layout
+from probe.rundir.confined_files import open_in_run
 from probe.rundir.mode_files import ModeFiles
 from probe.rundir.reading import reading
 from probe.rundir.records import MonitorRecord
@@ -259,17 +259,19 @@ class MonitorFiles(ModeFiles):
         if not path.exists():
             return []
         step, rank = self.where.step, self.where.rank
-        with reading(path):
-            rows = csv.DictReader(io.StringIO(path.read_bytes().decode("utf-8"), newline=""))
+        # Streamed row by row (a field is at most csv's field_size_limit): a hostile file costs
+        # the memory of its records, never a copy of its text.
+        with open_in_run(path, self.where.run) as f, reading(path):
+            rows = csv.DictReader(f.text())
             records = [MonitorRecord(step, rank, row["kind"], row["name"], row["slot"], int(row["call"]),
                                   **{column: float(row[column]) for column in METRIC_COLUMNS})
                        for row in rows]
-        monitor_distribution.attach_series(self.where.directory, records)
+        monitor_distribution.attach_series(self.where.directory, records, self.where.run)
         return records
 
     def anomalies(self) -> list[Anomaly]:
         """The step's alerts in detection order."""
-        return read_anomalies(self.where.directory / layout.ANOMALIES_FILE)
+        return read_anomalies(self.where.directory / layout.ANOMALIES_FILE, self.where.run)
 
 
 @register_mode

@@ -28,7 +28,7 @@ from probe.modes.distribution import (
     read_shares,
 )
 from probe.rundir import layout
-from probe.rundir.reading import reading
+from probe.rundir.reading import read_npy, reading
 
 TENSORBOARD_SHARES = ("zeros_share", "underflow", "near_overflow")
 """The TensorBoard scalar names of :data:`SHARE_NAMES` (``zeros`` is the monitor's ``|x| < eps`` metric)."""
@@ -76,16 +76,17 @@ def write_step(writer: Any, pending: PendingDistribution, series: list[Any], ten
     return {"distribution": True, "histogram": histogram is not None}
 
 
-def attach_series(directory: Path, records: list[Any]) -> None:
+def attach_series(directory: Path, records: list[Any], run: Path | None = None) -> None:
     """Give a step's monitor records (``monitor.csv`` order) their ``distribution``/``histogram``
-    where the step has the files (None otherwise: not recorded)."""
+    where the step has the files (None otherwise: not recorded); ``run``: the run directory,
+    which the files must lie in."""
     path = directory / layout.MONITOR_DISTRIBUTION_FILE
     if not records or not path.exists():
         return
     histogram_path = directory / layout.MONITOR_HISTOGRAM_FILE
+    shares = read_npy(path, run=run)
+    histogram = read_npy(histogram_path, run=run) if histogram_path.exists() else None
     with reading(path):
-        shares = np.load(path, allow_pickle=False)
-        histogram = np.load(histogram_path, allow_pickle=False) if histogram_path.exists() else None
         check_arrays(shares, histogram, len(records))
     histograms = read_histograms(histogram) if histogram is not None else {}
     for row, record in enumerate(records):

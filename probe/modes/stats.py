@@ -30,7 +30,7 @@ from probe.modes.stat_rows import PendingRows, StepRows
 from probe.modes.tensor_stats import BACKENDS, TensorStats, finalize
 from probe.rundir import layout
 from probe.rundir.mode_files import ModeFiles
-from probe.rundir.reading import expect, reading
+from probe.rundir.reading import expect, read_npy, reading
 from probe.rundir.records import NonfiniteParameterRecord, OpRecord
 from probe.rundir.writer import StepWriter
 from probe.tracer.op_call import OpCall
@@ -92,14 +92,14 @@ class StatsFiles(ModeFiles):
         stats_path = self.where.directory / layout.STATS_FILE
         index_path = self.where.directory / layout.STATS_INDEX_FILE
         op_count = self.where.op_count()
+        stats = read_npy(stats_path, run=self.where.run)
         with reading(stats_path):
-            stats = np.load(stats_path, allow_pickle=False)
             if (stats.ndim != 2 or stats.shape[1] not in (len(STAT_NAMES), _SIGNLESS_COLUMNS)
                     or stats.dtype.kind != "f"):
                 raise ValueError(f"statistics are an array of shape {stats.shape} and dtype {stats.dtype}, "
                                  f"expected (rows, {len(STAT_NAMES)}) floats")
+        index = read_npy(index_path, run=self.where.run)
         with reading(index_path):
-            index = np.load(index_path, allow_pickle=False)
             if index.ndim != 2 or index.shape[1] != 4 or index.dtype.kind not in "iu":
                 raise ValueError(f"the index is an array of shape {index.shape} and dtype {index.dtype}, "
                                  "expected (entries, 4) integers")
@@ -147,8 +147,8 @@ class StatsFiles(ModeFiles):
                 if row not in rows:
                     rows[row] = _row_stats(stats[row].tolist())
                 tensor.stats = rows[row]
-        distribution_files.attach_files(self.where.directory, index, records, len(stats))
-        fp8_files.attach_file(self.where.directory, records)
+        distribution_files.attach_files(self.where.directory, index, records, len(stats), self.where.run)
+        fp8_files.attach_file(self.where.directory, records, self.where.run)
 
 
 def _value_key(t: torch.Tensor) -> tuple[Any, ...] | None:

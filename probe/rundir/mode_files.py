@@ -49,6 +49,8 @@ class StepFiles:
     """The mode's entry in the step manifest's ``modes`` (what its ``write`` returned)."""
     op_count: Callable[[], int]
     """How many op records the step holds (reads ``ops.jsonl`` on first use)."""
+    op: Callable[[int], OpRecord]
+    """The record of op #i (decoded on first use): what a mode checks its own index against."""
 
 
 class ModeFiles:

@@ -5,10 +5,18 @@ written by another probe version. Every reader goes through these helpers, so wh
 wrong with a file (unreadable, not UTF-8, not JSON, a key missing, a value of the wrong
 type, a name that leaves the run) reaches the user as one ``ProbeError`` that names the
 file, and the ``probe`` command exits 2 with that line.
+
+A run is untrusted input: every file is opened through :mod:`probe.rundir.confined_files`
+(regular files inside the run only) and read within the format's limits below, so a hostile
+run costs a bounded amount of memory and time: a JSON document is at most
+:data:`DOCUMENT_LIMIT` bytes (the dump index and the call sites :data:`INDEX_LIMIT`), a line of
+a JSON-lines file :data:`LINE_LIMIT` (an op record :data:`OP_LINE_LIMIT`), JSON nests at most
+:data:`MAX_JSON_DEPTH` deep, and a ``.npy`` array must fill its file exactly.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import struct
 import types
@@ -19,12 +27,29 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
+
 from probe.errors import ProbeError
+from probe.rundir.confined_files import open_in_run
 
 # What decoding damaged bytes raises: bad JSON and bad UTF-8 are ValueErrors, a missing key
-# a KeyError, a value of the wrong type a TypeError/AttributeError/IndexError where it is used.
+# a KeyError, a value of the wrong type a TypeError/AttributeError/IndexError where it is used,
+# JSON nested past the interpreter's stack a RecursionError, a damaged CSV a csv.Error.
 READ_ERRORS = (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, OverflowError,
-               struct.error)
+               struct.error, RecursionError, csv.Error)
+
+DOCUMENT_LIMIT = 64 << 20
+"""The most bytes a JSON document of a run may hold (run, rank, manifest, modules, checksums):
+a step's metadata is kilobytes; a field of hundreds of megabytes is damage, refused unread."""
+INDEX_LIMIT = 256 << 20
+"""The most bytes of a step's dump index (``tensors.json``, ~200 bytes a tensor) and call sites."""
+LINE_LIMIT = 16 << 20
+"""The most bytes of one line of a JSON-lines file (a recorded call, a check, an alert)."""
+OP_LINE_LIMIT = 1 << 20
+"""The most bytes of one op record (``ops.jsonl``: a few hundred bytes each)."""
+MAX_JSON_DEPTH = 64
+"""How deep JSON in a run may nest (the format nests a few levels; recorded call arguments a few
+more): deeper is refused before anything walks it recursively."""
 
 T = TypeVar("T")
 
@@ -48,21 +73,84 @@ def reading(path: Path | str) -> Iterator[None]:
         raise ProbeError(f"cannot read {str(path)!r}: {_describe(e)}") from None
 
 
-def read_json(path: Path, kind: type = dict) -> Any:
-    """The JSON value of ``path``, which must be a ``kind`` (an object by default)."""
+def parse_json(data: bytes | str, what: str = "the file") -> Any:
+    """The JSON value of ``data``, refused (ValueError) when it nests deeper than
+    :data:`MAX_JSON_DEPTH`."""
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise ValueError(f"{what} nests JSON deeper than {MAX_JSON_DEPTH} levels") from None
+    opened = data.count(b"[" if isinstance(data, bytes) else "[") + \
+        data.count(b"{" if isinstance(data, bytes) else "{")
+    if opened >= MAX_JSON_DEPTH:  # fewer brackets cannot nest that deep: nothing to walk
+        _check_depth(value, what)
+    return value
+
+
+def _check_depth(value: Any, what: str) -> None:
+    """Walk the containers of ``value`` without recursion (the walk itself must not overflow)."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"{what} nests JSON deeper than {MAX_JSON_DEPTH} levels")
+        children = item.values() if isinstance(item, dict) else item
+        pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+
+
+def read_json(path: Path, kind: type = dict, *, run: Path | None = None, limit: int = DOCUMENT_LIMIT) -> Any:
+    """The JSON value of ``path``, which must be a ``kind`` (an object by default).
+
+    ``path`` is opened through :func:`~probe.rundir.confined_files.open_in_run`: a regular file
+    inside ``run`` (the run directory; default the file's own directory), at most ``limit`` bytes.
+    """
+    with open_in_run(path, run) as f:
+        data = f.read(limit)
     with reading(path):
-        return expect(json.loads(path.read_bytes().decode("utf-8")), kind, "the file")
+        return expect(parse_json(data.decode("utf-8")), kind, "the file")
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_lines(path: Path, *, run: Path | None = None, line_limit: int = LINE_LIMIT) -> list[str]:
+    """The non-blank lines of a JSON-lines file, undecoded, streamed within ``line_limit``."""
+    with open_in_run(path, run) as f, reading(path):
+        # JSON lines end in "\n" only (str.splitlines would also split at U+2028 inside a string)
+        return [text for line in f.lines(line_limit) if (text := line.decode("utf-8")).strip()]
+
+
+def read_jsonl(path: Path, *, run: Path | None = None, line_limit: int = LINE_LIMIT) -> list[dict[str, Any]]:
     """The objects of a JSON-lines file; none when the file is absent (its mode did not run)."""
     if not path.exists():
         return []
-    with reading(path):
-        text = path.read_bytes().decode("utf-8")
-        # JSON lines end in "\n" only (str.splitlines would also split at U+2028 inside a string)
-        return [expect(json.loads(line), dict, f"line {n}")
-                for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+    rows = []
+    with open_in_run(path, run) as f, reading(path):
+        for number, line in enumerate(f.lines(line_limit), 1):
+            if line.strip():
+                what = f"line {number}"
+                rows.append(expect(parse_json(line.decode("utf-8"), what), dict, what))
+    return rows
+
+
+def read_npy(path: Path, *, run: Path | None = None) -> np.ndarray:
+    """A ``.npy`` array (no pickles), refused unless its header's shape and dtype fill the
+    file exactly: a header claiming more than the file holds is refused before any allocation."""
+    with open_in_run(path, run) as f, reading(path):
+        version = np.lib.format.read_magic(f.file)
+        if version not in ((1, 0), (2, 0), (3, 0)):
+            raise ValueError(f"unknown .npy version {version}")
+        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0)
+        shape, fortran, dtype = read_header(f.file)
+        if dtype.hasobject:
+            raise ValueError("the array holds Python objects")
+        count = 1
+        for n in shape:
+            count *= n
+        start = f.file.tell()
+        if start + count * dtype.itemsize != f.size:
+            raise ValueError(f"its header says {count} items of {dtype} ({count * dtype.itemsize} bytes), "
+                             f"the file holds {f.size - start} bytes of data")
+        data = np.frombuffer(f.file.read(count * dtype.itemsize), dtype=dtype, count=count)
+        return data.reshape(shape[::-1]).T if fortran else data.reshape(shape)
 
 
 def expect(value: Any, kind: type | tuple[type, ...], what: str) -> Any:

@@ -50,6 +50,8 @@ import torch
 
 from probe.devices import is_accelerator, record_event
 from probe.errors import ProbeError, warn_once
+from probe.rundir.confined_files import open_in_run
+from probe.rundir.reading import parse_json
 
 BLOB_ALIGN = 64
 """Blobs start at multiples of this in an arena (and so in a shard's data)."""
@@ -231,24 +233,29 @@ def commit_shard(tmp: Path, path: Path) -> None:
         raise
 
 
-def read_header(path: Path) -> tuple[int, dict[str, dict]]:
-    """(offset of the data section, the safetensors header) of a shard.
+MAX_HEADER = 100_000_000
+"""The longest safetensors header read (safetensors' own limit)."""
+
+
+def read_header(path: Path, run: Path | None = None) -> tuple[int, dict[str, dict]]:
+    """(offset of the data section, the safetensors header) of a shard, a regular file inside
+    the run directory ``run`` (see :mod:`probe.rundir.confined_files`).
 
     A damaged shard raises ValueError (or OSError): a header length past the end of
-    the file is refused before anything that size is read.
+    the file, or past safetensors' limit, is refused before anything that size is read.
     """
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        if header_len > size - 8:
-            raise ValueError(f"its header length {header_len} is past the end of the file ({size} bytes)")
-        header = json.loads(f.read(header_len))
+    with open_in_run(path, run) as f:
+        (header_len,) = struct.unpack("<Q", f.file.read(8))
+        if header_len > f.size - 8 or header_len > MAX_HEADER:
+            raise ValueError(f"its header length {header_len} is past the end of the file ({f.size} bytes) "
+                             f"or safetensors' limit ({MAX_HEADER} bytes)")
+        header = parse_json(f.file.read(header_len), "its header")
     if not isinstance(header, dict):
         raise ValueError("its header is not a JSON object")
     return 8 + header_len, header
 
 
-def map_blob(path: Path, data_start: int, entry: dict) -> torch.Tensor:
+def map_blob(path: Path, data_start: int, entry: dict, run: Path | None = None) -> torch.Tensor:
     """A uint8 tensor over one blob, memory-mapped copy-on-write (nothing read until used).
 
     A blob that reaches past the end of the file (a truncated shard) raises ValueError.
@@ -256,12 +263,13 @@ def map_blob(path: Path, data_start: int, entry: dict) -> torch.Tensor:
     begin, end = entry["data_offsets"]
     if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
         raise ValueError(f"blob offsets {entry['data_offsets']!r} are not a range")
-    size = path.stat().st_size
-    if data_start + end > size:
-        raise ValueError(f"the blob ends at byte {data_start + end}, past the end of the file ({size} bytes)")
-    if begin == end:
-        return torch.empty(0, dtype=torch.uint8)
-    mapped = np.memmap(path, dtype=np.uint8, mode="c", offset=data_start + begin, shape=(end - begin,))
+    with open_in_run(path, run) as f:
+        if data_start + end > f.size:
+            raise ValueError(f"the blob ends at byte {data_start + end}, past the end of the file "
+                             f"({f.size} bytes)")
+        if begin == end:
+            return torch.empty(0, dtype=torch.uint8)
+        mapped = f.map(data_start + begin, end - begin)
     return torch.from_numpy(mapped)
 
 
