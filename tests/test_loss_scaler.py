@@ -150,7 +150,7 @@ def test_a_fault_in_the_forward_stays_a_fault_in_a_skipped_step(tmp_path):
            "before the backward" in text
     assert "the overflow was handled" not in text
     # The monitor alerts on the model's output; its gradient's NaN is the one the scaler skipped.
-    assert [(a.step, a.module, a.metric, a.rule) for a in run.anomalies()] == [(2, "", "output.infs",
+    assert [(a.step, a.module, a.metric, a.rule) for a in run.anomalies()] == [(2, "", "output.inf",
                                                                                  "nonfinite")]
 
 
@@ -167,7 +167,7 @@ def test_the_monitor_records_the_scale_in_force_each_step(tmp_path):
                       (3, "loss_scale", 2.0**16), (3, "loss_scale_skipped", 0.0)]
     # The overflowed output gradients are the scaler's business: no alert.
     overflowed = [m for m in run.monitor(0, 0) if m.slot == "output_grad"]
-    assert overflowed and all(m.infs + m.nans > 0 for m in overflowed)
+    assert overflowed and all(m.inf + m.nan > 0 for m in overflowed)
     assert run.anomalies() == []
     # Without a traced op, the monitor's series say which steps were skipped.
     assert [s.describe() for s in run.skipped_steps()] == [

@@ -72,7 +72,7 @@ def test_a_healthy_run_raises_no_alert(tmp_path):
 def test_a_nan_is_an_alert_at_once_even_during_warm_up(tmp_path):
     run = _train(tmp_path, steps=3, plant=1, fault="nan", targets={"inp": {"output": "tensor"}})
     first = run.anomalies()[0]
-    assert (first.step, first.module, first.metric, first.rule) == (1, "inp", "output.nans", "nonfinite")
+    assert (first.step, first.module, first.metric, first.rule) == (1, "inp", "output.nan", "nonfinite")
     assert first.value == 16 * 4  # every element of inp's [4, 16] output
     assert [a for a in run.anomalies() if a.step == 0] == []
 
@@ -80,7 +80,7 @@ def test_a_nan_is_an_alert_at_once_even_during_warm_up(tmp_path):
 def _direct(t: torch.Tensor, eps: float) -> dict[str, float]:
     x = t.detach().double()
     return {"min": x.min().item(), "max": x.max().item(), "mean": x.mean().item(), "norm": x.norm().item(),
-            "zeros": float((x.abs() < eps).sum()), "nans": float(x.isnan().sum())}
+            "zeros": float((x.abs() < eps).sum()), "nan": float(x.isnan().sum())}
 
 
 def test_monitor_values_equal_a_direct_recomputation(tmp_path):
@@ -351,7 +351,7 @@ def _scan(values: list[float], nans: list[int] | None = None) -> list[int]:
 
     from probe.modes.anomaly import AnomalyDetector, Series
     from probe.modes.monitor_config import parse_monitor_options
-    from probe.modes.monitor_metrics import METRIC_COLUMNS
+    from probe.modes.statistics.columns import MONITOR_COLUMNS as METRIC_COLUMNS
 
     detector = AnomalyDetector(parse_monitor_options({"targets": ["x"]}))
     series = Series("activation", "x", "output")
@@ -359,7 +359,7 @@ def _scan(values: list[float], nans: list[int] | None = None) -> list[int]:
     for step, value in enumerate(values):
         row = np.zeros((1, len(METRIC_COLUMNS)))
         row[0, METRIC_COLUMNS.index("norm")] = value
-        row[0, METRIC_COLUMNS.index("nans")] = (nans or [0] * len(values))[step]
+        row[0, METRIC_COLUMNS.index("nan")] = (nans or [0] * len(values))[step]
         alerts += [a.step for a in detector.scan(step, 0, [series], row)]
     return alerts
 

@@ -16,10 +16,10 @@ from torch import nn
 
 import probe
 from probe.errors import ProbeWarning
-from probe.modes import monitor_metrics
-from probe.modes.anomaly import Series
-from probe.modes.monitor_metrics import _segment_rows, raw_row, raw_rows
-from probe.modes.monitor_reduction import StepRows, Volatility
+from probe.modes.statistics import columns
+from probe.modes.statistics.capture import StepRows
+from probe.modes.statistics.finalize import whole
+from probe.modes.statistics.reduce import TensorStats, as_real, zeros_threshold
 from tests.conftest import SharedBlockNet, train_steps
 
 
@@ -27,10 +27,12 @@ class InPlaceNet(nn.Module):
     """``a``'s output is changed in place by its parent after ``a`` returns (``out += 1``), at
     the steps in ``inplace_steps`` (every step when None)."""
 
-    def __init__(self, inplace_steps: set[int] | None = None) -> None:
+    def __init__(self, inplace_steps: set[int] | None = None, hidden: int = 1 << 14) -> None:
         super().__init__()
-        self.a = nn.Linear(8, 16)
-        self.b = nn.Linear(16, 3)
+        # a's output (4 x hidden) larger than a staged tensor: queued by reference, as it was
+        # captured only while nothing writes it (a staged one is copied at capture).
+        self.a = nn.Linear(8, hidden)
+        self.b = nn.Linear(hidden, 3)
         self.inplace_steps = inplace_steps
         self.calls = 0
 
@@ -74,7 +76,7 @@ def test_a_series_first_changed_in_place_later_is_unknown_that_step_then_reduced
         (row,) = run.monitor(step)
         _assert_row_is(row, seen[step])
     (row,) = run.monitor(2)
-    assert math.isnan(row.norm) and math.isnan(row.mean) and row.nans == 0 and row.numel == seen[2].numel()
+    assert math.isnan(row.norm) and math.isnan(row.mean) and row.nan == 0 and row.numel == seen[2].numel()
     assert run.anomalies() == []  # an unknown value is not an alert
 
 
@@ -110,7 +112,7 @@ def test_batched_values_equal_a_direct_recomputation_after_the_first_step(tmp_pa
     assert set(rows) == set(seen) and len(rows) == 8
     for key, row in rows.items():
         _assert_row_is(row, seen[key])
-        assert row.zeros == float((seen[key].abs() < 1e-8).sum()) and row.nans == 0
+        assert row.zeros == float((seen[key].abs() < 1e-8).sum()) and row.nan == 0
 
 
 def _assorted() -> list[torch.Tensor]:
@@ -124,41 +126,49 @@ def _assorted() -> list[torch.Tensor]:
             torch.tensor([1e300, -1e300], dtype=torch.float64), torch.randn(40000)]
 
 
-@pytest.mark.parametrize("staged_numel", [1 << 22, 40])  # one staged batch; several
-def test_rows_of_a_batch_are_each_tensors_row(monkeypatch, staged_numel):
-    monkeypatch.setattr(monitor_metrics, "STAGED_NUMEL", staged_numel)
+def _reference(t: torch.Tensor, eps: float) -> np.ndarray:
+    """The whole tensor's raw row by the statistics table's own eager forms, in fp64."""
+    x = as_real(t).reshape(-1).to(torch.float64)
+    return columns.raw_row(x, zeros_threshold(t.dtype, eps)).numpy()
+
+
+ENGINES = {  # the capture queue as the monitor uses it (staged; queued for reduce_ranks; learning)
+    # and as the stats mode's backends do
+    "staged": {"stage": True}, "queued": {"stage": False, "queue": True},
+    "learning": {"stage": True, "learning": True}, "one_by_one": {"stage": False, "queue": False},
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_path_of_the_engine_gives_the_tables_row(engine):
+    options = dict(ENGINES[engine])
+    learning = options.pop("learning", False)
+    rows = StepRows(TensorStats(), saturation=False, eps=1e-8, **options)
+    rows.learning = learning
     tensors = _assorted()
-    rows, numels = raw_rows(tensors, 1e-8)
-    for t, row, numel in zip(tensors, rows, numels, strict=True):
-        want, want_numel = raw_row(t, 1e-8)
-        assert numel == want_numel
-        torch.testing.assert_close(row, want.to(row.dtype), rtol=1e-12, atol=0, equal_nan=True)
-
-
-def test_staged_segment_rows_are_each_tensors_row():
-    """The accelerators' path for small tensors (segment_reduce runs on the CPU too)."""
-    tensors = [t for t in _assorted() if 0 < t.numel() < 1000 and not t.is_complex()
-               and t.dtype != torch.float64]
-    flats = [t.reshape(-1) for t in tensors]
-    rows = _segment_rows(flats, [1] * len(flats), float(np.float32(1e-8)), torch.float64)
-    for t, row in zip(tensors, rows, strict=True):
-        torch.testing.assert_close(row, raw_row(t, 1e-8)[0], rtol=1e-12, atol=0, equal_nan=True)
-    doubled = _segment_rows(flats[:2], [2, 3], 1e-8, torch.float64)
-    torch.testing.assert_close(doubled[1, 2:], 3 * rows[1, 2:])
+    with torch.no_grad():
+        ids = [rows.add(t) for t in tensors]
+        raw, numel = whole(*rows.end_step().to_host())
+    for t, row in zip(tensors, ids, strict=True):
+        assert numel[row] == as_real(t).numel()
+        if t.numel() == 0:
+            continue
+        np.testing.assert_allclose(raw[row], _reference(t, 1e-8), rtol=1e-12, atol=0, equal_nan=True)
 
 
 def test_held_tensors_are_released_when_the_byte_budget_is_reached():
-    rows = StepRows(1e-8, Volatility(learning=False), budget=1000)
+    rows = StepRows(TensorStats(), stage=False, saturation=False, queue=True, eps=1e-8, budget=1000)
     tensors = [torch.randn(100) for _ in range(3)]  # 400 bytes each
-    expected = [raw_row(t, 1e-8)[0] for t in tensors]
+    expected = [_reference(t, 1e-8) for t in tensors]
     first = weakref.ref(tensors[0])
-    for i, t in enumerate(tensors):
-        rows.capture(Series("activation", f"m{i}", "output"), t)
+    for t in tensors:
+        rows.add(t)
+        rows.settle()  # as the monitor's capture does
     del tensors, t
     gc.collect()
     assert first() is None  # the third capture passed the budget: the batch was reduced and let go
-    raw = rows.host_rows()
-    assert np.allclose(raw, torch.stack(expected).numpy(), rtol=1e-12, atol=0)
+    raw, _, _ = rows.end_step().to_host()
+    assert np.allclose(raw, np.stack(expected), rtol=1e-12, atol=0)
 
 
 def test_one_tensorboard_event_per_step_read_back_by_tensorboard(tmp_path):

@@ -15,7 +15,7 @@ from torch import nn
 import probe
 from probe.modes.anomaly import AnomalyDetector, Series, incidents
 from probe.modes.monitor_config import parse_monitor_options
-from probe.modes.monitor_metrics import METRIC_COLUMNS
+from probe.modes.statistics.columns import MONITOR_COLUMNS as METRIC_COLUMNS
 
 
 def _data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -179,14 +179,14 @@ def test_adam_with_a_closure_reads_grads_and_moments_of_the_same_step(tmp_path):
 def _row(nans: float, infs: float, norm: float = 1.0) -> np.ndarray:
     row = np.zeros((1, len(METRIC_COLUMNS)))
     row[0, METRIC_COLUMNS.index("norm")] = norm
-    row[0, METRIC_COLUMNS.index("nans")] = nans
-    row[0, METRIC_COLUMNS.index("infs")] = infs
+    row[0, METRIC_COLUMNS.index("nan")] = nans
+    row[0, METRIC_COLUMNS.index("inf")] = infs
     row[0, METRIC_COLUMNS.index("numel")] = 1024
     return row
 
 
 @pytest.mark.parametrize(("nans", "infs", "metric", "value"),
-                         [(0, 1024, "output.infs", 1024), (3, 0, "output.nans", 3), (3, 5, "output.nans", 3)])
+                         [(0, 1024, "output.inf", 1024), (3, 0, "output.nan", 3), (3, 5, "output.nan", 3)])
 def test_a_nonfinite_alert_names_the_count_it_found(nans, infs, metric, value):
     detector = AnomalyDetector(parse_monitor_options({"targets": ["x"]}))
     (alert,) = detector.scan(0, 0, [Series("activation", "x", "output")], _row(nans, infs, np.inf))
@@ -207,9 +207,9 @@ def test_an_all_inf_output_is_reported_as_inf(tmp_path, caplog):
         model(torch.randn(3, 4))
         session.step()
     (alert,) = probe.load(tmp_path / "run").anomalies()
-    assert (alert.metric, alert.value, alert.reason) == ("output.infs", 24, "0 NaN, 24 Inf")
+    assert (alert.metric, alert.value, alert.reason) == ("output.inf", 24, "0 NaN, 24 Inf")
     (line,) = [r.getMessage() for r in caplog.records if "incident" in r.getMessage()]
-    assert "output.infs = 24" in line and "0 NaN, 24 Inf" in line
+    assert "output.inf = 24" in line and "0 NaN, 24 Inf" in line
 
 
 # -- the vectorized scan against the per-series rules -----------------------------------
@@ -232,10 +232,10 @@ class _PerSeries:
         rule = self.config.turbulence
         for s, row in zip(series, values, strict=True):
             metrics = {name: float(v) for name, v in zip(METRIC_COLUMNS, row, strict=True)}
-            nonfinite = metrics["nans"] + metrics["infs"]
+            nonfinite = metrics["nan"] + metrics["inf"]
             if self.config.nonfinite and nonfinite > 0 and s not in self.nonfinite:
-                count = "nans" if metrics["nans"] > 0 else "infs"
-                reason = f"{int(metrics['nans'])} NaN, {int(metrics['infs'])} Inf"
+                count = "nan" if metrics["nan"] > 0 else "inf"
+                reason = f"{int(metrics['nan'])} NaN, {int(metrics['inf'])} Inf"
                 found.append(Anomaly(step, rank, s.name, f"{s.label}.{count}", metrics[count], 0.0,
                                      "nonfinite", s.kind, s.call, reason))
             if nonfinite > 0:
@@ -306,14 +306,14 @@ def test_the_vectorized_scan_gives_the_per_series_alerts(options):
         series = pool[:48] if step % 7 else [pool[j] for j in rng.choice(len(pool), 40)]
         n = len(series)
         values = np.abs(rng.normal(1.0, 0.15, size=(n, len(METRIC_COLUMNS))))
-        values[:, METRIC_COLUMNS.index("nans")] = 0
-        values[:, METRIC_COLUMNS.index("infs")] = 0
+        values[:, METRIC_COLUMNS.index("nan")] = 0
+        values[:, METRIC_COLUMNS.index("inf")] = 0
         spikes = rng.random(n) < 0.04
         values[spikes] *= rng.choice([0.01, 40.0, 1e308], size=(int(spikes.sum()), 1))  # 1e308 * 40: Inf
         if step >= 60:
             with np.errstate(over="ignore"):
                 values[:5] *= 8.0  # a level shift (a spike of 1e308 becomes Inf)
-        for column, share in (("nans", 0.01), ("infs", 0.01)):
+        for column, share in (("nan", 0.01), ("inf", 0.01)):
             hit = rng.random(n) < share
             values[hit, METRIC_COLUMNS.index(column)] = rng.integers(1, 50, size=int(hit.sum()))
         unknown = rng.random(n) < 0.01  # a row whose values are unknown (NaN counts too)

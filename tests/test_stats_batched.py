@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import probe
-from probe.modes.batch_stats import cpu_rows, device_rows
-from probe.modes.stat_rows import STAGE_MAX_NUMEL
+from probe.modes.statistics.capture import STAGE_MAX_NUMEL
+from probe.modes.statistics.reduce import cpu_rows, device_rows
 
 LARGE = 4 * STAGE_MAX_NUMEL  # queued, not staged
 
@@ -19,7 +19,8 @@ LARGE = 4 * STAGE_MAX_NUMEL  # queued, not staged
 def _reference(t: torch.Tensor) -> list[float]:
     x = t.detach().to(torch.float64)
     return [x.min().item(), x.max().item(), x.sum().item(), (x * x).sum().item(),
-            float(torch.isnan(x).sum()), float(torch.isinf(x).sum()), float(torch.isneginf(x).sum())]
+            float(torch.isnan(x).sum()), float(torch.isinf(x).sum()), float(torch.isneginf(x).sum()),
+            0.0]  # zeros: counted only where an eps is asked for (the monitor's)
 
 
 def _close(row, ref, rel: float = 1e-5) -> None:
@@ -115,9 +116,9 @@ def test_optimizer_updates_in_place_keep_each_value(tmp_path, foreach):
 
 
 def test_queue_spills_in_batches_within_its_budget(tmp_path, monkeypatch):
-    from probe.modes import stat_rows
+    from probe.modes.statistics import capture
 
-    monkeypatch.setitem(stat_rows.QUEUE_BUDGET_BYTES, "cpu", 3 * LARGE * 4)
+    monkeypatch.setitem(capture.QUEUE_BUDGET_BYTES, "cpu", 3 * LARGE * 4)
     g = torch.Generator().manual_seed(2)
     values = [torch.randn(LARGE, generator=g) * (i + 1) for i in range(10)]
     with probe.mode("stats", out=tmp_path / "r", ops=["aten.clone.default"]):
@@ -144,11 +145,11 @@ def test_healthy_training_with_large_in_place_updates_warns_of_nothing(tmp_path,
     # Autograd counts an in-place write once the op returns, after the probe saw it: the
     # version a queued result is checked against is the one it has then, for views too
     # (a view gets its base's counter only then). A budget spent by an op's result is
-    # reduced before the next op, once that count is in. No false "later value" alarm.
-    from probe.modes import stat_rows
+    # reduced before the next op, once that count is in. No false "wrote into them" alarm.
+    from probe.modes.statistics import capture
 
     if budget is not None:  # every weight-sized result spends it
-        monkeypatch.setitem(stat_rows.QUEUE_BUDGET_BYTES, "cpu", budget)
+        monkeypatch.setitem(capture.QUEUE_BUDGET_BYTES, "cpu", budget)
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 256)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=foreach)
@@ -183,12 +184,14 @@ def test_a_write_the_stats_mode_does_not_see_is_still_told(tmp_path, through_vie
     # reads the counter autograd gives the view, not the one it had inside the dispatch.
     base = torch.randn(512, 256, generator=torch.Generator().manual_seed(5))
     recorded = "aten.t.default" if through_view else "aten.clone.default"
-    with (pytest.warns(probe.ProbeWarning, match="those of a later value"),
+    with (pytest.warns(probe.ProbeWarning, match="not measured: an op the stats mode does not see"),
           probe.mode("stats", out=tmp_path / "r", ops=[recorded])):
         x = base.clone()
         _ = x.t()
         x.mul_(2.0)
-    assert [op.name for op in probe.load(tmp_path / "r").ops(0)] == [recorded]
+    (op,) = probe.load(tmp_path / "r").ops(0)
+    assert op.name == recorded
+    assert op.outputs[0].stats is None  # the value it had is gone: not measured, never a later value
 
 
 def test_memory_freed_outside_any_op_is_recorded_as_not_measured(tmp_path):

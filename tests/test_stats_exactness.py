@@ -21,16 +21,17 @@ import pytest
 import torch
 
 import probe
-from probe.modes.batch_stats import cpu_rows, device_rows
-from probe.modes.stat_rows import STAGE_MAX_NUMEL, StageChunk
-from probe.modes.tensor_stats import RAW_COLUMNS, STAT_COLUMNS, TensorStats, as_real, compact_view, finalize
+from probe.modes.statistics.capture import STAGE_MAX_NUMEL, StageChunk, StepRows
+from probe.modes.statistics.columns import RAW_COLUMNS, STATS_FILE_COLUMNS
+from probe.modes.statistics.finalize import finalize, whole
+from probe.modes.statistics.reduce import TensorStats, as_real, compact_view, cpu_rows, device_rows
 
 REL = 1e-7
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                  reason="needs a CUDA device"))]
-MIN, MAX, SUM, SUMSQ, NAN, INF, NINF = range(len(RAW_COLUMNS))
-MEAN, NORM, POSINF, NEGINF = (STAT_COLUMNS.index(c) for c in ("mean", "norm", "posinf", "neginf"))
+MIN, MAX, SUM, SUMSQ, NAN, INF, NINF, ZEROS = range(len(RAW_COLUMNS))
+MEAN, NORM, POSINF, NEGINF = (STATS_FILE_COLUMNS.index(c) for c in ("mean", "norm", "posinf", "neginf"))
 
 
 def _reference(t: torch.Tensor) -> dict[str, float]:
@@ -89,7 +90,8 @@ def _check_row(raw: np.ndarray, t: torch.Tensor, multiplicity: int = 1) -> None:
     _close(raw[SUM] * multiplicity, ref["sum"], "sum")
     if not math.isnan(ref["sumsq"]):
         _close(raw[SUMSQ] * multiplicity, ref["sumsq"], "sum of squares")
-    stats = finalize(raw[None].astype(np.float64), np.array([compact_numel]), np.array([multiplicity]))[0]
+    whole_rows = whole(raw[None].astype(np.float64), np.array([compact_numel]), np.array([multiplicity]))
+    stats = finalize(*whole_rows, STATS_FILE_COLUMNS)[0]
     _close(stats[MEAN], ref["sum"] / ref["numel"], "mean")
     if not math.isnan(ref["sumsq"]):
         _close(stats[NORM], math.sqrt(ref["sumsq"]), "norm")
@@ -147,7 +149,7 @@ def test_every_path_is_exact_on_adversarial_inputs(path, dtype, device):
 def test_a_million_fp16_hundreds_have_norm_exactly_1e5(path, device):
     # The reported defect: fp32 accumulation gave 99,988.7.
     row, _ = _row_of(path, _constant(1_000_000, torch.float16, device))
-    stats = finalize(row[None], np.array([1_000_000]), np.array([1]))[0]
+    stats = finalize(row[None], np.array([1_000_000]), STATS_FILE_COLUMNS)[0]
     assert stats[NORM] == 100_000.0 and stats[MEAN] == 100.0
 
 
@@ -286,9 +288,9 @@ def _program(dtype: torch.dtype) -> list[torch.Tensor]:
 @pytest.mark.parametrize("backend", ["auto", "eager", "compiled", "budget"])
 def test_public_path_records_exact_statistics(tmp_path, monkeypatch, backend):
     if backend == "budget":  # every tensor spends the queue's budget: reduced before the next op
-        from probe.modes import stat_rows
+        from probe.modes.statistics import capture
 
-        monkeypatch.setitem(stat_rows.QUEUE_BUDGET_BYTES, "cpu", 1 << 16)
+        monkeypatch.setitem(capture.QUEUE_BUDGET_BYTES, "cpu", 1 << 16)
     options = {} if backend in ("auto", "budget") else {"stats_backend": backend}
     with probe.mode("stats", out=tmp_path / "r", ops=["aten.clone.default"], **options):
         tensors = [t for dtype in DTYPES for t in _program(dtype)]
@@ -360,17 +362,19 @@ def test_gpt2_fp16_overflow_in_a_queued_tensor_is_counted(tmp_path):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_monitors_reductions_are_exact_too(device):
-    """The monitor's rows (min, max, sum, sum of squares, NaN, Inf, zeros): its one-pass kernel
-    for large tensors and its batched form for small ones accumulate in fp64 as well."""
-    from probe.modes.monitor_metrics import raw_row, raw_rows
-
+@pytest.mark.parametrize("stage", [True, False])  # the monitor's paths: staged, or queued (reduce_ranks)
+def test_the_monitors_reductions_are_exact_too(device, stage):
+    """The monitor's rows come from the same engine, with its zeros column counted: large
+    tensors queued and small ones staged (or queued, without staging) accumulate in fp64."""
     large = [_constant(1_000_000, torch.float16, device), _ramp(N, torch.bfloat16, device),
              _offset_noise(N, torch.float32, device), _mask(N, torch.float32, device)]
     small = [t[:STAGE_MAX_NUMEL - 1] for t in large]
-    for t in large:
-        _check_row(np.array([*raw_row(t.requires_grad_(True), 0.0)[0].cpu().numpy()[:6], 0.0]), t)
-    rows, numel = raw_rows(small, 0.0)
-    for row, t, n in zip(rows.cpu().numpy(), small, numel, strict=True):
-        assert n == t.numel()
-        _check_row(np.array([*row[:6], 0.0]), t)
+    tensors = [t.requires_grad_(True) for t in large] + small
+    engine = StepRows(TensorStats(), stage=stage, saturation=False, queue=True, eps=0.5)
+    with torch.no_grad():
+        rows = [engine.add(t.detach()) for t in tensors]
+        raw, numel, _ = engine.end_step().to_host()
+    for row, t in zip(rows, tensors, strict=True):
+        assert numel[row] == t.numel()
+        _check_row(raw[row], t)
+        assert raw[row, ZEROS] == int((t.detach().double().abs() < 0.5).sum())

@@ -209,7 +209,7 @@ def _root_series_value(run: Run, step: int, rank: int, root: AnomalyRecord) -> t
             value = getattr(series, metric, None)
             if not isinstance(value, float):
                 return None
-            return abs(value), series.nans + series.infs > 0
+            return abs(value), series.nan + series.inf > 0
     return None
 
 

@@ -5,7 +5,7 @@ A monitored series' log2-magnitude histogram (``probe.modes.distribution``) beco
 with ``2**e <= |x| < 2**(e + 1)``, so TensorBoard's "Histograms" and "Distributions" tabs
 show where a tensor's magnitudes sit against its dtype's range, step after step. Zeros and
 NaN/Inf have no exponent: they are left out here (the series' ``zeros`` share and
-``nans``/``infs`` are scalars).
+``nan``/``inf`` counts are scalars).
 """
 
 from __future__ import annotations

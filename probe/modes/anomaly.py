@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from probe.modes.monitor_metrics import METRIC_COLUMNS
+from probe.modes.statistics.columns import LEGACY_NAMES, MONITOR_COLUMNS
 from probe.rundir.reading import read_jsonl, reading, record_from_row
 from probe.rundir.records import AnomalyRecord as Anomaly  # what the monitor writes is what load() reads
 
@@ -66,6 +66,19 @@ class Series:
         is ``<model>`` there, so the tag has no empty part."""
         prefix = f"{self.kind}/{self.name or '<model>'}" + (f"/{self.slot}" if self.slot else "")
         return prefix + (f"#{self.call}" if self.call else "")
+
+
+class Metrics(dict):  # type: ignore[type-arg]
+    """A series' metrics by the statistics engine's names; a rule written for the names before
+    run format 4 (``nans``, ``infs``) reads them too."""
+
+    def __missing__(self, key: str) -> float:
+        if key in LEGACY_NAMES:
+            return self[LEGACY_NAMES[key]]
+        raise KeyError(key)
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        return self[key] if key in self or key in LEGACY_NAMES else default
 
 
 @dataclass(frozen=True)
@@ -136,7 +149,7 @@ def incidents(anomalies: Iterable[Anomaly]) -> list[Incident]:
     return found
 
 
-_NANS, _INFS = METRIC_COLUMNS.index("nans"), METRIC_COLUMNS.index("infs")
+_NANS, _INFS = MONITOR_COLUMNS.index("nan"), MONITOR_COLUMNS.index("inf")
 
 
 @dataclass(frozen=True)
@@ -161,7 +174,7 @@ class AnomalyDetector:
     def __init__(self, config: MonitorConfig) -> None:
         self.config = config
         watched = config.turbulence.metrics if config.turbulence is not None else ()
-        self._columns = [METRIC_COLUMNS.index(metric) for metric in watched]
+        self._columns = [MONITOR_COLUMNS.index(metric) for metric in watched]
         self._index: dict[Series, int] = {}
         self._series: list[Series] = []
         """The series of each state row."""
@@ -244,7 +257,7 @@ class AnomalyDetector:
             for i in np.flatnonzero(bad & ~self._bad[rows]).tolist():
                 s = self._series[rows[i]]
                 # The metric is the count that is not zero (NaN first); the reason gives both.
-                count, value = ("nans", float(nans[i])) if nans[i] > 0 else ("infs", float(infs[i]))
+                count, value = ("nan", float(nans[i])) if nans[i] > 0 else ("inf", float(infs[i]))
                 reason = f"{int(nans[i])} NaN, {int(infs[i])} Inf"
                 alert = Anomaly(step, rank, s.name, f"{s.label}.{count}", value, 0.0, "nonfinite", s.kind,
                                 s.call, reason)
@@ -299,7 +312,7 @@ class AnomalyDetector:
                     alerts: list[tuple[int, int, Anomaly]]) -> None:
         order = 1 + len(self._columns)
         for position, (s, row) in enumerate(zip(series, values.tolist(), strict=True)):
-            metrics = dict(zip(METRIC_COLUMNS, row, strict=False))
+            metrics = Metrics(zip(MONITOR_COLUMNS, row, strict=True))
             for user_rule in self.config.user_rules:
                 verdict = user_rule(Observation(step, rank, s, metrics))
                 if verdict:

@@ -36,7 +36,7 @@ import torch
 
 from probe.compiled import CompiledKernel, StandaloneCpuKernel
 from probe.devices import is_accelerator, record_event
-from probe.modes.tensor_stats import accumulation_dtype, as_real, compact_view
+from probe.modes.statistics.reduce import accumulation_dtype, as_real, compact_view
 
 SHARE_NAMES = ("zeros", "underflow", "near_overflow")
 """The columns of ``distribution.npy`` (shares in [0, 1]; NaN where unknown, read back as None)."""

@@ -4,8 +4,8 @@ Unlike the per-op modes it needs no dispatch mode: it watches module
 boundaries and the optimizer step through hooks, so a step costs a queued
 reference per monitored tensor, reduced later in batches, and nothing per op
 (when it is the only mode the session does not trace ops at all). Per collected
-step it reduces, on the device and without a host sync
-(``probe.modes.monitor_reduction``, ``probe.modes.monitor_metrics``):
+step it reduces, on the device and without a host sync (the statistics engine,
+``probe.modes.statistics``, the stats mode's too):
 
 - activations: the ``input`` / ``output`` of each target module (forward hooks)
   and their gradients ``input_grad`` / ``output_grad`` (tensor hooks on the
@@ -66,9 +66,11 @@ from probe.modes.monitor_config import (
     describe_value,
     parse_monitor_options,
 )
-from probe.modes.monitor_metrics import METRIC_COLUMNS, adam_update_row, finalize
-from probe.modes.monitor_reduction import StepRows, Volatility
 from probe.modes.registry import register_mode
+from probe.modes.statistics.capture import PendingRows, StepRows
+from probe.modes.statistics.columns import MONITOR_COLUMNS, RAW_COLUMNS, REPEATS, canonical, combine_ops
+from probe.modes.statistics.finalize import finalize, whole
+from probe.modes.statistics.reduce import TensorStats, adam_update_row
 from probe.optimizer_steps import StepNesting, step_closure, with_closure
 from probe.rundir import layout
 from probe.rundir.confined_files import open_in_run
@@ -113,19 +115,66 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+METRIC_COLUMNS = MONITOR_COLUMNS
+"""The columns of ``monitor.csv`` (the statistics engine's names)."""
+_COUNT_COLUMNS = [MONITOR_COLUMNS.index(c) for c in ("zeros", "nan", "inf", "posinf", "neginf")]
+_MIN_COLUMNS, _MAX_COLUMNS, _SUM_COLUMNS = combine_ops()
+
+
 @dataclass
 class _Reduction:
-    """A step's cross-rank reduction in flight: the collectives' buffers and their works."""
+    """A step's cross-rank reduction in flight: the collectives' buffers and their works, the
+    raw columns combined as the statistics table says (``columns.RawColumn.combine``)."""
 
-    extremes: torch.Tensor  # [-min, max] per series, all-reduced with MAX
+    extremes: torch.Tensor  # -x of the min columns, x of the max columns; all-reduced with MAX
     sums: torch.Tensor  # the summed columns and the element count, all-reduced with SUM
     works: list[Any]
 
     def result(self) -> torch.Tensor:
-        """Wait for the collectives (on the writer thread); the reduced raw rows and counts."""
+        """Wait for the collectives (on the writer thread); the reduced whole raw rows and counts."""
         for work in self.works:
             work.wait()
-        return torch.cat([-self.extremes[:, :1], self.extremes[:, 1:], self.sums], dim=1)
+        n = len(_MIN_COLUMNS)
+        out = torch.empty((self.sums.shape[0], len(RAW_COLUMNS) + 1), dtype=self.sums.dtype,
+                          device=self.sums.device)
+        out[:, _MIN_COLUMNS] = -self.extremes[:, :n]
+        out[:, _MAX_COLUMNS] = self.extremes[:, n:]
+        out[:, [*_SUM_COLUMNS, len(RAW_COLUMNS)]] = self.sums
+        return out
+
+
+class SeriesRows:
+    """One step's series over the statistics engine's queue (row ``i`` is series ``i``), with
+    the ranks holding each (``MonitorMode._replicas``) and, for ``on_anomaly="dump"``, its tensor."""
+
+    def __init__(self, engine: StepRows, hold: bool) -> None:
+        self.engine = engine
+        self.series: list[Series] = []
+        self.replicas: list[int] = []
+        self.held: dict[int, torch.Tensor] | None = {} if hold else None
+
+    def __len__(self) -> int:
+        return len(self.series)
+
+    def capture(self, series: Series, tensor: torch.Tensor, replicas: int) -> int:
+        """Record ``tensor``'s statistics as they are now (reduced now or in a later batch); its row.
+        Run untraced and without autograd."""
+        index = len(self.series)
+        # Keyed by series: one changed in place after capture is reduced at capture from then on.
+        row = self.engine.add(tensor.detach(), key=(series.kind, series.name, series.slot))
+        assert row == index, "monitored tensors are floating-point: each has a row"
+        self.series.append(series)
+        self.replicas.append(replicas)
+        if self.held is not None:
+            self.held[index] = tensor
+        self.engine.settle()  # a spent budget: the hook runs after the op returned
+        return index
+
+    def add_row(self, series: Series, row: torch.Tensor, numel: int, replicas: int) -> None:
+        """A series whose raw row was computed already (Adam's update)."""
+        self.engine.add_row(row, numel)
+        self.series.append(series)
+        self.replicas.append(replicas)
 
 
 class _WriteSide:
@@ -146,7 +195,7 @@ class _WriteSide:
         grid = values[:, columns]
         if "id" in self.metrics:  # msprobe's identity metric: the value of a one-element tensor
             keep = np.ones(grid.shape, dtype=bool)
-            keep[:, self.metrics.index("id")] = values[:, METRIC_COLUMNS.index("numel")] == 1
+            keep[:, self.metrics.index("id")] = values[:, MONITOR_COLUMNS.index("numel")] == 1
             picked = np.flatnonzero(keep.ravel())
             self.tensorboard.add_scalars(step, [tags[i] for i in picked], grid.ravel()[picked])
         else:
@@ -162,7 +211,7 @@ class _WriteSide:
             for s in series:
                 tags.extend(f"{s.tag}/{metric}" for metric in self.metrics)
             self._tag_cache = (key, tuple(tags))
-        columns = [METRIC_COLUMNS.index("mean" if m == "id" else m) for m in self.metrics]
+        columns = [MONITOR_COLUMNS.index("mean" if m == "id" else m) for m in self.metrics]
         return self._tag_cache[1], columns
 
 
@@ -175,8 +224,10 @@ class MonitorStep:
     distribution: monitor_distribution.PendingDistribution | None = None
     """With ``distribution=``/``histogram=``: the step's distribution rows (not reduced over ranks)."""
 
-    def __init__(self, step: int, rows: StepRows, reduction: _Reduction | None, sink: _WriteSide) -> None:
-        self.step, self._rows, self._reduction, self._sink = step, rows, reduction, sink
+    def __init__(self, step: int, rows: SeriesRows, pending: PendingRows, reduction: _Reduction | None,
+                 sink: _WriteSide) -> None:
+        self.step, self._rows, self._pending = step, rows, pending
+        self._reduction, self._sink = reduction, sink
         self.values: np.ndarray | None = None
         self.anomalies: list[Anomaly] = []
         self.dumped: dict[str, torch.Tensor] = {}
@@ -185,13 +236,15 @@ class MonitorStep:
         if self.values is not None:
             return
         rows = self._rows
-        numel = np.asarray(rows.numel, dtype=np.float64)
         if self._reduction is not None:
             host = self._reduction.result().cpu().numpy()
             raw, numel = host[:, :-1], host[:, -1]
         else:
-            raw = rows.host_rows()  # the step's one transfer
-        self.values = finalize(raw, numel)
+            raw, numel = whole(*self._pending.to_host())  # the step's one transfer
+        self.values = finalize(raw, numel, MONITOR_COLUMNS)
+        lost = self._pending.lost()
+        if lost:  # changed in place before it was reduced: unknown, no NaN or Inf counted (no alert)
+            self.values[np.ix_(lost, _COUNT_COLUMNS)] = 0
         self._add_update_ratios()
         self.anomalies = self._sink.detector.scan(self.step, self._sink.rank, rows.series, self.values,
                                                   handled=_overflow_handled(rows.series, self.values))
@@ -207,15 +260,15 @@ class MonitorStep:
         """``update_ratio`` series: the norm of Adam's update over the norm of the weight."""
         assert self.values is not None
         series = self._rows.series
-        norm = METRIC_COLUMNS.index("norm")
+        norm = MONITOR_COLUMNS.index("norm")
         weights = {s.name: self.values[i, norm] for i, s in enumerate(series) if s.kind == "weight"}
         extra = []
         for i, s in enumerate(series):
             if s.kind == "update" and s.name in weights:
-                row = np.full(len(METRIC_COLUMNS), np.nan)
+                row = np.full(len(MONITOR_COLUMNS), np.nan)
                 row[norm] = self.values[i, norm] / weights[s.name] if weights[s.name] else np.inf
-                row[METRIC_COLUMNS.index("nans")] = row[METRIC_COLUMNS.index("infs")] = 0
-                row[METRIC_COLUMNS.index("numel")] = 1
+                row[_COUNT_COLUMNS[1:]] = 0  # NaN, Inf, +Inf, -Inf: none (zeros: not a tensor's)
+                row[MONITOR_COLUMNS.index("numel")] = 1
                 extra.append((Series("update_ratio", s.name), row))
         if extra:
             series.extend(s for s, _ in extra)
@@ -225,7 +278,7 @@ class MonitorStep:
         self.resolve()
         assert self.values is not None
         series, values = self._rows.series, self.values
-        lines = ["kind,name,slot,call," + ",".join(METRIC_COLUMNS)]
+        lines = ["kind,name,slot,call," + ",".join(MONITOR_COLUMNS)]
         for s, row in zip(series, values.tolist(), strict=True):
             lines.append(f"{s.kind},{s.name},{s.slot},{s.call}," + ",".join(map(repr, row)))
         writer.write_text(layout.MONITOR_FILE, "\n".join(lines) + "\n")
@@ -250,6 +303,23 @@ class MonitorStep:
         return summary
 
 
+def _metrics_read(row: dict[str, str]) -> dict[str, float | None]:
+    """A ``monitor.csv`` row's metrics by today's names. Runs before format 4 wrote ``nans`` and
+    ``infs`` and no ``posinf``/``neginf``: both 0 where the row holds no Inf, else None (unknown)."""
+    metrics: dict[str, float | None] = {}
+    for column, value in row.items():
+        name = canonical(column) if column is not None else None
+        if name in MONITOR_COLUMNS:
+            metrics[name] = float(value)
+    for signed in ("posinf", "neginf"):
+        if signed not in metrics:
+            metrics[signed] = 0.0 if metrics.get("inf") == 0 else None
+    missing = [c for c in MONITOR_COLUMNS if c not in metrics]
+    if missing:
+        raise ValueError(f"monitor.csv has no column {missing[0]!r}")
+    return metrics
+
+
 class MonitorFiles(ModeFiles):
     """``monitor.csv`` and ``anomalies.jsonl`` of one step (written by :class:`MonitorStep`), read back."""
 
@@ -264,7 +334,7 @@ class MonitorFiles(ModeFiles):
         with open_in_run(path, self.where.run) as f, reading(path):
             rows = csv.DictReader(f.text())
             records = [MonitorRecord(step, rank, row["kind"], row["name"], row["slot"], int(row["call"]),
-                                  **{column: float(row[column]) for column in METRIC_COLUMNS})
+                                     **_metrics_read(row))
                        for row in rows]
         monitor_distribution.attach_series(self.where.directory, records, self.where.run)
         return records
@@ -297,7 +367,10 @@ class MonitorMode(SessionPlugin):
         self._alone = False
         self._handles: list[Any] = []
         self._lock = threading.Lock()
-        self._volatility = Volatility()
+        # Staged chunks are reduced on the host: rows reduced over ranks stay on the device.
+        self._engine = StepRows(TensorStats(), stage=not self.config.reduce_ranks, saturation=False,
+                                queue=True, eps=self.config.eps, on_changed=self._changed_in_place)
+        self._engine.learning = True  # the first collected step: see statistics.capture
         self._rows = self._new_rows()
         self._distribution = self._new_distribution()
         self._params: dict[int, str] = {}
@@ -370,16 +443,18 @@ class MonitorMode(SessionPlugin):
         if self._collecting:
             self._record_loss_scale()
         with self._lock:
-            rows, self._rows = self._rows, self._new_rows()
+            rows = self._rows
+            if not len(rows) and not self._collecting:
+                return None
+            with torch.no_grad(), untraced():
+                pending = self._engine.end_step()  # what the hooks queued, reduced on the training thread
+            self._rows = self._new_rows()
             distribution, self._distribution = self._distribution, self._new_distribution()
-        if not len(rows) and not self._collecting:
-            return None
-        with torch.no_grad(), untraced():
-            rows.end()  # what the hooks queued, reduced in batches on the training thread
         # On the training thread, where the model's collectives are issued: the writer thread
         # issuing its own would interleave with them differently on each rank.
-        reduction = self._start_reduction(rows) if self.config.reduce_ranks and not alone else None
-        result = MonitorStep(step, rows, reduction, self._sink)
+        reduction = self._start_reduction(pending, rows.replicas) if self.config.reduce_ranks and not alone \
+            else None
+        result = MonitorStep(step, rows, pending, reduction, self._sink)
         if distribution is not None:
             with torch.no_grad(), untraced():
                 result.distribution = distribution.end_step()
@@ -413,19 +488,25 @@ class MonitorMode(SessionPlugin):
             return None
         return monitor_distribution.SeriesDistribution(config.histogram)
 
-    def _new_rows(self) -> StepRows:
-        return StepRows(self.config.eps, self._volatility, {} if self.config.on_anomaly == "dump" else None,
-                        untraced=untraced)
+    def _new_rows(self) -> SeriesRows:
+        return SeriesRows(self._engine, hold=self.config.on_anomaly == "dump")
+
+    def _changed_in_place(self, rows: list[int]) -> None:
+        for row in rows:
+            s = self._rows.series[row]
+            warn_once(f"monitor-inplace:{s.kind}:{s.name}:{s.slot}",
+                      f"monitor: {s.kind} {s.name} {s.slot} was changed in place after its hook saw it, "
+                      "before the monitor reduced it; its statistics at this step are unknown (NaN) and "
+                      "it is reduced at capture from now on")
 
     def _record(self, kind: str, name: str, slot: str, call: int, tensor: torch.Tensor) -> None:
         held_by = self._replicas(kind, tensor)
         tensor = local_part(tensor)
         if not (tensor.is_floating_point() or tensor.is_complex()):
             return
-        with self._lock:  # a queued reference, most steps: no op issued
+        with self._lock, torch.no_grad(), untraced():  # a queued reference, most steps: no op issued
             if self._distribution is not None:  # opt-in: counted now, on the device
-                with torch.no_grad(), untraced():
-                    self._distribution.capture(len(self._rows), tensor)
+                self._distribution.capture(len(self._rows), tensor)
             self._rows.capture(Series(kind, name, slot, call), tensor, held_by)
 
     def _replicas(self, kind: str, tensor: torch.Tensor) -> int:
@@ -451,7 +532,7 @@ class MonitorMode(SessionPlugin):
         with torch.no_grad(), untraced():
             row, numel = adam_update_row(m, v, float(group["lr"]), beta1, beta2, group["eps"], step,
                                          self.config.eps)
-        with self._lock:
+        with self._lock, torch.no_grad(), untraced():
             self._rows.add_row(Series("update", name), row, numel, held_by)
         return True
 
@@ -491,7 +572,7 @@ class MonitorMode(SessionPlugin):
         """Reduce the queued tensors now (the optimizer changes its gradients, weights and moments
         in place)."""
         with self._lock, torch.no_grad(), untraced():
-            self._rows.flush()
+            self._engine.flush()
 
     def _install_module_hooks(self, model: Any) -> int:
         matched = 0
@@ -582,9 +663,10 @@ class MonitorMode(SessionPlugin):
 
     # -- step end ----------------------------------------------------------------
 
-    def _start_reduction(self, rows: StepRows) -> _Reduction | None:
-        """Start the element-wise reduction over ranks (min of mins, max of maxes, sums of the
-        rest, element counts included so the mean is over every rank's elements)."""
+    def _start_reduction(self, pending: PendingRows, replicas: list[int]) -> _Reduction | None:
+        """Start the element-wise reduction over ranks, each raw column as the statistics table
+        combines it (min of mins, max of maxes, sums of the rest, element counts included so the
+        mean is over every rank's elements)."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -592,27 +674,31 @@ class MonitorMode(SessionPlugin):
                       "each rank writes its own values")
             return None
         with torch.no_grad(), untraced():
-            if len(rows):
-                stacked = rows.stacked()
-                counts = torch.tensor(rows.numel, dtype=torch.float64, device=stacked.device)
-                stacked = torch.cat([stacked, counts[:, None]], dim=1)
+            if len(pending):
+                raw = pending.on_device()
+                numel, multiplicity = pending.counts()
+                m = torch.tensor(multiplicity, dtype=torch.float64, device=raw.device)
+                repeats = torch.tensor(REPEATS, device=raw.device)
+                raw = torch.where(repeats[None, :], raw * m[:, None], raw)  # whole tensors (columns.whole)
+                counts = torch.tensor(numel, dtype=torch.float64, device=raw.device) * m
+                stacked = torch.cat([raw, counts[:, None]], dim=1)
             else:
-                stacked = torch.zeros((0, 8), dtype=torch.float64)
+                stacked = torch.zeros((0, len(RAW_COLUMNS) + 1), dtype=torch.float64)
             # Collectives of different sizes would mismatch (a hang or garbage): agree on the
             # series count first. The one wait here, on a tiny tensor (on the CPU when the
             # process group can reduce there).
             n = stacked.shape[0]
             count_device = "cpu" if "gloo" in str(dist.get_backend()) else stacked.device
-            counts = torch.tensor([n, -n], dtype=torch.float64, device=count_device)
-            dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-            if counts[0] != -counts[1]:
+            agreed = torch.tensor([n, -n], dtype=torch.float64, device=count_device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            if agreed[0] != -agreed[1]:
                 raise ProbeError("monitor reduce_ranks: ranks collected different numbers of series this "
-                                 f"step ({int(-counts[1])} to {int(counts[0])}); monitor the same modules on "
+                                 f"step ({int(-agreed[1])} to {int(agreed[0])}); monitor the same modules on "
                                  "every rank")
-            extremes = torch.stack([-stacked[:, 0], stacked[:, 1]], dim=1)
-            sums = stacked[:, 2:].clone()
-            if any(r > 1 for r in rows.replicas):  # held by several ranks: count each element once
-                sums /= torch.tensor(rows.replicas, dtype=sums.dtype, device=sums.device)[:, None]
+            extremes = torch.cat([-stacked[:, _MIN_COLUMNS], stacked[:, _MAX_COLUMNS]], dim=1)
+            sums = stacked[:, [*_SUM_COLUMNS, len(RAW_COLUMNS)]]
+            if any(r > 1 for r in replicas):  # held by several ranks: count each element once
+                sums /= torch.tensor(replicas, dtype=sums.dtype, device=sums.device)[:, None]
             if n == 0:  # every rank has nothing: no buffers to reduce
                 return _Reduction(extremes, sums, [])
             works = [dist.all_reduce(extremes, op=dist.ReduceOp.MAX, async_op=True),
@@ -639,7 +725,7 @@ def _overflow_handled(series: list[Series], values: np.ndarray) -> np.ndarray | 
     """Per series, whether its non-finite values are an overflow the loss scaler handled: a
     gradient in a step the scaler skipped (``loss_scale_skipped`` is 1). None when it did not
     skip the step, or is not monitored."""
-    mean = METRIC_COLUMNS.index("mean")
+    mean = MONITOR_COLUMNS.index("mean")
     if not any(s.kind == "loss_scale_skipped" and values[i, mean] > 0 for i, s in enumerate(series)):
         return None
     return np.array([_is_gradient(s) for s in series], dtype=bool)

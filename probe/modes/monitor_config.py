@@ -34,10 +34,11 @@ from typing import Any
 import torch
 
 from probe.errors import ProbeError, warn_once
+from probe.modes.statistics.columns import LEGACY_NAMES
 from probe.vocabulary.option_values import IntSet, parse_bool, parse_choice, parse_int, parse_number, show
 
 SLOTS = ("input", "output", "input_grad", "output_grad")
-ALERT_METRICS = ("min", "max", "mean", "norm", "zeros", "nans")
+ALERT_METRICS = ("min", "max", "mean", "norm", "zeros", "nan")
 METRICS = (*ALERT_METRICS, "id")
 """What ``metrics`` (msprobe's ``ops``) may name; ``id`` is the value of a one-element tensor
 (msprobe's identity metric, a loss or a scale), written for those series only."""
@@ -416,6 +417,8 @@ def _kinds(value: Any) -> tuple[str, ...]:
 
 def _metrics(key: str, value: Any, accepted: tuple[str, ...] = METRICS) -> tuple[str, ...]:
     names = [value] if isinstance(value, str) else value
+    if isinstance(names, (list, tuple)):  # msprobe's and earlier runs' "nans" is today's "nan"
+        names = [LEGACY_NAMES.get(n, n) if isinstance(n, str) else n for n in names]
     if (not isinstance(names, (list, tuple)) or not names
             or not all(isinstance(n, str) and n in accepted for n in names)):
         raise ProbeError(f"monitor option {key!r}: {show(value)} is not a non-empty list "

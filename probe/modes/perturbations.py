@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from probe.compiled import CompiledKernel
-from probe.modes.tensor_stats import COMPILED_MAX_NUMEL, COMPILED_MIN_NUMEL
+from probe.modes.statistics.reduce import COMPILED_MAX_NUMEL, COMPILED_MIN_NUMEL
 from probe.vocabulary.rounding import (  # noqa: F401  (the checks' bounds; imported from here too)
     CONDITION,
     RELATIVE_FLOOR,

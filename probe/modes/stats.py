@@ -1,7 +1,7 @@
 """Mode "stats": min, max, mean, L2 norm, NaN and Inf counts of op outputs (inputs optional).
 
-Large results are queued and reduced many at a time, small ones staged (see
-``stat_rows``): the per-op work is a list append or one copy. Raw rows stay on the
+Large results are queued and reduced many at a time, small ones staged (the statistics
+engine, ``probe.modes.statistics``): the per-op work is a list append or one copy. Raw rows stay on the
 tensor's device until the step ends;
 the writer thread moves them to the host and turns raw moments into
 statistics. A value is reduced once per step: an input produced by a traced
@@ -26,8 +26,10 @@ from probe.errors import ProbeError
 from probe.modes.base import Mode
 from probe.modes.nonfinite_params import NonfiniteParameters, NonfiniteParametersStep
 from probe.modes.registry import register_mode
-from probe.modes.stat_rows import PendingRows, StepRows
-from probe.modes.tensor_stats import BACKENDS, TensorStats, finalize
+from probe.modes.statistics.capture import PendingRows, StepRows
+from probe.modes.statistics.columns import COUNTS, STATS_FILE_COLUMNS
+from probe.modes.statistics.finalize import finalize, whole
+from probe.modes.statistics.reduce import BACKENDS, TensorStats
 from probe.rundir import layout
 from probe.rundir.mode_files import ModeFiles
 from probe.rundir.reading import expect, read_npy, reading
@@ -37,10 +39,9 @@ from probe.tracer.op_call import OpCall
 from probe.vocabulary.option_values import parse_bool, parse_choice, show
 
 INPUT, OUTPUT = 0, 1
-STAT_NAMES = ("min", "max", "mean", "norm", "nan", "inf", "posinf", "neginf")
-"""The columns of ``stats.npy``; an empty tensor's min, max and mean are NaN there, None when read.
-``inf`` counts both signs (``posinf`` + ``neginf``)."""
-_COUNTS = frozenset({"nan", "inf", "posinf", "neginf"})
+STAT_NAMES = STATS_FILE_COLUMNS
+"""The columns of ``stats.npy`` (the engine's names); an empty tensor's min, max and mean are NaN
+there, None when read. ``inf`` counts both signs (``posinf`` + ``neginf``)."""
 _SIGNLESS_COLUMNS = 6
 """Runs of format version 2 and before: ``stats.npy`` without ``posinf`` and ``neginf``."""
 _EMPTY_STATS = {"min": None, "max": None, "mean": None, "norm": 0.0,
@@ -53,7 +54,7 @@ def _row_stats(values: list[float]) -> dict[str, float | int | None]:
     if len(values) == _SIGNLESS_COLUMNS:
         unknown = None if values[5] else 0.0
         values = [*values, unknown, unknown]
-    return {name: (None if value is None else int(value)) if name in _COUNTS else float(value)
+    return {name: (None if value is None else int(value)) if name in COUNTS else float(value)
             for name, value in zip(STAT_NAMES, values, strict=True)}
 
 _OVERWRITING = frozenset({"copy_", "fill_", "zero_", "split_with_sizes_copy", "_foreach_copy_", "normal_",
@@ -162,7 +163,7 @@ def _value_key(t: torch.Tensor) -> tuple[Any, ...] | None:
 
 @register_mode
 class StatsMode(Mode):
-    """Per-op tensor statistics, computed on device in fp32, one transfer per step."""
+    """Per-op tensor statistics, computed on device (sums in fp64), one transfer per step."""
 
     name = "stats"
     option_names = frozenset({"inputs", "stats_backend", "saturation", "distribution", "histogram"})
@@ -229,7 +230,7 @@ class StatsMode(Mode):
             self._rows.settle()
         self._input_rows = {}
         if call.info.mutates:
-            # Queued results about to be overwritten are reduced first (see stat_rows).
+            # Queued results about to be overwritten are reduced first (see statistics.capture).
             self._rows.before_write(call.written())
         if not self.inputs or (self.inputs == "external" and call.uninitialized):
             return  # a view into memory nothing wrote yet (FSDP2's reallocated buffers): garbage
@@ -313,7 +314,7 @@ class StatsStep:
         self.rows, self.index, self.parameters = rows, index, parameters
 
     def write(self, writer: StepWriter) -> dict[str, Any]:
-        stats = finalize(*self.rows.to_host())
+        stats = finalize(*whole(*self.rows.to_host()), STAT_NAMES)
         index = np.array(self.index, dtype=np.int64).reshape(-1, 4)
         lost = self.rows.lost()
         if lost:  # tensors without statistics are left out of the index: not measured

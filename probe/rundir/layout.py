@@ -10,10 +10,12 @@ import re
 from pathlib import Path
 
 FORMAT_NAME = "probe-run"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """2: per-tensor distribution shares and histograms, fp8 scales (stats mode), monitor distribution
 files. Version-1 runs read the same, without them. 3: ``stats.npy`` counts +Inf and -Inf apart
-(columns ``posinf``, ``neginf``); older runs read with those None where a tensor held an Inf."""
+(columns ``posinf``, ``neginf``); older runs read with those None where a tensor held an Inf.
+4: one name per statistic: ``monitor.csv`` names its counts ``nan``, ``inf`` (``nans``, ``infs``
+before, still read) and adds ``posinf``, ``neginf``; alerts name ``<slot>.nan``/``<slot>.inf``."""
 
 RUN_FILE = "run.json"
 RANK_FILE = "rank.json"

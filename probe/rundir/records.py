@@ -190,9 +190,15 @@ class MonitorRecord:
     mean: float
     norm: float
     zeros: float
-    nans: float
-    infs: float
+    nan: float
+    """NaN count (``nans`` before run format 4; that name still reads)."""
+    inf: float
+    """+Inf and -Inf count (``infs`` before run format 4; that name still reads)."""
     numel: float
+    posinf: float | None = None
+    """+Inf count; None in runs before format 4 where ``inf`` is not 0 (the sign was not recorded)."""
+    neginf: float | None = None
+    """-Inf count; as ``posinf``."""
     distribution: dict[str, float | None] | None = None
     """With the monitor's ``distribution=True`` (or ``histogram=True``): shares of ``zeros``,
     ``underflow`` and ``near_overflow`` of the series' dtype (see ``TensorRecord.distribution``);
@@ -200,6 +206,15 @@ class MonitorRecord:
     histogram: dict[str, Any] | None = None
     """With ``histogram=True``: as ``TensorRecord.histogram``; None when not recorded."""
 
+    @property
+    def nans(self) -> float:
+        """``nan`` by its name before run format 4."""
+        return self.nan
+
+    @property
+    def infs(self) -> float:
+        """``inf`` by its name before run format 4."""
+        return self.inf
 
 @dataclass(slots=True)
 class AnomalyRecord:

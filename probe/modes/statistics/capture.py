@@ -1,26 +1,41 @@
-"""Where a step's statistics rows live until the writer thread moves them to the host.
+"""The capture queue: where a step's raw rows come from and live until the step's one transfer.
 
-A tensor's raw row (see ``tensor_stats.RAW_COLUMNS``) comes from one of three places:
+One queue for every user (the stats mode from its dispatch mode, the monitor from its hooks).
+A tensor's raw row (``columns.RAW_COLUMNS``) comes from one of three places:
 
-- **small tensors** are copied into a staging chunk on their device, one copy
-  each. A kernel call costs the same whatever the size, so reducing thousands of
-  small tensors one by one is what makes naive statistics slow; a staged chunk is
-  reduced in one go, segment by segment, on the writer thread.
-- **large floating-point tensors** are queued by reference (:class:`ReductionQueue`)
-  and reduced many at a time (``batch_stats``) when the queue's bytes reach its
-  budget, before an op writes into a queued tensor's storage (the statistics are
-  those of the value the op produced), and at the end of the step. The per-op work
-  is a list append; the budget bounds the memory the queue keeps alive.
-- other tensors (integers, bool, saturating devices, ``stats_backend`` "compiled"
-  or "eager") are reduced at once by one kernel call (``TensorStats``).
+- **small tensors** are copied into a staging chunk on their device, one copy each (with
+  ``stage``). A kernel call costs the same whatever the size, so reducing thousands of small
+  tensors one by one is what makes naive statistics slow; a staged chunk is reduced in one
+  go, segment by segment, on the writer thread (``reduce.chunk_rows``).
+- **floating-point tensors** (larger than the staged ones) are queued by reference (with
+  ``queue``) and reduced many at a time (``reduce.cpu_rows``, ``reduce.device_rows``) when the
+  queue's bytes reach its budget, before an op writes into a queued tensor's storage
+  (:meth:`StepRows.before_write`: the statistics are those of the value at capture), when the
+  caller flushes (the monitor, before the optimizer changes gradients and weights in place),
+  and at the end of the step. The per-tensor work is a list append; the budget bounds the
+  memory the queue keeps alive.
+- other tensors (integers, bool, saturating devices, tensors whose key is volatile) are
+  reduced at once by one kernel call (``reduce.TensorStats``).
 
-Nothing here syncs with the host: copies and kernels are queued on the device
-(on the CPU, queued rows are checked in host memory, where they already are),
-and ``PendingRows.to_host`` (writer thread) is the step's transfer.
+One in-place strategy: a queued tensor is reduced with the value it had at capture, or not at
+all. When its batch is reduced, a tensor whose version counter moved (a write nobody told the
+queue about) or whose bytes were freed or moved (FSDP2's resharding, a storage ``resize_``) is
+**lost**: its row has no statistics (``PendingRows.lost``; the stats mode leaves it out of its
+index, the monitor writes NaN), a warning says so, and its *key* becomes volatile: tensors of
+that key are reduced at capture from then on. The key is the storage (the stats mode: FSDP2
+reuses a storage step after step) or the series (the monitor: an activation is a new tensor
+each step). With ``learning`` (the monitor's first step) every tensor is reduced at capture
+and also watched: one whose version moves before the next flush makes its key volatile, with
+no value lost.
+
+Nothing here syncs with the host: copies and kernels are queued on the device (on the CPU,
+queued rows are checked in host memory, where they already are), and
+``PendingRows.to_host`` (writer thread) is the step's transfer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -28,8 +43,16 @@ import torch
 
 from probe.devices import is_accelerator, record_event
 from probe.errors import warn_once
-from probe.modes.batch_stats import QUEUED_DTYPES, cpu_rows, device_rows
-from probe.modes.tensor_stats import RAW_COLUMNS, TensorStats, as_real, compact_view
+from probe.modes.statistics.reduce import (
+    QUEUED_DTYPES,
+    WIDTH,
+    TensorStats,
+    as_real,
+    chunk_rows,
+    compact_view,
+    cpu_rows,
+    device_rows,
+)
 from probe.npu import saturation_mode
 
 STAGE_MAX_NUMEL = 1 << 15
@@ -39,7 +62,7 @@ STAGE_BUDGET_NUMEL = 1 << 25
 """Staged elements per step; beyond it (128 MiB of fp32) tensors are reduced one by one."""
 
 LOST = -2
-"""The source of a row whose tensor could not be read when its batch was reduced."""
+"""The source of a row whose tensor could not be read as it was captured."""
 
 _FP32_EXACT = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
@@ -54,10 +77,11 @@ DEFAULT_QUEUE_BUDGET_BYTES = 256 << 20
 class StageChunk:
     """A flat buffer of small tensors' values, reduced segment by segment when written."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, eps: float | None = None) -> None:
         self.buffer = torch.empty(CHUNK_NUMEL, dtype=dtype, device=device)
         self.offsets: list[int] = []
         self.used = 0
+        self.eps = eps
 
     def add(self, x: torch.Tensor) -> int | None:
         """Copy ``x`` in; its segment index, or None when the chunk is full."""
@@ -70,28 +94,9 @@ class StageChunk:
         return len(self.offsets) - 1
 
     def reduce(self) -> np.ndarray:
-        """Raw rows of every segment, ``[segments, len(RAW_COLUMNS)]`` (on the host); sums in
-        fp64 (segments are at most ``STAGE_MAX_NUMEL`` long: ``reduceat``'s sequential sums
-        stay within 1e-11 relative)."""
+        """Raw rows of every segment, ``[segments, WIDTH]`` (on the host)."""
         data = self.buffer[: self.used].cpu().numpy()
-        offsets = np.asarray(self.offsets, dtype=np.int64)
-        out = np.empty((len(offsets), len(RAW_COLUMNS)), dtype=np.float64)
-        with np.errstate(invalid="ignore", over="ignore"):  # inf - inf in a sum is a NaN row
-            wide = data.astype(np.float64, copy=False)
-            out[:, 0] = np.minimum.reduceat(data, offsets)  # propagates NaN, like amin
-            out[:, 1] = np.maximum.reduceat(data, offsets)
-            out[:, 2] = np.add.reduceat(wide, offsets)
-            out[:, 3] = np.add.reduceat(wide * wide, offsets)
-        # Counted only in segments whose sum is not finite: a NaN or an Inf makes it so (fp64
-        # sums of at most STAGE_MAX_NUMEL fp32 values cannot overflow), and finite ones are
-        # the rule, so three passes over the whole chunk are saved.
-        out[:, 4:] = 0
-        ends = [*offsets[1:].tolist(), len(data)]
-        for i in np.flatnonzero(~np.isfinite(out[:, 2])).tolist():
-            segment = data[offsets[i]:ends[i]]
-            out[i, 4:] = (np.count_nonzero(np.isnan(segment)), np.count_nonzero(np.isinf(segment)),
-                          np.count_nonzero(np.isneginf(segment)))
-        return out
+        return chunk_rows(data, np.asarray(self.offsets, dtype=np.int64), self.eps)
 
 
 class DeviceRows:
@@ -111,10 +116,13 @@ class DeviceRows:
         self.size += block.shape[0]
         return self.size - block.shape[0]
 
-    def reduce(self) -> np.ndarray:
+    def on_device(self) -> torch.Tensor:
         if not self.parts:
-            return np.empty((0, len(RAW_COLUMNS)), dtype=np.float64)
-        return torch.cat(self.parts).to("cpu", torch.float64).numpy()
+            return torch.empty((0, WIDTH), dtype=torch.float64)
+        return torch.cat([p.to(torch.float64) for p in self.parts])
+
+    def reduce(self) -> np.ndarray:
+        return self.on_device().cpu().numpy()
 
 
 class HostRows:
@@ -129,9 +137,12 @@ class HostRows:
         self.size += len(block)
         return self.size - len(block)
 
+    def on_device(self) -> torch.Tensor:
+        return torch.from_numpy(self.reduce())
+
     def reduce(self) -> np.ndarray:
         if not self.blocks:
-            return np.empty((0, len(RAW_COLUMNS)), dtype=np.float64)
+            return np.empty((0, WIDTH), dtype=np.float64)
         return np.concatenate(self.blocks)
 
 
@@ -153,29 +164,55 @@ class PendingRows:
         return len(self.rows)
 
     def lost(self) -> list[int]:
-        """The row ids without statistics (their tensors' memory was freed before being read)."""
+        """The row ids without statistics (their tensors were written or freed before being read)."""
         return [i for i, (source, _, _, _) in enumerate(self.rows) if source == LOST]
 
+    def counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(numel of each compact view, multiplicity)`` per row id."""
+        table = np.array(self.rows, dtype=np.int64).reshape(len(self.rows), 4)
+        return table[:, 2], table[:, 3]
+
     def to_host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(raw rows, numel, multiplicity)``, one row per unique row id."""
+        """``(raw rows, numel, multiplicity)``, one row per row id (NaN rows: empty or lost)."""
         for event in self.events:  # the device work of the step is queued on other streams
             event.synchronize()
         host = [source.reduce() for source in self.sources]
         n = len(self.rows)
         table = np.array(self.rows, dtype=np.int64).reshape(n, 4)
-        raw = np.full((n, len(RAW_COLUMNS)), np.nan, dtype=np.float64)
+        raw = np.full((n, WIDTH), np.nan, dtype=np.float64)
         for index, rows in enumerate(host):
             mask = table[:, 0] == index
             raw[mask] = rows[table[mask, 1]]
         return raw, table[:, 2], table[:, 3]
 
+    def on_device(self) -> torch.Tensor:
+        """The raw rows as one fp64 tensor on the rows' device (an accelerator's where there is
+        one), without a sync: for collectives started on the training thread. Only for rows
+        captured without staging (a staged chunk is reduced on the host)."""
+        parts = []
+        for source in self.sources:
+            if isinstance(source, StageChunk):
+                raise RuntimeError("PendingRows.on_device: staged rows are reduced on the host")
+            parts.append(source.on_device())
+        devices = [p.device for p in parts if is_accelerator(p.device)]
+        device = devices[0] if devices else torch.device("cpu")
+        out = torch.full((len(self.rows), WIDTH), np.nan, dtype=torch.float64, device=device)
+        table = np.array(self.rows, dtype=np.int64).reshape(len(self.rows), 4)
+        for index, rows in enumerate(parts):
+            at = np.flatnonzero(table[:, 0] == index)
+            if len(at):
+                positions = torch.from_numpy(table[at, 1]).to(device)
+                out[torch.from_numpy(at).to(device)] = rows.to(device)[positions]
+        return out
+
 
 class Queued(NamedTuple):
-    tensor: torch.Tensor  # what is reduced (a view of ``owner`` made in dispatch)
+    tensor: torch.Tensor  # what is reduced (a view of ``owner``)
     row: int
-    owner: torch.Tensor  # the op's result: its version counter is the one writes move
+    owner: torch.Tensor  # its version counter is the one writes move
     version: int  # what ``owner._version`` is once the op returns: an unseen write changes it
     data_ptr: int  # where the storage's bytes were: moved or freed (FSDP2's resharding) shows
+    key: Hashable  # made volatile when the tensor is lost
 
 
 class ReductionQueue:
@@ -188,7 +225,8 @@ class ReductionQueue:
     reallocates the bytes under it (``untyped_storage().resize_``), as FSDP2 does.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, budget: int | None = None) -> None:
+        self.budget = budget
         self.batches: dict[tuple[torch.device, torch.dtype], list[Queued]] = {}
         self.bytes: dict[torch.device, int] = {}
         self.storages: dict[int, torch.device] = {}
@@ -197,16 +235,17 @@ class ReductionQueue:
     def __bool__(self) -> bool:
         return bool(self.storages)
 
-    def add(self, x: torch.Tensor, row: int, owner: torch.Tensor, version: int) -> bool:
-        """Hold ``x`` (a view of ``owner``) for row ``row``; whether its device's budget is now spent."""
+    def add(self, queued: Queued) -> bool:
+        """Hold ``queued``; whether its device's budget is now spent."""
+        x = queued.tensor
         device = x.device
-        storage = x.untyped_storage()
-        queued = Queued(x, row, owner, version, storage.data_ptr())
         self.batches.setdefault((device, x.dtype), []).append(queued)
-        self.storages[storage._cdata] = device
+        self.storages[x.untyped_storage()._cdata] = device
         held = self.bytes.get(device, 0) + x.numel() * x.element_size()
         self.bytes[device] = held
-        return held >= QUEUE_BUDGET_BYTES.get(device.type, DEFAULT_QUEUE_BUDGET_BYTES)
+        budget = self.budget if self.budget is not None else \
+            QUEUE_BUDGET_BYTES.get(device.type, DEFAULT_QUEUE_BUDGET_BYTES)
+        return held >= budget
 
     def take(self, device: torch.device) -> list[list[Queued]]:
         """The batches of ``device`` (one per dtype), no longer held."""
@@ -228,20 +267,52 @@ def _still_there(queued: Queued) -> bool:
     return (last + 1) * x.element_size() <= storage.nbytes()
 
 
-class StepRows:
-    """Hands out a row id per reduced tensor and keeps the row until the step is written."""
+def _version(t: torch.Tensor) -> int | None:
+    """The version counter of ``t``, or None where there is none (inference tensors)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
-    def __init__(self, stats: TensorStats, stage: bool, saturation: bool | str = "auto") -> None:
+
+def _stats_mode_changed(rows: list[int]) -> None:
+    warn_once("stats-written-while-queued",
+              f"statistics of {len(rows)} tensor(s) not measured: an op the stats mode does not see "
+              "(filtered out, or run outside the traced step) wrote into them before they were "
+              "reduced; they are recorded without statistics")
+
+
+class StepRows:
+    """Hands out a row id per captured tensor and keeps its row until the step is written.
+
+    ``stage``: stage small tensors (see the module docstring); ``queue``: queue floating-point
+    ones (default: as ``stage``); ``eps``: count ``|x| < eps`` (the ``zeros`` column);
+    ``budget``: bytes held per device before a batch is reduced (default: per device type);
+    ``on_changed``: told the row ids lost to a write after capture (default: the stats
+    mode's warning). The caller runs every method where its own ops stay untraced and
+    autograd records nothing (the stats mode's handler; the monitor's ``untraced()``).
+    """
+
+    def __init__(self, stats: TensorStats, stage: bool, saturation: bool | str = "auto", *,
+                 queue: bool | None = None, eps: float | None = None, budget: int | None = None,
+                 on_changed: Callable[[list[int]], None] = _stats_mode_changed) -> None:
         self._stats = stats
         self._stage = stage
+        self._queue_on = stage if queue is None else queue
         self._saturation = saturation
         self._saturates: dict[torch.device, bool] = {}
-        self._queue = ReductionQueue()
+        self._eps = eps
+        self._on_changed = on_changed
+        self._queue = ReductionQueue(budget)
+        self._budget = budget
         self.due: set[torch.device] = set()
         """Devices whose queue spent its budget: reduced by :meth:`settle`, before the next op."""
-        self._unstable: set[int] = set()
-        """``StorageImpl`` addresses whose bytes the program frees or moves outside any op
-        (FSDP2's unsharded parameters): tensors on them are reduced at once, never queued."""
+        self.volatile: set[Hashable] = set()
+        """Keys whose tensors change outside what the queue is told (FSDP2's unsharded
+        parameters' storages, an activation changed in place): reduced at capture, never queued."""
+        self.learning = False
+        """Reduce every tensor at capture and watch it: a write before the next flush makes its
+        key volatile (the monitor's first step)."""
         self._reset()
 
     def _saturated(self, device: torch.device) -> bool:
@@ -262,14 +333,20 @@ class StepRows:
         # (source index or -1 for an empty tensor, position in the source, numel, multiplicity);
         # a queued tensor's row gets its source and position when its batch is reduced.
         self._rows: list[tuple[int, int, int, int]] = []
+        self._watched: list[tuple[torch.Tensor, int, Hashable]] = []
+        self._watched_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
 
     def add(self, t: torch.Tensor, version_moves: bool = False, now: bool = False,
-            counter: torch.Tensor | None = None) -> int | None:
-        """Reduce ``t`` (or stage or queue it); its row id, or None for tensors without values.
+            counter: torch.Tensor | None = None, key: Hashable | None = None) -> int | None:
+        """Capture ``t`` (reduce, stage or queue it); its row id, or None for tensors without values.
         ``version_moves``: the op in dispatch writes ``t`` (see ``OpCall.versions_moving``);
         ``now``: read its values before returning (it is about to be written), never queue it;
         ``counter``: the tensor whose version counter ``t`` has once the op returns (a view's
-        base: autograd gives the view its base's counter after the dispatch modes ran)."""
+        base: autograd gives the view its base's counter after the dispatch modes ran);
+        ``key``: what a change after capture makes volatile (default: ``t``'s storage)."""
         # Meta, sparse, nested and zero tensors never get here (the tracer skips them).
         if t.is_quantized:
             return None
@@ -278,30 +355,60 @@ class StepRows:
         rows = self._rows
         if numel == 0:
             rows.append((-1, 0, 0, multiplicity))
-        elif self._saturation is not False and self._saturated(x.device):
+            return len(rows) - 1
+        if key is None:
+            key = x.untyped_storage()._cdata
+        if self._saturation is not False and self._saturated(x.device):
             # Staged chunks widen every dtype to one: +-max would no longer be recognisable.
-            rows.append((*self._append_device_row(self._stats.row(x, saturated=True)), numel,
+            rows.append((*self._append_device_row(self._stats.row(x, saturated=True, eps=self._eps)), numel,
                          multiplicity))
-        elif self._stage and numel <= STAGE_MAX_NUMEL and self._staged + numel <= STAGE_BUDGET_NUMEL:
+            return len(rows) - 1
+        owner = t if counter is None else counter
+        if self.learning and not now:
+            version = _version(owner)
+            if version is not None and key not in self.volatile:
+                self._watch(x, owner, version + version_moves, key)
+            now = True
+        if self._stage and numel <= STAGE_MAX_NUMEL and self._staged + numel <= STAGE_BUDGET_NUMEL:
             rows.append((*self._stage_into_chunk(x), numel, multiplicity))
             self._staged += numel
-        elif (self._stage and not now and x.dtype in QUEUED_DTYPES
-              and x.untyped_storage()._cdata not in self._unstable):
+        elif (self._queue_on and not now and x.dtype in QUEUED_DTYPES and key not in self.volatile
+              and (version := _version(owner)) is not None):
             rows.append((-1, 0, numel, multiplicity))  # filled in when its batch is reduced
-            owner = t if counter is None else counter
-            if self._queue.add(x, len(rows) - 1, owner, owner._version + version_moves):
+            queued = Queued(x, len(rows) - 1, owner, version + version_moves,
+                            x.untyped_storage().data_ptr(), key)
+            if self._queue.add(queued):
                 # Reduced before the next op (settle): the op in dispatch has not returned, and
                 # autograd counts its in-place writes only then.
                 self.due.add(x.device)
         else:
-            rows.append((*self._append_device_row(self._stats.row(x)), numel, multiplicity))
+            rows.append((*self._append_device_row(self._stats.row(x, eps=self._eps)), numel, multiplicity))
         return len(rows) - 1
+
+    def add_row(self, row: torch.Tensor, numel: int) -> int:
+        """A row computed by the caller (``reduce.adam_update_row``) for a tensor of ``numel`` elements."""
+        self._rows.append((*self._append_device_row(row), numel, 1))
+        return len(self._rows) - 1
+
+    def _watch(self, x: torch.Tensor, owner: torch.Tensor, version: int, key: Hashable) -> None:
+        self._watched.append((owner, version, key))
+        self._watched_bytes += x.numel() * x.element_size()
+        budget = self._budget if self._budget is not None else \
+            QUEUE_BUDGET_BYTES.get(x.device.type, DEFAULT_QUEUE_BUDGET_BYTES)
+        if self._watched_bytes >= budget:  # held only to be checked: bounded as the queue is
+            self._check_watched()
+
+    def _check_watched(self) -> None:
+        for owner, version, key in self._watched:
+            if owner._version != version:
+                self.volatile.add(key)
+        self._watched, self._watched_bytes = [], 0
 
     def unstable(self, tensors: list[torch.Tensor]) -> None:
         """The program frees or moves the memory of ``tensors`` outside any op: reduce
         them, and every later tensor on the same storages, at once."""
         for t in tensors:
-            self._unstable.add(t.untyped_storage()._cdata)
+            self.volatile.add(t.untyped_storage()._cdata)
 
     def before_write(self, tensors: list[torch.Tensor]) -> None:
         """An op is about to write ``tensors``: reduce the queued tensors sharing their storage
@@ -323,40 +430,47 @@ class StepRows:
             self.flush(device)
 
     def flush(self, device: torch.device | None = None) -> None:
-        """Reduce the queued tensors of ``device`` (None: of every device)."""
+        """Reduce the queued tensors of ``device`` (None: of every device, and check the watched)."""
         devices = [device] if device is not None else list(self._queue.bytes)
         if device is None:
             self.due.clear()
+            self._check_watched()
         else:
             self.due.discard(device)
         for d in devices:
             for batch in self._queue.take(d):
                 self._reduce_batch(batch)
 
+    def _lose(self, lost: list[Queued]) -> None:
+        table = self._rows
+        for queued in lost:
+            _, _, numel, multiplicity = table[queued.row]
+            table[queued.row] = (LOST, 0, numel, multiplicity)
+            self.volatile.add(queued.key)  # reduced at capture from now on
+
     def _reduce_batch(self, batch: list[Queued]) -> None:
         table = self._rows
-        kept, lost = [], []
+        kept, freed, changed = [], [], []
         for queued in batch:
-            (kept if _still_there(queued) else lost).append(queued)
-        if lost:
+            if not _still_there(queued):
+                freed.append(queued)
+            elif queued.owner._version != queued.version:
+                changed.append(queued)
+            else:
+                kept.append(queued)
+        if freed:
             # Reading them would read freed memory: their rows are lost, never made up.
             warn_once("stats-freed-while-queued",
-                      f"statistics of {len(lost)} tensor(s) not measured: their memory "
+                      f"statistics of {len(freed)} tensor(s) not measured: their memory "
                       "was freed or moved outside any op (FSDP2 resharding, a storage resize_) "
                       "before they were reduced; they are recorded without statistics")
-            for queued in lost:
-                _, _, numel, multiplicity = table[queued.row]
-                table[queued.row] = (LOST, 0, numel, multiplicity)
-            self.unstable([queued.tensor for queued in lost])  # not again in later steps
-            if not kept:
-                return
-        xs = [queued.tensor for queued in kept]
-        changed = sum(queued.owner._version != queued.version for queued in kept)
+            self._lose(freed)
         if changed:
-            warn_once("stats-written-while-queued",
-                      f"statistics of {changed} tensor(s) are those of a later value: an op the "
-                      "stats mode does not see (filtered out, or run outside the traced step) "
-                      "wrote into them before they were reduced")
+            self._lose(changed)
+            self._on_changed([queued.row for queued in changed])
+        if not kept:
+            return
+        xs = [queued.tensor for queued in kept]
         device = xs[0].device
         if device.type == "cpu":
             if self._host_rows is None:
@@ -365,12 +479,12 @@ class StepRows:
             source = self._host_rows
             host = self._sources[source]
             assert isinstance(host, HostRows)
-            first = host.add_block(cpu_rows(xs))
+            first = host.add_block(cpu_rows(xs, eps=self._eps))
         else:
             source = self._device_source(device)
             rows = self._sources[source]
             assert isinstance(rows, DeviceRows)
-            first = rows.add_block(device_rows(xs))
+            first = rows.add_block(device_rows(xs, eps=self._eps))
         for i, queued in enumerate(kept):
             _, _, numel, multiplicity = table[queued.row]
             table[queued.row] = (source, first + i, numel, multiplicity)
@@ -383,7 +497,7 @@ class StepRows:
             segment = self._sources[source].add(x)  # type: ignore[union-attr]
             if segment is not None:
                 return source, segment
-        chunk = StageChunk(x.device, dtype)
+        chunk = StageChunk(x.device, dtype, self._eps)
         self._sources.append(chunk)
         self._chunks[key] = source = len(self._sources) - 1
         segment = chunk.add(x)
@@ -404,8 +518,10 @@ class StepRows:
         return source, rows.add_row(row)
 
     def end_step(self) -> PendingRows:
-        """Hand the step's rows over and start afresh (no sync: accelerator work is marked by events)."""
+        """Hand the step's rows over and start afresh (no sync: accelerator work is marked by
+        events); a learning step is over."""
         self.flush()
+        self.learning = False
         events = []
         devices = {key[0] for key in self._chunks} | set(self._device_rows)
         for device in devices:

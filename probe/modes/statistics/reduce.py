@@ -1,0 +1,368 @@
+"""The reducer: a tensor (or a batch of them) -> raw rows of :data:`columns.RAW_COLUMNS`, on the
+tensor's device, without a host sync.
+
+Values are widened before they are reduced, never reduced in their own dtype: an fp16 sum of
+squares overflows on perfectly finite data. Sums and sums of squares accumulate in fp64 on CPU
+and CUDA, on every path (fp32 accumulation loses 1e-4 relative on an fp16 tensor of a million
+equal values; fp64 keeps sums and norms within 1e-7 of exact, the squares of values at the top
+of fp32's range, such as a ``finfo.min`` attention mask, still fit, and counts stay exact) and
+in fp32 on other devices. A tensor is first reduced to a compact view of the same multiset of
+values (:func:`compact_view`): broadcast (stride-0) dims are dropped and counted as a
+multiplicity (applied by ``columns.whole``), and a permuted tensor is read in storage order.
+
+Every path computes the columns of the table (``columns.RAW``; ``columns.raw_row`` is their
+reference), each as fast as its place allows:
+
+- :class:`TensorStats` (one tensor): a single-pass ``torch.compile``d kernel (one fused loop on
+  CPU, one Triton kernel on GPU) for large tensors, a few eager reductions for small ones;
+- :func:`cpu_rows` (a queued batch on the CPU): a generated C++ loop per dtype computing min,
+  max, sum and sum of squares (no dynamo frame: about 15 us a call), NaN and Inf counted only
+  in rows whose moments are not finite; bf16 read as int32 pairs (a bf16 value is the top half
+  of an fp32 one: widened at full vector speed);
+- :func:`device_rows` (a queued batch on an accelerator): ``_foreach_*`` reductions, a handful
+  of launches per batch;
+- :class:`StageChunk` (many small tensors copied into one buffer): ``reduceat`` per segment on
+  the host, after the step's transfer (see ``capture``);
+- :func:`adam_update_row`: Adam's update, never materialized.
+
+``zeros`` (``|x| < eps``, the monitor's) is counted where an ``eps`` is given, compared with
+``eps`` as fp32 holds it (fp64 for fp64 tensors); the stats mode gives none (0).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from probe.compiled import CompiledKernel, StandaloneCpuKernel
+from probe.modes.statistics.columns import RAW_COLUMNS
+
+BACKENDS = ("auto", "compiled", "eager")
+WIDTH = len(RAW_COLUMNS)
+
+# Below this many elements a few eager reductions cost less than one call of the
+# compiled kernel (guards and buffer set-up); above it one fused pass wins.
+COMPILED_MIN_NUMEL = 1 << 15
+COMPILED_MAX_NUMEL = 1 << 31  # its int32 counters could overflow beyond
+
+QUEUED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
+"""Dtypes whose tensors are queued; others (integers, bool, fp8) are reduced one by one."""
+
+
+def accumulation_dtype(device: torch.device) -> torch.dtype:
+    """fp64 where the device has fast fp64 (sums of fp32 squares cannot overflow it and counts
+    stay exact, and on CPU the fused fp64 pass is as fast as fp32); fp32 elsewhere."""
+    return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
+
+
+def zeros_threshold(dtype: torch.dtype, eps: float) -> float:
+    """``eps`` as the comparison reads it: rounded to fp32, except for fp64 tensors."""
+    return eps if dtype == torch.float64 else float(np.float32(eps))
+
+
+def compact_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A view holding each distinct element of ``t`` once, and how often each repeats.
+
+    Statistics are invariant under permutation, and a stride-0 dim repeats the
+    same elements ``size`` times, so both can be undone without copying.
+    """
+    multiplicity = 1
+    if t.dim() == 0:
+        return t.reshape(1), 1
+    strides = t.stride()
+    if 0 in strides:
+        for dim in range(t.dim() - 1, -1, -1):
+            if strides[dim] == 0 and t.shape[dim] > 1:
+                multiplicity *= t.shape[dim]
+                t = t.narrow(dim, 0, 1)
+    if not t.is_contiguous():
+        order = sorted(range(t.dim()), key=lambda d: t.stride(d), reverse=True)
+        permuted = t.permute(order)
+        if permuted.is_contiguous():
+            t = permuted
+    return t, multiplicity
+
+
+def as_real(t: torch.Tensor) -> torch.Tensor:
+    """The values ``t`` holds, as a real tensor to reduce.
+
+    Complex tensors are reduced over their real and imaginary parts (the L2 norm of
+    the parts equals the complex norm; min/max/mean are over parts). Conjugate and
+    negative views are resolved first (a copy, for those views only): their memory
+    holds their base's values, not theirs.
+    """
+    if t.is_complex():
+        return torch.view_as_real(t.resolve_conj().resolve_neg())
+    return t.resolve_neg() if t.is_neg() else t
+
+
+def _zeros(x: torch.Tensor, eps: float | None, acc: torch.dtype) -> torch.Tensor:
+    """``|x| < eps`` counted (0 without ``eps``), in ``acc``."""
+    if eps is None:
+        return torch.zeros((), dtype=acc, device=x.device)
+    wide = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
+    return torch.count_nonzero(wide.abs() < zeros_threshold(x.dtype, eps)).to(acc)
+
+
+def eager_raw(x: torch.Tensor, acc: torch.dtype, eps: float | None = None) -> torch.Tensor:
+    """A handful of small kernels; reads strided tensors in place. Without autograd: the
+    row is read on the host (``numpy()``) and ``x`` may require grad."""
+    with torch.no_grad():
+        xa = x.to(acc)
+        mn, mx = torch.aminmax(xa)
+        if xa.is_contiguous():
+            flat = xa.view(-1)
+            sumsq = torch.dot(flat, flat)
+        else:
+            sumsq = xa.square().sum()
+        nan = torch.isnan(xa).sum().to(acc)
+        inf = torch.isinf(xa).sum().to(acc)
+        ninf = torch.isneginf(xa).sum().to(acc)
+        return torch.stack([mn, mx, xa.sum(), sumsq, nan, inf, ninf, _zeros(x, eps, acc)])
+
+
+def _fused_raw(flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """One pass over a 1-D tensor once compiled: every column of the table in one loop.
+
+    Low-precision values are widened to fp32 for min, max and the counts and to fp64 only
+    inside the sums (measured: faster than widening everything to fp64, and a plain fp32 sum
+    makes the compiler emit a slower cascaded reduction). NaN and Inf are counted through
+    ``x != x`` and ``(x - x) != (x - x)`` (NaN for any non-finite x), which lower to plain
+    comparisons, unlike isnan/isinf, in int32 lanes (faster than int64; callers keep tensors
+    of 2^31 elements or more away from this kernel); -Inf by ``x == -inf``; zeros by
+    ``|x| < threshold`` (a 0 threshold counts none).
+    """
+    x = flat if flat.dtype == torch.float64 else flat.to(torch.float32)
+    wide = x.to(torch.float64)
+    diff = x - x
+
+    def count(mask: torch.Tensor) -> torch.Tensor:
+        return mask.to(torch.int32).sum(dtype=torch.int32).to(torch.float64)
+
+    nan = count(x != x)
+    return torch.stack(
+        [x.amin().to(torch.float64), x.amax().to(torch.float64), wide.sum(), (wide * wide).sum(),
+         nan, count(diff != diff) - nan, count(x == -math.inf), count(x.abs() < threshold)]
+    )
+
+
+_COMPILED = CompiledKernel(_fused_raw)
+_COMPILED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def _threshold(x: torch.Tensor, eps: float | None) -> torch.Tensor:
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return torch.full((), 0.0 if eps is None else eps, dtype=dtype, device=x.device)
+
+
+class TensorStats:
+    """Reduces one tensor to its raw row with the kernel ``backend`` selects.
+
+    ``"auto"`` uses the compiled kernel for large tensors on CPU and CUDA and the
+    eager one otherwise; ``"compiled"`` and ``"eager"`` force one kernel.
+    """
+
+    def __init__(self, backend: str = "auto") -> None:
+        self.backend = backend
+
+    def _use_compiled(self, x: torch.Tensor) -> bool:
+        if self.backend == "eager" or not _COMPILED.usable(x.device):
+            return False
+        if not 2 <= x.numel() < COMPILED_MAX_NUMEL:  # one element would be compiled apart (size 1)
+            return False
+        return self.backend == "compiled" or x.numel() >= COMPILED_MIN_NUMEL
+
+    def row(self, x: torch.Tensor, saturated: bool = False, eps: float | None = None) -> torch.Tensor:
+        """The raw row of a non-empty compact tensor (see :func:`compact_view`), on its device.
+
+        ``saturated``: overflow on this device writes +-max of the dtype instead of
+        inf (Ascend NPU saturation mode), so values at +max count as +Inf, at -max as -Inf.
+        """
+        acc = accumulation_dtype(x.device)
+        if saturated and x.is_floating_point():
+            row = eager_raw(x, acc, eps)
+            with torch.no_grad():
+                top = torch.finfo(x.dtype).max
+                extra = torch.zeros(WIDTH, dtype=acc, device=x.device)
+                extra[RAW_COLUMNS.index("inf")] = (x.abs() == top).sum()
+                extra[RAW_COLUMNS.index("ninf")] = (x == -top).sum()
+                return row + extra
+        if self._use_compiled(x):
+            flat = (x if x.is_contiguous() else x.contiguous()).view(-1)
+            if flat.dtype not in _COMPILED_DTYPES:
+                # Integers, bool, fp8: widened here as the kernel would, so that it is compiled
+                # for four dtypes only (dynamo compiles a function 8 times at most).
+                flat = flat.to(torch.float32)
+            with torch.no_grad():
+                return _COMPILED(flat, _threshold(flat, eps)).to(acc)
+        return eager_raw(x, acc, eps)
+
+
+# -- queued batches -----------------------------------------------------------------------
+
+
+def _moments(flat: torch.Tensor) -> torch.Tensor:
+    """[min, max, sum, sum of squares] of a 1-D fp32 or fp64 tensor in one pass once compiled,
+    the sums in fp64 (fp32 extremes are exact, and widening fp32 to fp64 costs the loop little)."""
+    w = flat.to(torch.float64)
+    return torch.stack([flat.amin().to(torch.float64), flat.amax().to(torch.float64), w.sum(), (w * w).sum()])
+
+
+def _bf16_pair_moments(pairs: torch.Tensor) -> torch.Tensor:
+    """As :func:`_moments` for a bf16 tensor read as int32 ``pairs`` (two values each).
+
+    A bf16 value is the top 16 bits of the fp32 value it equals, so shifting and masking
+    give both halves as fp32 exactly, in 16-lane vectors that widen to fp64 at full speed
+    (bf16 read as such widens three to four times slower in the generated loop).
+    """
+    # One value of the pair each (which is first depends on byte order, which no statistic does).
+    lo = (pairs << 16).view(torch.float32)
+    hi = (pairs & -65536).view(torch.float32)
+    wl, wh = lo.to(torch.float64), hi.to(torch.float64)
+    return torch.stack([torch.minimum(lo.amin(), hi.amin()).to(torch.float64),
+                        torch.maximum(lo.amax(), hi.amax()).to(torch.float64),
+                        wl.sum() + wh.sum(), (wl * wl).sum() + (wh * wh).sum()])
+
+
+# Compiled once per dtype: fp32 and fp64 tensors, and bf16 ones as int32 pairs.
+_MOMENTS = StandaloneCpuKernel(lambda dtype: _bf16_pair_moments if dtype == torch.int32 else _moments,
+                               "statistics")
+
+
+def _eager_moments(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    acc = torch.float64
+    maxes = torch._foreach_max(xs)
+    sumsq = torch._foreach_powsum(xs, 2, dtype=acc)
+    return [torch.stack([x.amin().to(acc), m.to(acc), x.sum(dtype=acc), q])
+            for x, m, q in zip(xs, maxes, sumsq, strict=True)]
+
+
+COPY_MAX_NUMEL = 1 << 24
+"""Slices with gaps up to this many elements are copied for the compiled pass; longer ones are
+read in place by the eager reductions (no copy of that size)."""
+
+
+def _compiled_moments(x: torch.Tensor) -> torch.Tensor | None:
+    """The compiled pass over ``x``, or None where it cannot run."""
+    if x.numel() < 2 or (not x.is_contiguous() and x.numel() > COPY_MAX_NUMEL):
+        return None
+    # A slice with gaps (rotate_half's halves, a split) is copied: the copy and the pass take a
+    # third of the time of the eager reductions reading it in place (measured, 131k elements:
+    # 53-71 us against 163-346).
+    flat = x.contiguous().view(-1)
+    if flat.dtype == torch.bfloat16 and flat.numel() % 2 == 0 and flat.data_ptr() % 4 == 0:
+        return _MOMENTS(flat.view(torch.int32))
+    if flat.dtype not in (torch.float32, torch.float64):
+        flat = flat.float()  # exact; faster than widening 16-bit values inside the loop
+    return _MOMENTS(flat)
+
+
+def cpu_rows(xs: list[torch.Tensor], compiled: bool = True, eps: float | None = None) -> np.ndarray:
+    """Raw rows of CPU tensors of one dtype, ``[len(xs), WIDTH]`` fp64 on the host.
+    ``compiled=False``: the eager reductions only. The tensors may require grad (an
+    activation, a view of a parameter): nothing here is recorded by autograd."""
+    with torch.no_grad():
+        rows = [_compiled_moments(x) if compiled else None for x in xs]
+        eager = [i for i, r in enumerate(rows) if r is None]
+        if eager:  # slices with gaps, or no compiler: read in place by the eager reductions
+            for i, r in zip(eager, _eager_moments([xs[i] for i in eager]), strict=True):
+                rows[i] = r
+        table = torch.stack([r.to(torch.float64) for r in rows])  # type: ignore[union-attr]
+        out = np.zeros((len(xs), WIDTH), dtype=np.float64)
+        out[:, :4] = table.numpy()  # host memory already: no transfer, no sync
+        if eps is not None:
+            out[:, 7] = [float(_zeros(x, eps, torch.float64)) for x in xs]
+        for i in np.flatnonzero(~np.isfinite(out[:, :4]).all(axis=1)).tolist():
+            # A NaN or Inf in the tensor (or an fp64 overflow): the exact pass, with counts.
+            out[i] = eager_raw(xs[i], torch.float64, eps).numpy()
+    return out
+
+
+def _sumsq(xs: list[torch.Tensor], acc: torch.dtype) -> list[torch.Tensor]:
+    try:
+        return list(torch._foreach_powsum(xs, 2, dtype=acc))
+    except RuntimeError:  # a backend without the dtype argument: per tensor
+        return [torch.linalg.vector_norm(x, 2, dtype=acc).square() for x in xs]
+
+
+def device_rows(xs: list[torch.Tensor], eps: float | None = None) -> torch.Tensor:
+    """Raw rows of tensors of one device and dtype, ``[len(xs), WIDTH]`` on that device in its
+    accumulation dtype, without reading any value on the host."""
+    acc = accumulation_dtype(xs[0].device)
+    with torch.no_grad():
+        maxes = torch.stack(torch._foreach_max(xs)).to(acc)
+        # min(x) == -max(-x) exactly; NaN stays NaN.
+        mins = torch.stack(torch._foreach_max(torch._foreach_neg(xs))).to(acc).neg_()
+        sums = torch.stack([x.sum(dtype=acc) for x in xs])
+        sumsq = torch.stack(_sumsq(xs, acc))
+        nan = torch.stack([torch.isnan(x).sum() for x in xs]).to(acc)
+        inf = torch.stack([torch.isinf(x).sum() for x in xs]).to(acc)
+        ninf = torch.stack([torch.isneginf(x).sum() for x in xs]).to(acc)
+        zeros = torch.stack([_zeros(x, eps, acc) for x in xs])
+        return torch.stack([mins, maxes, sums, sumsq, nan, inf, ninf, zeros], 1)
+
+
+def chunk_rows(data: np.ndarray, offsets: np.ndarray, eps: float | None = None) -> np.ndarray:
+    """Raw rows of the segments of a flat host array (``offsets``: where each starts), sums in
+    fp64 (segments are short: ``reduceat``'s sequential sums stay within 1e-11 relative)."""
+    out = np.empty((len(offsets), WIDTH), dtype=np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf in a sum is a NaN row
+        wide = data.astype(np.float64, copy=False)
+        out[:, 0] = np.minimum.reduceat(data, offsets)  # propagates NaN, like amin
+        out[:, 1] = np.maximum.reduceat(data, offsets)
+        out[:, 2] = np.add.reduceat(wide, offsets)
+        out[:, 3] = np.add.reduceat(wide * wide, offsets)
+    # Counted only in segments whose sum is not finite: a NaN or an Inf makes it so (fp64 sums
+    # of short fp32 segments cannot overflow), and finite ones are the rule, so three passes
+    # over the whole chunk are saved.
+    out[:, 4:] = 0
+    if eps is not None:
+        threshold = data.dtype.type(zeros_threshold(torch.float64 if data.dtype == np.float64 else
+                                                    torch.float32, eps))
+        out[:, 7] = np.add.reduceat((np.abs(data) < threshold).astype(np.int64), offsets)
+    ends = [*offsets[1:].tolist(), len(data)]
+    for i in np.flatnonzero(~np.isfinite(out[:, 2])).tolist():
+        segment = data[offsets[i]:ends[i]]
+        out[i, 4:7] = (np.count_nonzero(np.isnan(segment)), np.count_nonzero(np.isinf(segment)),
+                       np.count_nonzero(np.isneginf(segment)))
+    return out
+
+
+# -- Adam's update ---------------------------------------------------------------------------
+
+
+def _adam_update_raw(m: torch.Tensor, v: torch.Tensor, coefficients: torch.Tensor, threshold: torch.Tensor
+                     ) -> torch.Tensor:
+    """The raw row of Adam's update ``lr * (m / c1) / (sqrt(v / c2) + adam_eps)`` without
+    materializing it; ``coefficients`` = [lr / c1, 1 / c2, adam_eps]."""
+    update = coefficients[0] * m.to(torch.float32) / ((v.to(torch.float32) * coefficients[1]).sqrt()
+                                                       + coefficients[2])
+    return _fused_raw(update, threshold)
+
+
+_ADAM_UPDATE = CompiledKernel(_adam_update_raw)
+
+
+def adam_update_row(m: torch.Tensor, v: torch.Tensor, lr: float, beta1: float, beta2: float, adam_eps: float,
+                    step: torch.Tensor | float, eps: float) -> tuple[torch.Tensor, int]:
+    """The raw row of the step Adam took from its moments (decoupled weight decay not included),
+    and its element count.
+
+    ``step`` is Adam's counter: a host number, or a device tensor (capturable and
+    fused Adam), which is then used where it is, without a sync.
+    """
+    if isinstance(step, torch.Tensor) and step.device.type != "cpu":
+        t = step.to(device=m.device, dtype=torch.float32)
+        coefficients = torch.stack([lr / (1 - beta1**t), 1 / (1 - beta2**t), torch.full_like(t, adam_eps)])
+    else:
+        t = float(step)
+        coefficients = torch.tensor([lr / (1 - beta1**t), 1 / (1 - beta2**t), adam_eps],
+                                    dtype=torch.float32, device=m.device)
+    threshold = torch.full((), eps, dtype=torch.float32, device=m.device)
+    acc = accumulation_dtype(m.device)
+    flat_m, flat_v = m.detach().reshape(-1), v.detach().reshape(-1)
+    if COMPILED_MIN_NUMEL <= m.numel() < COMPILED_MAX_NUMEL and _ADAM_UPDATE.usable(m.device):
+        return _ADAM_UPDATE(flat_m, flat_v, coefficients, threshold).to(acc), m.numel()
+    return _adam_update_raw(flat_m, flat_v, coefficients, threshold).to(acc), m.numel()
