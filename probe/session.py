@@ -111,6 +111,8 @@ class Session:
         self._held: tuple[bool, bool] | None = None
         """While paused: the tracer's (recording, module tracking) to restore on resume()."""
         self._ran = False
+        self._compiled_eager = 0
+        """Compiled regions entered and run eagerly in the current step (compiled="eager")."""
         self.step_kind: str | None = None
         """What the current step is, written to its manifest as ``"kind"`` (the integrations set
         ``"evaluation"``); None, a training step, writes no field. Reset when a step begins."""
@@ -167,7 +169,7 @@ class Session:
             if self._writer is not None and self._observers:
                 tracer.modules.install()
                 stack.callback(tracer.modules.uninstall)
-                stack.enter_context(compiled_regions_eager(self.options.compiled))
+                stack.enter_context(compiled_regions_eager(self.options.compiled, self._compiled_ran_eagerly))
                 stack.enter_context(ProbeDispatchMode(tracer))
         except BaseException:
             # The failure to start is the one to report.
@@ -205,6 +207,7 @@ class Session:
                 finally:
                     self._background = None
                     self._warn_write_failures()
+                    self._warn_steps_not_reached()
                     self._close_modes_and_writer()
         except BaseException as probe_failure:
             if exc is None:
@@ -389,6 +392,7 @@ class Session:
         for mode in self.modes:
             mode.begin_step(self.step_index)
         self.step_kind = None
+        self._compiled_eager = 0
         if self._held is not None:  # paused across step(): the new step starts paused too
             self._held = None
             self.pause()
@@ -495,6 +499,8 @@ class Session:
             manifest["kind"] = self.step_kind
         if tracer.modules.names.parallel is not None:
             manifest["parallel"] = tracer.modules.names.parallel
+        if self._compiled_eager:
+            manifest[layout.COMPILED_EAGER_KEY] = self._compiled_eager
         npu_overflow = read_and_clear_overflow_flag()
         if npu_overflow is not None:
             manifest["npu_overflow"] = npu_overflow
@@ -503,6 +509,10 @@ class Session:
             self._write_step(step, tail, records, results, used_sites, module_types, manifest)
 
         return write
+
+    def _compiled_ran_eagerly(self) -> None:
+        if self._tracer is not None and self._tracer.recording:
+            self._compiled_eager += 1
 
     def _hand_to_writer(self, job: Callable[[], None], wait: bool) -> None:
         if self._background is None:
@@ -554,6 +564,30 @@ class Session:
                     f"cannot write step {step} ({failure['file']}: {failure['error']}); mode "
                     f"{stopping[0]!r} has on_error='raise'"
                 ) from e
+
+    def _warn_steps_not_reached(self) -> None:
+        """Say which selected steps the session ended before (``steps=[100]`` in a 10-step run
+        would otherwise leave an empty run without a word). A step ends at ``session.step()``:
+        the one open at the end (a tail at most) is not reached either."""
+        selected, reached = self.options.steps.ranges, self.step_index
+        if self._writer is None or selected is None:  # an unselected rank records nothing anyway
+            return
+        missed = []
+        for r in selected:
+            rest = r[max(0, -(-(reached - r.start) // r.step)):]  # the part of r at or after `reached`
+            if rest:
+                missed.append(str(rest.start) if len(rest) == 1 else
+                              f"{rest.start}-{rest[-1]}" if rest.step == 1 else repr(rest))
+        if not missed:
+            return
+        ran = "no step" if reached == 0 else "step 0" if reached == 1 else f"steps 0-{reached - 1}"
+        nothing = "" if any(r and r.start < reached for r in selected) else \
+            "; the run holds none of the selected steps"
+        warn_once(
+            f"steps-not-reached:{self.out}",
+            f"steps= selected step(s) {', '.join(missed)} that never ended: the session ran {ran} "
+            f"(a step ends at session.step()){nothing}",
+        )
 
     def _warn_write_failures(self) -> None:
         """One warning per run for steps the writer gave up (said on the training thread)."""

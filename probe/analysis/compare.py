@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from probe.analysis import precision
+from probe.analysis.compiled_regions import compare_notes
 from probe.analysis.matching import Match, match_ops
 from probe.analysis.metrics import stats_metrics, tensor_metrics
 from probe.analysis.replay import recompute
@@ -1159,13 +1160,17 @@ def _unreadable_step(run_a: Run, run_b: Run, step: int, rank: int, reason: str) 
     """A step one run (or both) cannot read: each op of a run that can is "not compared", with
     the reason (paired by id when both runs read their ops)."""
     ops: dict[str, list[OpRecord] | None] = {}
+    why: dict[str, str] = {}
     for side, run in (("A", run_a), ("B", run_b)):
+        damage = run.step_damage(step, rank)
+        if damage is not None:
+            why[side] = damage
         try:
             ops[side] = run.ops(step, rank)
         except ProbeError:
             ops[side] = None
-    unread = [side for side, records in ops.items() if records is None] or ["A", "B"]
-    message = "; ".join(f"run {side}: unreadable: {reason}" for side in unread)
+    message = "; ".join(f"run {side}: unreadable: {damage}" for side, damage in why.items()) or \
+        f"unreadable: {reason}"
     ops_a, ops_b = ops["A"] or [], ops["B"] or []
     by_id = {op.id: op for op in ops_b}
     pairs = [(a, by_id.pop(a.id, None)) for a in ops_a] + [(None, b) for b in by_id.values()]
@@ -1183,8 +1188,11 @@ class Report:
     """The result of :func:`compare`."""
 
     def __init__(self, path_a: Path, path_b: Path, steps: list[StepComparison], missing: list[str],
-                 identity: Identity | None = None) -> None:
+                 identity: Identity | None = None, notes: list[str] | None = None) -> None:
         self.path_a, self.path_b = path_a, path_b
+        self.notes = notes or []
+        """What the runs did not observe, said after the conclusion (``probe.analysis.compiled_regions``:
+        compiled code that ran eagerly under the probe)."""
         self.steps = steps
         self.missing = missing
         """What could not be compared (a step or rank present on one side only), in words."""
@@ -1230,11 +1238,11 @@ class Report:
         divergence), that leads as the explanation (``Identity.explain``).
         """
         text = self._ops_conclusion()
-        if self.identity is None:
-            return text
-        d = self.divergence
-        step = None if d is None else d.step
-        return self.identity.explain(text, step, self._random_ops(step))
+        if self.identity is not None:
+            d = self.divergence
+            step = None if d is None else d.step
+            text = self.identity.explain(text, step, self._random_ops(step))
+        return "; ".join([text, *self.notes])
 
     def _random_ops(self, last_step: int | None) -> bool | None:
         """Whether a compared op (up to ``last_step``) draws random numbers: False only when
@@ -1401,7 +1409,7 @@ def compare(
         results = [c for r, ss in plan.items()
                    for c in _compare_steps(run_a, run_b, ss, r, module_map, advance, replay_limit)]
     return Report(run_a.path, run_b.path, sorted(results, key=lambda s: (s.step, s.rank)), missing,
-                  identity(run_a, run_b, _readable_plan(plan, results)))
+                  identity(run_a, run_b, _readable_plan(plan, results)), compare_notes(run_a, run_b))
 
 
 def _readable_plan(plan: dict[int, list[int]], results: list[StepComparison]) -> dict[int, list[int]]:

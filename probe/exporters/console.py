@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from probe.analysis.compare import Report
+from probe.analysis.compiled_regions import not_observed_note
 from probe.analysis.consistency import ConsistencyReport, check_consistency
 from probe.analysis.escalations import EscalationLinks
 from probe.analysis.run_identity import Identity
@@ -212,6 +213,9 @@ def render_run(console: Console, run: Run, summaries: Iterable[StepSummary]) -> 
                       style="red", markup=False, highlight=False)
     for line in tails(run):
         console.print(line, markup=False, highlight=False)
+    compiled = not_observed_note(run, "this run")
+    if compiled is not None:  # "no non-finite value" must not stand for code that was not observed
+        console.print(compiled, style="yellow", markup=False, highlight=False)
     if len(run.ranks) > 1:
         try:
             origin = run.first_nonfinite_ranks()  # which rank a NaN started on, before it spread

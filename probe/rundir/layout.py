@@ -52,6 +52,9 @@ ESCALATED_KEY = "escalated"
 """Step manifest entry of a step monitor escalation traced (its window, the incidents)."""
 ESCALATION_REFUSED_KEY = "escalation_refused"
 """Step manifest entry of the step at whose start incidents were learned but not traced."""
+COMPILED_EAGER_KEY = "compiled_ran_eagerly"
+"""Step manifest entry (compiled="eager"): how many times a ``torch.compile``d region was entered
+and ran eagerly in the step; absent when none was. The numerics of compiled code were not observed."""
 
 _RANK_RE = re.compile(r"rank(\d+)")
 _STEP_RE = re.compile(r"step(\d+)")

@@ -27,12 +27,15 @@ def _dynamo_stance_api():
 
 
 @contextmanager
-def compiled_regions_eager(policy: str) -> Iterator[None]:
+def compiled_regions_eager(policy: str, ran_eagerly: Callable[[], None] | None = None) -> Iterator[None]:
     """While active, ``torch.compile``d code runs eagerly so the tracer sees every op.
 
     ``policy == "keep"`` leaves compiled code compiled: each call of a compiled graph is
     recorded as one region op (probe.tracer.compiled_regions), as its fused kernels are
     invisible to a dispatch mode; ops it falls back to eager for stay visible.
+
+    ``ran_eagerly`` is called each time a compiled region is entered and runs eagerly instead
+    (the session counts them per step: a run must say that its compiled code was not observed).
     """
     if policy == "keep":
         with compiled_regions_recorded():
@@ -46,7 +49,7 @@ def compiled_regions_eager(policy: str) -> Iterator[None]:
         return
     prior = eval_frame._stance
     torch.compiler.set_stance("force_eager")
-    restore = _say_when_a_compiled_region_runs_eagerly(eval_frame)
+    restore = _say_when_a_compiled_region_runs_eagerly(eval_frame, ran_eagerly)
     try:
         yield
     finally:
@@ -58,10 +61,13 @@ _FORCE_EAGER_MESSAGE = ("compiled regions run eagerly while the probe is active,
                         "escapes; pass compiled='keep' to leave them compiled")
 
 
-def _say_when_a_compiled_region_runs_eagerly(eval_frame: Any) -> Callable[[], None]:
+def _say_when_a_compiled_region_runs_eagerly(
+    eval_frame: Any, ran_eagerly: Callable[[], None] | None = None
+) -> Callable[[], None]:
     """Warn (once) when a ``torch.compile``d region is entered and runs eagerly, not before:
-    most sessions never meet one. Dynamo asks ``_callback_from_stance`` for the frame callback
-    on entering a compiled region; under ``force_eager`` it answers None. Returns the undo."""
+    most sessions never meet one; call ``ran_eagerly`` each time. Dynamo asks
+    ``_callback_from_stance`` for the frame callback on entering a compiled region; under
+    ``force_eager`` it answers None. Returns the undo."""
     original = getattr(eval_frame, "_callback_from_stance", None)
     if original is None:  # another torch: say it up front rather than never
         warn_once("force_eager", _FORCE_EAGER_MESSAGE)
@@ -70,6 +76,8 @@ def _say_when_a_compiled_region_runs_eagerly(eval_frame: Any) -> Callable[[], No
     def callback_from_stance(callback: Any) -> Any:
         if callback is not None and callback is not False and eval_frame._stance.stance == "force_eager":
             warn_once("force_eager", _FORCE_EAGER_MESSAGE)
+            if ran_eagerly is not None:
+                ran_eagerly()
         return original(callback)
 
     eval_frame._callback_from_stance = callback_from_stance

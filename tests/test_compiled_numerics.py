@@ -1,0 +1,79 @@
+"""torch.compile'd runs judged as they run (issue 24), on a real model: a Qwen2 (tiny config,
+random weights, fp32, AdamW, 2 steps) whose run B is compiled and carries a bug only on the
+compiled path: layer 1's post-attention RMSNorm computes in bf16 when
+``torch.compiler.is_compiling()``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import probe
+from probe.cli import main as cli_main
+from tests.hf_models import tiny_qwen2, train_steps
+
+NOT_OBSERVED = ("run B's compiled code ran eagerly under the probe: the numerics of compiled code "
+                "were not observed; record with compiled='keep'")
+
+
+def bf16_when_compiling(norm: torch.nn.Module) -> None:
+    """Make ``norm`` (a Qwen2RMSNorm) compute in bf16 when traced by dynamo, as it is eagerly
+    otherwise: a bug only the compiled code has."""
+    base = type(norm)
+
+    class Bf16WhenCompiling(base):  # type: ignore[misc, valid-type]
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            if not torch.compiler.is_compiling():
+                return super().forward(hidden_states)
+            h = hidden_states.to(torch.bfloat16)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return self.weight * h.to(hidden_states.dtype)
+
+    norm.__class__ = Bf16WhenCompiling
+
+
+def buggy_qwen2() -> torch.nn.Module:
+    model = tiny_qwen2()
+    bf16_when_compiling(model.model.layers[1].post_attention_layernorm)
+    return model
+
+
+@pytest.fixture(scope="module")
+def eager_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Run A: the model trained eagerly, the reference."""
+    out = tmp_path_factory.mktemp("compiled") / "a"
+    model = tiny_qwen2()
+    with probe.mode("stats", out=out, model=model) as session:
+        train_steps(model, session)
+    return out
+
+
+# torch warns that global module hooks (the probe's) fire once more for the OptimizedModule.
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)`:UserWarning")
+@pytest.mark.filterwarnings("ignore:probe. compiled regions run eagerly")
+def test_default_eager_says_compiled_code_was_not_observed(tmp_path: Path, eager_run: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    torch._dynamo.reset()
+    model = buggy_qwen2()
+    compiled = torch.compile(model)
+    with probe.mode("stats", out=tmp_path / "b", model=model) as session:
+        train_steps(compiled, session)
+    run_b = probe.load(tmp_path / "b")
+    for step in run_b.steps:
+        # Each forward entered the compiled model and ran it eagerly.
+        assert run_b.step_info(step).manifest["compiled_ran_eagerly"] >= 1
+    report = probe.compare(eager_run, tmp_path / "b")
+    # The bug is not seen (the eager path has none), and the conclusion says why it could not be.
+    assert report.divergence is None
+    assert report.conclusion.endswith("; " + NOT_OBSERVED), report.conclusion
+    assert NOT_OBSERVED in report.summary["conclusion"]
+    # The reference itself ran no compiled code: nothing to say about it.
+    assert "run A" not in probe.compare(eager_run, eager_run).conclusion
+    assert cli_main(["summary", str(tmp_path / "b")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("this run's compiled code ran eagerly under the probe: the numerics of compiled code were "
+            "not observed") in out
+    assert cli_main(["summary", str(eager_run)]) == 0
+    assert "compiled code" not in capsys.readouterr().out
