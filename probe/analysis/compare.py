@@ -1160,13 +1160,17 @@ def _unreadable_step(run_a: Run, run_b: Run, step: int, rank: int, reason: str) 
     """A step one run (or both) cannot read: each op of a run that can is "not compared", with
     the reason (paired by id when both runs read their ops)."""
     ops: dict[str, list[OpRecord] | None] = {}
+    why: dict[str, str] = {}
     for side, run in (("A", run_a), ("B", run_b)):
+        damage = run.step_damage(step, rank)
+        if damage is not None:
+            why[side] = damage
         try:
             ops[side] = run.ops(step, rank)
         except ProbeError:
             ops[side] = None
-    unread = [side for side, records in ops.items() if records is None] or ["A", "B"]
-    message = "; ".join(f"run {side}: unreadable: {reason}" for side in unread)
+    message = "; ".join(f"run {side}: unreadable: {damage}" for side, damage in why.items()) or \
+        f"unreadable: {reason}"
     ops_a, ops_b = ops["A"] or [], ops["B"] or []
     by_id = {op.id: op for op in ops_b}
     pairs = [(a, by_id.pop(a.id, None)) for a in ops_a] + [(None, b) for b in by_id.values()]
