@@ -356,8 +356,6 @@ class StepRows:
         if numel == 0:
             rows.append((-1, 0, 0, multiplicity))
             return len(rows) - 1
-        if key is None:
-            key = x.untyped_storage()._cdata
         if self._saturation is not False and self._saturated(x.device):
             # Staged chunks widen every dtype to one: +-max would no longer be recognisable.
             rows.append((*self._append_device_row(self._stats.row(x, saturated=True, eps=self._eps)), numel,
@@ -366,13 +364,16 @@ class StepRows:
         owner = t if counter is None else counter
         if self.learning and not now:
             version = _version(owner)
+            if key is None:
+                key = x.untyped_storage()._cdata
             if version is not None and key not in self.volatile:
                 self._watch(x, owner, version + version_moves, key)
             now = True
         if self._stage and numel <= STAGE_MAX_NUMEL and self._staged + numel <= STAGE_BUDGET_NUMEL:
             rows.append((*self._stage_into_chunk(x), numel, multiplicity))
             self._staged += numel
-        elif (self._queue_on and not now and x.dtype in QUEUED_DTYPES and key not in self.volatile
+        elif (self._queue_on and not now and x.dtype in QUEUED_DTYPES
+              and (key := x.untyped_storage()._cdata if key is None else key) not in self.volatile
               and (version := _version(owner)) is not None):
             rows.append((-1, 0, numel, multiplicity))  # filled in when its batch is reduced
             queued = Queued(x, len(rows) - 1, owner, version + version_moves,
