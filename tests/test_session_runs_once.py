@@ -55,9 +55,8 @@ def test_a_stopped_session_cannot_run_again(tmp_path: Path, first: str, again: s
 def test_a_running_session_cannot_be_entered_again(tmp_path: Path) -> None:
     session = probe.mode("stats", out=tmp_path / "run")
     with session:
-        with pytest.raises(ProbeError, match="already running"):
-            with session:
-                pass
+        with pytest.raises(ProbeError, match="already running"), session:
+            pass
         # The refused entry left the running session alone: it still records and ends normally.
         assert session.running and probe.active_session() is session
         _train_two_steps(session)
