@@ -45,6 +45,8 @@ HEALTHY = [
     # SGD with momentum updates the embedding's rows of the tokens seen only: by step 2 the
     # table's difference, small over the whole table, sits in the rows the embedding selects.
     Case("phi", "sdpa", 1024, 3, "sgd", ("stats",), "bf16-autocast"),
+    # The same for GPT-2's learned positions: a table of 64 rows, 16 of them selected.
+    Case("gpt2", "sdpa", 1024, 3, "sgd", ("stats",), "fp16-autocast"),
 ]
 
 
