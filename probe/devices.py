@@ -41,3 +41,24 @@ def record_event(device: torch.device) -> Any:
     event = torch.Event(device=device)
     event.record(_accelerator.current_stream(device))
     return event
+
+
+def usable_device(device: str | torch.device, what: str = "device") -> torch.device:
+    """``device`` as a ``torch.device`` that this process can compute on, else a ``ProbeError``
+    naming it: a name torch does not know (``"bogus"``), a device this build or machine lacks
+    (``"cuda"`` on a CPU build, ``"cuda:7"`` on a one-GPU machine), or ``meta`` (no values)."""
+    from probe.errors import ProbeError
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ProbeError(f"{what} {str(device)!r} is not a device torch knows ({e})") from None
+    if parsed.type == "meta":
+        raise ProbeError(f"{what} {str(device)!r} holds no values: give a device that computes (cpu, cuda)")
+    if parsed.type != "cpu":
+        try:  # the one portable test: whether a tensor can be made there
+            torch.empty(0, device=parsed)
+        except (RuntimeError, AssertionError, AttributeError, ValueError) as e:
+            raise ProbeError(f"{what} {str(device)!r} is not available here "
+                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    return parsed

@@ -65,3 +65,23 @@ def test_replay_errors_name_the_problem(tmp_path):
     with pytest.raises(ProbeError, match="no op 'nope'"):
         probe.replay(tmp_path / "s", "nope")
     assert main(["replay", str(tmp_path / "s"), op_id, "--dtype", "float128"]) == 2
+
+
+@pytest.mark.parametrize("device", ["bogus", "cuda", "cuda:9", "meta"])
+def test_a_device_this_process_cannot_compute_on_is_a_usage_error_naming_it(tmp_path, capsys, device):
+    if device.startswith("cuda") and torch.cuda.device_count() > 9:
+        pytest.skip("this machine has the device")
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this build computes on CUDA")
+    with probe.mode("dump", out=tmp_path / "r"):
+        (torch.ones(3) * 2).exp()
+    op_id = probe.load(tmp_path / "r").ops(0)[-1].id
+    capsys.readouterr()
+    # Before: --device bogus exited 0 with every op "failed", --device cuda in a traceback.
+    for argv in (["replay", str(tmp_path / "r"), "--device", device],
+                 ["replay", str(tmp_path / "r"), op_id, "--device", device]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"device {device!r}" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(ProbeError, match=f"device {device!r}"):
+        probe.replay_step(tmp_path / "r", device=device)

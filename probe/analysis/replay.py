@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from probe.analysis.metrics import tensor_metrics
+from probe.devices import usable_device
 from probe.errors import ProbeError
 from probe.rundir.call_args import decode_args
 from probe.rundir.mode_files import DumpReader
@@ -55,11 +56,13 @@ def replay(
 
     ``dtype`` (e.g. ``torch.float64``) computes in that precision: floating inputs
     are converted, and the result is compared with the dumped output in the
-    output's own dtype's ULPs.
+    output's own dtype's ULPs. A device this process cannot compute on is a ``ProbeError``
+    naming it.
     """
+    checked = usable_device(device)
     run = run if isinstance(run, Run) else Run(run)
     op = run.op(op_id, step, rank)
-    return _replay(run, op, torch.device(device), dtype).as_dict()
+    return _replay(run, op, checked, dtype).as_dict()
 
 
 def recompute(run: Run, op: OpRecord, device: torch.device, dtype: torch.dtype | None) -> list[torch.Tensor]:
@@ -113,7 +116,9 @@ def replay_step(
 
     Ops that cannot be replayed are listed last, each with ``"reason"`` (its kind:
     "not dumped", "random", "unknown op", "no output", "no dump", "failed") and ``"skipped"`` (the detail).
+    A device this process cannot compute on is a ``ProbeError`` naming it, before any op is replayed.
     """
+    checked = usable_device(device)
     run = run if isinstance(run, Run) else Run(run)
     ops = run.ops(step, rank)
     dump = run.dump(ops[0].step, ops[0].rank) if ops and run.has_dump(ops[0].step, ops[0].rank) else None
@@ -124,7 +129,7 @@ def replay_step(
         reason, detail = _why_not_replayable(dump, op)
         if reason is None:
             try:
-                ranked.append(_replay(run, op, torch.device(device), dtype).as_dict())
+                ranked.append(_replay(run, op, checked, dtype).as_dict())
                 continue
             except (ProbeError, RuntimeError, TypeError, ValueError) as e:
                 reason, detail = "failed", f"{type(e).__name__}: {e}"
