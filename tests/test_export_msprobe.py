@@ -105,3 +105,36 @@ def test_msprobe_compare_reads_two_exported_statistics_runs(tmp_path):
     rows = _compare(msprobe, tmp_path / "target-ms", tmp_path / "golden-ms", tmp_path / "cmp")
     assert rows and {row["Result"] for row in rows} == {"pass"}
     assert all(row["Bench Name"] != "N/A" for row in rows)
+
+
+def test_op_names_with_path_characters_become_one_file_each(tmp_path):
+    """A run's op names are not trusted: '/' (before: a traceback), '..', NUL and a name longer than a
+    file name may be still give one tensor file each inside dump_tensor_data, named in dump.json."""
+    with probe.mode(["stats", "dump"], out=tmp_path / "run"):
+        x = torch.randn(3, 4)
+        ((x.exp() * 2).tanh() + 1).sum()
+    ops_file = tmp_path / "run" / "rank0" / "step0" / "ops.jsonl"
+    names = {"aten.exp.default": "aten.e/xp.default", "aten.mul.Tensor": "../../../escape",
+             "aten.tanh.default": "aten.t\u0000anh." + "x/" * 200, "aten.add.Tensor": "aten.e%2Fxp.default"}
+    text = ops_file.read_text()
+    for old, new in names.items():
+        assert json.dumps(old) in text
+        text = text.replace(json.dumps(old), json.dumps(new))
+    ops_file.unlink()
+    ops_file.write_text(text)
+
+    assert main(["export", "msprobe", str(tmp_path / "run"), str(tmp_path / "ms")]) == 0
+    data_dir = tmp_path / "ms" / "step0" / "rank0" / "dump_tensor_data"
+    written = sorted(p for p in (tmp_path / "ms").rglob("*") if p.is_file() and p.suffix == ".pt")
+    assert all(p.parent == data_dir for p in written), written
+    dump = json.loads((data_dir.parent / "dump.json").read_text())
+    run = probe.load(tmp_path / "run")
+    by_name = {op.name: op for op in run.ops(0)}
+    data_names = set()
+    for new in names.values():
+        (entry,) = [e for e in dump["data"] if e.startswith(f"Aten.{new.removeprefix('aten.')}.0.")]
+        out = dump["data"][entry]["output"][0]
+        data_names.add(out["data_name"])
+        saved = torch.load(data_dir / out["data_name"], weights_only=True)
+        assert torch.equal(saved, run.tensor(by_name[new].id, "output", 0))
+    assert len(data_names) == len(names)  # '/' and its percent-encoding stay apart

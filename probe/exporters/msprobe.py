@@ -21,6 +21,7 @@ that matter for its compare (verified against it):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections import defaultdict
@@ -69,6 +70,24 @@ def _entry_names(ops: list[OpRecord]) -> list[str]:
     return names
 
 
+_NAME_BYTES = 200
+"""The longest tensor file name written (file systems allow 255 bytes)."""
+
+
+def _file_name(name: str, suffix: str) -> str:
+    """``name`` + ``suffix`` as one file name whatever the op is called (a run's op names are
+    not trusted): the characters a path gives meaning to (``/``, ``\\``, NUL) and ``%`` are
+    percent-encoded, so distinct entries keep distinct files; a leading dot too (no hidden
+    files); a name too long for the file system is cut and told apart by a hash of the whole."""
+    safe = "".join(f"%{ord(c):02X}" if c in "/\\\0%" else c for c in name)
+    if safe.startswith("."):
+        safe = "%2E" + safe[1:]
+    if len(safe.encode()) + len(suffix) > _NAME_BYTES:
+        digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        safe = safe.encode()[: _NAME_BYTES - len(suffix) - 17].decode("utf-8", "ignore") + "-" + digest
+    return safe + suffix
+
+
 class _StepExport:
     def __init__(self, run: Run, step: int, rank: int, directory: Path) -> None:
         self.run, self.step, self.rank, self.directory = run, step, rank, directory
@@ -98,7 +117,7 @@ class _StepExport:
         elif tensor is not None:
             out.update(_stats_of(tensor))
         if tensor is not None:
-            data_name = f"{entry}.{io}.{position}.pt"
+            data_name = _file_name(f"{entry}.{io}.{position}", ".pt")
             torch.save(tensor.detach().contiguous().clone(), self.directory / "dump_tensor_data" / data_name)
             out["data_name"] = data_name
         return out
