@@ -4,7 +4,8 @@ One TorchDispatchMode sees every aten op, forward and backward, and runs
 pluggable modes per op. The public interface is this module:
 
 - :func:`mode` starts a session (a context manager, or ``start()``/``stop()``) over one or more
-  modes; :func:`active_session` is the running one;
+  modes, named or given as objects carrying their options (:class:`Stats`, :class:`Dump`,
+  :class:`Monitor`, ...); :func:`active_session` is the running one;
 - :func:`load` opens a run directory it wrote;
 - :func:`seed_all` seeds every generator (and turns on deterministic kernels) so runs compare;
 - :func:`check_consistency` checks that the ranks of a job agree on replicated values;
@@ -19,6 +20,7 @@ from probe.analysis.replay import replay, replay_step
 from probe.errors import ProbeError, ProbeWarning, warn_once
 from probe.exporters import compare_report as _compare_report  # noqa: F401  (registers Report.to_csv/to_html's writers)
 from probe.exporters.graph_export import export_graph
+from probe.mode_objects import Dump, FreeBenchmark, ModeOptions, Monitor, Stats, Structure, Upcast
 from probe.modes.cpu_reference import register_cpu_reference
 from probe.modes.monitor import AnomalyStop
 from probe.rundir.reader import OpRecord, Run, TensorRecord, load
@@ -27,7 +29,8 @@ from probe.session import Session, active_session, mode
 from probe.version import __version__
 
 __all__ = [
-    "AnomalyStop", "ConsistencyReport", "OpRecord", "ProbeError", "ProbeWarning", "Report", "Run", "Session",
-    "TensorRecord", "__version__", "active_session", "check_consistency", "compare", "export_graph", "load",
+    "AnomalyStop", "ConsistencyReport", "Dump", "FreeBenchmark", "ModeOptions", "Monitor", "OpRecord",
+    "ProbeError", "ProbeWarning", "Report", "Run", "Session", "Stats", "Structure", "TensorRecord",
+    "Upcast", "__version__", "active_session", "check_consistency", "compare", "export_graph", "load",
     "mode", "register_cpu_reference", "replay", "replay_step", "seed_all", "warn_once",
 ]

@@ -16,6 +16,7 @@ import torch
 
 from probe.errors import ProbeError
 from probe.hparams import parse_hparams
+from probe.mode_objects import unfold
 from probe.rundir import layout
 from probe.tracer.rank import current_rank, world_size
 from probe.vocabulary.option_values import (  # noqa: F401  (re-exported: imported from here too)
@@ -52,6 +53,7 @@ def parse_options(modes: Any, kwargs: dict[str, Any], mode_option_names: dict[st
     """
     kwargs = dict(kwargs)
     config = kwargs.pop("config", None)
+    modes, kwargs = unfold(modes, kwargs)  # an object's options count as given directly
     if config is not None:
         for key, value in _config_options(config).items():
             kwargs.setdefault(key, value)
