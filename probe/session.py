@@ -207,6 +207,7 @@ class Session:
                 finally:
                     self._background = None
                     self._warn_write_failures()
+                    self._warn_steps_not_reached()
                     self._close_modes_and_writer()
         except BaseException as probe_failure:
             if exc is None:
@@ -563,6 +564,30 @@ class Session:
                     f"cannot write step {step} ({failure['file']}: {failure['error']}); mode "
                     f"{stopping[0]!r} has on_error='raise'"
                 ) from e
+
+    def _warn_steps_not_reached(self) -> None:
+        """Say which selected steps the session ended before (``steps=[100]`` in a 10-step run
+        would otherwise leave an empty run without a word). A step ends at ``session.step()``:
+        the one open at the end (a tail at most) is not reached either."""
+        selected, reached = self.options.steps.ranges, self.step_index
+        if self._writer is None or selected is None:  # an unselected rank records nothing anyway
+            return
+        missed = []
+        for r in selected:
+            rest = r[max(0, -(-(reached - r.start) // r.step)):]  # the part of r at or after `reached`
+            if rest:
+                missed.append(str(rest.start) if len(rest) == 1 else
+                              f"{rest.start}-{rest[-1]}" if rest.step == 1 else repr(rest))
+        if not missed:
+            return
+        ran = "no step" if reached == 0 else "step 0" if reached == 1 else f"steps 0-{reached - 1}"
+        nothing = "" if any(r and r.start < reached for r in selected) else \
+            "; the run holds none of the selected steps"
+        warn_once(
+            f"steps-not-reached:{self.out}",
+            f"steps= selected step(s) {', '.join(missed)} that never ended: the session ran {ran} "
+            f"(a step ends at session.step()){nothing}",
+        )
 
     def _warn_write_failures(self) -> None:
         """One warning per run for steps the writer gave up (said on the training thread)."""

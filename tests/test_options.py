@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -82,3 +83,30 @@ def test_sessions_do_not_nest(tmp_path):
         probe.mode("stats", out=tmp_path / "b"),
     ):
         pass
+
+
+def _train_three_steps(out, steps) -> list[str]:
+    """Messages of the probe warnings a 3-step training loop under ``steps=`` gave."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.mode("stats", out=out, model=model, steps=steps) as session:
+            for _ in range(3):
+                model(torch.randn(2, 4)).sum().backward()
+                session.step()
+    return [str(w.message) for w in caught if isinstance(w.message, probe.ProbeWarning)]
+
+
+def test_selected_steps_the_session_never_reached_are_warned_about_at_stop(tmp_path):
+    # Before: steps=[100] in a 3-step run gave an empty run and no word.
+    (message,) = _train_three_steps(tmp_path / "a", [100])
+    assert "100" in message and "steps 0-2" in message and "none of the selected steps" in message
+    assert probe.load(tmp_path / "a").steps == []
+
+    (message,) = _train_three_steps(tmp_path / "b", "1,3,5-8")
+    assert "3, 5-8" in message and "none of the selected" not in message
+    assert probe.load(tmp_path / "b").steps == [1]
+
+    assert _train_three_steps(tmp_path / "c", "0-2") == []  # every selected step ran
+    assert _train_three_steps(tmp_path / "d", None) == []
