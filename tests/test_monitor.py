@@ -375,3 +375,31 @@ def test_rules_alert_once_per_episode():
     # NaN from step 2 on: one alert, and one more when it comes back after finite steps.
     nans = [0, 0, 1, 1, 1, 0, 0, 1, 0]
     assert _scan([1.0] * 9, nans) == [2, 7]
+
+
+@pytest.mark.parametrize("targets", [
+    {"": {}},  # the model itself, default slots ("tensor")
+    # msprobe's full monitoring (the model's input: keyword arguments only, nothing positional)
+    {"*": {slot: "tuple[1]:0" for slot in ("input", "output", "input_grad", "output_grad")}},
+])
+def test_an_hf_model_output_is_monitored_as_its_first_field_without_a_warning(tmp_path, targets):
+    """An HF model returns a ModelOutput (a mapping): before, target '' warned that it has no
+    tensor output."""
+    import warnings
+
+    from tests.hf_models import tiny_llama
+
+    model = tiny_llama()
+    tokens = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.mode("monitor", out=tmp_path / "m", model=model, targets=targets) as session:
+            output = model(input_ids=tokens, labels=tokens)
+            output.loss.backward()
+            session.step()
+    said = [str(w.message) for w in caught if issubclass(w.category, ProbeWarning)]
+    assert not [m for m in said if "does not fit" in m], said
+    series = {(m.name, m.slot): m for m in probe.load(tmp_path / "m").monitor(0)}
+    loss = float(output.loss)
+    assert series[("", "output")].norm == pytest.approx(abs(loss), rel=1e-6)  # HF's output[0]: the loss
+    assert series[("", "output_grad")].norm == pytest.approx(1.0)  # d loss / d loss

@@ -770,6 +770,10 @@ class _ModuleWatcher:
     def _capture(self, value: Any, slot: str) -> None:
         """Record the ``slot`` ("input"/"output") tensor now and hook its gradient for ``slot_grad``
         (the gradient tuple autograd passes matches the value element for element)."""
+        if slot == "input" and isinstance(value, tuple) and not value:
+            # Called with keyword arguments only (an HF model's input_ids=...): nothing passed
+            # positionally, so nothing to monitor and no spec that misfits.
+            return
         spec = self.slots.get(slot)
         if spec is not None and self.forward:
             t = spec.select(value)

@@ -14,8 +14,10 @@ accepted as ``config=``. Target names may be globs over module names
 (``"layers.*"``) or parameter names. A slot spec is ``"tensor"`` (the value itself)
 or ``"tuple[N]:i"`` (element ``i`` of an N-tuple; ``"tuple[N]"`` is element 0); a
 module's input is the tuple of its positional arguments, its output a tensor (a
-1-tuple to a ``tuple`` spec) or a tuple, and ``input_grad`` / ``output_grad`` are the
-tuples autograd passes, element for element those of the input and output.
+1-tuple to a ``tuple`` spec) or a tuple (a Hugging Face ``ModelOutput`` is its ``to_tuple()``,
+and ``"tensor"`` its first field), and ``input_grad`` / ``output_grad`` are the
+tuples autograd passes, element for element those of the input and output. A module called
+with keyword arguments only (an HF model) has no input series, and no warning about it.
 
 In a file of msprobe's form, an empty or absent ``targets`` watches every module
 (msprobe's "full monitoring"), ``all_xy`` adds every module's four slots to the
@@ -194,7 +196,14 @@ class SlotSpec:
 
         A tensor is a 1-tuple to a ``tuple`` spec: autograd passes a module's one output
         gradient as ``(grad,)``, so ``"output_grad": "tuple[1]:0"`` is that output's gradient.
+        A Hugging Face ``ModelOutput`` (what every HF model returns) is the tuple HF makes of it
+        (``to_tuple()``: its fields that are set, in order), and ``"tensor"`` is its first field,
+        HF's ``output[0]`` (the loss when labels were given, else the logits or hidden states):
+        the model's own output is monitored, not refused with a warning.
         """
+        value = _model_output_tuple(value)
+        if self.length is None and isinstance(value, _ModelOutputTuple) and value:
+            value = value[0]
         if self.length is None:
             if isinstance(value, torch.Tensor):
                 return value
@@ -207,6 +216,19 @@ class SlotSpec:
             chosen = value[self.index]
             return chosen if isinstance(chosen, torch.Tensor) else None
         return None
+
+
+class _ModelOutputTuple(tuple):
+    """A ``ModelOutput``'s fields as a tuple (told apart from a tuple the module returned)."""
+
+
+def _model_output_tuple(value: Any) -> Any:
+    """A Hugging Face ``ModelOutput`` (a mapping with ``to_tuple``; transformers is not imported
+    for this) as its tuple; anything else as it is."""
+    to_tuple = getattr(value, "to_tuple", None)
+    if isinstance(value, Mapping) and callable(to_tuple):
+        return _ModelOutputTuple(to_tuple())
+    return value
 
 
 def describe_value(value: Any) -> str:
