@@ -501,6 +501,9 @@ class Session:
             manifest["parallel"] = tracer.modules.names.parallel
         if self._compiled_eager:
             manifest[layout.COMPILED_EAGER_KEY] = self._compiled_eager
+        if tracer.opened_regions:
+            manifest[layout.COMPILED_OPENED_KEY] = {op_id: [start, end] for op_id, start, end
+                                                    in tracer.opened_regions}
         npu_overflow = read_and_clear_overflow_flag()
         if npu_overflow is not None:
             manifest["npu_overflow"] = npu_overflow

@@ -46,7 +46,7 @@ def eager_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("compiled") / "a"
     model = tiny_qwen2()
     with probe.mode("stats", out=out, model=model) as session:
-        train_steps(model, session)
+        train_steps(model, session, steps=3)
     return out
 
 
@@ -77,3 +77,44 @@ def test_default_eager_says_compiled_code_was_not_observed(tmp_path: Path, eager
             "not observed") in out
     assert cli_main(["summary", str(eager_run)]) == 0
     assert "compiled code" not in capsys.readouterr().out
+
+
+def _compiled_keep_run(out: Path, model: torch.nn.Module, steps: int) -> list[torch.Tensor]:
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    with probe.mode("stats", out=out, model=model, compiled="keep") as session:
+        return train_steps(compiled, session, steps=steps)
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)`:UserWarning")
+def test_keep_names_the_module_inside_the_compiled_region(tmp_path: Path, eager_run: Path) -> None:
+    model = buggy_qwen2()
+    _compiled_keep_run(tmp_path / "b", model, steps=2)
+    run_b = probe.load(tmp_path / "b")
+    ops = run_b.ops(0)
+    regions = [op for op in ops if op.name.startswith("compiled.")]
+    assert [op.phase for op in regions] == ["forward", "backward"]
+    opened = run_b.step_info(0).manifest["compiled_regions_opened"]
+    assert sorted(opened) == sorted(op.id for op in regions)
+    # The region's graph, re-run node by node, shows the bf16 only the compiled path has, in its module.
+    norm = [op for op in ops
+            if op.module == "model.layers.1.post_attention_layernorm" and op.phase == "forward"]
+    assert any(op.name == "prims.convert_element_type.default" and op.outputs[0].dtype == "bfloat16"
+               for op in norm)
+    assert {op.module for op in ops if op.name == "aten.mm.default"} >= {
+        "model.layers.0.mlp.up_proj", "model.layers.1.mlp.down_proj", "lm_head"}
+    report = probe.compare(eager_run, tmp_path / "b")
+    d = report.divergence
+    assert d is not None and d.step == 0
+    assert d.op.module == "model.layers.1.post_attention_layernorm", report.conclusion
+    assert "compiled" not in d.op.name and "ran eagerly" not in report.conclusion
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)`:UserWarning")
+def test_healthy_compiled_run_against_its_eager_twin_has_no_divergence(tmp_path: Path,
+                                                                       eager_run: Path) -> None:
+    _compiled_keep_run(tmp_path / "b", tiny_qwen2(), steps=3)
+    report = probe.compare(eager_run, tmp_path / "b")
+    assert report.divergence is None, report.conclusion
+    assert report.conclusion.startswith("no divergence"), report.conclusion
+    assert report.counts["pass"] > 100 and sorted({s.step for s in report.steps}) == [0, 1, 2]

@@ -160,9 +160,15 @@ def test_compiled_function_region_is_named_after_the_function(tmp_path):
     with probe.mode("stats", out=tmp_path / "r", compiled="keep") as session:
         y = gelu_of_product(x, w)
         session.step()
-    (region,) = [op for op in probe.load(tmp_path / "r").ops(0)]
+    ops = probe.load(tmp_path / "r").ops(0)
+    region = ops[0]
     assert region.name == "compiled.gelu_of_product" and region.phase == "forward"
     _assert_stats(region.outputs[0].stats, y)
+    # Then its graph re-run node by node (probe.tracer.region_replay): the matmul, then the gelu
+    # as Inductor's decomposition spells it (with erf), whose last op gives the result.
+    names = [op.name for op in ops[1:]]
+    assert names[0] == "aten.mm.default" and "aten.erf.default" in names
+    _assert_stats(ops[-1].outputs[0].stats, y)
 
 
 def test_default_eager_traces_the_compiled_code_op_by_op(tmp_path, model_and_input):

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from probe.analysis import precision
-from probe.analysis.compiled_regions import compare_notes
+from probe.analysis.compiled_regions import compare_notes, opened_regions, replayed_ops
 from probe.analysis.matching import Match, match_ops
 from probe.analysis.metrics import stats_metrics, tensor_metrics
 from probe.analysis.replay import recompute
@@ -1142,7 +1142,7 @@ def compare_step(run_a: Run, run_b: Run, step: int, rank: int,
                  replay_limit: int = REPLAY_LIMIT, carry: Carry | None = None) -> StepComparison:
     """Compares one step of one rank; ``carry``: what the steps compared before it hand on."""
     side_a, side_b = _Side(run_a, step, rank), _Side(run_b, step, rank)
-    matches = match_ops(side_a.ops, side_b.ops, module_map)
+    matches = match_ops(side_a.ops, side_b.ops, module_map, *replayed_ops(run_b, step, rank))
     comparisons = []
     for m in matches:
         comparisons.append(_compare_pair(side_a, side_b, m, step, rank))
@@ -1150,6 +1150,9 @@ def compare_step(run_a: Run, run_b: Run, step: int, rank: int,
             on_op()
     partner_of_b = {m.b.index: m.a for m in matches if m.a is not None and m.b is not None}
     lowerings = precision.lowered_precision(side_a.ops, side_b.ops, partner_of_b)
+    # A compiled region whose graph was re-run node by node is judged at its nodes' ops.
+    opened = opened_regions(run_b, step, rank)
+    lowerings = {i: low for i, low in lowerings.items() if low.op.id not in opened}
     handed_on = _judge(side_a, side_b, comparisons, lowerings, replay_limit, carry)
     divergence = _divergence(run_a, step, rank, comparisons)
     policy = precision.describe_policy(side_a.ops, side_b.ops)

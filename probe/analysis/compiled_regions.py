@@ -42,3 +42,36 @@ def compare_notes(run_a: Run, run_b: Run) -> list[str]:
     """The notes a comparison's conclusion carries about compiled code, run A's then run B's."""
     return [note for run, label in ((run_a, "run A"), (run_b, "run B"))
             if (note := not_observed_note(run, label)) is not None]
+
+
+def opened_regions(run: Run, step: int, rank: int) -> dict[str, range]:
+    """A step's compiled region ops whose graphs were re-run node by node: region op id -> the
+    indices of the ops the re-run recorded (in the modules they came from). Such a region is
+    judged at those ops, not as one op (its outputs mix its results with what it saves for
+    backward, in any dtype)."""
+    try:
+        opened = run.step_info(step, rank).manifest.get(layout.COMPILED_OPENED_KEY) or {}
+    except ProbeError:
+        return {}
+    if not isinstance(opened, dict):
+        return {}
+    return {op_id: range(span[0], span[1]) for op_id, span in opened.items()
+            if isinstance(span, list) and len(span) == 2 and all(type(v) is int for v in span)}
+
+
+def replayed_ops(run: Run, step: int, rank: int) -> tuple[set[int], set[int]]:
+    """The indices of the ops that re-runs of compiled region graphs recorded in a step, as
+    matching takes them (``probe.analysis.matching.match_ops``): forward ops matched with the eager
+    twin's only where input and output shapes agree (a graph's decomposition orders and shapes
+    its views its own way); backward ops left unmatched (AOTAutograd orders a backward its own
+    way; what the backward computes is seen where it ends, the gradients the optimizer reads)."""
+    forward: set[int] = set()
+    backward: set[int] = set()
+    opened = opened_regions(run, step, rank)
+    if not opened:
+        return forward, backward
+    phases = {op.index: op.phase for op in run.ops(step, rank)}
+    for span in opened.values():
+        for i in span:
+            (forward if phases.get(i) == "forward" else backward).add(i)
+    return forward, backward

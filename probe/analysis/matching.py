@@ -50,6 +50,10 @@ def _token(op: OpRecord, with_shapes: bool) -> str:
     return op.name + "|" + ";".join(",".join(map(str, t.shape)) for t in op.outputs)
 
 
+def _input_shapes(op: OpRecord) -> list[tuple[int, ...]]:
+    return [t.shape for t in op.inputs]
+
+
 def _group_key(op: OpRecord, module_map: dict[str, str] | None = None) -> tuple[str, str, int]:
     module = _rename(op.module, module_map) if module_map else op.module
     return op.phase, module, op.module_call
@@ -67,11 +71,20 @@ def _align(ops_a: list[OpRecord], ops_b: list[OpRecord], with_shapes: bool) -> l
 
 
 def match_ops(
-    ops_a: list[OpRecord], ops_b: list[OpRecord], module_map: dict[str, str] | None = None
+    ops_a: list[OpRecord], ops_b: list[OpRecord], module_map: dict[str, str] | None = None,
+    shapes_only: set[int] | None = None, unpaired: set[int] | None = None,
 ) -> list[Match]:
-    """Matches in run A's execution order; B-only ops follow the A op their predecessor matched."""
+    """Matches in run A's execution order; B-only ops follow the A op their predecessor matched.
+
+    ``shapes_only``: indices of B ops matched only to an op with the same input and output
+    shapes (ops a compiled region's graph re-run recorded: its decomposition orders and shapes
+    views its own way, and a view of another shape there is no divergence). ``unpaired``:
+    indices of B ops left unmatched (a re-run backward graph's: AOTAutograd orders a backward
+    its own way, so ops of one name and shape there are not the eager twin's in turn)."""
     module_map = module_map or {}
-    by_id = {_mapped_id(op, module_map): op for op in ops_b}
+    shapes_only = shapes_only or set()
+    unpaired = unpaired or set()
+    by_id = {_mapped_id(op, module_map): op for op in ops_b if op.index not in unpaired}
     partner: dict[int, OpRecord] = {}
     how: dict[int, str] = {}
     taken: set[int] = set()
@@ -79,7 +92,8 @@ def match_ops(
         other = by_id.get(op.id)
         # Same id, other output shapes: ids shifted (an extra op of that name on one side,
         # e.g. a detach autocast adds in backward); alignment pairs them better.
-        if other is not None and _token(other, True) == _token(op, True):
+        if other is not None and _token(other, True) == _token(op, True) and (
+                other.index not in shapes_only or _input_shapes(other) == _input_shapes(op)):
             partner[op.index], how[op.index] = other, "id"
             taken.add(other.index)
 
@@ -89,13 +103,14 @@ def match_ops(
         if op.index not in partner:
             groups_a[_group_key(op)].append(op)
     for op in ops_b:
-        if op.index not in taken:
+        if op.index not in taken and op.index not in unpaired:
             groups_b[_group_key(op, module_map)].append(op)
     for key, left in groups_a.items():
         right = groups_b.get(key, [])
         for with_shapes in (True, False):
             remaining_a = [op for op in left if op.index not in partner]
-            remaining_b = [op for op in right if op.index not in taken]
+            remaining_b = [op for op in right if op.index not in taken
+                           and (with_shapes or op.index not in shapes_only)]
             if not remaining_a or not remaining_b:
                 break
             for i, j in _align(remaining_a, remaining_b, with_shapes):

@@ -55,6 +55,9 @@ ESCALATION_REFUSED_KEY = "escalation_refused"
 COMPILED_EAGER_KEY = "compiled_ran_eagerly"
 """Step manifest entry (compiled="eager"): how many times a ``torch.compile``d region was entered
 and ran eagerly in the step; absent when none was. The numerics of compiled code were not observed."""
+COMPILED_OPENED_KEY = "compiled_regions_opened"
+"""Step manifest entry (compiled="keep"): compiled region op id -> ``[first, end)``, the indices of
+the ops its graph's node-by-node re-run recorded, in the modules they came from; absent when none."""
 
 _RANK_RE = re.compile(r"rank(\d+)")
 _STEP_RE = re.compile(r"step(\d+)")

@@ -34,8 +34,11 @@ from torch.utils._python_dispatch import (
 )
 
 from probe.errors import warn_once
+from probe.tracer.op_call import RECORD_FIELD_INDEX
+from probe.tracer.region_replay import RegionReplay
 from probe.vocabulary.op_class import OpClass
 
+RECORD_ID = RECORD_FIELD_INDEX["op_id"]
 _EVAL_FRAME_FILE = ("_dynamo/eval_frame.py", "_dynamo\\eval_frame.py")
 _MODULE_CALL_FILE = ("nn/modules/module.py", "nn\\modules\\module.py")
 
@@ -155,11 +158,87 @@ def compiled_regions_recorded() -> Iterator[None]:
         if mode is None or not mode.tracer.recording:
             return original(graph, inputs)  # the probe's own kernels, a paused tracer
         region = regions.of(graph)
+        kept = getattr(graph, KEPT_GRAPH, None)
+        tracer = mode.tracer
+        # The compiled call empties its boxed input list: the re-run needs the inputs after it.
+        held = list(inputs) if kept is not None else None
         with modes_off():
-            return mode.tracer.run_region(region, region.info, inputs)
+            recorded = len(tracer.records)
+            out = tracer.run_region(region, region.info, inputs)
+            if held is not None:
+                replay = replays.get(id(tracer))
+                if replay is None:
+                    replay = replays[id(tracer)] = RegionReplay(tracer.modules, tracer.dispatch)
+                fx_kwargs = getattr(graph, "fx_kwargs", None) or {}
+                _, frame = tracer.modules.locate()
+                start = len(tracer.records)
+                replay.run(kept, held, frame, fx_kwargs.get("graph_id"), bool(fx_kwargs.get("is_backward")))
+                if start > recorded:  # the region op itself was recorded (selected)
+                    tracer.opened_regions.append((tracer.records[recorded][RECORD_ID], start,
+                                                  len(tracer.records)))
+        return out
 
+    replays: dict[int, RegionReplay] = {}
     target.__call__ = call_recorded
+    undo_keep = _keep_compiled_graphs()
     try:
         yield
     finally:
+        undo_keep()
         target.__call__ = original
+
+
+KEPT_GRAPH = "_probe_fx_graph"
+"""The attribute of a compiled graph (Inductor's ``CompiledFxGraph``) holding a copy of the FX
+graph it was compiled from, while ``compiled="keep"`` is active (see :func:`_keep_compiled_graphs`)."""
+
+
+def _keep_compiled_graphs() -> Callable[[], None]:
+    """While the session runs with ``compiled="keep"``, each graph Inductor compiles keeps a copy of
+    its FX graph, node metadata (``nn_module_stack``, ``stack_trace``) included, for
+    :mod:`probe.tracer.region_replay`. Taken before Inductor's passes rewrite the graph in place.
+    AOTAutograd's cache is off meanwhile: a cache hit would skip Inductor's compile, and with it
+    the copy (Inductor's own FX graph cache is looked up after the copy is taken). Graphs compiled
+    before the session keep nothing and are recorded as whole regions only. Returns the undo."""
+    try:
+        from torch._functorch import config as functorch_config
+        from torch._inductor import compile_fx
+    except Exception:  # pragma: no cover - no inductor
+        return lambda: None
+    original = getattr(compile_fx, "_compile_fx_inner", None)
+    if original is None:  # pragma: no cover - another torch
+        warn_once("compiled-graphs", "this torch has no torch._inductor.compile_fx._compile_fx_inner; "
+                  "compiled regions are recorded whole, not node by node")
+        return lambda: None
+
+    def compile_keeping_graph(gm: Any, example_inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        kept = _graph_copy(gm)
+        out = original(gm, example_inputs, *args, **kwargs)
+        if kept is not None and type(out).__name__ == "CompiledFxGraph":
+            setattr(out, KEPT_GRAPH, kept)
+        return out
+
+    compile_fx._compile_fx_inner = compile_keeping_graph
+    cache = getattr(functorch_config, "enable_autograd_cache", None)
+    functorch_config.enable_autograd_cache = False
+
+    def undo() -> None:
+        compile_fx._compile_fx_inner = original
+        if cache is not None:
+            functorch_config.enable_autograd_cache = cache
+
+    return undo
+
+
+def _graph_copy(gm: Any) -> Any:
+    """A GraphModule over a deep copy of ``gm``'s graph (nodes keep their metadata), or None."""
+    import copy
+
+    import torch.fx
+
+    try:
+        return torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    except Exception as e:  # a graph that cannot be copied: the region is recorded whole
+        warn_once("compiled-graph-copy", f"a compiled graph could not be kept ({type(e).__name__}: {e}); "
+                  "its region is recorded whole, not node by node")
+        return None

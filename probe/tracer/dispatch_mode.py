@@ -75,6 +75,10 @@ class Tracer:
         self._step_recorded = False
         """This step is one of the ``steps`` and ``ranks`` recorded (``recording`` may be paused)."""
         self.records: list[OpRecordTuple] = []
+        self.opened_regions: list[tuple[str, int, int]] = []
+        """This step's compiled region ops whose graphs were re-run node by node, each node's ops
+        recorded in its module (``probe.tracer.region_replay``): (region op id, index of the
+        first op of the re-run, index after its last)."""
         self.values = ValueIndex()
         self._unwritten: set[int] = set()
         """Indices of this step's ops whose outputs are memory nothing has written yet."""
@@ -94,6 +98,7 @@ class Tracer:
         self.step = step
         self.rank = rank
         self.records = []
+        self.opened_regions = []
         self.values.clear()
         self._unwritten.clear()
         self.modules.reset_step()

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -275,6 +276,27 @@ class ModuleTracker:
         if self._regions:
             self._regions.pop()
         self.region = next((f for f in reversed(self._regions) if f is not None), None)
+
+    # -- compiled regions ------------------------------------------------------
+
+    def open_frame(self, fqn: str, parent: Frame) -> Frame:
+        """A frame for a call of ``fqn`` that no hook saw (a module inside a compiled region,
+        named by its graph's ``nn_module_stack``): the next call of that name in the step, a
+        child of ``parent``, found by backward ops and recompute like a hooked call."""
+        frame = Frame(fqn, self._next_call(fqn), parent)
+        parent.children.setdefault(fqn, []).append(frame)
+        self._last_call[fqn] = frame
+        return frame
+
+    @contextmanager
+    def speaking_for(self, frame: Frame) -> Iterator[None]:
+        """Ops routed inside belong to ``frame`` (as an engine region's do), whatever runs."""
+        self._regions.append(frame)
+        self.region = frame
+        try:
+            yield
+        finally:
+            self.exit_region()
 
     # -- per-op queries --------------------------------------------------------
 
