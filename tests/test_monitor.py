@@ -8,6 +8,7 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -403,3 +404,28 @@ def test_an_hf_model_output_is_monitored_as_its_first_field_without_a_warning(tm
     loss = float(output.loss)
     assert series[("", "output")].norm == pytest.approx(abs(loss), rel=1e-6)  # HF's output[0]: the loss
     assert series[("", "output_grad")].norm == pytest.approx(1.0)  # d loss / d loss
+
+
+def test_a_diverging_run_writes_tensorboard_values_past_float32_without_numpy_warnings(tmp_path):
+    """Outputs near float32's largest value: their fp64 norm is past float32's range. Before, the
+    TensorBoard writer's cast printed numpy's raw 'overflow encountered in cast'."""
+    import warnings
+
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    model = torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        model.weight.fill_(8e37)  # each output 3.2e38: finite in float32, their norm is not
+        model.bias.zero_()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with probe.mode("monitor", out=tmp_path / "run", model=model, targets=[""]) as session:
+            model(torch.ones(1, 4)).sum().backward()
+            session.step()
+    numpy_said = [str(w.message) for w in caught if "overflow" in str(w.message)]
+    assert not numpy_said, numpy_said
+    (row,) = [m for m in probe.load(tmp_path / "run").monitor(0) if m.slot == "output"]
+    assert row.norm == pytest.approx(float(torch.tensor([3.2e38, 3.2e38]).double().norm()), rel=1e-6)
+    events = event_accumulator.EventAccumulator(str(tmp_path / "run" / "rank0" / "tensorboard"))
+    events.Reload()
+    (written,) = events.Scalars("activation/<model>/output/norm")
+    assert written.value == float(np.finfo(np.float32).max)  # clipped on purpose: the chart shows the climb

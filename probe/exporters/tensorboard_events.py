@@ -74,14 +74,17 @@ class ScalarEventWriter:
     def add_scalars(self, step: int, tags: Sequence[str], values: Sequence[float] | np.ndarray,
                     wall_time: float | None = None) -> None:
         """One event at ``step`` holding each tag's value (stored as float32, as ``add_scalar`` stores
-        them): the values are placed into cached bytes, not encoded one by one."""
+        them): the values are placed into cached bytes, not encoded one by one. A finite value past
+        float32's range (a diverging run's fp64 norm) is written as float32's largest value of its
+        sign, so the chart shows the climb instead of a gap (TensorBoard does not plot an Inf); the
+        monitor's CSV keeps the exact value. NaN and Inf stay what they are."""
         if len(tags) != len(values):
             raise ValueError(f"add_scalars: {len(tags)} tags for {len(values)} values")
         if not len(tags):
             return
         template, offsets = self._summary_layout(tuple(tags))
         summary = np.frombuffer(template, dtype=np.uint8).copy()
-        summary[offsets] = np.asarray(values, dtype="<f4").view(np.uint8).reshape(-1, 4)
+        summary[offsets] = _as_float32(values).view(np.uint8).reshape(-1, 4)
         self._file.write(record(_event(time.time() if wall_time is None else wall_time, step,
                                        summary=summary.tobytes())))
 
@@ -98,3 +101,16 @@ class ScalarEventWriter:
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _as_float32(values: Sequence[float] | np.ndarray) -> np.ndarray:
+    """``values`` as little-endian float32, finite values past its range clipped to its largest
+    (an explicit choice, where a plain cast would make them Inf with numpy's overflow warning)."""
+    wide = np.asarray(values, dtype=np.float64)
+    beyond = np.isfinite(wide) & (np.abs(wide) > _FLOAT32_MAX)
+    if beyond.any():
+        wide = np.where(beyond, np.copysign(_FLOAT32_MAX, wide), wide)
+    return wide.astype("<f4")
