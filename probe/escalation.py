@@ -43,14 +43,13 @@ from pathlib import Path
 from typing import Any
 
 from probe.errors import ProbeError, warn_once
+from probe.lifecycle import build_modes, start_modes, traced
 from probe.modes.anomaly import Anomaly, anomaly_json
 from probe.modes.base import OpObserver, SessionPlugin
 from probe.modes.monitor import MonitorMode
 from probe.modes.registry import MODES
 from probe.rundir import layout
-from probe.tracer import mode_stack
-from probe.tracer.compat import compiled_regions_eager
-from probe.tracer.dispatch_mode import ProbeDispatchMode, Tracer
+from probe.tracer.dispatch_mode import Tracer
 from probe.tracer.op_call import OpCall
 from probe.vocabulary.option_values import Options
 
@@ -145,11 +144,7 @@ class Escalation:
         return cls(monitor, options)
 
     def _build(self) -> list[SessionPlugin]:
-        built = []
-        for name in self.trace_modes:
-            cls = MODES[name]
-            built.append(cls(**{k: v for k, v in self.trace_options.items() if k in cls.option_names}))
-        return built
+        return build_modes(self.trace_modes, self.trace_options)
 
     # -- session ---------------------------------------------------------------------
 
@@ -211,15 +206,8 @@ class Escalation:
         self._spare = None
         armed = ExitStack()
         try:
-            for mode in modes:
-                mode.start(self._out, self._rank)
-                mode.attach(self.options.model, self._out, self._rank)
-            tracer.modules.install()
-            armed.callback(tracer.modules.uninstall)
-            armed.enter_context(compiled_regions_eager(self.options.compiled))
-            dispatch = ProbeDispatchMode(tracer)
-            mode_stack.push_under(dispatch)
-            armed.callback(self._take_off, dispatch)
+            start_modes(modes, self.options.model, self._out, self._rank)
+            traced(armed, tracer, self.options.compiled, under_others=True)
         except Exception as e:  # training goes on, monitored
             with suppress(Exception):
                 armed.close()
@@ -237,12 +225,6 @@ class Escalation:
         steps = f"step {step}" if window.first == window.last else f"steps {window.first}-{window.last}"
         log.warning("probe monitor: tracing %s with %s after the incident at %s", steps,
                     list(self.trace_modes), causes)
-
-    @staticmethod
-    def _take_off(dispatch: ProbeDispatchMode) -> None:
-        if not mode_stack.remove(dispatch):
-            warn_once("escalation-popped", "probe monitor: the tracer's dispatch mode was taken off the "
-                      "stack by someone else (a dispatch mode exited out of order)")
 
     def _disarm(self, step: int) -> None:
         """Take the tracer off; the window's modes are closed once its last step is on disk."""

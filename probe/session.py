@@ -35,9 +35,10 @@ import torch
 
 from probe.errors import ProbeError, warn_once
 from probe.escalation import Escalation
+from probe.lifecycle import build_modes, start_modes, traced
 from probe.modes.base import OpObserver, SessionPlugin, StepResult
 from probe.modes.checksums import plugin_for as checksums_plugin_for
-from probe.modes.registry import MODES, mode_option_names
+from probe.modes.registry import mode_option_names
 from probe.npu import read_and_clear_overflow_flag
 from probe.options import Options, parse_options, show
 from probe.rundir import layout
@@ -45,8 +46,8 @@ from probe.rundir.background import BackgroundWriter
 from probe.rundir.op_records import encode
 from probe.rundir.writer import RunWriter
 from probe.seeding import seeded
-from probe.tracer.compat import check_dispatch_features, compiled_regions_eager
-from probe.tracer.dispatch_mode import ProbeDispatchMode, Tracer
+from probe.tracer.compat import check_dispatch_features
+from probe.tracer.dispatch_mode import Tracer
 from probe.tracer.mode_stack import untraced
 from probe.tracer.op_call import RECORD_CALLSITE, RECORD_MODULE, RECORD_PHASE, OpRecordTuple
 from probe.tracer.rank import current_rank, process_info
@@ -60,11 +61,7 @@ def default_out_dir() -> Path:
 
 
 def _build_modes(options: Options) -> list[SessionPlugin]:
-    modes = []
-    for name in options.modes:
-        cls = MODES[name]
-        kwargs = {k: v for k, v in options.mode_options.items() if k in cls.option_names}
-        modes.append(cls(**kwargs))
+    modes = build_modes(options.modes, options.mode_options)
     # With model=: what each step started from (weights, inputs, RNG), for probe compare.
     implicit = checksums_plugin_for(options, modes)
     if implicit is not None:
@@ -156,9 +153,7 @@ class Session:
         stack = ExitStack()
         try:
             if self._writer is not None:
-                for mode in self.modes:
-                    mode.start(self.out, rank)
-                    mode.attach(self.options.model, self.out, rank)
+                start_modes(self.modes, self.options.model, self.out, rank)
             if self._writer is not None and self.options.async_flush:
                 self._background = BackgroundWriter(max_pending=1)
                 stack.callback(self._background.close)
@@ -167,10 +162,7 @@ class Session:
                 stack.callback(self._escalation.disarm)  # before the writer's close: LIFO
             # An unselected rank runs its steps untraced: no dispatch mode, no hooks.
             if self._writer is not None and self._observers:
-                tracer.modules.install()
-                stack.callback(tracer.modules.uninstall)
-                stack.enter_context(compiled_regions_eager(self.options.compiled, self._compiled_ran_eagerly))
-                stack.enter_context(ProbeDispatchMode(tracer))
+                traced(stack, tracer, self.options.compiled, self._compiled_ran_eagerly)
         except BaseException:
             # The failure to start is the one to report.
             with contextlib.suppress(BaseException):

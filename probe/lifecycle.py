@@ -1,0 +1,62 @@
+"""The one way per-op tracing is turned on and off, shared by the session and escalation.
+
+A session traces from its start; escalation turns the same tracing on in the middle of a
+monitored run, after an anomaly. Both make their modes from names and options, start them on
+the run directory, and put the tracer's pieces in place in one order: the module tracker's
+hooks, compiled regions run eagerly (or kept), the dispatch mode. Taking them off is the
+reverse, through the ``ExitStack`` :func:`traced` fills.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from probe.errors import warn_once
+from probe.modes.base import SessionPlugin
+from probe.modes.registry import MODES
+from probe.tracer import mode_stack
+from probe.tracer.compat import compiled_regions_eager
+from probe.tracer.dispatch_mode import ProbeDispatchMode, Tracer
+
+
+def build_modes(names: Iterable[str], options: Mapping[str, Any]) -> list[SessionPlugin]:
+    """Each named mode, made with the options it takes (its ``option_names``) from ``options``."""
+    built = []
+    for name in names:
+        cls = MODES[name]
+        built.append(cls(**{k: v for k, v in options.items() if k in cls.option_names}))
+    return built
+
+
+def start_modes(modes: Iterable[SessionPlugin], model: Any, out: Path, rank: int) -> None:
+    """Each mode opens its files in the run directory and attaches to the model (its hooks)."""
+    for mode in modes:
+        mode.start(out, rank)
+        mode.attach(model, out, rank)
+
+
+def traced(stack: ExitStack, tracer: Tracer, compiled: str,
+           on_eager: Callable[[], None] | None = None, under_others: bool = False) -> None:
+    """Put ``tracer`` in place, registering its removal on ``stack``.
+
+    ``under_others``: the dispatch mode goes beneath the modes already on the stack (escalation
+    arms it while the user's own dispatch modes may be active), and is taken out from there;
+    otherwise it is entered on top, as a ``with`` block would."""
+    tracer.modules.install()
+    stack.callback(tracer.modules.uninstall)
+    stack.enter_context(compiled_regions_eager(compiled, on_eager))
+    dispatch = ProbeDispatchMode(tracer)
+    if under_others:
+        mode_stack.push_under(dispatch)
+        stack.callback(_take_out, dispatch)
+    else:
+        stack.enter_context(dispatch)
+
+
+def _take_out(dispatch: ProbeDispatchMode) -> None:
+    if not mode_stack.remove(dispatch):
+        warn_once("escalation-popped", "probe: the tracer's dispatch mode was taken off the stack by someone "
+                  "else (a dispatch mode exited out of order)")
