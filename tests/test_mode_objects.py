@@ -64,7 +64,7 @@ def test_an_object_alone_and_a_name_beside_objects_are_accepted(tmp_path):
 def test_an_option_the_mode_does_not_take_is_refused_where_it_is_given():
     with pytest.raises(probe.ProbeError, match=r"Stats: unknown option\(s\) \['targets'\] for mode 'stats'"):
         probe.Stats(targets=["layers.*"])
-    with pytest.raises(probe.ProbeError, match="Dump: unknown option.*'perturb'.*accepted: .*'tensors'"):
+    with pytest.raises(probe.ProbeError, match=r"Dump: unknown option.*'perturb'.*accepted: .*'tensors'"):
         probe.Dump(perturb="add_noise")
 
 
@@ -78,7 +78,8 @@ def test_a_bad_value_is_refused_by_the_same_validator_as_the_flat_form(tmp_path)
 
 
 def test_an_option_given_twice_with_different_values_is_refused_naming_both(tmp_path):
-    with pytest.raises(probe.ProbeError, match=r"option 'inputs' given twice .*keyword.*Stats\(inputs=False\)"):
+    given_twice = r"option 'inputs' given twice .*keyword.*Stats\(inputs=False\)"
+    with pytest.raises(probe.ProbeError, match=given_twice):
         probe.mode([probe.Stats(inputs=False)], out=tmp_path / "a", inputs=True)
     # distribution configures the stats mode and the monitor: one value per option name.
     with pytest.raises(probe.ProbeError, match="option 'distribution' given twice"):
