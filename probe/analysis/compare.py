@@ -504,6 +504,8 @@ def _called_otherwise(side_a: _Side, side_b: _Side, c: OpComparison) -> str | No
     assert c.a is not None and c.b is not None
     if side_a.dump is None or side_b.dump is None or not c.a.inputs or len(c.a.inputs) != len(c.b.inputs):
         return None
+    if [t.dtype for t in c.a.outputs] != [t.dtype for t in c.b.outputs]:
+        return None  # a result in another dtype is called with that dtype's numbers (its finfo.min)
     for position in range(len(c.a.inputs)):
         data_a, _ = side_a.data(c.a, "input", position)
         data_b, _ = side_b.data(c.b, "input", position)
