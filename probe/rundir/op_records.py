@@ -6,7 +6,9 @@ compact arrays (the tracer's tuples): an input is ``[dtype, shape, source]`` whe
 source is ``[producer index, output position, exact]`` or null; an output is
 ``[dtype, shape, mutated]``. Optional fields are left out at their default:
 ``site`` (call site id), ``group`` (a collective's ``{"size", "name", "ranks"}``)
-and ``skip`` (``[io, position, reason]`` of tensors the tracer could not key).
+``skip`` (``[io, position, reason]`` of tensors the tracer could not key) and ``layout`` (a
+local op that ran for a DTensor op: ``{"of", "role", "mesh": {"shape", "names", "ranks"},
+"in", "out"}``, placements one string per mesh dim, null for a plain tensor).
 """
 
 from __future__ import annotations
@@ -105,6 +107,40 @@ def _skipped(value: Any) -> tuple[tuple[str, int, str], ...]:
     return tuple(skipped)
 
 
+_LAYOUT_FORM = ('{"of": str, "role": "compute" or "redistribute", "mesh": {"shape": [int], "names": '
+                '[str] or null, "ranks": [int]}, "in": [[str] or null], "out": [[str] or null]}')
+
+
+def layout_record(layout: tuple) -> dict[str, Any]:
+    """The JSON form of a layout (also what ``OpRecord.layout`` holds)."""
+    of, role, (shape, names, ranks), ins, outs = layout
+    return {"of": of, "role": role,
+            "mesh": {"shape": list(shape), "names": None if names is None else list(names),
+                     "ranks": list(ranks)},
+            "in": [None if p is None else list(p) for p in ins],
+            "out": [None if p is None else list(p) for p in outs]}
+
+
+def _placements(value: Any) -> tuple[tuple[str, ...] | None, ...]:
+    if type(value) is not list:
+        raise _BadValue(_LAYOUT_FORM)
+    return tuple(None if p is None else _strs(p) for p in value)
+
+
+def _layout(value: Any) -> tuple:
+    try:
+        mesh = value["mesh"]
+        names = mesh["names"]
+        layout = (_str(value["of"]), _str(value["role"]),
+                  (_shape(mesh["shape"]), None if names is None else _strs(names), _shape(mesh["ranks"])),
+                  _placements(value["in"]), _placements(value["out"]))
+    except (_BadValue, KeyError, TypeError):
+        raise _BadValue(_LAYOUT_FORM) from None
+    if layout[1] not in ("compute", "redistribute"):
+        raise _BadValue(_LAYOUT_FORM)
+    return layout
+
+
 def _as_is(value: Any) -> Any:
     return value
 
@@ -118,6 +154,7 @@ CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
     "outputs": (_as_is, _outputs),
     "group": (_encode_group, _group),
     "skipped": (_as_is, _skipped),
+    "layout": (layout_record, _layout),
 }
 
 _FIELDS = tuple(

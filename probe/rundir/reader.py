@@ -55,6 +55,7 @@ from probe.rundir.mode_files import (  # the modes sit above: their readers are 
 )
 from probe.rundir.op_graph import build_graph
 from probe.rundir.op_records import decode as decode_op_record
+from probe.rundir.op_records import layout_record as encode_layout
 from probe.rundir.rank_origin import RankOrigin, rank_origin
 from probe.rundir.reading import (
     INDEX_LIMIT,
@@ -559,7 +560,7 @@ class Run:
             with reading(f"{ops_path}, line {number + 1}"):
                 row = parse_json(lines[number], "the record")
             try:  # decode checks every field and names the one that is wrong
-                index, op_id, name, phase, module, call, stack, ins, outs, site, group, skipped = \
+                index, op_id, name, phase, module, call, stack, ins, outs, site, group, skipped, placed = \
                     decode_op_record(row)
             except ProbeError as e:
                 raise ProbeError(f"cannot read {str(ops_path)!r}, line {number + 1}: {e}") from None
@@ -585,6 +586,7 @@ class Run:
                 stack=sites.get(str(site)) if site is not None else None,
                 group=None if group is None else {"size": group[0], "name": group[1],
                                                   "ranks": list(group[2])},
+                layout=None if placed is None else encode_layout(placed),
             )
 
         for number in range(len(lines)) if only is None else sorted(set(only)):

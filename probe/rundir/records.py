@@ -125,6 +125,11 @@ class OpRecord:
     """Python call site, outermost frame first (when recorded with ``stack=True``)."""
     group: dict[str, Any] | None = None
     """Collectives: their process group, ``{"size", "name", "ranks"}`` (global ranks)."""
+    layout: dict[str, Any] | None = None
+    """A local op that ran for a DTensor op: ``{"of": the DTensor op's name, "role": "compute" or
+    "redistribute", "mesh": {"shape", "names", "ranks"}, "in": [placements or None per tensor
+    input], "out": [... per result]}``; placements are one string per mesh dim (``"S(0)"``,
+    ``"R"``, ``"P(sum)"``). None for an op on plain tensors (and in runs written before it)."""
     fp8_scales: dict[str, dict[str, Any]] | None = None
     """fp8 ops (stats mode): the scales they were given, ``{argument: {"shape", "values", "min",
     "max"}}`` (``scale_a``, ``scale_b``, ``scale_result``, a float8 subclass input's ``_scale``)."""

@@ -18,11 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
 
 from probe.errors import warn_once
 from probe.tracer.call_sites import CallSites
 from probe.tracer.collectives import GroupCache, PendingCollectives, collective_outputs
+from probe.tracer.dtensor_layouts import LayoutLabeller, dtensor_class
 from probe.tracer.frames import Frame
 from probe.tracer.module_tracker import ModuleTracker
 from probe.tracer.observer import OpObserver
@@ -86,6 +87,7 @@ class Tracer:
         """Buffers an op with ``refills_buffers`` wrote, by ``id``: reallocated before each such
         op (outside any op), so a view of one taken before it holds garbage. Kept across steps."""
         self.groups = GroupCache()
+        self.layouts = LayoutLabeller()
         self.pending = PendingCollectives(self._finish)
         self._classes = OpClassCache(on_math_bit_view=self.values.track_math_bits)
         self._selected: dict[tuple[Any, str, str], bool] = {}
@@ -310,7 +312,7 @@ class Tracer:
             # In the order of OP_RECORD_FIELDS.
             self.records.append(
                 (index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack(),
-                 tuple(inputs), tuple(outputs), callsite, group, call.skipped)
+                 tuple(inputs), tuple(outputs), callsite, group, call.skipped, None)
             )
             return out
         except BaseException:
@@ -319,8 +321,26 @@ class Tracer:
             # step's files would point past its records, and the next op would reuse the index.
             if len(self.records) == index:
                 self.records.append((index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack(),
-                                     tuple(inputs), tuple(call.outputs), callsite, None, call.skipped))
+                                     tuple(inputs), tuple(call.outputs), callsite, None, call.skipped,
+                                     None))
             raise
+
+    def run_dtensor_op(self, mode: TorchDispatchMode, func: Any, args: tuple, kwargs: dict,
+                       dtensor: type) -> Any:
+        """A DTensor op (see ``probe.tracer.dtensor_layouts``): run by DTensor's own dispatch with
+        ``mode`` pushed back, so its local ops are recorded, then labelled with its layout."""
+        start = len(self.records)
+        records = self.records
+        mode._reentering = func  # type: ignore[attr-defined]
+        _push_mode(mode)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            _pop_mode()
+            mode._reentering = None  # type: ignore[attr-defined]
+        if records is self.records and len(records) > start:  # the same step, and it recorded ops
+            self.layouts.label(records, start, self._classes[func].name, args, kwargs, out, dtensor)
+        return out
 
     def _is_refilled(self, t: torch.Tensor) -> bool:
         known = self._refilled.get(id(t))
@@ -382,6 +402,8 @@ class ProbeDispatchMode(TorchDispatchMode):
     def __init__(self, tracer: Tracer) -> None:
         super().__init__()
         self.tracer = tracer
+        self._reentering: Any = None
+        """The DTensor op the tracer is running now, until its re-entry reaches this mode."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -404,7 +426,15 @@ class ProbeDispatchMode(TorchDispatchMode):
                 if issubclass(t, FakeTensor):
                     return func(*args, **kwargs)
                 # Other subclasses (DTensor) unwrap themselves; the plain local
-                # ops they issue come back through this mode.
+                # ops they issue come back through this mode. A DTensor op is run from here
+                # once, to label its local ops with its placements (the re-entry of that same
+                # call goes on to DTensor).
+                if self._reentering is func:
+                    self._reentering = None
+                    return NotImplemented
+                dtensor = dtensor_class()
+                if dtensor is not None and self.tracer.recording and issubclass(t, dtensor):
+                    return self.tracer.run_dtensor_op(self, func, args, kwargs or {}, dtensor)
                 return NotImplemented
         for key in _TRACING_MODE_KEYS:
             if _get_infra_mode(key) is not None:

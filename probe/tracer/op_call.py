@@ -35,6 +35,19 @@ OutputMeta = tuple[str, tuple[int, ...], bool]
 GroupMeta = tuple[int, str, tuple[int, ...]]
 """A collective's process group: ``(size, group name, global ranks)``."""
 
+MeshMeta = tuple[tuple[int, ...], tuple[str, ...] | None, tuple[int, ...]]
+"""A DTensor device mesh: ``(shape, dim names or None, global ranks in mesh order, flattened)``."""
+
+Placements = tuple[str, ...] | None
+"""One tensor's DTensor placements, one per mesh dim (``"S(0)"``, ``"R"``, ``"P(sum)"``), or
+None for a plain tensor argument of a DTensor op."""
+
+LayoutMeta = tuple[str, str, MeshMeta, tuple[Placements, ...], tuple[Placements, ...]]
+"""A local op that ran for a DTensor op (``probe.tracer.dtensor_layouts``): ``(the DTensor op's
+name, role, mesh, its tensor inputs' placements, its results' placements)``; role is
+``"compute"`` (the local op that computes the DTensor op) or ``"redistribute"`` (a local op
+DTensor ran to change an input's layout first)."""
+
 Skipped = tuple[str, int, str]
 """A tensor the tracer could not key: ``("in" or "out", position, reason)``. It has no
 source, registers no value, and gets no statistics or dump; ``reason`` is one of
@@ -74,6 +87,7 @@ OP_RECORD_FIELDS: tuple[RecordField, ...] = (
     RecordField("callsite", "site", "int", default=None),
     RecordField("group", "group", "group", default=None),
     RecordField("skipped", "skip", "skipped", default=()),
+    RecordField("layout", "layout", "layout", default=None),
 )
 """The op record's fields in tuple order. Adding one: append it here (optional, so older
 runs still load), build it in ``Tracer._record`` in the same position."""
@@ -83,10 +97,11 @@ RECORD_PHASE = RECORD_FIELD_INDEX["phase"]
 RECORD_MODULE = RECORD_FIELD_INDEX["module"]
 RECORD_CALLSITE = RECORD_FIELD_INDEX["callsite"]
 RECORD_SKIPPED = RECORD_FIELD_INDEX["skipped"]
+RECORD_LAYOUT = RECORD_FIELD_INDEX["layout"]
 
 OpRecordTuple = tuple[
     int, str, str, str, str, int, tuple[str, ...], tuple[InputMeta, ...], tuple[OutputMeta, ...],
-    int | None, GroupMeta | None, tuple[Skipped, ...],
+    int | None, GroupMeta | None, tuple[Skipped, ...], LayoutMeta | None,
 ]
 """What the tracer keeps of an op until the step is written, fields as in
 :data:`OP_RECORD_FIELDS`. Only strings, numbers and tuples of them: the garbage
