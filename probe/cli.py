@@ -366,7 +366,34 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--rank", help="rank (default: the first)")
     replay.add_argument("--top", type=int, default=20, help="rows of the ranking (default 20)")
     replay.set_defaults(func=_cmd_replay)
+    repro = sub.add_parser("repro", help="reduce a compiled region to a standalone script that "
+                           "fails compiled and passes eager")
+    repro.add_argument("run", help="run directory (compiled='keep', compiled_inputs=True)")
+    repro.add_argument("op_id", help="the compiled region op (compiled.<function>)")
+    repro.add_argument("-o", "--output", required=True, help="the script to write (its inputs go beside it)")
+    repro.add_argument("--step", type=int, help="step (default: the first that recorded the region's inputs)")
+    repro.set_defaults(func=_cmd_repro)
     return parser
+
+
+def _cmd_repro(args: argparse.Namespace, console: Console) -> int:
+    from probe.analysis.compiled_judge import load_region, region_calls
+    from probe.analysis.repro import reduce_region, write_script
+    from probe.rundir.reader import Run
+
+    run = Run(args.run)
+    calls = region_calls(run, args.op_id, args.step)
+    if not calls:
+        raise ProbeError(f"{args.run!r} recorded no inputs of compiled region {args.op_id!r}"
+                         + (f" in step {args.step}" if args.step is not None else "")
+                         + " (record with compiled='keep', compiled_inputs=True)")
+    step, rank = calls[0]
+    region = load_region(run, step, rank, args.op_id)
+    reduction = reduce_region(region)
+    path = write_script(region, reduction, Path(args.output), str(run.path))
+    console.print(f"wrote {path} ({len(reduction.nodes)} graph node(s): {', '.join(reduction.nodes)}; "
+                  f"{reduction.compiles} Inductor compiles); it fails compiled and passes with --eager")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,6 +51,7 @@ from probe.tracer.dispatch_mode import Tracer
 from probe.tracer.mode_stack import untraced
 from probe.tracer.op_call import RECORD_CALLSITE, RECORD_MODULE, RECORD_PHASE, OpRecordTuple
 from probe.tracer.rank import current_rank, process_info
+from probe.tracer.region_files import RegionFiles
 from probe.version import __version__
 
 _active: Session | None = None
@@ -135,6 +136,9 @@ class Session:
         self._check_collectives_on_every_rank(process["world_size"])
         escalated = [self._escalation.observer] if self._escalation is not None else []
         tracer = Tracer(self.options, self._observers + escalated, rank)
+        if self.options.compiled == "keep":
+            tracer.region_files = RegionFiles(self.out, rank, self.options.compiled_inputs
+                                              or "dump" in self.options.modes)
         if rank in self.options.ranks:
             # Locks the rank directory and writes its first files: an unwritable directory
             # is a ProbeError here, before anything is traced.
@@ -496,6 +500,8 @@ class Session:
         if tracer.opened_regions:
             manifest[layout.COMPILED_OPENED_KEY] = {op_id: [start, end] for op_id, start, end
                                                     in tracer.opened_regions}
+        if tracer.region_files is not None and (region_files := tracer.region_files.take(step)):
+            manifest[layout.COMPILED_FILES_KEY] = region_files
         npu_overflow = read_and_clear_overflow_flag()
         if npu_overflow is not None:
             manifest["npu_overflow"] = npu_overflow

@@ -39,9 +39,17 @@ def not_observed_note(run: Run, label: str) -> str | None:
 
 
 def compare_notes(run_a: Run, run_b: Run) -> list[str]:
-    """The notes a comparison's conclusion carries about compiled code, run A's then run B's."""
-    return [note for run, label in ((run_a, "run A"), (run_b, "run B"))
-            if (note := not_observed_note(run, label)) is not None]
+    """The notes a comparison's conclusion carries about compiled code, run A's then run B's: code
+    that ran eagerly, and compiled regions judged against eager and fp64 on their recorded inputs
+    (``probe.analysis.compiled_judge``)."""
+    from probe.analysis.compiled_judge import verdict_note
+
+    notes = []
+    for run, label in ((run_a, "run A"), (run_b, "run B")):
+        for note in (not_observed_note(run, label), verdict_note(run, label)):
+            if note is not None:
+                notes.append(note)
+    return notes
 
 
 def opened_regions(run: Run, step: int, rank: int) -> dict[str, range]:

@@ -58,6 +58,10 @@ and ran eagerly in the step; absent when none was. The numerics of compiled code
 COMPILED_OPENED_KEY = "compiled_regions_opened"
 """Step manifest entry (compiled="keep"): compiled region op id -> ``[first, end)``, the indices of
 the ops its graph's node-by-node re-run recorded, in the modules they came from; absent when none."""
+COMPILED_FILES_KEY = "compiled_region_files"
+"""Step manifest entry (compiled="keep"): compiled region op id -> ``{"graph": name, "tensors":
+path or null}``, its graph's files in ``rank<r>/compiled/`` and its recorded inputs and compiled
+outputs (``probe.rundir.region_graphs``); absent when none was written."""
 
 _RANK_RE = re.compile(r"rank(\d+)")
 _STEP_RE = re.compile(r"step(\d+)")

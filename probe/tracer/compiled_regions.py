@@ -174,8 +174,15 @@ def compiled_regions_recorded() -> Iterator[None]:
                 start = len(tracer.records)
                 replay.run(kept, held, frame, fx_kwargs.get("graph_id"), bool(fx_kwargs.get("is_backward")))
                 if start > recorded:  # the region op itself was recorded (selected)
-                    tracer.opened_regions.append((tracer.records[recorded][RECORD_ID], start,
-                                                  len(tracer.records)))
+                    op_id = tracer.records[recorded][RECORD_ID]
+                    tracer.opened_regions.append((op_id, start, len(tracer.records)))
+                    files = tracer.region_files
+                    if files is not None:
+                        backward = bool(fx_kwargs.get("is_backward"))
+                        name = files.graph_name(kept, region.info.name, backward,
+                                                replay.node_modules(kept, frame.fqn))
+                        if name is not None:
+                            files.record(tracer.step, op_id, name, held, out)
         return out
 
     replays: dict[int, RegionReplay] = {}

@@ -28,6 +28,7 @@ from probe.tracer.frames import Frame
 from probe.tracer.module_tracker import ModuleTracker
 from probe.tracer.observer import OpObserver
 from probe.tracer.op_call import InputMeta, OpCall, OpRecordTuple, OutputMeta, Skipped
+from probe.tracer.region_files import RegionFiles
 from probe.tracer.value_ids import UNKEYABLE_ERRORS, ValueIndex, unkeyable
 from probe.vocabulary.op_class import OpClass, OpClassCache
 from probe.vocabulary.op_tensors import tensors_in, tensors_out, written_tensors
@@ -80,6 +81,9 @@ class Tracer:
         """This step's compiled region ops whose graphs were re-run node by node, each node's ops
         recorded in its module (``probe.tracer.region_replay``): (region op id, index of the
         first op of the re-run, index after its last)."""
+        self.region_files: RegionFiles | None = None
+        """Where kept compiled region graphs (and, when asked, their tensors) are written; set by
+        the session under ``compiled="keep"``."""
         self.values = ValueIndex()
         self._unwritten: set[int] = set()
         """Indices of this step's ops whose outputs are memory nothing has written yet."""

@@ -97,6 +97,18 @@ class RegionReplay:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             interpreter.run(*inputs)
 
+    def node_modules(self, gm: torch.fx.GraphModule, region_fqn: str) -> dict[str, str | None]:
+        """Node name -> the FQN of the innermost module its ``nn_module_stack`` names (None: none
+        the run knows), as written beside the graph."""
+        modules: dict[str, str | None] = {}
+        for node in gm.graph.nodes:
+            fqn = None
+            for value in (node.meta.get("nn_module_stack") or {}).values():
+                path = value[0] if isinstance(value, tuple) and value and isinstance(value[0], str) else ""
+                fqn = self._resolver.fqn(module_path(path), region_fqn) or fqn
+            modules[node.name] = fqn
+        return modules
+
     def frame_of(self, node: torch.fx.Node, frames: dict[str, Frame], region_frame: Frame,
                  opens: bool) -> Frame:
         stack = node.meta.get("nn_module_stack") or {}

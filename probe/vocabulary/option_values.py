@@ -251,6 +251,9 @@ class Options:
     phases: frozenset[str] = frozenset(PHASES)
     stack: bool = False
     compiled: str = "eager"
+    compiled_inputs: bool = False
+    """With ``compiled="keep"``: write each opened region call's inputs and compiled outputs (as
+    the dump mode does), for judging the region against eager and fp64 and ``probe repro``."""
     async_flush: bool = True
     hparams: dict[str, Any] | None = None
     checksums: frozenset[str] = DEFAULT_CHECKSUMS
