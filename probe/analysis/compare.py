@@ -39,6 +39,7 @@ import torch
 
 from probe.analysis import precision
 from probe.analysis.compiled_regions import compare_notes, opened_regions, replayed_ops
+from probe.analysis.layouts import layout_notes, logical_pair
 from probe.analysis.matching import Match, match_ops
 from probe.analysis.metrics import stats_metrics, tensor_metrics
 from probe.analysis.replay import recompute
@@ -1386,6 +1387,8 @@ def compare(
         raise ProbeError(f"replay_limit must be a non-negative int, got {replay_limit!r}")
     run_a = a if isinstance(a, Run) else Run(a)
     run_b = b if isinstance(b, Run) else Run(b)
+    # Runs over several ranks or with DTensor placements compare as logical ops (layouts.py).
+    run_a, run_b = logical_pair(run_a, run_b)
     missing: list[str] = []
     plan: dict[int, list[int]] = {}
     for rank in sorted(set(run_a.ranks) | set(run_b.ranks)):
@@ -1429,7 +1432,8 @@ def compare(
         results = [c for r, ss in plan.items()
                    for c in _compare_steps(run_a, run_b, ss, r, module_map, advance, replay_limit)]
     return Report(run_a.path, run_b.path, sorted(results, key=lambda s: (s.step, s.rank)), missing,
-                  identity(run_a, run_b, _readable_plan(plan, results)), compare_notes(run_a, run_b))
+                  identity(run_a, run_b, _readable_plan(plan, results)),
+                  compare_notes(run_a, run_b) + layout_notes(run_a, run_b))
 
 
 def _readable_plan(plan: dict[int, list[int]], results: list[StepComparison]) -> dict[int, list[int]]:

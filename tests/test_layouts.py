@@ -1,0 +1,185 @@
+"""One model, two layouts (issue 25): a small MLP trained 3 SGD steps in one process and with
+tensor parallelism (DTensor ColwiseParallel/RowwiseParallel, 2 ranks, gloo, CPU), same weights
+and data. The placements are recorded, the ranks' records fold into logical ops whose
+statistics are the single process's, and compare finds no divergence, or a halved shard at
+its module. The jobs are tests/distributed/tp_worker.py, recorded once for the module."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import probe
+from probe.analysis.layouts import LogicalRun, combine_stats, fold_step
+from probe.cli import main
+from probe.rundir.records import OpRecord, TensorRecord
+
+WORKER = Path(__file__).parent / "distributed" / "tp_worker.py"
+JOB_TIMEOUT_S = 300
+HALVED = "1.down"
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
+
+
+def _job(out: Path, *args: str, nproc: int = 0) -> None:
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc else []
+    command = [sys.executable, *launcher, str(WORKER), "--out", str(out), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"the job hung (killed after {JOB_TIMEOUT_S} s):\n{output[-3000:]}")
+    assert process.returncode == 0, f"the job failed:\n{output[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("layouts")
+    paths = {name: root / name for name in ("single", "tp2", "halved")}
+    _job(paths["single"], "--plan", "single")
+    _job(paths["tp2"], "--plan", "tp", nproc=2)
+    _job(paths["halved"], "--plan", "tp", "--halve", f"1:{HALVED}", nproc=2)
+    return paths
+
+
+def _op(run: probe.Run, op_id: str, step: int = 0, rank: int = 0) -> OpRecord:
+    return next(op for op in run.ops(step, rank) if op.id == op_id)
+
+
+def test_ops_on_dtensors_record_their_mesh_and_placements(runs):
+    tp = probe.load(runs["tp2"])
+    mesh = {"shape": [2], "names": ["tp"], "ranks": [0, 1]}
+    up = _op(tp, "forward:0.up[0]:aten.addmm.default:0")
+    assert up.layout == {"of": "aten.addmm.default", "role": "compute", "mesh": mesh,
+                         "in": [["S(0)"], ["R"], ["S(1)"]], "out": [["S(1)"]]}
+    assert up.outputs[0].shape == (8, 16)  # the local shard of (8, 32)
+    down = [op for op in tp.ops(0, 0) if op.module == "0.down" and op.phase == "forward"]
+    roles = {(op.name, op.layout["role"], tuple(map(tuple, op.layout["out"]))) for op in down if op.layout}
+    # RowwiseParallel: the replicated bias is divided locally to make it partial, then added.
+    assert ("aten.div.Tensor", "redistribute", (("P(sum)",),)) in roles
+    assert ("aten.addmm.default", "compute", (("P(sum)",),)) in roles
+    # The SGD update of a column-sharded weight, and the ops on plain tensors: no layout.
+    updates = [op for op in tp.ops(0, 1) if op.phase == "optimizer" and op.layout]
+    assert {tuple(op.layout["out"][0]) for op in updates} >= {("S(0)",), ("S(1)",), ("R",)}
+    assert _op(tp, "forward:0.act[0]:aten.gelu.default:0").layout is None
+    assert all(op.layout is None for op in probe.load(runs["single"]).ops(0, 0))  # read as before
+
+
+def test_folded_statistics_equal_the_single_process_ones(runs):
+    single, tp = probe.load(runs["single"]), probe.load(runs["tp2"])
+    for step in single.steps:
+        logical = {op.id: op for op in fold_step(tp, step).ops}
+        ops = single.ops(step, 0)
+        matched = [op for op in ops if op.id in logical]
+        assert len(matched) >= 0.95 * len(ops)
+        compared = 0
+        for op in matched:
+            for a, b in zip(op.outputs, logical[op.id].outputs, strict=True):
+                assert a.shape == b.shape, op.id
+                if a.stats is None:
+                    continue
+                assert b.stats is not None, op.id
+                for key in ("min", "max", "mean", "norm"):
+                    scale = max(abs(a.stats[key]), a.stats["norm"] / math.sqrt(max(math.prod(a.shape), 1)))
+                    assert abs(a.stats[key] - b.stats[key]) <= 1e-6 * scale, (op.id, key)
+                assert (a.stats["nan"], a.stats["inf"]) == (b.stats["nan"], b.stats["inf"])
+                compared += 1
+        assert compared > 50
+    # The partial sum of a RowwiseParallel addmm takes the all-reduced value's statistics.
+    partial = {op.id: op for op in fold_step(tp, 0).ops}["forward:0.down[0]:aten.addmm.default:0"]
+    reference = _op(single, "forward:0.down[0]:aten.addmm.default:0")
+    assert partial.outputs[0].stats["norm"] == pytest.approx(reference.outputs[0].stats["norm"], rel=1e-6)
+    assert LogicalRun(tp).findings() == []  # every replica agrees
+
+
+def test_single_process_and_tp2_compare_as_logical_ops(runs, capsys):
+    report = probe.compare(runs["single"], runs["tp2"])
+    assert report.first_divergence is None
+    assert report.counts["error"] == 0 and report.counts["pass"] > 150
+    assert report.conclusion.startswith("no divergence")
+    assert main(["compare", str(runs["single"]), str(runs["tp2"]), "--fail-on-divergence"]) == 0
+
+
+def test_a_halved_shard_is_the_first_divergence_at_its_module(runs, capsys):
+    for reference in ("single", "tp2"):
+        report = probe.compare(runs[reference], runs["halved"])
+        divergence = report.divergence
+        assert divergence is not None
+        assert (divergence.op.module, divergence.op.phase, report.first_divergence[0].step) == \
+            (HALVED, "forward", 0)
+        assert divergence.op.name == "aten.t.default"  # the first op reading the weight
+    assert main(["compare", str(runs["single"]), str(runs["halved"]), "--fail-on-divergence"]) == 1
+    assert HALVED in capsys.readouterr().out
+
+
+def test_shard_statistics_combine_exactly():
+    torch.manual_seed(0)
+    whole = torch.randn(6, 10, dtype=torch.float64)
+    whole[2, 3] = float("nan")
+
+    def stats(t: torch.Tensor) -> dict:
+        finite = t[t.isfinite()]
+        return {"min": finite.min().item(), "max": finite.max().item(), "mean": finite.mean().item(),
+                "norm": finite.norm().item(), "nan": int(t.isnan().sum()), "inf": 0}
+
+    for dim in (0, 1):
+        parts = [(stats(p), tuple(p.shape)) for p in whole.tensor_split(3, dim)]
+        combined = combine_stats(parts)
+        expected = stats(whole)
+        assert combined["min"] == expected["min"] and combined["max"] == expected["max"]
+        assert combined["norm"] == pytest.approx(expected["norm"], rel=1e-12)
+        assert combined["nan"] == 1
+    assert combine_stats([(None, (3,)), ({"min": 0.0}, (3,))]) is None
+
+
+class _Runs:
+    """Two ranks' records of one op, as a run would hand them (for the fold's unit tests)."""
+
+    path = Path("fake")
+    ranks = [0, 1]
+
+    def __init__(self, by_rank: dict[int, list[OpRecord]]) -> None:
+        self.by_rank = by_rank
+
+    def has_step(self, step: int, rank: int) -> bool:
+        return True
+
+    def ops(self, step: int, rank: int) -> list[OpRecord]:
+        return self.by_rank[rank]
+
+
+def _record(rank: int, stats: dict, shape: tuple[int, ...], layout: dict | None) -> OpRecord:
+    return OpRecord(0, "forward:m[0]:aten.mul.Tensor:0", "aten.mul.Tensor", "forward", "m", 0, [], 0, rank,
+                    inputs=[], outputs=[TensorRecord("float32", shape, stats)], layout=layout)
+
+
+def test_a_replica_that_disagrees_is_a_finding_and_shards_concatenate():
+    def layout(out: str) -> dict:
+        mesh = {"shape": [2], "names": None, "ranks": [0, 1]}
+        return {"of": "aten.mul.Tensor", "role": "compute", "mesh": mesh, "in": [], "out": [[out]]}
+
+    s0 = {"min": -1.0, "max": 2.0, "mean": 0.5, "norm": 3.0, "nan": 0, "inf": 0}
+    s1 = {"min": -3.0, "max": 1.0, "mean": -0.5, "norm": 4.0, "nan": 0, "inf": 1}
+    replicated = fold_step(_Runs({r: [_record(r, s, (4, 2), layout("R"))] for r, s in ((0, s0), (1, s1))}), 0)
+    assert [(f.rank, f.reference_rank, f.statistic) for f in replicated.findings] == [(1, 0, "min")]
+    assert replicated.ops[0].outputs[0].stats == s0 and replicated.ops[0].outputs[0].shape == (4, 2)
+    sharded = fold_step(_Runs({r: [_record(r, s, (4, 2), layout("S(1)"))] for r, s in ((0, s0), (1, s1))}), 0)
+    out = sharded.ops[0].outputs[0]
+    assert sharded.findings == [] and out.shape == (4, 4)
+    assert (out.stats["min"], out.stats["max"], out.stats["mean"], out.stats["norm"], out.stats["inf"]) == \
+        (-3.0, 2.0, 0.0, 5.0, 1)
+    partial = fold_step(_Runs({r: [_record(r, s, (4, 2), layout("P(sum)"))]
+                               for r, s in ((0, s0), (1, s1))}), 0)
+    assert partial.ops[0].outputs[0].stats is None  # known only once a collective reduces it
