@@ -11,10 +11,14 @@ table. Keys of blocks that belong to other tasks are ignored, as msprobe does.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from probe.errors import ProbeError, warn_once
-from probe.vocabulary.option_values import IntSet, parse_bool, show
+from probe.modes.free_benchmark import HANDLERS
+from probe.modes.perturbations import PERTURBATIONS
+from probe.vocabulary.option_values import IntSet, parse_bool, parse_choice, parse_int, show
 
 # msprobe task -> probe modes (and options the task implies)
 _TASKS: dict[str, tuple[list[str], dict[str, Any]]] = {
@@ -28,6 +32,14 @@ _FREE_BENCHMARK_KEYS = {
     "pert_mode": "perturb", "handler_type": "handler", "if_preheat": "preheat",
     "preheat_step": "preheat_steps", "max_sample": "max_sample",
 }
+# Each checked here, under the key the user wrote (the mode would name its own option instead).
+_FREE_BENCHMARK_VALUES: dict[str, Callable[[str, Any], Any]] = {
+    "pert_mode": lambda key, value: parse_choice(key, value, PERTURBATIONS),
+    "handler_type": lambda key, value: parse_choice(key, value, HANDLERS),
+    "if_preheat": parse_bool,
+    "preheat_step": lambda key, value: parse_int(key, value, 1),
+    "max_sample": lambda key, value: parse_int(key, value, 1),
+}
 _UNSUPPORTED_TASKS = {
     "overflow_check": "use task 'statistics' and run.first_nonfinite() instead",
     "run_ut": "single-op replay is a separate command (probe replay)",
@@ -37,6 +49,7 @@ _UNSUPPORTED_TASKS = {
     "diff_check": "use probe compare on two runs",
     "exception_dump": "it needs Ascend hardware",
 }
+_TASK_BLOCKS = frozenset(_TASKS) | frozenset(_UNSUPPORTED_TASKS)
 _IGNORED_WITH_WARNING = {
     "precision": "statistics are always accumulated in fp32 or wider",
     "risk_level": "every op is recorded whatever its risk level",
@@ -79,6 +92,18 @@ def _int_list(key: str, value: Any) -> Any:
     if not isinstance(value, list):
         raise ProbeError(f"msprobe config key {key!r}: expected a list like [0, '4-6'], got {show(value)}")
     IntSet.parse(key, value)  # refused here, under the msprobe key the user wrote
+    return value
+
+
+def _dump_path(value: Any) -> str:
+    """``dump_path``: a usable directory path, refused under this name (not as ``out``)."""
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise ProbeError(f"msprobe config key 'dump_path': expected a directory path, got {show(value)}")
+    try:
+        Path(value).is_symlink()  # a name too long for the filesystem fails here
+    except OSError as e:
+        raise ProbeError(f"msprobe config key 'dump_path': {show(value)} is not a usable path: "
+                         f"{e.strerror}") from None
     return value
 
 
@@ -132,13 +157,10 @@ def from_msprobe(config: dict[str, Any]) -> dict[str, Any]:
     modes, implied = _TASKS[task]
     options: dict[str, Any] = {"mode": list(modes), **implied}
     for key, value in config.items():
-        if key == "task" or (isinstance(value, dict) and key != task):
-            continue  # other tasks' blocks: msprobe ignores them too
+        if key == "task" or (key in _TASK_BLOCKS and key != task and isinstance(value, dict)):
+            continue  # other tasks' blocks: msprobe ignores them too (a dict under any other key is no block)
         if key == "dump_path":
-            if not isinstance(value, str) or not value:
-                raise ProbeError(f"msprobe config key 'dump_path': expected a directory path, "
-                                 f"got {show(value)}")
-            options["out"] = value
+            options["out"] = _dump_path(value)
         elif key == "rank":
             options["ranks"] = _int_list(key, value)
         elif key == "step":
@@ -170,7 +192,9 @@ def _task_block(task: str, block: dict[str, Any], options: dict[str, Any]) -> No
     modules: list[str] = []
     for key, value in block.items():
         if task == "free_benchmark" and key in _FREE_BENCHMARK_KEYS:
-            options[_FREE_BENCHMARK_KEYS[key]] = value
+            if value is not None:  # null: the default, as in msprobe
+                check = _FREE_BENCHMARK_VALUES[key]
+                options[_FREE_BENCHMARK_KEYS[key]] = check(f"free_benchmark.{key}", value)
         elif task == "free_benchmark" and key == "fuzz_stage":
             if value not in ("forward", "backward"):
                 raise ProbeError(f"msprobe fuzz_stage {show(value)} is not 'forward' or 'backward'")

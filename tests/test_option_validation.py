@@ -1,15 +1,17 @@
-"""Hostile option values: each is accepted (and then works) or is a ProbeError naming the option.
+"""Hostile option values: each is refused with a ProbeError naming the option, or accepted and honoured.
 
 Every option of ``probe.mode`` (the common ones and each registered mode's
 ``option_names``) is tried with wrong types, bools where ints are expected, extreme
 numbers, empty and nested containers, a recursive list, a generator and very long
 strings, directly and from JSON config files (ours, msprobe's and msprobe's monitor
-form). Never another exception type, never a hang, never a huge allocation.
+form). The tables below say, per option, which value classes are accepted: each of
+those must reach the session (the resolved value is read back from it), each other
+one must be refused naming the option. Never another exception type, never a hang,
+never a huge allocation.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
@@ -22,8 +24,9 @@ import torch
 
 import probe
 from probe import ProbeError
+from probe.modes.monitor_config import SLOTS
 from probe.modes.registry import MODES
-from probe.options import _COMMON_KEYS, IntSet
+from probe.options import _COMMON_KEYS, DEFAULT_CHECKSUMS, PHASES, IntSet
 
 
 @pytest.fixture(autouse=True)
@@ -56,18 +59,120 @@ HOSTILE: dict[str, Callable[[], Any]] = {
     "big_range": lambda: range(10**12), "tensor": lambda: torch.ones(2), "dtype": lambda: torch.float16,
     "list_of_object": lambda: [object()], "list_of_float": lambda: [1.5], "list_of_bool": lambda: [True],
 }
+# The same classes, as JSON can write them ("none" is null).
 JSON_HOSTILE = {
-    "int": 5, "negative": -1, "huge": 10**30, "true": True, "false": False, "float": 1.5, "null": None,
+    "int": 5, "negative": -1, "huge": 10**30, "true": True, "false": False, "float": 1.5, "none": None,
     "empty_str": "", "truthy_str": "no", "false_str": "false", "long_str": "x" * 100_000,
     "big_range_str": "0-1000000000", "empty_list": [], "nested_list": [[1]], "list_of_null": [None],
     "dict": {"a": 1}, "empty_dict": {}, "list_of_dict": [{}],
 }
+
+# -- what each option accepts, and where the session shows it --------------------------------------
+
+_BOOL = frozenset({"true", "false"})
+_NONE = frozenset({"none"})
+_SHORT_STRS = frozenset({"big_range_str", "truthy_str", "negative_str", "false_str"})
+_INT_SET = frozenset({"none", "int", "zero", "huge", "set", "big_range", "big_range_str"})
+_GLOBS = _NONE | _SHORT_STRS | {"long_str"}  # any non-empty string is a glob
+
+ACCEPTED: dict[str, frozenset[str]] = {
+    # common options
+    "out": _NONE | _SHORT_STRS,  # a relative path; 100,000 characters is no usable path
+    "model": _NONE, "config": _NONE | {"empty_dict"}, "hparams": _NONE | {"dict", "empty_dict"},
+    "ops": _GLOBS, "modules": _GLOBS, "steps": _INT_SET, "ranks": _INT_SET,
+    "overwrite": _BOOL, "stack": _BOOL, "async_flush": _BOOL, "compiled_inputs": _BOOL, "checksums": _BOOL,
+    "phases": frozenset(), "compiled": frozenset(),
+    # stats (and the monitor's distribution/histogram)
+    "inputs": _BOOL, "distribution": _BOOL, "histogram": _BOOL, "saturation": _BOOL,
+    "stats_backend": frozenset(),
+    # dump
+    "checksum": _BOOL, "memory_budget": frozenset({"int"}), "shard_size": frozenset({"int", "huge"}),
+    "on_budget": frozenset(), "on_error": frozenset(), "tensors": frozenset(),
+    # free_benchmark
+    "preheat": _BOOL, "preheat_steps": frozenset({"int", "huge"}), "max_sample": frozenset({"int", "huge"}),
+    "max_checks_per_op": _NONE | {"int", "huge"}, "perturb": frozenset(), "handler": frozenset(),
+    # monitor
+    **{flag: _BOOL for flag in ("xy_distribution", "wg_distribution", "mv_distribution", "param_distribution",
+                                "ur_distribution", "forward_only", "backward_only", "reduce_ranks",
+                                "tensorboard")},
+    "eps": frozenset({"int", "zero", "huge", "float"}), "start_step": frozenset({"int", "zero", "huge"}),
+    "step_interval": frozenset({"int", "huge"}), "alert": frozenset({"empty_dict"}),
+    "anomaly_rules": frozenset({"empty_list"}), "scaler": _NONE,
+    "targets": frozenset(), "metrics": frozenset(), "module_ranks": frozenset(), "on_anomaly": frozenset(),
+    "trace_modes": frozenset(), "trace_options": frozenset(), "trace_steps": frozenset(),
+    "trace_limit": frozenset(),  # the trace_* options need on_anomaly='trace'
+    # upcast
+    "upcast_dtype": frozenset(),
+}
+
+_MONITOR_FIELDS = {"xy_distribution": "xy", "wg_distribution": "wg", "mv_distribution": "mv",
+                   "param_distribution": "param", "ur_distribution": "ur", "alert": "turbulence",
+                   "anomaly_rules": "user_rules"}
+_MODE_KEEPS_NO_ATTRIBUTE = {"distribution", "histogram", "saturation"}  # the stats mode's: read as given
+
+
+def _resolved(session: probe.Session, mode: str, key: str) -> Any:
+    """The value of ``key`` as the session will use it."""
+    if key in _COMMON_KEYS:
+        value = getattr(session.options, key)
+        return value.globs if key in ("ops", "modules") else value
+    if key == "config":
+        return session.options.modes
+    (built,) = [m for m in session.modes if m.name == mode]  # with model=, checksums is one too
+    if mode == "monitor":
+        return getattr(built.config, _MONITOR_FIELDS.get(key, key))
+    if key in _MODE_KEEPS_NO_ATTRIBUTE:
+        return session.options.mode_options[key]
+    return getattr(built, key)
+
+
+def _expected(key: str, given: Any) -> Any:
+    """What ``_resolved`` must show for an accepted value ``given``."""
+    if key == "out":
+        return None if given is None else Path(given)
+    if key in ("ops", "modules"):
+        return None if given is None else (given,)
+    if key == "checksums":
+        return DEFAULT_CHECKSUMS if given else frozenset()
+    if key == "config":
+        return ("stats",)
+    if key == "alert":
+        return None  # an alert block with no rules turns the default turbulence rule off
+    if key == "anomaly_rules":
+        return ()
+    if key == "eps":
+        return float(given)
+    return given
+
+
+# value class -> (a step the set holds, one it does not)
+_MEMBERS = {"int": (5, 4), "zero": (0, 1), "huge": (10**30, 0), "set": (1, 0),
+            "big_range": (10**12 - 1, 10**12), "big_range_str": (10**9, 10**9 + 1)}
+
+
+def _assert_honoured(session: probe.Session, mode: str, key: str, value: str, given: Any) -> None:
+    resolved = _resolved(session, mode, key)
+    if key in ("steps", "ranks"):
+        assert isinstance(resolved, IntSet)
+        if value == "none":
+            assert resolved.ranges is None, f"{key}={value}: {resolved}"
+        else:
+            held, not_held = _MEMBERS[value]
+            assert held in resolved and not_held not in resolved, f"{key}={value}: {resolved}"
+        return
+    expected = _expected(key, given)
+    assert resolved == expected and type(resolved) is type(expected), f"{key}={value}: {resolved!r}"
 
 
 def _mode_cases() -> list[tuple[str, str]]:
     cases = [("stats", key) for key in sorted(_COMMON_KEYS | {"config"})]
     cases += [(name, key) for name, cls in sorted(MODES.items()) for key in sorted(cls.option_names)]
     return cases
+
+
+def test_every_option_has_an_expectation():
+    """A new option must say which hostile values it accepts before the fuzz can judge it."""
+    assert {key for _, key in _mode_cases()} <= set(ACCEPTED)
 
 
 def _base(mode: str) -> dict[str, Any]:
@@ -91,97 +196,204 @@ def _use(session: probe.Session) -> None:
             session.step()
 
 
-def _try(mode: Any, kwargs: dict[str, Any], key: str) -> probe.Session | None:
-    try:
-        return probe.mode(mode, **kwargs)
-    except ProbeError as error:
-        assert _names_option(str(error), key), f"{key}: {error}"
-        return None
+def _outcome(make: Callable[[], probe.Session], key: str, accepted: bool, value: str) -> probe.Session | None:
+    """``make()`` returns a session when ``accepted``, else raises a ProbeError naming ``key``."""
+    if accepted:
+        return make()
+    with pytest.raises(ProbeError) as refused:
+        make()
+    assert _names_option(str(refused.value), key), f"{key}={value}: {refused.value}"
+    return None
 
 
 @pytest.mark.parametrize("value", sorted(HOSTILE))
 def test_hostile_modes_argument(tmp_path, value):
-    session = _try(HOSTILE[value](), {"out": tmp_path / "run"}, "mode")
-    assert session is None  # none of these names a mode
-    assert not (tmp_path / "run").exists()
+    _outcome(lambda: probe.mode(HOSTILE[value](), out=tmp_path / "run"), "mode", False, value)
+    assert not (tmp_path / "run").exists()  # none of these names a mode
 
 
 @pytest.mark.parametrize("value", sorted(HOSTILE))
 @pytest.mark.parametrize(("mode", "key"), _mode_cases())
 def test_hostile_option_value(tmp_path, monkeypatch, mode, key, value):
     monkeypatch.chdir(tmp_path)  # a relative out= lands here
-    kwargs = {"out": tmp_path / "run", **_base(mode), key: HOSTILE[value]()}
+    given = HOSTILE[value]()
+    kwargs = {"out": tmp_path / "run", **_base(mode), key: given}
     started = time.perf_counter()
-    session = _try(mode, kwargs, key)
+    session = _outcome(lambda: probe.mode(mode, **kwargs), key, value in ACCEPTED[key], value)
     assert time.perf_counter() - started < 2, "validation must not expand or walk the value"
     if session is None:
         assert not (tmp_path / "run").exists(), "a refused option must leave nothing behind"
-    elif key != "model":  # a model that is not the one trained would attribute nothing
+        return
+    _assert_honoured(session, mode, key, value, given)
+    if key != "model":  # a model that is not the one trained would attribute nothing
         _use(session)
 
 
 @pytest.mark.parametrize("value", sorted(JSON_HOSTILE))
 @pytest.mark.parametrize(("mode", "key"), [c for c in _mode_cases() if c[1] not in ("config", "model")])
-def test_hostile_value_in_a_config_file(tmp_path, mode, key, value):
+def test_hostile_value_in_a_config_file(tmp_path, monkeypatch, mode, key, value):
+    monkeypatch.chdir(tmp_path)  # a relative out lands here
     config = tmp_path / "config.json"
     base = {"targets": ["*"]} if mode == "monitor" else {}
     config.write_text(json.dumps({"mode": mode, **base, key: JSON_HOSTILE[value]}))
-    extra = {"model": torch.nn.Linear(2, 2)} if mode == "monitor" else {}
-    session = _try(None, {"config": config, "out": tmp_path / "run", **extra}, key)
+    extra: dict[str, Any] = {"model": torch.nn.Linear(2, 2)} if mode == "monitor" else {}
+    if key != "out":  # given directly it would win over the file's
+        extra["out"] = tmp_path / "run"
+    session = _outcome(lambda: probe.mode(config=config, **extra), key, value in ACCEPTED[key], value)
     if session is not None:
-        assert key not in _BOOL_OPTIONS or isinstance(JSON_HOSTILE[value], bool)
+        _assert_honoured(session, mode, key, value, JSON_HOSTILE[value])
 
 
-_BOOL_OPTIONS = {"overwrite", "stack", "async_flush", "inputs", "checksum", "preheat", "xy_distribution",
-                 "wg_distribution", "mv_distribution", "param_distribution", "ur_distribution",
-                 "forward_only", "backward_only", "reduce_ranks", "tensorboard"}
+# -- msprobe's config.json ------------------------------------------------------------------------
 
-_MSPROBE_KEYS = ["task", "dump_path", "rank", "step", "level", "async_dump", "extra_info", "statistics"]
-_MSPROBE_BLOCK_KEYS = ["scope", "list", "data_mode", "summary_mode", "pert_mode", "handler_type",
-                       "if_preheat", "preheat_step", "max_sample", "fuzz_stage", "fuzz_device", "fuzz_level"]
+def _mode_of(session: probe.Session, name: str) -> Any:
+    (built,) = [m for m in session.modes if m.name == name]
+    return built
+
+
+def _fb(name: str) -> Callable[[probe.Session], Any]:
+    return lambda session: getattr(_mode_of(session, "free_benchmark"), name)
+
+
+# msprobe key -> (value classes accepted, the session's reading of it, what an accepted value must give;
+# null means msprobe's default, as msprobe reads it)
+MSPROBE: dict[str, tuple[frozenset[str], Callable[[probe.Session], Any], Callable[[Any], Any]]] = {
+    "task": (frozenset(), lambda s: None, lambda v: None),
+    "dump_path": (_SHORT_STRS, lambda s: s.options.out, Path),  # relative: under the working directory
+    "rank": (frozenset({"none", "empty_list"}), lambda s: s.options.ranks.ranges, lambda v: None),
+    "step": (frozenset({"none", "empty_list"}), lambda s: s.options.steps.ranges, lambda v: None),
+    "level": (frozenset(), lambda s: None, lambda v: None),
+    "async_dump": (_BOOL, lambda s: s.options.async_flush, lambda v: v),
+    "extra_info": (_BOOL, lambda s: s.options.stack, lambda v: v),
+    "statistics": (frozenset({"empty_dict"}), lambda s: (s.options.modes, s.options.ops.globs),
+                   lambda v: (("stats",), None)),
+    "block.scope": (frozenset({"none", "empty_list"}),
+                    lambda s: (s.options.ops.globs, s.options.modules.globs), lambda v: (None, None)),
+    "block.list": (frozenset({"none", "empty_list", "big_range_str", "truthy_str", "false_str", "long_str"}),
+                   lambda s: s.options.ops.globs, lambda v: (f"*{v}*",) if v else None),
+    "block.data_mode": (frozenset({"none", "empty_list"}), lambda s: s.options.phases,
+                        lambda v: frozenset(PHASES)),
+    "block.summary_mode": (frozenset(), lambda s: None, lambda v: None),
+    "block.pert_mode": (_NONE, lambda s: _mode_of(s, "free_benchmark").perturbation.name,
+                        lambda v: "improve_precision"),
+    "block.handler_type": (_NONE, _fb("handler"), lambda v: "check"),
+    "block.if_preheat": (_BOOL | _NONE, _fb("preheat"), lambda v: bool(v)),
+    "block.preheat_step": (_NONE | {"int", "huge"}, _fb("preheat_steps"), lambda v: 15 if v is None else v),
+    "block.max_sample": (_NONE | {"int", "huge"}, _fb("max_sample"), lambda v: 20 if v is None else v),
+    "block.fuzz_stage": (frozenset(), lambda s: None, lambda v: None),
+    "block.fuzz_device": (frozenset(), lambda s: None, lambda v: None),
+    "block.fuzz_level": (frozenset(), lambda s: None, lambda v: None),
+}
 
 
 @pytest.mark.parametrize("value", sorted(JSON_HOSTILE))
-@pytest.mark.parametrize("key", _MSPROBE_KEYS + [f"block.{k}" for k in _MSPROBE_BLOCK_KEYS])
-def test_hostile_value_in_an_msprobe_config(tmp_path, key, value):
+@pytest.mark.parametrize("key", sorted(MSPROBE))
+def test_hostile_value_in_an_msprobe_config(tmp_path, monkeypatch, key, value):
+    monkeypatch.chdir(tmp_path)  # a relative dump_path lands here
     hostile = JSON_HOSTILE[value]
+    name = key.removeprefix("block.")
     if key.startswith("block."):
-        key = key.removeprefix("block.")
         config = {"task": "free_benchmark", "dump_path": str(tmp_path / "run"),
-                  "free_benchmark": {key: hostile}}
+                  "free_benchmark": {name: hostile}}
     else:
-        config = {"task": "statistics", "dump_path": str(tmp_path / "run"), key: hostile}
+        config = {"task": "statistics", "dump_path": str(tmp_path / "run"), name: hostile}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    with contextlib.suppress(ProbeError):
-        probe.mode(config=path)
+    accepted, read, expected = MSPROBE[key]
+    session = _outcome(lambda: probe.mode(config=path), name, value in accepted, value)
+    if session is not None:
+        assert read(session) == expected(hostile), f"{key}={value}: {read(session)!r}"
 
 
-_MONITOR_FILE_KEYS = ["targets", "module_ranks", "ops", "eps", "start_step", "step_interval", "alert",
-                      "xy_distribution", "format", "cc_distribution"]
+# -- msprobe's monitor config.json ----------------------------------------------------------------
+
+def _monitor(field: str) -> Callable[[probe.Session], Any]:
+    return lambda session: getattr(_mode_of(session, "monitor").config, field)
+
+
+def _targets(session: probe.Session) -> list[tuple[str, list[str]]]:
+    return [(t.pattern, sorted(t.slots)) for t in _mode_of(session, "monitor").config.targets]
+
+
+MONITOR_FILE: dict[str, tuple[frozenset[str], Callable[[probe.Session], Any], Callable[[Any], Any]]] = {
+    # empty or absent: msprobe's full monitoring, every slot of every module
+    "targets": (frozenset({"none", "empty_dict"}), _targets, lambda v: [("*", sorted(SLOTS))]),
+    "module_ranks": (frozenset({"none", "empty_list", "empty_str", "int", "huge", "big_range_str"}),
+                     lambda s: s.options.ranks, lambda v: IntSet.parse("ranks", v or None)),
+    "ops": (frozenset(), lambda s: None, lambda v: None),
+    "eps": (frozenset({"int", "huge", "float"}), _monitor("eps"), float),
+    "start_step": (frozenset({"int", "huge"}), _monitor("start_step"), lambda v: v),
+    "step_interval": (frozenset({"int", "huge"}), _monitor("step_interval"), lambda v: v),
+    "alert": (frozenset({"empty_dict"}), _monitor("turbulence"), lambda v: None),
+    "xy_distribution": (_BOOL, _monitor("xy"), lambda v: v),
+    "format": (frozenset(), lambda s: None, lambda v: None),  # ignored, but only one of msprobe's values
+    # not implemented: accepted only disabled, changing nothing
+    "cc_distribution": (frozenset({"none", "false", "empty_dict", "empty_list", "empty_str"}),
+                        lambda s: s.options.modes, lambda v: ("monitor",)),
+}
+
+
+@pytest.mark.parametrize("value", sorted(JSON_HOSTILE))
+@pytest.mark.parametrize("key", sorted(MONITOR_FILE))
+def test_hostile_value_in_a_monitor_config(tmp_path, key, value):
+    config: dict[str, Any] = {"targets": {"*": {"output": "tensor"}}, key: JSON_HOSTILE[value]}
+    path = tmp_path / "monitor.json"
+    path.write_text(json.dumps(config))
+    accepted, read, expected = MONITOR_FILE[key]
+    session = _outcome(lambda: probe.mode(config=path, out=tmp_path / "run", model=torch.nn.Linear(2, 2)),
+                       key, value in accepted, value)
+    if session is not None:
+        assert read(session) == expected(JSON_HOSTILE[value]), f"{key}={value}: {read(session)!r}"
+
+
 _HOSTILE_ALERTS = [
     {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": "x"}}]},
+    {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0}}]},
     {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"warmup": -1}}]},
     {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"decay": [1]}}]},
+    {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"decay": 1}}]},
     {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"kinds": [["weight"]]}}]},
+    {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"metrics": ["shape"]}}]},
     {"rules": [{"rule_name": "AnomalyTurbulence", "args": []}]},
+    {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"window": 3}}]},
     {"rules": [{"rule_name": ["AnomalyNan"]}]}, {"rules": [5]}, {"rules": {}}, {"dump": "yes"},
-    {"targets": {"*": {"output": "tuple[99999999999999]:0"}}},
+    {"rules": [], "email": "ops@example.com"},
 ]
 
 
-@pytest.mark.parametrize("value", sorted(JSON_HOSTILE) + [f"alert{i}" for i in range(len(_HOSTILE_ALERTS))])
-@pytest.mark.parametrize("key", _MONITOR_FILE_KEYS)
-def test_hostile_value_in_a_monitor_config(tmp_path, key, value):
-    config: dict[str, Any] = {"targets": {"*": {"output": "tensor"}}}
-    if value.startswith("alert"):
-        config.update(_HOSTILE_ALERTS[int(value.removeprefix("alert"))])
-    else:
-        config[key] = JSON_HOSTILE[value]
+@pytest.mark.parametrize("alert", range(len(_HOSTILE_ALERTS)))
+def test_hostile_alert_in_a_monitor_config(tmp_path, alert):
     path = tmp_path / "monitor.json"
-    path.write_text(json.dumps(config))
-    with contextlib.suppress(ProbeError):
+    path.write_text(json.dumps({"targets": {"*": {"output": "tensor"}}, "alert": _HOSTILE_ALERTS[alert]}))
+    with pytest.raises(ProbeError, match="alert") as refused:
         probe.mode(config=path, out=tmp_path / "run", model=torch.nn.Linear(2, 2))
+    assert not (tmp_path / "run").exists(), str(refused.value)
+
+
+def test_an_alert_in_a_monitor_config_is_honoured(tmp_path):
+    path = tmp_path / "monitor.json"
+    rule = {"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.5, "warmup": 2, "kinds": ["weight"]}}
+    path.write_text(json.dumps({"targets": {"*": {"output": "tensor"}},
+                                "alert": {"rules": [rule], "dump": True}}))
+    session = probe.mode(config=path, out=tmp_path / "run", model=torch.nn.Linear(2, 2))
+    turbulence = _mode_of(session, "monitor").config.turbulence
+    assert (turbulence.threshold, turbulence.warmup, turbulence.kinds) == (0.5, 2, ("weight",))
+
+
+def test_a_slot_spec_past_any_tuple_is_refused_naming_the_target(tmp_path):
+    path = tmp_path / "monitor.json"
+    path.write_text(json.dumps({"targets": {"*": {"output": "tuple[99999999999999]:0"}}}))
+    with pytest.raises(ProbeError, match=r"monitor target '\*' output"):
+        probe.mode(config=path, out=tmp_path / "run", model=torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("value", ["csv", "tensorboard", "api"])
+def test_msprobe_monitor_formats_are_accepted_and_ignored(tmp_path, value):
+    path = tmp_path / "monitor.json"
+    path.write_text(json.dumps({"targets": ["*"], "format": value}))
+    with pytest.warns(probe.ProbeWarning, match="'format' ignored"):
+        session = probe.mode(config=path, out=tmp_path / "run", model=torch.nn.Linear(2, 2))
+    assert session.options.modes == ("monitor",)
 
 
 @pytest.mark.parametrize(("content", "message"), [

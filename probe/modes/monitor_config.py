@@ -63,6 +63,8 @@ _IGNORED_KEYS = {
     "append_output": "each session writes its own run directory",
     "sa_order": "attention L2 features are not implemented",
 }
+_MSPROBE_FORMATS = ("tensorboard", "csv", "api")
+"""msprobe's ``format`` values: checked although ignored (another value is a mistake in the file)."""
 _UNSUPPORTED_KEYS = {
     "cc_distribution": "collective communication monitoring is not implemented",
     "mg_direction": "momentum/gradient direction is not implemented",
@@ -149,6 +151,8 @@ def from_msprobe_monitor(config: Mapping[str, Any]) -> dict[str, Any]:
         if key in ("targets", "all_xy"):
             continue
         if key in _IGNORED_KEYS:
+            if key == "format":
+                parse_choice("format", value, _MSPROBE_FORMATS)
             warn_once(f"monitor-key-{key}", f"msprobe monitor key {key!r} ignored: {_IGNORED_KEYS[key]}")
             continue
         if key == "ops":
