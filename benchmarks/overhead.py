@@ -20,6 +20,11 @@ Configurations (each trains its own model and optimizer, built from the same see
 - ``debugmode`` (with ``--peers``): inside torch's ``DebugMode`` (an op log), a peer
   measured in the same rounds (msprobe runs in its own venv: ``benchmarks.report``).
 
+Each row's overhead (its median minus the baseline's) is also given as a multiple of the
+passthrough's overhead (``x bare ovh``), in wall time and in the main thread's CPU time
+(``time.thread_time``: every dispatch mode's per-op work runs on the main thread, and a CPU
+clock counts none of the time other processes of a shared machine take from it).
+
 All run in one process, alternating step by step (one step of each configuration
 per round, the starting configuration rotating from round to round), so that
 drift of a shared machine reaches them alike. A probe
@@ -81,6 +86,19 @@ class Sample:
 
     seconds: float
     ops: int | None
+    cpu_seconds: float = 0.0
+    """The main thread's CPU time over the same span (``time.thread_time``)."""
+
+
+class Timer:
+    """Wall and main-thread CPU time of one span: ``start()``, then ``sample(ops)``."""
+
+    def start(self) -> None:
+        self._wall, self._cpu = time.perf_counter(), time.thread_time()
+
+    def sample(self, ops: int | None) -> Sample:
+        wall, cpu = time.perf_counter() - self._wall, time.thread_time() - self._cpu
+        return Sample(wall, ops, cpu)
 
 
 class Config(Protocol):
@@ -97,10 +115,11 @@ class Baseline:
     name: str = "baseline"
 
     def run_step(self, trainer: DemoTraining) -> Sample:
-        start = time.perf_counter()
+        timer = Timer()
+        timer.start()
         trainer.step()
         trainer.synchronize()
-        return Sample(time.perf_counter() - start, None)
+        return timer.sample(None)
 
 
 @dataclass(frozen=True)
@@ -108,12 +127,13 @@ class Passthrough:
     name: str = "passthrough"
 
     def run_step(self, trainer: DemoTraining) -> Sample:
+        timer = Timer()
         with CountingMode() as counter:
-            start = time.perf_counter()
+            timer.start()
             trainer.step()
             trainer.synchronize()
-            seconds = time.perf_counter() - start
-        return Sample(seconds, counter.ops)
+            sample = timer.sample(counter.ops)
+        return sample
 
 
 def recorded_ops(out: Path) -> int:
@@ -137,13 +157,14 @@ class ProbeConfig:
             # A session per step would charge the once-per-session parameter checksums of model=
             # to every step; benchmarks.checksums measures them on their own.
             options = {"checksums": False, **self.options}
+            timer = Timer()
             with probe.mode(self.mode, out=out, overwrite=True, model=trainer.model, **options) as session:
-                start = time.perf_counter()
+                timer.start()
                 trainer.step()
                 session.step()
                 trainer.synchronize()
-                seconds = time.perf_counter() - start
-            return Sample(seconds, recorded_ops(out))
+                sample = timer.sample(None)
+            return Sample(sample.seconds, recorded_ops(out), sample.cpu_seconds)
         finally:
             shutil.rmtree(out, ignore_errors=True)
 
@@ -157,12 +178,13 @@ class DebugModeConfig:
     def run_step(self, trainer: DemoTraining) -> Sample:
         from torch.utils._debug_mode import DebugMode
 
+        timer = Timer()
         with DebugMode():
-            start = time.perf_counter()
+            timer.start()
             trainer.step()
             trainer.synchronize()
-            seconds = time.perf_counter() - start
-        return Sample(seconds, None)
+            sample = timer.sample(None)
+        return sample
 
 
 # Every ratio is taken against these two, so a --configs selection always keeps them.
@@ -221,22 +243,42 @@ class Row:
     us_per_op: float | None = None
     per_routed_op: bool = False
     """``us_per_op`` is per op passed through, as this configuration recorded none."""
+    cpu_ms: float = 0.0
+    """Median main-thread CPU time."""
+    overhead_vs_bare: float | None = None
+    """(median - baseline median) / (passthrough median - baseline median), wall time;
+    None for the baseline and where the passthrough's overhead is not positive."""
+    cpu_overhead_vs_bare: float | None = None
+    """The same ratio in main-thread CPU time."""
+
+
+def overhead_ratio(value: float, baseline: float, bare: float) -> float | None:
+    """``value``'s overhead over ``baseline`` as a multiple of ``bare``'s."""
+    return (value - baseline) / (bare - baseline) if bare > baseline else None
 
 
 def summarize(samples: Mapping[str, list[Sample]]) -> list[Row]:
     medians = {name: statistics.median(s.seconds for s in runs) for name, runs in samples.items()}
+    cpu = {name: statistics.median(s.cpu_seconds for s in runs) for name, runs in samples.items()}
     passthrough_ops = samples[Passthrough.name][-1].ops
     return [
-        summary_row(name, runs, medians, passthrough_ops) for name, runs in samples.items()
+        summary_row(name, runs, medians, passthrough_ops, cpu) for name, runs in samples.items()
     ]
 
 
 def summary_row(
-    name: str, runs: list[Sample], medians: Mapping[str, float], passthrough_ops: int | None
+    name: str, runs: list[Sample], medians: Mapping[str, float], passthrough_ops: int | None,
+    cpu: Mapping[str, float] | None = None,
 ) -> Row:
-    """Times against baseline; for probe rows, the cost per op above the passthrough floor."""
+    """Times against baseline; overheads against the passthrough's; for probe rows, the cost
+    per op above the passthrough floor."""
     seconds = [s.seconds for s in runs]
     median, ops = medians[name], runs[-1].ops
+    cpu = cpu or {n: 0.0 for n in medians}
+    vs_bare = cpu_vs_bare = None
+    if name != Baseline.name:
+        vs_bare = overhead_ratio(median, medians[Baseline.name], medians[Passthrough.name])
+        cpu_vs_bare = overhead_ratio(cpu[name], cpu[Baseline.name], cpu[Passthrough.name])
     us_per_op, per_routed = None, False
     if name.startswith("probe-"):
         per_routed = not ops
@@ -246,6 +288,7 @@ def summary_row(
     return Row(
         name, 1e3 * median, 1e3 * min(seconds), 1e3 * max(seconds),
         median / medians[Baseline.name], ops, us_per_op, per_routed,
+        1e3 * cpu[name], vs_bare, cpu_vs_bare,
     )
 
 
@@ -274,7 +317,8 @@ def measure(
 # -- reporting ------------------------------------------------------------------
 
 COLUMNS = (
-    "config", "median ms", "min ms", "max ms", "x baseline", "ops/step", "us/op over passthrough"
+    "config", "median ms", "min ms", "max ms", "x baseline", "x bare ovh", "cpu ms",
+    "x bare ovh (cpu)", "ops/step", "us/op over passthrough",
 )
 ROUTED_MARK = "*"
 ROUTED_NOTE = (
@@ -288,6 +332,10 @@ def per_op_cell(row: Row) -> str:
     return f"{row.us_per_op:.1f}{ROUTED_MARK if row.per_routed_op else ''}"
 
 
+def ratio_cell(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
 def row_cells(row: Row) -> list[str]:
     return [
         row.name,
@@ -295,6 +343,9 @@ def row_cells(row: Row) -> list[str]:
         f"{row.min_ms:.1f}",
         f"{row.max_ms:.1f}",
         f"{row.ratio:.2f}",
+        ratio_cell(row.overhead_vs_bare),
+        f"{row.cpu_ms:.1f}",
+        ratio_cell(row.cpu_overhead_vs_bare),
         "" if row.ops is None else str(row.ops),
         per_op_cell(row),
     ]
