@@ -302,13 +302,25 @@ class _Folder:
         return self.fold_tensor(op, "output", 0, placements, mesh)
 
 
-def needs_folding(run: Run) -> bool:
-    """Whether a run records more than one rank, or ops on DTensors (placements)."""
-    if len(run.ranks) > 1:
-        return True
-    for step in run.steps_of(run.ranks[0])[:1] if run.ranks else []:
-        return any(op.layout is not None for op in run.ops(step, run.ranks[0]))
-    return False
+def _plan(run: Run) -> tuple:
+    """The run's parallel layout, as far as compare needs it: its ranks and the placements its
+    lead rank's first step recorded (op id -> results' placements)."""
+    if not run.ranks:
+        return ((), ())
+    rank = run.ranks[0]
+    steps = run.steps_of(rank)
+    ops = run.ops(steps[0], rank) if steps else []
+    placed = tuple((op.id, str(op.layout["mesh"]), str(op.layout["out"]))
+                   for op in ops if op.layout is not None)
+    return tuple(run.ranks), placed
+
+
+def _computes_on_shards(plan: tuple) -> bool:
+    """Whether forward ops ran on DTensors (tensor parallelism): a collective there carries one
+    rank's difference into the others' values, so even twin plans are compared folded, where
+    the difference enters at the op of the rank that made it. FSDP2's DTensor ops (the
+    optimizer's on its sharded parameters) leave the compute rank by rank."""
+    return any(op_id.startswith("forward:") for op_id, _, _ in plan[1])
 
 
 def fold_step(run: Run, step: int) -> LogicalStep:
@@ -366,9 +378,15 @@ class LogicalRun:
 
 
 def logical_pair(run_a: Run, run_b: Run) -> tuple[Run, Run]:
-    """The two runs to compare op by op: both folded into logical ops when either spans ranks or
-    records placements (a single-process run folds to itself), else as they are."""
-    if not (needs_folding(run_a) or needs_folding(run_b)):
+    """The two runs to compare op by op: both folded into logical ops when their layouts differ
+    (other ranks, or other placements: another parallel plan; a single-process run folds to
+    itself) or when they compute on shards (tensor parallelism), else as they are, rank by rank
+    (DDP, FSDP2 twins: each rank against its twin)."""
+    try:
+        plan_a, plan_b = _plan(run_a), _plan(run_b)
+    except ProbeError:  # a damaged first step: compared rank by rank, where it is reported
+        return run_a, run_b
+    if plan_a == plan_b and not _computes_on_shards(plan_a):
         return run_a, run_b
     return LogicalRun(run_a), LogicalRun(run_b)  # type: ignore[return-value]
 
