@@ -3,7 +3,6 @@ data, never a traceback, a silent pass or unbounded memory."""
 
 from __future__ import annotations
 
-import ast
 import csv
 import io
 import json
@@ -455,31 +454,6 @@ def test_logs_get_wide_tables_so_op_ids_stay_on_one_line(runs):
     render_step(console, summary)
     text = buffer.getvalue()
     assert all(e.op.id in text for e in summary.largest_abs_max)
-
-
-# -- structure: no import cycles -----------------------------------------------------
-
-
-def _probe_imports(path: Path) -> set[str]:
-    """Every probe module ``path`` imports, at module level or inside functions."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("probe"):
-            found.add(node.module)
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("probe")}
-    return found
-
-
-def test_the_reader_does_not_import_analysis_and_the_report_writer_imports_no_probe_module():
-    package = Path(probe.__file__).parent
-    for path in (package / "rundir").glob("*.py"):
-        upward = {m for m in _probe_imports(path) if m.startswith(("probe.analysis", "probe.exporters"))}
-        assert not upward, (path.name, upward)
-    assert not _probe_imports(package / "exporters" / "compare_report.py")
-    for path in (package / "analysis").glob("*.py"):
-        exporters = {m for m in _probe_imports(path) if m.startswith("probe.exporters")}
-        assert exporters <= {"probe.exporters.compare_report"}, (path.name, exporters)
 
 
 # -- long runs: bounded memory, the summary streams ------------------------------------
