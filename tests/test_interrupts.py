@@ -33,6 +33,7 @@ from probe.rundir.background import BackgroundWriter
 from probe.rundir.writer import StepWriter
 from probe.session import Session
 from probe.tracer.dispatch_mode import Tracer
+from probe.tracer.value_ids import ValueIndex
 
 STEPS = 3
 BROKEN = 1  # the step interrupted
@@ -85,7 +86,7 @@ STAGES = [
     Stage("op before", lambda m: _observer(m, "before"), "before", "before", nth=40),
     Stage("op after", lambda m: _observer(m, "after"), "after", "after", nth=40),
     # The tracer's own per-op work (every mode that traces ops): outputs registered, record not yet.
-    Stage("tracer op", lambda m: None if m == "monitor" else Tracer, "_register_outputs", "after", nth=40),
+    Stage("tracer op", lambda m: None if m == "monitor" else ValueIndex, "register_outputs", "after", nth=40),
     # The monitor works from hooks: one series recorded.
     Stage("monitor record", lambda m: MonitorMode if m == "monitor" else None, "_record", "after", nth=3),
     # The step's hand-over in session.step().

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from probe.vocabulary import op_class
 from probe.vocabulary.op_class import OpClassCache, classify
 
 aten = torch.ops.aten
@@ -34,3 +35,21 @@ def test_cache_classifies_once_and_handles_higher_order_ops():
     assert cache[aten.mm.default] is first
     cond = cache[torch.ops.higher_order.cond]
     assert cond.name == "hop.cond" and cond.namespace == "hop" and not cond.passthrough
+
+
+def test_classes_are_read_once_per_process_and_each_cache_still_hears_of_math_bit_views(monkeypatch):
+    # A session per step must not re-read every schema: a second cache (a second tracer) gets
+    # the very classes the first one made, without calling classify again.
+    first = OpClassCache()
+    mm, conj = first[aten.mm.default], first[aten._conj.default]
+    calls = []
+    monkeypatch.setattr(op_class, "classify", lambda func: calls.append(func) or classify(func))
+    heard = []
+    second = OpClassCache(on_math_bit_view=lambda: heard.append(True))
+    assert second[aten.mm.default] is mm and second.by_id[id(aten.mm.default)] is mm
+    assert second[aten._conj.default] is conj and conj.math_bit_view
+    assert calls == [] and heard == [True]  # its own tracer must start keying math bits
+    monkeypatch.delitem(op_class._CLASSIFIED, aten.sub.Tensor, raising=False)  # never met yet
+    assert second[aten.sub.Tensor].name == "aten.sub.Tensor" and calls == [aten.sub.Tensor]
+    assert op_class.class_of(aten.mm.default) is mm
+    assert mm.mutates is False and classify(aten.add_.Tensor).mutates is True

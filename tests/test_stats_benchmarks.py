@@ -24,3 +24,26 @@ def test_overhead_harness_times_stats_beside_debugmode(capsys):
                           "--configs", "probe-stats,debugmode", "--markdown"]) == 0
     out = capsys.readouterr().out
     assert "| probe-stats |" in out and "| debugmode |" in out
+
+
+def test_overhead_rows_give_each_overhead_as_a_multiple_of_the_bare_modes():
+    # Issue 22 item 6 states its targets so: (config - untraced) / (bare mode - untraced).
+    def runs(wall: float, cpu: float, ops: int | None = None) -> list[overhead.Sample]:
+        return [overhead.Sample(wall, ops, cpu)] * 3
+
+    rows = {row.name: row for row in overhead.summarize({
+        "baseline": runs(1.0, 0.8), "passthrough": runs(1.2, 0.9, 100),
+        "probe-structure": runs(1.3, 1.1, 100), "debugmode": runs(1.5, 0.95),
+    })}
+    assert rows["baseline"].overhead_vs_bare is None
+    assert rows["passthrough"].overhead_vs_bare == pytest.approx(1.0)
+    assert rows["probe-structure"].overhead_vs_bare == pytest.approx(1.5)
+    assert rows["probe-structure"].cpu_overhead_vs_bare == pytest.approx(3.0)
+    assert rows["debugmode"].overhead_vs_bare == pytest.approx(2.5)
+    assert rows["probe-structure"].cpu_ms == pytest.approx(1100.0)
+    cells = overhead.row_cells(rows["probe-structure"])
+    assert cells[overhead.COLUMNS.index("x bare ovh")] == "1.50"
+    assert cells[overhead.COLUMNS.index("x bare ovh (cpu)")] == "3.00"
+    # No overhead to compare with (the bare mode as fast as no mode): no ratio, not a division by 0.
+    flat = overhead.summarize({"baseline": runs(1.0, 1.0), "passthrough": runs(1.0, 1.0, 5)})
+    assert flat[1].overhead_vs_bare is None

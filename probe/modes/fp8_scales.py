@@ -31,18 +31,20 @@ MAX_VALUES = 1024
 """Scales with more elements keep min and max only."""
 
 
-_SCALE_ARGUMENTS: dict[Any, tuple[tuple[int, str], ...]] = {}
-"""Per op overload, the (position, name) of its arguments named like a scale; most ops have none."""
+_SCALE_ARGUMENTS: dict[int, tuple[Any, tuple[tuple[int, str], ...]]] = {}
+"""Per op overload (by ``id``: an OpOverload hashes in Python, a call per lookup), the overload
+itself (kept alive, so the id is not reused) and the (position, name) of its arguments named
+like a scale; most ops have none."""
 
 
 def _scale_positions(func: Any) -> tuple[tuple[int, str], ...]:
-    positions = _SCALE_ARGUMENTS.get(func)
-    if positions is None:
+    entry = _SCALE_ARGUMENTS.get(id(func))
+    if entry is None or entry[0] is not func:
         schema = getattr(func, "_schema", None)
         arguments = schema.arguments if schema is not None else ()
-        positions = _SCALE_ARGUMENTS[func] = tuple(
-            (i, a.name) for i, a in enumerate(arguments) if "scale" in a.name)
-    return positions
+        entry = _SCALE_ARGUMENTS[id(func)] = (func, tuple(
+            (i, a.name) for i, a in enumerate(arguments) if "scale" in a.name))
+    return entry[1]
 
 
 def scale_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
@@ -69,6 +71,9 @@ class Fp8Scales:
 
     def add(self, op_index: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
             inputs: list[torch.Tensor]) -> None:
+        known = _SCALE_ARGUMENTS.get(id(func))
+        if known is not None and known[0] is func and not known[1]:
+            return  # every op but fp8 ones, for one dict lookup
         for name, scale in scale_arguments(func, args, kwargs, inputs):
             with torch.no_grad():
                 flat = scale.detach().reshape(-1).to(torch.float64 if scale.device.type == "cpu"

@@ -29,7 +29,8 @@ from probe.tracer.module_tracker import ModuleTracker
 from probe.tracer.observer import OpObserver
 from probe.tracer.op_call import InputMeta, OpCall, OpRecordTuple, OutputMeta, Skipped
 from probe.tracer.region_files import RegionFiles
-from probe.tracer.value_ids import UNKEYABLE_ERRORS, ValueIndex, unkeyable
+from probe.tracer.value_ids import DTYPE_NAMES, UNKEYABLE_ERRORS, ValueIndex, unkeyable
+from probe.tracer.value_ids import dtype_name as dtype_name  # where the modes import it from
 from probe.vocabulary.op_class import OpClass, OpClassCache
 from probe.vocabulary.op_tensors import tensors_in, tensors_out, written_tensors
 from probe.vocabulary.option_values import Options
@@ -51,13 +52,6 @@ def _shape_of(t: torch.Tensor) -> tuple[int, ...]:
     return () if t.is_nested else tuple(t.shape)
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-_DTYPE_NAMES = {
-    dtype: dtype_name(dtype) for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)
-}
 
 
 class Tracer:
@@ -69,6 +63,8 @@ class Tracer:
         # Only observers that override a hook are called for it.
         self._before_modes = [o for o in observers if type(o).before is not OpObserver.before]
         self._after_modes = [o for o in observers if type(o).after is not OpObserver.after]
+        self._observed = bool(observers)
+        """Some mode sees the op calls (``structure`` alone does not: no call to finish)."""
         self.modules = ModuleTracker(options.model)
         self.call_sites = CallSites() if options.stack else None
         self.rank = rank
@@ -94,7 +90,9 @@ class Tracer:
         self.layouts = LayoutLabeller()
         self.pending = PendingCollectives(self._finish)
         self._classes = OpClassCache(on_math_bit_view=self.values.track_math_bits)
-        self._selected: dict[tuple[Any, str, str], bool] = {}
+        self._by_id = self._classes.by_id
+        self._selected: dict[tuple[int, str, str], bool] = {}
+        """``(id(func), module, phase) -> selected``: the funcs stay alive in ``_classes``."""
         self._ops_re = options.ops.regex
         self._modules_re = options.modules.regex
 
@@ -144,8 +142,8 @@ class Tracer:
             if patterns.globs is not None
         ]
         phases = self.options.phases
-        ran = sorted({f"{self._classes[func].name} in {fqn or '<top>'!r} ({phase})"
-                      for func, fqn, phase in selected if phase in phases})
+        ran = sorted({f"{self._by_id[func_id].name} in {fqn or '<top>'!r} ({phase})"
+                      for func_id, fqn, phase in selected if phase in phases})
         if not filters or not ran:
             return  # the phases filter alone: a step may well have no op of those phases
         examples = "; ".join(ran[:3]) + ("; ..." if len(ran) > 3 else "")
@@ -178,7 +176,10 @@ class Tracer:
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if not self.recording:
             return func(*args, **kwargs)
-        info = self._classes[func]
+        # By id: an OpOverload hashes in Python, a call per lookup (see OpClassCache.by_id).
+        info = self._by_id.get(id(func))
+        if info is None:
+            info = self._classes[func]
         if info.passthrough:
             if info.region:
                 self._note_region(info, args)
@@ -211,7 +212,8 @@ class Tracer:
     def run_region(self, func: Any, info: OpClass, inputs: list[Any]) -> Any:
         """One call of a compiled graph (``func(inputs)``, see probe.tracer.compiled_regions),
         routed and recorded as one op; the graph itself runs untraced."""
-        self._classes.setdefault(func, info)
+        if id(func) not in self._by_id:
+            self._classes.add(func, info)
         out = self._route(func, info, (inputs,), {})
         # The graph runs inside an autograd Function's forward, with grad off: the node that
         # will run its backward is the newest one, which the op could not claim itself.
@@ -226,7 +228,7 @@ class Tracer:
         if self.modules.region is not None and phase != "optimizer":
             frame = self.modules.region
         fqn = frame.origin.fqn
-        route = (func, fqn, phase)
+        route = (id(func), fqn, phase)
         selected = self._selected.get(route)
         if selected is None:
             selected = self._selected[route] = self._is_selected(info, fqn, phase)
@@ -240,16 +242,17 @@ class Tracer:
     def _record(
         self, func: Any, info: OpClass, phase: str, frame: Frame, args: tuple, kwargs: dict
     ) -> Any:
-        # The hot path of every selected op: plain tuples, no per-tensor objects.
+        # The hot path of every selected op: plain tuples, no per-tensor objects, one call into
+        # the value index for the inputs and one for the results (not one per tensor).
         origin = frame.origin
         count_key = (phase, info.name)
-        n = origin.op_counts.get(count_key, 0)
-        origin.op_counts[count_key] = n + 1
+        op_counts = origin.op_counts
+        n = op_counts.get(count_key, 0)
+        op_counts[count_key] = n + 1
         index = len(self.records)
         in_tensors = tensors_in(args, kwargs)
-        source = self.values.source
         try:
-            inputs = [(_DTYPE_NAMES[t.dtype], tuple(t.shape), source(t)) for t in in_tensors]
+            inputs = self.values.describe_inputs(in_tensors)
             skipped_inputs: tuple[Skipped, ...] = ()
         except UNKEYABLE_ERRORS:
             inputs, skipped_inputs = self._inputs_skipping_unkeyable(in_tensors)
@@ -281,8 +284,8 @@ class Tracer:
                 out_tensors = collective_outputs(info, args, out)
                 written = [t for t in out_tensors if any(t is i for i in in_tensors)]
             else:
-                out_tensors = tensors_out(out)
-                written = call.written()
+                out_tensors = [out] if type(out) is torch.Tensor else tensors_out(out)
+                written = call.written() if info.mutates else []
                 if written and (info.uncounted_writes or not info.counts_writes):
                     # Written without a version bump (_foreach_*, _fused_*, _amp_* ops): the new value
                     # has the old one's version, and must replace it under that key.
@@ -297,11 +300,10 @@ class Tracer:
             if written:
                 out_tensors += [t for t in written if not any(t is r for r in out_tensors)]
             try:
-                outputs, skipped_outputs = self._register_outputs(out_tensors, written, index, info.is_view,
-                                                                  rewritten=rewritten)
+                outputs = self.values.register_outputs(out_tensors, index, info.is_view, written, rewritten)
             except UNKEYABLE_ERRORS:
-                outputs, skipped_outputs = self._register_outputs(
-                    out_tensors, written, index, info.is_view, careful=True, rewritten=rewritten
+                outputs, skipped_outputs = self._outputs_skipping_unkeyable(
+                    out_tensors, written, index, info.is_view, rewritten
                 )
                 call.skipped += skipped_outputs
             call.outputs = outputs
@@ -311,7 +313,7 @@ class Tracer:
                 group = self.groups.of(info, args, kwargs)
                 if not self.pending.maybe_defer(call, out):
                     self._finish(call)
-            else:
+            elif self._observed:
                 self._finish(call)
             # In the order of OP_RECORD_FIELDS.
             self.records.append(
@@ -350,26 +352,26 @@ class Tracer:
         known = self._refilled.get(id(t))
         return known is not None and known() is t
 
-    def _register_outputs(
+    def _outputs_skipping_unkeyable(
         self, results: list[torch.Tensor], written: list[torch.Tensor], index: int, view: bool,
-        careful: bool = False, rewritten: list[torch.Tensor] | None = None,
+        rewritten: list[torch.Tensor],
     ) -> tuple[list[OutputMeta], tuple[Skipped, ...]]:
-        """The results' metadata, each registered as a value op ``index`` produced, and the
-        results skipped. ``careful`` (after a key read failed) first asks :func:`unkeyable`
-        of each result and skips those it names. ``rewritten``: the written ones whose version
-        counter does not move (see ``ValueIndex.produced``)."""
+        """The results' metadata when some result cannot be keyed (``register_outputs`` raised):
+        each is asked :func:`unkeyable` first, those it names are skipped, the others registered
+        as values op ``index`` produced. ``rewritten``: the written ones whose version counter
+        does not move (see ``ValueIndex.produced``)."""
         produced = self.values.produced
         fresh_kind = "view" if view else "fresh"
         outputs: list[OutputMeta] = []
         skipped: tuple[Skipped, ...] = ()
         for position, t in enumerate(results):
             mutated = bool(written) and any(t is w for w in written)
-            reason = unkeyable(t) if careful else None
+            reason = unkeyable(t)
             if reason is not None:
-                outputs.append((_DTYPE_NAMES[t.dtype], _shape_of(t), mutated))
+                outputs.append((DTYPE_NAMES[t.dtype], _shape_of(t), mutated))
                 skipped += (("out", position, reason),)
                 continue
-            outputs.append((_DTYPE_NAMES[t.dtype], tuple(t.shape), mutated))
+            outputs.append((DTYPE_NAMES[t.dtype], tuple(t.shape), mutated))
             kind = fresh_kind
             if mutated:
                 kind = "rewritten" if rewritten and any(t is r for r in rewritten) else "written"
@@ -385,9 +387,9 @@ class Tracer:
         for position, t in enumerate(tensors):
             reason = unkeyable(t)
             if reason is None:
-                inputs.append((_DTYPE_NAMES[t.dtype], tuple(t.shape), self.values.source(t)))
+                inputs += self.values.describe_inputs([t])
             else:
-                inputs.append((_DTYPE_NAMES[t.dtype], _shape_of(t), None))
+                inputs.append((DTYPE_NAMES[t.dtype], _shape_of(t), None))
                 skipped += (("in", position, reason),)
         return inputs, skipped
 

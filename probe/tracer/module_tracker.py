@@ -39,14 +39,6 @@ _is_grad_enabled = torch.is_grad_enabled
 _top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
-def _in_checkpoint_recompute() -> bool:
-    """True while torch.utils.checkpoint re-runs a forward inside backward."""
-    if _top_saved_tensors_hooks is None:
-        return False
-    hooks = _top_saved_tensors_hooks(False)
-    return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
-
-
 def parallel_layout(root: nn.Module) -> str | None:
     """How ``root`` holds its parameters across ranks: "replicated" (DDP), "sharded" (DTensor
     parameters: FSDP2, tensor parallel) or None (not known)."""
@@ -313,7 +305,10 @@ class ModuleTracker:
             return "backward", self.outside
         seq = node._sequence_nr()
         frame = self._seq_frames.get(seq)
-        if _in_checkpoint_recompute():
+        # torch.utils.checkpoint re-runs a forward inside backward under its recomputation
+        # hooks (spelled out, not a helper call: this runs for every backward op).
+        hooks = _top_saved_tensors_hooks(False) if _top_saved_tensors_hooks is not None else None
+        if hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", ""):
             return "recompute", frame or self.outside
         if frame is None and seq == _ACCUMULATE_GRAD_SEQ:
             frame = self._param_frame(node)

@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-from probe.tracer.op_call import Source
+from probe.tracer.op_call import InputMeta, OutputMeta, Source
 
 ExactKey = tuple[int, torch.Size, tuple[int, ...], int] | tuple[
     int, torch.Size, tuple[int, ...], int, bool, bool
@@ -68,12 +68,23 @@ _SPARSE_COMPRESSED = frozenset(
 )
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+DTYPE_NAMES = {
+    dtype: dtype_name(dtype) for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)
+}
+"""``torch.float32 -> "float32"``: a dict lookup per tensor instead of a string operation."""
+
+
 class ValueIndex:
     """Per-step map from values to the (op index, output position) that produced them."""
 
     def __init__(self) -> None:
-        self._exact: dict[ExactKey, tuple[int, int, weakref.ref]] = {}
-        self._latest_write: dict[int, tuple[int, int, int, weakref.ref]] = {}
+        # Entries hold the Source tuple a hit returns, built once when the value is registered.
+        self._exact: dict[ExactKey, tuple[Source, weakref.ref]] = {}
+        self._latest_write: dict[int, tuple[Source, int, weakref.ref]] = {}
         self._math_bits = False
 
     def clear(self) -> None:
@@ -94,27 +105,45 @@ class ValueIndex:
     def source(self, t: torch.Tensor) -> Source | None:
         """Where ``t``'s value came from; raises one of :data:`UNKEYABLE_ERRORS` when ``t``
         cannot be keyed."""
-        ptr = t.data_ptr()
-        if ptr == 0:  # empty: no value to follow
-            if unkeyable(t) is not None:
-                raise Unkeyable
-            return None
-        version = t._version
-        # (The key is spelled out here and in ``produced``: a helper call costs more than it.)
-        key: ExactKey = (
-            (ptr, t.shape, t.stride(), version, t.is_conj(), t.is_neg()) if self._math_bits
-            else (ptr, t.shape, t.stride(), version)
-        )
-        hit = self._exact.get(key)
-        if hit is not None and hit[2]() is not None:
-            return hit[0], hit[1], True
+        return self.describe_inputs([t])[0][2]
+
+    def describe_inputs(self, tensors: list[torch.Tensor]) -> list[InputMeta]:
+        """Each input's ``(dtype, shape, source)``, ``source`` as :meth:`source` finds it: one call
+        per op, the shape read once for the metadata and the key. Raises one of
+        :data:`UNKEYABLE_ERRORS` when a tensor cannot be keyed."""
+        exact = self._exact
+        math_bits = self._math_bits
+        found: list[InputMeta] = []
+        for t in tensors:
+            shape = t.shape
+            ptr = t.data_ptr()
+            if ptr == 0:  # empty: no value to follow
+                if unkeyable(t) is not None:
+                    raise Unkeyable
+                found.append((DTYPE_NAMES[t.dtype], tuple(shape), None))
+                continue
+            version = t._version
+            # (The key is spelled out here and in ``register_outputs``: a helper call costs more.)
+            key: ExactKey = (
+                (ptr, shape, t.stride(), version, t.is_conj(), t.is_neg()) if math_bits
+                else (ptr, shape, t.stride(), version)
+            )
+            hit = exact.get(key)
+            if hit is not None and hit[1]() is not None:
+                found.append((DTYPE_NAMES[t.dtype], tuple(shape), hit[0]))
+            else:
+                found.append((DTYPE_NAMES[t.dtype], tuple(shape), self._storage_source(t, version)))
+        return found
+
+    def _storage_source(self, t: torch.Tensor, version: int) -> Source | None:
+        """No exact match: the latest traced write of ``t``'s storage, if not older than ``t``."""
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
             return None
         latest = self._latest_write.get(storage.data_ptr())
-        if latest is not None and latest[3]() is storage and version >= latest[2]:
-            return latest[0], latest[1], False
+        if latest is not None and latest[2]() is storage and version >= latest[1]:
+            return latest[0]
         return None
 
     def produced(self, t: torch.Tensor, op_index: int, position: int, kind: str) -> None:
@@ -126,23 +155,50 @@ class ValueIndex:
         a version bump, by ``_foreach_*``, ``_fused_*`` and ``_amp_*`` ops: the new value
         takes the key of the value it replaced).
         """
-        ptr = t.data_ptr()
-        if ptr == 0:
-            if unkeyable(t) is not None:
-                raise Unkeyable
-            return
-        if kind != "written":
+        written = [t] if kind in ("written", "rewritten") else []
+        self.register_outputs([t], op_index, kind == "view", written,
+                              written if kind == "rewritten" else (), first=position)
+
+    def register_outputs(
+        self, results: list[torch.Tensor], op_index: int, view: bool,
+        written: list[torch.Tensor], rewritten: list[torch.Tensor] | tuple[()], first: int = 0,
+    ) -> list[OutputMeta]:
+        """Register each of ``results`` as an output of op ``op_index`` (positions from
+        ``first``) and return their ``(dtype, shape, mutated)``. Each is "fresh", or a "view"
+        for a view op, or "written" / "rewritten" (see :meth:`produced`) when it is in
+        ``written`` / ``rewritten``. Raises one of :data:`UNKEYABLE_ERRORS` when a result
+        cannot be keyed (the results before it are registered)."""
+        exact = self._exact
+        latest_write = self._latest_write
+        math_bits = self._math_bits
+        outputs: list[OutputMeta] = []
+        for position, t in enumerate(results, first):
+            shape = t.shape
+            mutated = bool(written) and any(t is w for w in written)
+            ptr = t.data_ptr()
+            if ptr == 0:
+                if unkeyable(t) is not None:
+                    raise Unkeyable
+                outputs.append((DTYPE_NAMES[t.dtype], tuple(shape), mutated))
+                continue
+            # A written argument's version moves once the op returns, unless the op writes
+            # without a version bump ("rewritten"): its new value takes the old value's key.
+            counted = mutated and not (rewritten and any(t is r for r in rewritten))
             version = t._version
-            key: ExactKey = (
-                (ptr, t.shape, t.stride(), version, t.is_conj(), t.is_neg()) if self._math_bits
-                else (ptr, t.shape, t.stride(), version)
-            )
-            self._exact[key] = (op_index, position, weakref.ref(t))
-        if kind != "view":
-            try:
-                storage = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):
-                return
-            self._latest_write[storage.data_ptr()] = (
-                op_index, position, t._version, weakref.ref(storage)
-            )
+            if not counted:
+                key: ExactKey = (
+                    (ptr, shape, t.stride(), version, t.is_conj(), t.is_neg()) if math_bits
+                    else (ptr, shape, t.stride(), version)
+                )
+                exact[key] = ((op_index, position, True), weakref.ref(t))
+            if mutated or not view:
+                try:
+                    storage = t.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    outputs.append((DTYPE_NAMES[t.dtype], tuple(shape), mutated))
+                    continue
+                latest_write[storage.data_ptr()] = (
+                    (op_index, position, False), version, weakref.ref(storage)
+                )
+            outputs.append((DTYPE_NAMES[t.dtype], tuple(shape), mutated))
+        return outputs

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -103,10 +103,11 @@ class OpClass:
     compiled_region: bool = False
     """One call of a compiled graph (``compiled="keep"``, see probe.tracer.compiled_regions): it
     cannot be re-run by the modes that re-run ops."""
+    mutates: bool = field(init=False, default=False)
+    """The schema marks an argument as written (a field, not a property: it is read per op)."""
 
-    @property
-    def mutates(self) -> bool:
-        return bool(self.mutated_args or self.mutated_kwargs)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mutates", bool(self.mutated_args or self.mutated_kwargs))
 
 
 def _uncounted_writes(func: torch._ops.OpOverload, args: list[int], kwargs: list[str]
@@ -242,21 +243,42 @@ def creates_uninitialized(name: str) -> bool:
     return aten or name in _UNINITIALIZED_BUFFERS
 
 
-class OpClassCache(dict):
-    """``func -> OpClass``; a miss classifies the op once.
+_CLASSIFIED: dict[object, OpClass] = {}
+"""Every op overload classified in this process: a schema's facts do not change, so a new
+session (and each ``OpClassCache``) finds the ops earlier ones met already read."""
 
-    ``on_math_bit_view`` is called when an op that makes conjugate or negative views is
-    first classified, i.e. before the first such view exists in the traced program.
+
+def class_of(func: object) -> OpClass:
+    """The :class:`OpClass` of an op overload or higher-order op, classified once per process."""
+    info = _CLASSIFIED.get(func)
+    if info is None:
+        overload = isinstance(func, torch._ops.OpOverload)
+        info = _CLASSIFIED[func] = classify(func) if overload else classify_higher_order(func)
+    return info
+
+
+class OpClassCache(dict):
+    """``func -> OpClass``; a miss looks the op up in the process-wide table (:func:`class_of`).
+
+    ``by_id`` holds the same classes keyed by ``id(func)``: an ``OpOverload`` hashes in Python
+    (a function call per dict lookup), an int does not; the funcs stay alive as this dict's
+    keys, so their ids are not reused. ``on_math_bit_view`` is called when an op that makes
+    conjugate or negative views first enters this cache, i.e. before the first such view exists
+    in the traced program.
     """
 
     def __init__(self, on_math_bit_view: Callable[[], None] | None = None) -> None:
         super().__init__()
         self._on_math_bit_view = on_math_bit_view
+        self.by_id: dict[int, OpClass] = {}
 
     def __missing__(self, func: object) -> OpClass:
-        overload = isinstance(func, torch._ops.OpOverload)
-        info = classify(func) if overload else classify_higher_order(func)
+        return self.add(func, class_of(func))
+
+    def add(self, func: object, info: OpClass) -> OpClass:
+        """Hold ``info`` as ``func``'s class (a compiled region's, made by its caller)."""
         self[func] = info
+        self.by_id[id(func)] = info
         if info.math_bit_view and self._on_math_bit_view is not None:
             self._on_math_bit_view()
         return info
