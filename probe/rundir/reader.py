@@ -16,8 +16,6 @@ read without that mode's files, with one warning.
 Every file is read through :mod:`probe.rundir.reading`: damage to a run's metadata
 is a :class:`ProbeError` naming the file, never another exception. A run is untrusted input:
 files are opened only through :mod:`probe.rundir.confined_files` (regular files inside the
-run), and a rank directory that is a link leading outside the run is refused. A run is untrusted input:
-files are opened only through :mod:`probe.rundir.confined_files` (regular files inside the
 run), and a rank directory that is a link leading outside the run is refused.
 """
 
