@@ -17,6 +17,7 @@ import torch
 from probe.errors import ProbeError
 from probe.hparams import parse_hparams
 from probe.mode_objects import unfold
+from probe.modes.registry import MODES
 from probe.rundir import layout
 from probe.tracer.rank import current_rank, world_size
 from probe.vocabulary.option_values import (  # noqa: F401  (re-exported: imported from here too)
@@ -87,8 +88,10 @@ def parse_options(modes: Any, kwargs: dict[str, Any], mode_option_names: dict[st
         elif key == "checksums":
             opts.checksums = parse_checksums(value)
 
-    if "monitor" in mode_names and "targets" not in kwargs and opts.modules.globs is not None:
-        kwargs["targets"] = list(opts.modules.globs)  # API.md: modules= serves as the monitor's targets
+    for name in mode_names:  # what each mode makes of the common options (the monitor: targets)
+        implied = MODES[name].implied_options(opts, kwargs) if name in MODES else {}
+        for key, value in implied.items():
+            kwargs.setdefault(key, value)
     accepted = set().union(*(mode_option_names[m] for m in mode_names))
     for key in kwargs:
         if key not in accepted:

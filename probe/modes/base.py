@@ -44,6 +44,13 @@ class SessionPlugin:
     """Added by the session itself, not asked for (the checksums of ``model=``): it writes only
     into steps the other modes write, never a step of its own."""
 
+    @classmethod
+    def implied_options(cls, common: Any, given: dict[str, Any]) -> dict[str, Any]:
+        """Options of this mode that the session's common options imply when ``given`` (the
+        mode options the user gave) lacks them; ``common`` is the parsed
+        :class:`~probe.vocabulary.option_values.Options`. None by default."""
+        return {}
+
     def observer(self) -> OpObserver | None:
         """The per-op half of this mode, or None when it works from hooks alone."""
         return None

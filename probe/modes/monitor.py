@@ -352,6 +352,13 @@ class MonitorMode(SessionPlugin):
     files = MonitorFiles
     option_names: ClassVar[frozenset[str]] = MONITOR_KEYS
 
+    @classmethod
+    def implied_options(cls, common: Any, given: dict[str, Any]) -> dict[str, Any]:
+        # API.md: modules= serves as the monitor's targets when targets is absent.
+        if "targets" not in given and common.modules.globs is not None:
+            return {"targets": list(common.modules.globs)}
+        return {}
+
     @property
     def collective_each_step(self) -> bool:
         return self.config.reduce_ranks
