@@ -266,14 +266,7 @@ class Session:
         ...     train_step(batch); session.step()
         >>> session.stop()
         """
-        if self._tracer is not None:
-            raise ProbeError(f"session.start(): the session writing {str(self.out)!r} is already running; "
-                             "call stop() before starting another")
-        if self._ran:
-            raise ProbeError(f"session.start(): the session writing {str(self.out)!r} has stopped and runs "
-                             "once; create a new one with probe.mode(...) (to leave part of training "
-                             "untraced, use session.pause()/resume() or session.paused())")
-        self.__enter__()
+        self.__enter__()  # refuses a running or a stopped session, as a with block does
         return self
 
     def stop(self, error: BaseException | None = None) -> None:

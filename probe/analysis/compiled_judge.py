@@ -58,14 +58,19 @@ class Region:
     """The compiled code's tensor outputs, by position in the graph's output list."""
 
 
-def region_entries(run: Run, step: int, rank: int) -> dict[str, dict[str, Any]]:
-    """A step's region calls whose graphs were written: op id -> ``{"graph", "tensors"}``."""
+def manifest_mapping(run: Run, step: int, rank: int, key: str) -> dict[str, Any]:
+    """The step manifest's mapping under ``key``; empty when the step is unreadable or the
+    entry is missing or not a mapping (a run directory is untrusted input)."""
     try:
-        entries = run.step_info(step, rank).manifest.get(layout.COMPILED_FILES_KEY) or {}
+        entry = run.step_info(step, rank).manifest.get(key) or {}
     except ProbeError:
         return {}
-    if not isinstance(entries, dict):
-        return {}
+    return entry if isinstance(entry, dict) else {}
+
+
+def region_entries(run: Run, step: int, rank: int) -> dict[str, dict[str, Any]]:
+    """A step's region calls whose graphs were written: op id -> ``{"graph", "tensors"}``."""
+    entries = manifest_mapping(run, step, rank, layout.COMPILED_FILES_KEY)
     return {op_id: e for op_id, e in entries.items()
             if isinstance(e, dict) and isinstance(e.get("graph"), str)}
 

@@ -57,12 +57,9 @@ def opened_regions(run: Run, step: int, rank: int) -> dict[str, range]:
     indices of the ops the re-run recorded (in the modules they came from). Such a region is
     judged at those ops, not as one op (its outputs mix its results with what it saves for
     backward, in any dtype)."""
-    try:
-        opened = run.step_info(step, rank).manifest.get(layout.COMPILED_OPENED_KEY) or {}
-    except ProbeError:
-        return {}
-    if not isinstance(opened, dict):
-        return {}
+    from probe.analysis.compiled_judge import manifest_mapping
+
+    opened = manifest_mapping(run, step, rank, layout.COMPILED_OPENED_KEY)
     return {op_id: range(span[0], span[1]) for op_id, span in opened.items()
             if isinstance(span, list) and len(span) == 2 and all(type(v) is int for v in span)}
 
