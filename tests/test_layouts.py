@@ -1,8 +1,10 @@
-"""One model, two layouts (issue 25): a small MLP trained 3 SGD steps in one process and with
-tensor parallelism (DTensor ColwiseParallel/RowwiseParallel, 2 ranks, gloo, CPU), same weights
-and data. The placements are recorded, the ranks' records fold into logical ops whose
-statistics are the single process's, and compare finds no divergence, or a halved shard at
-its module. The jobs are tests/distributed/tp_worker.py, recorded once for the module."""
+"""One model, any layout (issue 25): a small MLP trained 3 SGD steps in one process, with
+tensor parallelism (DTensor ColwiseParallel/RowwiseParallel, 2 ranks), DDP and FSDP2 (2 ranks,
+each a slice of the batch) and FSDP2 x TP2 (a 2-D mesh, 4 ranks), gloo, CPU, same weights and
+global batch. The placements are recorded, the ranks' records fold into logical ops whose
+statistics are the single process's, and compare finds no divergence between any two plans,
+or a halved shard at its module. The jobs are tests/distributed/tp_worker.py, recorded once
+per module fixture."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import torch.distributed as dist
 
 import probe
 from probe.analysis.layouts import LogicalRun, combine_stats, fold_step
+from probe.analysis.local_placements import local_placement
+from probe.analysis.matching import match_ops
 from probe.cli import main
 from probe.rundir.records import OpRecord, TensorRecord
 
@@ -77,26 +81,35 @@ def test_ops_on_dtensors_record_their_mesh_and_placements(runs):
     assert all(op.layout is None for op in probe.load(runs["single"]).ops(0, 0))  # read as before
 
 
-def test_folded_statistics_equal_the_single_process_ones(runs):
-    single, tp = probe.load(runs["single"]), probe.load(runs["tp2"])
+def _folded_like(single: probe.Run, run: probe.Run) -> tuple[float, float, int]:
+    """Each step of ``run`` folded against the single process's ops, paired as compare pairs
+    them: the lowest share of the single run's ops matched over the steps, the largest relative
+    difference of a folded statistic (to the larger of the value and the tensor's RMS), and the
+    number of outputs compared. Shapes must be equal; partial values (a data-parallel rank's
+    weight gradient before its reduction) may lack statistics."""
+    share, worst, compared = 1.0, 0.0, 0
     for step in single.steps:
-        logical = {op.id: op for op in fold_step(tp, step).ops}
-        ops = single.ops(step, 0)
-        matched = [op for op in ops if op.id in logical]
-        assert len(matched) >= 0.95 * len(ops)
-        compared = 0
-        for op in matched:
-            for a, b in zip(op.outputs, logical[op.id].outputs, strict=True):
-                assert a.shape == b.shape, op.id
-                if a.stats is None:
+        pairs = [m for m in match_ops(single.ops(step, 0), fold_step(run, step).ops) if m.a is not None]
+        matched = [m for m in pairs if m.b is not None]
+        share = min(share, len(matched) / len(pairs))
+        for m in matched:
+            for a, b in zip(m.a.outputs, m.b.outputs, strict=True):
+                assert a.shape == b.shape, m.a.id
+                if a.stats is None or b.stats is None:
                     continue
-                assert b.stats is not None, op.id
                 for key in ("min", "max", "mean", "norm"):
                     scale = max(abs(a.stats[key]), a.stats["norm"] / math.sqrt(max(math.prod(a.shape), 1)))
-                    assert abs(a.stats[key] - b.stats[key]) <= 1e-6 * scale, (op.id, key)
+                    difference = abs(a.stats[key] - b.stats[key])
+                    worst = max(worst, difference / scale if scale else difference)
                 assert (a.stats["nan"], a.stats["inf"]) == (b.stats["nan"], b.stats["inf"])
                 compared += 1
-        assert compared > 50
+    return share, worst, compared
+
+
+def test_folded_statistics_equal_the_single_process_ones(runs):
+    single, tp = probe.load(runs["single"]), probe.load(runs["tp2"])
+    share, worst, compared = _folded_like(single, tp)
+    assert share >= 0.95 and worst <= 1e-6 and compared > 150
     # The partial sum of a RowwiseParallel addmm takes the all-reduced value's statistics.
     partial = {op.id: op for op in fold_step(tp, 0).ops}["forward:0.down[0]:aten.addmm.default:0"]
     reference = _op(single, "forward:0.down[0]:aten.addmm.default:0")
@@ -183,3 +196,61 @@ def test_a_replica_that_disagrees_is_a_finding_and_shards_concatenate():
     partial = fold_step(_Runs({r: [_record(r, s, (4, 2), layout("P(sum)"))]
                                for r, s in ((0, s0), (1, s1))}), 0)
     assert partial.ops[0].outputs[0].stats is None  # known only once a collective reduces it
+
+
+@pytest.fixture(scope="module")
+def plans(runs, tmp_path_factory) -> dict[str, Path]:
+    """The data-parallel plans, and FSDP2 x TP2 with rank 1's shard of 1.down halved."""
+    root = tmp_path_factory.mktemp("plans")
+    paths = {"single": runs["single"], "tp2": runs["tp2"]}
+    for name, plan, nproc in (("ddp", "ddp", 2), ("fsdp2", "fsdp", 2), ("fsdp2_tp2", "fsdp_tp", 4)):
+        paths[name] = root / name
+        _job(paths[name], "--plan", plan, nproc=nproc)
+    paths["fsdp2_tp2_halved"] = root / "fsdp2_tp2_halved"
+    _job(paths["fsdp2_tp2_halved"], "--plan", "fsdp_tp", "--halve", f"1:{HALVED}", nproc=4)
+    return paths
+
+
+@pytest.mark.slow  # four torchrun jobs, one of them 4 ranks
+def test_every_plan_folds_to_the_single_process_and_every_pair_compares_clean(plans):
+    single = probe.load(plans["single"])
+    names = ["single", "tp2", "ddp", "fsdp2", "fsdp2_tp2"]
+    for name in names[1:]:
+        share, worst, compared = _folded_like(single, probe.load(plans[name]))
+        assert share >= 0.95 and worst <= 1e-6 and compared > 100, (name, share, worst, compared)
+        assert LogicalRun(probe.load(plans[name])).findings() == [], name
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            report = probe.compare(plans[a], plans[b], processes=1)
+            assert report.first_divergence is None, (a, b, report.conclusion)
+            assert report.counts["error"] == 0 and report.conclusion.startswith("no divergence"), (a, b)
+
+
+@pytest.mark.slow
+def test_a_halved_shard_under_fsdp2_x_tp2_is_the_first_divergence_at_its_module(plans):
+    for reference in ("single", "fsdp2_tp2"):
+        report = probe.compare(plans[reference], plans["fsdp2_tp2_halved"], processes=1)
+        assert report.divergence is not None, reference
+        assert (report.divergence.op.module, report.divergence.op.phase, report.first_divergence[0].step) == \
+            (HALVED, "forward", 0)
+
+
+def test_a_local_op_moves_the_sharded_dim_by_its_shapes():
+    # A data-parallel rank's linear layer: rows of the batch through addmm, the weight's
+    # gradient a partial sum over them, the bias's a sum over dim 0, the loss a mean.
+    linear = local_placement("aten.addmm.default", [(32,), (4, 16), (16, 32)], ["R", "S(0)", "R"], (4, 32))
+    assert linear == "S(0)"
+    assert local_placement("aten.t.default", [(4, 16)], ["S(0)"], (16, 4)) == "S(1)"
+    assert local_placement("aten.mm.default", [(16, 4), (4, 32)], ["S(1)", "S(0)"], (16, 32)) == "P(sum)"
+    assert local_placement("aten.sum.dim_IntList", [(4, 16)], ["S(0)"], (1, 16)) == "P(sum)"
+    assert local_placement("aten.sum.dim_IntList", [(4, 16)], ["S(0)"], (4,)) == "S(0)"
+    assert local_placement("aten.mse_loss.default", [(4, 16), (4, 16)], ["S(0)", "S(0)"], ()) == "P(avg)"
+    # Elementwise with broadcasting, a reshape that keeps the batch outermost, and one that does not.
+    assert local_placement("aten.add.Tensor", [(4, 8, 16), (16,)], ["S(0)", "R"], (4, 8, 16)) == "S(0)"
+    assert local_placement("aten.view.default", [(4, 8, 16)], ["S(0)"], (32, 16)) == "S(0)"
+    assert local_placement("aten.view.default", [(4, 8, 16)], ["S(0)"], (2, 256)) is None
+    # A transpose of two dims of one size says nothing; partial values stay partial through views.
+    assert local_placement("aten.transpose.int", [(4, 4, 8)], ["S(1)"], (4, 4, 8)) == "S(1)"
+    assert local_placement("aten.transpose.int", [(4, 4, 8)], ["S(0)"], (4, 8, 4)) is None
+    assert local_placement("aten.view.default", [(1, 16)], ["P(sum)"], (16,)) == "P(sum)"
+    assert local_placement("aten.add.Tensor", [(4, 16), (4, 16)], ["S(0)", "P(sum)"], (4, 16)) is None

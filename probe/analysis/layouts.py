@@ -25,19 +25,29 @@ list of ops, as one process computing the whole tensors would have recorded them
   weight, the data) is folded by the placement the DTensor op gave it (a replicated value
   that DTensor split or scaled locally first is folded as the replicated value it was).
 
+Data parallelism (DDP, FSDP2, FSDP2 x TP) is one more mesh dim: ranks in other tensor-parallel
+groups (each rank its own group without TP) compute on other slices of the batch. On that dim
+the data from outside the step are sharded along dim 0 where the ranks differ, and local ops
+move the shard by their shapes (``probe.analysis.local_placements``); a backward value there is
+the data-parallel degree times its slice of the logical gradient (each rank's loss is its own
+slice's mean, what DDP's and FSDP2's averaging assume), a weight's gradient a partial value
+until its reduction. DDP's ``module.`` level is dropped from names; FSDP2's copy-in/out and
+buffer ops are layout changes; a strided shard (``_S``) folds as a shard.
+
 A run of one rank without layouts folds to itself. What is not folded yet: dumps (the
-logical ops of a folded run compare on statistics), per-tensor distributions and histograms,
-data parallelism (DDP, FSDP2's compute on unsharded parameters: each rank's own batch), and
-strided shards (``_S``, FSDP2 x TP); see ``docs/distributed.md``.
+logical ops of a folded run compare on statistics), per-tensor distributions and histograms;
+see ``docs/distributed.md``.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from probe.analysis.local_placements import local_placement, shard_dim
 from probe.errors import ProbeError
 from probe.rundir.reader import OpRecord, Run, TensorRecord
 
@@ -127,12 +137,6 @@ def _stats_differ(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str | N
     return None
 
 
-def _shard_dim(placement: str) -> int | None:
-    if placement.startswith("S(") and placement.endswith(")"):
-        return int(placement[2:-1])
-    return None
-
-
 def _coordinates(mesh: Mesh) -> dict[int, tuple[int, ...]]:
     shape, ranks = mesh
     coords: dict[int, tuple[int, ...]] = {}
@@ -145,6 +149,30 @@ def _coordinates(mesh: Mesh) -> dict[int, tuple[int, ...]]:
     return coords
 
 
+def _world(ops: dict[int, list[OpRecord]], ranks: list[int]) -> tuple[Mesh, int | None]:
+    """The mesh of every rank of the step, and its data-parallel dim (None when all ranks see
+    one batch). Each rank's tensor-parallel group is the mesh of its forward DTensor ops (itself
+    without); ranks in other groups compute on other slices of the batch (DDP, FSDP2, FSDP2 x
+    TP): the mesh is (groups, group size), or (ranks,) when no rank has a group."""
+    groups = {rank: next((tuple(op.layout["mesh"]["ranks"]) for op in ops[rank] if op.layout is not None
+                          and op.phase == "forward" and len(op.layout["mesh"]["shape"]) == 1), (rank,))
+              for rank in ranks}
+    distinct = sorted(set(groups.values()))
+    if len(distinct) == 1:
+        return ((len(distinct[0]),), distinct[0]), None
+    flat = tuple(r for group in distinct for r in group)
+    if len({len(g) for g in distinct}) != 1 or sorted(flat) != sorted(ranks):
+        return ((len(ranks),), tuple(ranks)), None  # groups that do not tile the ranks: as before
+    if len(distinct[0]) == 1:
+        return ((len(flat),), flat), 0
+    return ((len(distinct), len(distinct[0])), flat), 0
+
+
+World = tuple[str, ...]
+"""Placements of a value over the step's mesh, one per mesh dim: ``S(d)``, ``R``, ``P(sum)``,
+``P(avg)``, ``P(other)``, or ``?`` (not known: nothing is claimed of it)."""
+
+
 class _Folder:
     """Folds one step of a run; the lead rank's records give the order, ids and modules."""
 
@@ -155,37 +183,87 @@ class _Folder:
         self.ops = {rank: run.ops(step, rank) for rank in ranks}
         self.by_id = {rank: {op.id: op for op in ops} for rank, ops in self.ops.items()}
         self.findings: list[ReplicaFinding] = []
+        self.mesh, self.dp = _world(self.ops, ranks)
+        self.coords = _coordinates(self.mesh)
+        self.unwrap = _ddp_wrapped(run, step, self.lead)
 
     def _peers(self, op: OpRecord) -> dict[int, OpRecord]:
         return {rank: found for rank in self.ranks if (found := self.by_id[rank].get(op.id)) is not None}
 
-    def fold_tensor(self, op: OpRecord, io: str, position: int, placements: Placements,
-                    mesh: Mesh | None) -> TensorRecord:
-        """One tensor of ``op`` folded over the ranks by its placements."""
-        peers = self._peers(op)
-        records = {rank: (p.outputs if io == "output" else p.inputs)[position] for rank, p in peers.items()
-                   if position < len(p.outputs if io == "output" else p.inputs)}
+    def _records(self, op: OpRecord, io: str, position: int) -> dict[int, TensorRecord]:
+        out = {}
+        for rank, peer in self._peers(op).items():
+            tensors = peer.outputs if io == "output" else peer.inputs
+            if position < len(tensors):
+                out[rank] = tensors[position]
+        return out
+
+    def _agree_along(self, records: dict[int, TensorRecord], dim: int) -> bool:
+        """Whether ranks that differ only in their coordinate on mesh ``dim`` hold equal statistics."""
+        first: dict[tuple, TensorRecord] = {}
+        for rank in self.mesh[1]:
+            if rank not in records:
+                continue
+            key = self.coords[rank][:dim] + self.coords[rank][dim + 1:]
+            if key not in first:
+                first[key] = records[rank]
+            elif records[rank].shape != first[key].shape \
+                    or _stats_differ(records[rank].stats, first[key].stats):
+                return False
+        return True
+
+    def _mesh_dims(self, layout_mesh: dict[str, Any]) -> list[int] | None:
+        """The step mesh's dim for each dim of a DTensor op's mesh (seen from the lead rank), or None."""
+        ranks, shape = tuple(layout_mesh["ranks"]), tuple(layout_mesh["shape"])
+        if ranks == self.mesh[1] and shape == self.mesh[0]:
+            return list(range(len(shape)))
+        if len(shape) == 1:
+            for dim in range(len(self.mesh[0])):
+                if ranks == self._group_along(dim):
+                    return [dim]
+        return None
+
+    def _group_along(self, dim: int) -> tuple[int, ...]:
+        """The lead rank and the ranks that differ from it only on mesh ``dim``, in order."""
+        mine = self.coords[self.lead]
+        others = [k for k in range(len(mine)) if k != dim]
+        return tuple(r for r in self.mesh[1] if all(self.coords[r][k] == mine[k] for k in others))
+
+    def _given(self, layout: dict[str, Any] | None, io: str, position: int) -> list[str | None]:
+        """What the DTensor op's layout says of one tensor on each step mesh dim (None: nothing)."""
+        given: list[str | None] = [None] * len(self.mesh[0])
+        key = "out" if io == "output" else "in"
+        if layout is None or position >= len(layout[key]) or layout[key][position] is None:
+            return given
+        dims = self._mesh_dims(layout["mesh"])
+        if dims is None:
+            return ["?"] * len(given)
+        for placement, dim in zip(layout[key][position], dims, strict=False):
+            given[dim] = placement
+        return given
+
+    def fold_tensor(self, op: OpRecord, io: str, position: int, placements: World,
+                    scaled: bool = False) -> TensorRecord:
+        """One tensor of ``op`` folded over the ranks by its placements; ``scaled``: a gradient
+        on the data-parallel dim, where each rank's loss is its own slice's mean: the rank holds
+        the data-parallel degree times its slice of the logical gradient."""
+        records = self._records(op, io, position)
         lead = records[self.lead]
-        if mesh is None or placements is None or len(placements) != len(mesh[0]):
-            mesh = ((len(self.ranks),), tuple(self.ranks))
-            placements = ("R",)
-        if any(p.startswith("P") for p in placements):
-            return TensorRecord(lead.dtype, lead.shape, None, mutated=lead.mutated)
-        coords = _coordinates(mesh)
+        blank = TensorRecord(lead.dtype, lead.shape, None, mutated=lead.mutated)
+        if any(rank not in records for rank in self.mesh[1]):
+            return blank  # a rank not recorded
         sharded = {k: d % max(len(lead.shape), 1) for k, p in enumerate(placements)
-                   if (d := _shard_dim(p)) is not None}
-        unknown = [k for k, p in enumerate(placements) if p != "R" and k not in sharded]
-        if unknown:  # a strided shard or a placement not known here: nothing is claimed
-            return TensorRecord(lead.dtype, lead.shape, None, mutated=lead.mutated)
-        replicated = [k for k in range(len(placements)) if k not in sharded]
-        if any(rank not in records for rank in mesh[1]):
-            return TensorRecord(lead.dtype, lead.shape, None, mutated=lead.mutated)  # a rank not recorded
-        contributing = [r for r in mesh[1] if all(coords[r][k] == 0 for k in replicated)]
-        # Replicas: each rank against the contributing rank with its coordinates on sharded dims.
-        for rank in mesh[1]:
+                   if (d := shard_dim(p)) is not None}
+        partial = [k for k, p in enumerate(placements) if p.startswith("P")]
+        replicated = [k for k, p in enumerate(placements) if p == "R"]
+        if len(sharded) + len(partial) + len(replicated) != len(placements):
+            return blank  # a placement not known: nothing is claimed
+        contributing = [r for r in self.mesh[1] if all(self.coords[r][k] == 0 for k in replicated)]
+        for rank in self.mesh[1]:  # replicas: each rank against the contributing rank of its coordinates
             if rank in contributing:
                 continue
-            reference = next(r for r in contributing if all(coords[r][k] == coords[rank][k] for k in sharded))
+            reference = next(r for r in contributing
+                             if all(self.coords[r][k] == self.coords[rank][k] for k in (*sharded, *partial)))
             differs = _stats_differ(records[rank].stats, records[reference].stats)
             if differs is not None:
                 self.findings.append(ReplicaFinding(
@@ -195,18 +273,68 @@ class _Folder:
         for dim in set(sharded.values()):
             along = [k for k, d in sharded.items() if d == dim]
             shape[dim] = sum(records[r].shape[dim] for r in contributing
-                             if all(coords[r][k] == 0 for k in sharded if k not in along))
-        stats = combine_stats([(records[r].stats, records[r].shape) for r in contributing])
+                             if all(self.coords[r][k] == 0 for k in (*sharded, *partial) if k not in along))
+        if partial and (math.prod(lead.shape) != 1 or any(placements[k] == "P(other)" for k in partial)):
+            stats = None  # a partial tensor is known once a collective reduces it
+        elif partial:
+            stats = _partial_scalar([records[r].stats for r in contributing],
+                                    math.prod(self.mesh[0][k] for k in partial if placements[k] == "P(avg)"))
+        else:
+            stats = combine_stats([(records[r].stats, records[r].shape) for r in contributing])
+        if scaled and stats is not None and self.dp is not None and placements[self.dp] != "R":
+            stats = _scaled(stats, 1 / self.mesh[0][self.dp])
         return TensorRecord(lead.dtype, tuple(shape), stats, mutated=lead.mutated)
+
+    def _outside(self, op: OpRecord, position: int) -> World:
+        """Placements of an input from outside the step (a weight, the data), by the DTensor op's
+        layout where it has one; on a dim it does not cover, replicated if the ranks agree, else
+        (on the data-parallel dim) each rank's slice of the batch, along dim 0."""
+        given = self._given(op.layout, "input", position)
+        records = self._records(op, "input", position)
+        out = []
+        for dim, placement in enumerate(given):
+            if placement is None and dim == self.dp and all(r.stats is None for r in records.values()):
+                placement = "?"  # a buffer nothing wrote, or a value not recorded
+            elif placement is None:
+                agree = self._agree_along(records, dim)
+                placement = "R" if agree else "S(0)" if dim == self.dp else "?"
+            out.append(placement)
+        return tuple(out)
+
+    def _infer(self, op: OpRecord, position: int, given: list[str | None],
+               inputs: list[tuple[World, bool]]) -> tuple[World, bool]:
+        """An output's placements: the layout's where it has them, else from the inputs'
+        (``local_placements``); whether it is a scaled gradient (see :meth:`fold_tensor`)."""
+        records = self._records(op, "output", position)
+        out_shape = op.outputs[position].shape
+        shapes = [t.shape for t in op.inputs]
+        placements: list[str] = []
+        scaled = any(s for _, s in inputs)
+        for dim, placement in enumerate(given):
+            if placement is None:
+                found = local_placement(op.name, shapes, [p[dim] for p, _ in inputs], out_shape)
+                agree = self._agree_along(records, dim)
+                if found is None or (found.startswith("P") and agree):
+                    found = "R" if agree else "?"
+                elif found == "R" and not agree:
+                    # Replicated inputs by the rules (buffers without statistics, FSDP2's
+                    # copy-in of each rank's shard), unequal results: not known.
+                    found = "?"
+                if dim == self.dp and op.phase == "backward" and found != "R":
+                    scaled = True  # the local loss's gradient: the rank's own slice's mean
+                placement = found
+            placements.append(placement)
+        return tuple(placements), scaled
 
     def fold(self) -> LogicalStep:
         ops = self.ops[self.lead]
         kept: dict[int, int] = {}  # lead index -> logical index
         back: dict[int, tuple[int, int] | None] = {}  # dropped index -> the value it moved
-        placed: dict[tuple[int, int], tuple[Placements, Mesh | None]] = {}
+        placed: dict[tuple[int, int], tuple[World, bool]] = {}
         folded: list[OpRecord] = []
         partial_results: dict[tuple[int, int], OpRecord] = {}
         external: dict[int, OpRecord] = {}  # dropped op -> itself, when it moved a value from outside
+        layout_changes: dict[tuple[int, int], TensorRecord] = {}  # outputs of FSDP2's buffer ops, folded
 
         def value_of(source: tuple[int, int] | None) -> tuple[int, int] | None:
             seen = 0
@@ -224,43 +352,74 @@ class _Folder:
                     external[op.index] = op
                 if moved is not None and op.group is not None and op.outputs:
                     producer = placed.get(moved)
-                    if producer is not None and producer[0] and any(p.startswith("P") for p in producer[0]):
+                    if producer is not None and any(p.startswith("P") for p in producer[0]):
                         partial_results.setdefault(moved, op)  # the collective that reduces it
                 continue
-            mesh = None
-            if layout is not None:
-                mesh = (tuple(layout["mesh"]["shape"]), tuple(layout["mesh"]["ranks"]))
             inputs = []
+            known: list[tuple[World, bool]] = []
             for position, t in enumerate(op.inputs):
                 source = value_of(t.source)
-                if source is not None and source[0] in kept:
+                if source is not None and source[0] in kept \
+                        and self._output_shape(source) == t.shape:  # else an alias of other storage
+                    given = self._given(layout, "input", position)
+                    placement, scaled = placed[source]
+                    if "?" in placement and None not in given and "?" not in given:
+                        # Not known at its producer (FSDP2's gradient views after the
+                        # reduce-scatter); the DTensor op that reads it says.
+                        placement, scaled = tuple(given), False  # type: ignore[arg-type]
+                        produced = folded[kept[source[0]]]
+                        produced.outputs[source[1]] = self.fold_tensor(
+                            ops[source[0]], "output", source[1], placement)
+                        placed[source] = (placement, scaled)
                     inputs.append(TensorRecord(t.dtype, t.shape, None, source=(kept[source[0]], source[1])))
+                    known.append((placement, scaled))
                     continue
                 origin = external.get(t.source[0]) if t.source is not None else None
-                if origin is not None:  # from outside, through a local redistribution: replicated
-                    record = self.fold_tensor(origin, "input", 0, None, None)
+                moved_value = layout_changes.get(t.source) if t.source is not None else None
+                if moved_value is not None and moved_value.stats is not None \
+                        and math.prod(moved_value.shape) == math.prod(t.shape):
+                    # FSDP2's unsharded parameter, a view of the all-gathered buffer it copied
+                    # out: the same elements, read in this op's shape.
+                    placement, record = placed[t.source][0], TensorRecord(t.dtype, t.shape, moved_value.stats)
+                elif origin is not None:  # from outside, through a local redistribution: as it was
+                    placement = self._outside(origin, 0)
+                    record = self.fold_tensor(origin, "input", 0, placement)
                 else:
-                    given = layout["in"][position] if layout is not None and position < len(layout["in"]) \
-                        else None
-                    record = self.fold_tensor(op, "input", position, tuple(given) if given else None, mesh)
+                    placement = self._outside(op, position)
+                    record = self.fold_tensor(op, "input", position, placement)
                 inputs.append(record)
+                known.append((placement, False))
             outputs = []
             for position in range(len(op.outputs)):
-                placements, out_mesh = self._output_placements(op, position, layout, mesh, placed)
-                placed[(op.index, position)] = (placements, out_mesh)
-                outputs.append(self.fold_tensor(op, "output", position, placements, out_mesh))
+                placement, scaled = self._infer(op, position, self._given(layout, "output", position), known)
+                placed[(op.index, position)] = (placement, scaled)
+                outputs.append(self.fold_tensor(op, "output", position, placement, scaled))
+            unknown = [k for k in range(len(op.outputs)) if "?" in placed[(op.index, k)][0]
+                       or op.outputs[k].stats is None]
+            if op.name.startswith("fsdp.") or (layout is None and op.outputs
+                                               and len(unknown) == len(op.outputs)):
+                for position, record in enumerate(outputs):
+                    layout_changes[(op.index, position)] = record
+                # A buffer nothing wrote, or a value whose layout is not known (FSDP2's copy-in,
+                # all-gather and reduce-scatter buffers and their views): a layout change, not
+                # an op of the model; what reads it reads it as a value from outside.
+                continue
             kept[op.index] = len(folded)
+            op_id, module, stack = op.id, op.module, op.module_stack
+            if self.unwrap:
+                op_id, module, stack = _unwrapped(op)
             folded.append(OpRecord(
-                index=len(folded), id=op.id, name=op.name, phase=op.phase, module=op.module,
-                module_call=op.module_call, module_stack=op.module_stack, step=op.step, rank=op.rank,
+                index=len(folded), id=op_id, name=op.name, phase=op.phase, module=module,
+                module_call=op.module_call, module_stack=stack, step=op.step, rank=op.rank,
                 inputs=inputs, outputs=outputs, stack=op.stack, layout=op.layout))
         # A partial value takes the statistics of the collective that reduced it.
         for (index, position), collective in partial_results.items():
             if index in kept:
                 target = folded[kept[index]].outputs[position]
-                result = self._collective_result(collective)
+                result = self._collective_result(collective, placed[(index, position)])
                 if result is not None and result.shape == target.shape:
                     target.stats = result.stats
+        _adopt_detached_gradients(folded)
         for op in folded:
             for t in op.inputs:
                 if t.source is not None:
@@ -268,38 +427,89 @@ class _Folder:
                     t.shape, t.stats = produced.shape, produced.stats
         return LogicalStep(self.step, folded, len(ops) - len(folded), self.findings)
 
-    def _output_placements(self, op: OpRecord, position: int, layout: dict[str, Any] | None,
-                           mesh: Mesh | None, placed: dict) -> tuple[Placements, Mesh | None]:
-        if layout is not None and position < len(layout["out"]) and layout["out"][position] is not None:
-            return tuple(layout["out"][position]), mesh
-        ndim = len(op.outputs[position].shape)
-        for t in op.inputs:  # a plain op: its first placed input's placements
-            known = placed.get(t.source) if t.source is not None else None
-            if known is None or known[0] is None or known[1] is None:
-                continue
-            placements, known_mesh = known
-            if all(p == "R" for p in placements):
-                continue
-            producer_ndim = len(self._output_shape(t.source))
-            if producer_ndim == ndim:
-                return placements, known_mesh
-        peers = self._peers(op)
-        records = [p.outputs[position] for p in peers.values() if position < len(p.outputs)]
-        if len(records) > 1 and ndim and all(r.shape == records[0].shape for r in records) \
-                and any(_stats_differ(r.stats, records[0].stats) for r in records[1:]):
-            return ("S(0)",), ((len(self.ranks),), tuple(self.ranks))
-        return None, None
-
     def _output_shape(self, source: tuple[int, int]) -> tuple[int, ...]:
         return self.ops[self.lead][source[0]].outputs[source[1]].shape
 
-    def _collective_result(self, op: OpRecord) -> TensorRecord | None:
-        """The whole value a collective's first output holds: shards after a reduce-scatter,
-        the one value every rank of its group holds otherwise."""
+    def _collective_result(self, op: OpRecord, value: tuple[World, bool]) -> TensorRecord | None:
+        """The whole value a collective's first output holds: the reduced value's placements
+        with the collective's mesh dims replicated (sharded along dim 0 after a reduce-scatter)."""
         ranks = tuple(op.group["ranks"]) if op.group and op.group.get("ranks") else tuple(self.ranks)
-        mesh = ((len(ranks),), ranks)
-        placements = ("S(0)",) if "reduce_scatter" in op.name else ("R",)
-        return self.fold_tensor(op, "output", 0, placements, mesh)
+        dims = [dim for dim in range(len(self.mesh[0])) if self._group_along(dim) == ranks]
+        if ranks == self.mesh[1]:
+            dims = list(range(len(self.mesh[0])))
+        if not dims:
+            return None
+        reduced = "S(0)" if "reduce_scatter" in op.name else "R"
+        placements = tuple(reduced if dim in dims else p for dim, p in enumerate(value[0]))
+        return self.fold_tensor(op, "output", 0, placements, value[1])
+
+
+def _adopt_detached_gradients(folded: list[OpRecord]) -> None:
+    """A gradient's ``detach`` (AccumulateGrad) that the recording left outside any module is
+    named after the module whose op produced the gradient, as a plain run names it: FSDP2's
+    post-backward hook closes the module's backward before AccumulateGrad runs."""
+    counts = Counter((op.phase, op.module, op.module_call, op.name) for op in folded)
+    for op in folded:
+        if op.phase != "backward" or op.module or op.name != "aten.detach.default" or not op.inputs \
+                or op.inputs[0].source is None:
+            continue
+        producer = folded[op.inputs[0].source[0]]
+        if not producer.module:
+            continue
+        key = (op.phase, producer.module, producer.module_call, op.name)
+        op.id = f"{op.phase}:{producer.module}[{producer.module_call}]:{op.name}:{counts[key]}"
+        counts[key] += 1
+        op.module, op.module_call = producer.module, producer.module_call
+        op.module_stack = producer.module_stack
+
+
+def _partial_scalar(parts: list[dict[str, Any] | None], divisor: int) -> dict[str, Any] | None:
+    """The statistics of a one-element partial value: its parts added (and averaged over the
+    ``P(avg)`` dims: a loss that is each rank's mean over its slice)."""
+    if any(p is None or p.get("mean") is None for p in parts) or not parts:
+        return None
+    value = sum(p["mean"] for p in parts) / divisor  # type: ignore[index]
+    out: dict[str, Any] = dict(parts[0])  # type: ignore[arg-type]
+    out.update(min=value, max=value, mean=value, norm=abs(value))
+    for key in _COUNTS:
+        if key in out:
+            values = [p.get(key) for p in parts]  # type: ignore[union-attr]
+            out[key] = None if any(v is None for v in values) else max(values)
+    return out
+
+
+def _scaled(stats: dict[str, Any], factor: float) -> dict[str, Any]:
+    out = dict(stats)
+    for key in ("min", "max", "mean", "norm"):
+        if out.get(key) is not None:
+            out[key] = out[key] * factor
+    return out
+
+
+def _ddp_wrapped(run: Run, step: int, rank: int) -> bool:
+    """Whether the model the run recorded is wrapped in ``DistributedDataParallel`` (its
+    modules are ``module.<name>``: logical ops are named after the model it wraps)."""
+    try:
+        return run.module_types(step, rank).get("") == "DistributedDataParallel"
+    except (ProbeError, AttributeError):
+        return False
+
+
+def _unwrap_name(module: str) -> str:
+    if module == "module":
+        return ""
+    return module[len("module."):] if module.startswith("module.") else module
+
+
+def _unwrapped(op: OpRecord) -> tuple[str, str, list[str]]:
+    """The op's id, module and module stack without DDP's ``module.`` level."""
+    module = _unwrap_name(op.module)
+    phase, rest = op.id.split(":", 1)
+    frame, name, n = rest.rsplit(":", 2)
+    op_id = f"{phase}:{module}{frame[len(op.module):]}:{name}:{n}"
+    stack = [_unwrap_name(entry.split("[")[0]) + entry[len(entry.split("[")[0]):] for entry in op.module_stack
+             if entry.split("[")[0] != ""]
+    return op_id, module, stack
 
 
 def _plan(run: Run) -> tuple:
