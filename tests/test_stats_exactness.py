@@ -238,6 +238,27 @@ def test_staged_chunks_are_exact_and_count_signed_infs():
         _check_row(chunk.reduce()[segment], t)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
+                                   torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool], ids=str)
+def test_staged_values_are_torchs_copy_whatever_the_copy_path(dtype):
+    # CPU chunks copy most dtypes through numpy (bf16 through torch): the chunk must hold the
+    # bytes torch's copy_ writes, for tensors that require grad and strided ones alike.
+    g = torch.Generator().manual_seed(5)
+    base = (torch.randn(6, 10, generator=g) * 1e3).to(dtype)
+    if dtype == torch.int64:
+        base[0, 0] = (1 << 62) + 1  # rounds in fp64: both copies must round alike
+    tensors = [base, base.t(), base[:, ::3]]
+    if dtype.is_floating_point:
+        tensors.append(base.clone().requires_grad_(True))
+    chunk_dtype = torch.float32 if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float64
+    chunk = StageChunk(torch.device("cpu"), chunk_dtype)
+    for t in tensors:
+        start = chunk.used
+        chunk.add(t)
+        expected = torch.empty(t.numel(), dtype=chunk_dtype).copy_(t.detach().reshape(-1))
+        assert torch.equal(chunk.buffer[start:chunk.used], expected)
+
+
 def test_cpu_rows_batches_of_many_dtypes_and_shapes_stay_exact():
     # One batch as the queue hands it over: tensors of one dtype, compiled and gapped alike.
     n = 1 << 18
