@@ -370,7 +370,9 @@ class StepRows:
         if numel == 0:
             rows.append((-1, 0, 0, multiplicity))
             return len(rows) - 1
-        if self._saturation is not False and self._saturated(x.device):
+        # Only an NPU saturates (probe.npu): "auto" never asks on the CPU.
+        if self._saturation is not False and (self._saturation is True or not x.is_cpu) \
+                and self._saturated(x.device):
             # Staged chunks widen every dtype to one: +-max would no longer be recognisable.
             rows.append((*self._append_device_row(self._stats.row(x, saturated=True, eps=self._eps)), numel,
                          multiplicity))

@@ -68,17 +68,17 @@ def compact_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     Statistics are invariant under permutation, and a stride-0 dim repeats the
     same elements ``size`` times, so both can be undone without copying.
     """
-    multiplicity = 1
-    if t.dim() == 0:
-        return t.reshape(1), 1
+    if t.is_contiguous() and t.numel():  # most tensors: no broadcast dim, nothing to reorder
+        return (t, 1) if t.dim() else (t.reshape(1), 1)
+    multiplicity = 1  # (a 0-d tensor is contiguous: returned above)
     strides = t.stride()
     if 0 in strides:
         for dim in range(t.dim() - 1, -1, -1):
             if strides[dim] == 0 and t.shape[dim] > 1:
                 multiplicity *= t.shape[dim]
-                t = t.narrow(dim, 0, 1)
+                t = t.narrow(dim, 0, 1)  # (keeps the other dims' strides)
     if not t.is_contiguous():
-        order = sorted(range(t.dim()), key=lambda d: t.stride(d), reverse=True)
+        order = sorted(range(len(strides)), key=strides.__getitem__, reverse=True)
         permuted = t.permute(order)
         if permuted.is_contiguous():
             t = permuted
