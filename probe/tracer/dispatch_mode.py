@@ -32,7 +32,7 @@ from probe.tracer.region_files import RegionFiles
 from probe.tracer.value_ids import DTYPE_NAMES, UNKEYABLE_ERRORS, ValueIndex, unkeyable
 from probe.tracer.value_ids import dtype_name as dtype_name  # where the modes import it from
 from probe.vocabulary.op_class import OpClass, OpClassCache
-from probe.vocabulary.op_tensors import tensors_in, tensors_out, written_tensors
+from probe.vocabulary.op_tensors import counted_writes, tensors_in, tensors_out, written_tensors
 from probe.vocabulary.option_values import Options
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)
@@ -243,7 +243,8 @@ class Tracer:
         self, func: Any, info: OpClass, phase: str, frame: Frame, args: tuple, kwargs: dict
     ) -> Any:
         # The hot path of every selected op: plain tuples, no per-tensor objects, one call into
-        # the value index for the inputs and one for the results (not one per tensor).
+        # the value index for the inputs and one for the results (not one per tensor). An OpCall
+        # is built only for modes to see (``structure`` alone has none) and for collectives.
         origin = frame.origin
         count_key = (phase, info.name)
         op_counts = origin.op_counts
@@ -251,27 +252,31 @@ class Tracer:
         op_counts[count_key] = n + 1
         index = len(self.records)
         in_tensors = tensors_in(args, kwargs)
+        skipped: tuple[Skipped, ...] = ()
         try:
             inputs = self.values.describe_inputs(in_tensors)
-            skipped_inputs: tuple[Skipped, ...] = ()
         except UNKEYABLE_ERRORS:
-            inputs, skipped_inputs = self._inputs_skipping_unkeyable(in_tensors)
+            inputs, skipped = self._inputs_skipping_unkeyable(in_tensors)
         op_id = f"{phase}:{origin.key}:{info.name}:{n}"
         callsite = self.call_sites.capture(origin.fqn) if self.call_sites is not None else None
-        call = OpCall(index, op_id, info, phase, frame, inputs, in_tensors, args, kwargs, callsite, func)
-        if skipped_inputs:
-            call.skipped = skipped_inputs
+        call = (OpCall(index, op_id, info, phase, frame, inputs, in_tensors, args, kwargs, callsite, func)
+                if self._observed or info.is_collective else None)
+        outputs: list[OutputMeta] = []
         try:
-            if info.is_view and inputs and (
+            # The outputs hold memory nothing wrote yet (``empty``), or are a view into an
+            # ``empty`` or reallocated buffer nothing wrote yet.
+            uninitialized = info.uninitialized_output or bool(info.is_view and inputs and (
                 ((src := inputs[0][2]) is not None and src[0] in self._unwritten)
                 or (self._refilled and self._is_refilled(in_tensors[0]))
-            ):
-                call.uninitialized = True  # a view into an ``empty`` or reallocated buffer nothing wrote yet
-            if call.uninitialized:
+            ))
+            if uninitialized:
                 self._unwritten.add(index)
-            for mode in self._before_modes:
-                mode.before(call)
-            if self._replacer is not None:
+            if call is not None:
+                call.skipped = skipped
+                call.uninitialized = uninitialized
+                for mode in self._before_modes:
+                    mode.before(call)
+            if self._replacer is not None and call is not None:
                 out = self._replacer.run(call, func, args, kwargs)
             else:
                 out = func(*args, **kwargs)
@@ -285,11 +290,17 @@ class Tracer:
                 written = [t for t in out_tensors if any(t is i for i in in_tensors)]
             else:
                 out_tensors = [out] if type(out) is torch.Tensor else tensors_out(out)
-                written = call.written() if info.mutates else []
+                if not info.mutates:
+                    written = []
+                elif call is not None:
+                    written = call.written()
+                else:
+                    written = written_tensors(info, args, kwargs)
                 if written and (info.uncounted_writes or not info.counts_writes):
                     # Written without a version bump (_foreach_*, _fused_*, _amp_* ops): the new value
                     # has the old one's version, and must replace it under that key.
-                    moving = call.versions_moving()
+                    moving = (call.versions_moving() if call is not None
+                              else counted_writes(info, args, kwargs))
                     rewritten = [t for t in written if not any(t is m for m in moving)]
             if info.refills_buffers:
                 for t in written:
@@ -305,20 +316,22 @@ class Tracer:
                 outputs, skipped_outputs = self._outputs_skipping_unkeyable(
                     out_tensors, written, index, info.is_view, rewritten
                 )
-                call.skipped += skipped_outputs
-            call.outputs = outputs
-            call.output_tensors = out_tensors
+                skipped += skipped_outputs
             group = None
-            if info.is_collective:
-                group = self.groups.of(info, args, kwargs)
-                if not self.pending.maybe_defer(call, out):
+            if call is not None:
+                call.skipped = skipped
+                call.outputs = outputs
+                call.output_tensors = out_tensors
+                if info.is_collective:
+                    group = self.groups.of(info, args, kwargs)
+                    if not self.pending.maybe_defer(call, out):
+                        self._finish(call)
+                else:
                     self._finish(call)
-            elif self._observed:
-                self._finish(call)
             # In the order of OP_RECORD_FIELDS.
             self.records.append(
                 (index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack(),
-                 tuple(inputs), tuple(outputs), callsite, group, call.skipped, None)
+                 tuple(inputs), tuple(outputs), callsite, group, skipped, None)
             )
             return out
         except BaseException:
@@ -326,9 +339,10 @@ class Tracer:
             # for op #index already, so its record is kept (with the outputs known so far); else the
             # step's files would point past its records, and the next op would reuse the index.
             if len(self.records) == index:
+                if call is not None:
+                    outputs, skipped = call.outputs, call.skipped
                 self.records.append((index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack(),
-                                     tuple(inputs), tuple(call.outputs), callsite, None, call.skipped,
-                                     None))
+                                     tuple(inputs), tuple(outputs), callsite, None, skipped, None))
             raise
 
     def run_dtensor_op(self, mode: TorchDispatchMode, func: Any, args: tuple, kwargs: dict,
