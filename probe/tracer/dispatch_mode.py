@@ -63,8 +63,8 @@ class Tracer:
         # Only observers that override a hook are called for it.
         self._before_modes = [o for o in observers if type(o).before is not OpObserver.before]
         self._after_modes = [o for o in observers if type(o).after is not OpObserver.after]
-        self._observed = bool(observers)
-        """Some mode sees the op calls (``structure`` alone does not: no call to finish)."""
+        self._observed = bool(self._before_modes or self._after_modes or self._replacer)
+        """Some mode sees the op calls (``structure`` overrides no hook: no OpCall to build)."""
         self.modules = ModuleTracker(options.model)
         self.call_sites = CallSites() if options.stack else None
         self.rank = rank
