@@ -113,6 +113,9 @@ class OpComparison:
     enters: bool = False
     """A divergence enters at this op: its difference is more than its inputs and each run's
     precision explain (or it lowers precision unexplained)."""
+    input_error: float | None = None
+    """The inputs' difference (relative) the propagation rule judged this op by, when it did:
+    how far its outputs' elements may be apart, whatever their statistics show."""
 
     def row(self) -> dict[str, Any]:
         op = self.a or self.b
@@ -554,6 +557,20 @@ def _producer_error(by_index: dict[int, OpComparison], source: tuple[int, int]) 
     return None
 
 
+def _passed_on(by_index: dict[int, OpComparison], source: tuple[int, int] | None) -> float:
+    """How far the elements of a producer's output may be apart by what its inputs differ (0
+    when its inputs were not judged).
+
+    Statistics measure a difference of the whole tensor: differences of random sign, which
+    rounding makes, leave the norm and the extremes nearly as they were. A sum makes them
+    visible (the weight gradient of a norm sums a product over the rows), so a sum's input
+    known by statistics differs, element by element, by as much as its producer's inputs."""
+    producer = by_index.get(source[0]) if source is not None else None
+    if producer is None or producer.input_error is None:
+        return 0.0
+    return producer.input_error
+
+
 def _input_error(side_a: _Side, side_b: _Side, c: OpComparison, position: int,
                  t: TensorComparison) -> float | None:
     """Input ``position``'s difference for the propagation bound: on data, over the elements
@@ -640,6 +657,7 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
     assert c.a is not None and c.b is not None
     in_error = 0.0
     overwritten = _overwritten(c.a)
+    summed = _reduction(c.a) > 1 or precision.summed_terms(c.a) > 1
     for position, record in enumerate(c.a.inputs):
         if position >= len(c.b.inputs) or position in overwritten \
                 or _uninitialized(record, c.b.inputs[position], by_index):
@@ -655,6 +673,8 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
         error = _input_error(side_a, side_b, c, position, t)
         if error is not None and t.kind != "data":
             error *= _concentration(side_a, side_b, c, position)
+            if summed:
+                error = max(error, _passed_on(by_index, record.source))
         if error is None and record.source is not None:  # nothing in the input's own record:
             error = _producer_error(by_index, record.source)  # its producer's output may hold it
         if error is None:  # producers that were not matched: their outputs, as each run recorded them
@@ -684,6 +704,7 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
                                          + precision.rounding(out_dtypes[1], _reduction(c.b), floor=False))
     factor = max(precision.CONDITION, cancellation)
     bound = factor * in_error + rounding
+    c.input_error = in_error
     if in_error >= WHOLLY:
         bound = math.inf  # inputs that differ as much as their values bound nothing
     detail = (f"output differs by {out_error:.3g} (relative), {factor:.3g} x the inputs' "

@@ -449,6 +449,14 @@ def _sum_condition(x: TensorRecord, y: TensorRecord, mean: bool) -> float:
     return math.sqrt(terms) * in_rms / ((terms if mean else 1) * out_rms)
 
 
+def summed_terms(op: OpRecord) -> int:
+    """Terms per element of a sum's (or mean's) first output, from the recorded sizes (1 for
+    other ops)."""
+    if short_name(op.name) not in _SUMS or not op.inputs or not op.outputs or not op.outputs[0].numel:
+        return 1
+    return max(op.inputs[0].numel // op.outputs[0].numel, 1)
+
+
 def condition(op: OpRecord) -> float:
     """How much ``op`` may amplify a relative difference of its inputs into one of its outputs,
     estimated from its recorded statistics (1 where nothing says more; the caller's floor,
