@@ -1,9 +1,9 @@
-"""One model, any layout (issue 25): a small MLP trained 3 SGD steps in one process, with
-tensor parallelism (DTensor ColwiseParallel/RowwiseParallel, 2 ranks), DDP and FSDP2 (2 ranks,
-each a slice of the batch) and FSDP2 x TP2 (a 2-D mesh, 4 ranks), gloo, CPU, same weights and
-global batch. The placements are recorded, the ranks' records fold into logical ops whose
-statistics are the single process's, and compare finds no divergence between any two plans,
-or a halved shard at its module. The jobs are tests/distributed/tp_worker.py, recorded once
+"""One model, any layout (issue 25): a small MLP, and a small transformer, trained 3 SGD steps
+in one process, with tensor parallelism (DTensor ColwiseParallel/RowwiseParallel, 2 ranks),
+DDP and FSDP2 (2 ranks, each a slice of the batch) and FSDP2 x TP2 (a 2-D mesh, 4 ranks), gloo,
+CPU, same weights and global batch. The placements are recorded, the ranks' records fold into
+logical ops whose statistics are the single process's, and compare finds no divergence between
+any two plans, or a halved shard at its module. The jobs are tests/distributed/tp_worker.py, recorded once
 per module fixture."""
 
 from __future__ import annotations
@@ -249,8 +249,74 @@ def test_a_local_op_moves_the_sharded_dim_by_its_shapes():
     assert local_placement("aten.add.Tensor", [(4, 8, 16), (16,)], ["S(0)", "R"], (4, 8, 16)) == "S(0)"
     assert local_placement("aten.view.default", [(4, 8, 16)], ["S(0)"], (32, 16)) == "S(0)"
     assert local_placement("aten.view.default", [(4, 8, 16)], ["S(0)"], (2, 256)) is None
-    # A transpose of two dims of one size says nothing; partial values stay partial through views.
-    assert local_placement("aten.transpose.int", [(4, 4, 8)], ["S(1)"], (4, 4, 8)) == "S(1)"
-    assert local_placement("aten.transpose.int", [(4, 4, 8)], ["S(0)"], (4, 8, 4)) is None
+    # A transpose swaps the two dims where the shapes differ; of two dims of one size it says
+    # nothing (unless the sharded dim's size is no other dim's); partial values stay partial.
+    assert local_placement("aten.transpose.int", [(2, 6, 2, 4)], ["S(0)"], (2, 2, 6, 4)) == "S(0)"
+    assert local_placement("aten.transpose.int", [(2, 6, 2, 4)], ["S(2)"], (2, 2, 6, 4)) == "S(1)"
+    assert local_placement("aten.transpose.int", [(4, 4, 8)], ["S(1)"], (4, 4, 8)) is None
+    assert local_placement("aten.transpose.int", [(4, 4, 8)], ["S(2)"], (4, 4, 8)) == "S(2)"
+    assert local_placement("aten.transpose.int", [(4, 4, 8)], ["S(0)"], (4, 8, 4)) == "S(0)"
+    assert local_placement("aten.permute.default", [(4, 4, 8)], ["S(0)"], (4, 8, 4)) is None
     assert local_placement("aten.view.default", [(1, 16)], ["P(sum)"], (16,)) == "P(sum)"
     assert local_placement("aten.add.Tensor", [(4, 16), (4, 16)], ["S(0)", "P(sum)"], (4, 16)) is None
+
+
+def test_attention_reshapes_move_the_heads_shard():
+    # Tensor parallelism's local heads: (b, s, h*d) split into (b, s, h, d) shards h; merged
+    # with the batch for a bmm, the shard is a block within each batch index (strided), which
+    # the bmm keeps and the split back by the batch returns to h.
+    assert local_placement("aten.view.default", [(4, 6, 8)], ["S(2)"], (4, 6, 2, 4)) == "S(2)"
+    assert local_placement("aten._unsafe_view.default", [(4, 6, 2, 4)], ["S(2)"], (4, 6, 8)) == "S(2)"
+    assert local_placement("aten._unsafe_view.default", [(4, 2, 6, 4)], ["S(1)"], (8, 6, 4)) == "_S(0,4)"
+    assert local_placement("aten.bmm.default", [(8, 6, 4), (8, 4, 6)], ["_S(0,4)", "_S(0,4)"], (8, 6, 6)) == \
+        "_S(0,4)"
+    assert local_placement("aten._softmax.default", [(8, 6, 6)], ["_S(0,4)"], (8, 6, 6)) == "_S(0,4)"
+    assert local_placement("aten._unsafe_view.default", [(8, 6, 6)], ["_S(0,4)"], (4, 2, 6, 6)) == "S(1)"
+    # The batch shard merged with the heads stays outermost; a size-1 dim is skipped.
+    assert local_placement("aten._unsafe_view.default", [(2, 2, 6, 4)], ["S(0)"], (4, 6, 4)) == "S(0)"
+    assert local_placement("aten.view.default", [(4, 6, 8)], ["S(2)"], (4, 6, 1, 8)) == "S(3)"
+
+
+TRANSFORMER_HALVED = "1.attn.o"
+
+
+@pytest.fixture(scope="module")
+def transformer(tmp_path_factory) -> dict[str, Path]:
+    """A 2-block transformer (layer norm, attention, MLP) in one process, TP2, FSDP2 and
+    FSDP2 x TP2, and TP2 and FSDP2 x TP2 with rank 1's shard of a RowwiseParallel module halved."""
+    root = tmp_path_factory.mktemp("transformer")
+    jobs = {"single": ("single", 0, None), "tp2": ("tp", 2, None), "fsdp2": ("fsdp", 2, None),
+            "fsdp2_tp2": ("fsdp_tp", 4, None), "tp2_halved": ("tp", 2, TRANSFORMER_HALVED),
+            "fsdp2_tp2_halved": ("fsdp_tp", 4, TRANSFORMER_HALVED)}
+    paths = {}
+    for name, (plan, nproc, halve) in jobs.items():
+        paths[name] = root / name
+        extra = ("--halve", f"1:{halve}") if halve else ()
+        _job(paths[name], "--model", "transformer", "--plan", plan, *extra, nproc=nproc)
+    return paths
+
+
+@pytest.mark.slow  # five torchrun jobs, two of them 4 ranks
+def test_a_transformer_folds_to_the_single_process_under_every_plan(transformer):
+    single = probe.load(transformer["single"])
+    names = ["single", "tp2", "fsdp2", "fsdp2_tp2"]
+    for name in names[1:]:
+        run = probe.load(transformer[name])
+        share, worst, compared = _folded_like(single, run)
+        assert share >= 0.95 and worst <= 1e-6 and compared > 700, (name, share, worst, compared)
+        assert LogicalRun(run).findings() == [], name
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            report = probe.compare(transformer[a], transformer[b], processes=1)
+            assert report.first_divergence is None, (a, b, report.conclusion)
+            assert report.counts["error"] == 0 and report.conclusion.startswith("no divergence"), (a, b)
+
+
+@pytest.mark.slow
+def test_a_halved_row_parallel_shard_is_the_first_divergence_in_both_tp_pairs(transformer):
+    for reference, halved in (("single", "tp2_halved"), ("tp2", "tp2_halved"),
+                              ("single", "fsdp2_tp2_halved"), ("fsdp2_tp2", "fsdp2_tp2_halved")):
+        report = probe.compare(transformer[reference], transformer[halved], processes=1)
+        assert report.divergence is not None, (reference, halved)
+        assert (report.divergence.op.module, report.divergence.op.phase, report.first_divergence[0].step) == \
+            (TRANSFORMER_HALVED, "forward", 0), (reference, halved, report.conclusion)

@@ -28,11 +28,14 @@ list of ops, as one process computing the whole tensors would have recorded them
 Data parallelism (DDP, FSDP2, FSDP2 x TP) is one more mesh dim: ranks in other tensor-parallel
 groups (each rank its own group without TP) compute on other slices of the batch. On that dim
 the data from outside the step are sharded along dim 0 where the ranks differ, and local ops
-move the shard by their shapes (``probe.analysis.local_placements``); a backward value there is
-the data-parallel degree times its slice of the logical gradient (each rank's loss is its own
-slice's mean, what DDP's and FSDP2's averaging assume), a weight's gradient a partial value
-until its reduction. DDP's ``module.`` level is dropped from names; FSDP2's copy-in/out and
-buffer ops are layout changes; a strided shard (``_S``) folds as a shard.
+move the shard by their shapes (``probe.analysis.local_placements``); a gradient there (what
+backward computes from the loss's, not from forward values alone) is the data-parallel degree
+times its slice of the logical gradient (each rank's loss is its own slice's mean, what DDP's
+and FSDP2's averaging assume), a weight's gradient a partial value until its reduction.
+DDP's ``module.`` level is dropped from names; FSDP2's copy-in/out and buffer ops are layout
+changes; a strided shard (``_S``) folds as a shard. DTensor's
+``from_local``/``to_local`` views are layout changes too, and the ids of the ops kept are
+counted without the ops dropped.
 
 A run of one rank without layouts folds to itself. What is not folded yet: dumps (the
 logical ops of a folded run compare on statistics), per-tensor distributions and histograms;
@@ -47,12 +50,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from probe.analysis.local_placements import local_placement, shard_dim
+from probe.analysis.local_placements import base_name, local_placement, shard_dim
 from probe.errors import ProbeError
 from probe.rundir.reader import OpRecord, Run, TensorRecord
 
 _PASS_THROUGH = frozenset({"_c10d_functional.wait_tensor.default",
                            "_c10d_functional._wrap_tensor_autograd.default"})
+_ALIASES = frozenset({"view", "alias", "_unsafe_view"})
+"""Ops that can be DTensor's ``from_local``/``to_local`` view of a whole local tensor."""
 _COUNTS = ("nan", "inf", "posinf", "neginf", "zeros")
 
 Placements = tuple[str, ...] | None
@@ -186,6 +191,10 @@ class _Folder:
         self.mesh, self.dp = _world(self.ops, ranks)
         self.coords = _coordinates(self.mesh)
         self.unwrap = _ddp_wrapped(run, step, self.lead)
+        lead_ops = self.ops[self.lead]
+        self.seeds = {op.index for k, op in enumerate(lead_ops)
+                      if op.phase == "backward" and (k == 0 or lead_ops[k - 1].phase != "backward")}
+        """The first op of each backward pass (the loss's backward, reading autograd's seed)."""
 
     def _peers(self, op: OpRecord) -> dict[int, OpRecord]:
         return {rank: found for rank in self.ranks if (found := self.by_id[rank].get(op.id)) is not None}
@@ -320,8 +329,11 @@ class _Folder:
                     # Replicated inputs by the rules (buffers without statistics, FSDP2's
                     # copy-in of each rank's shard), unequal results: not known.
                     found = "?"
-                if dim == self.dp and op.phase == "backward" and found != "R":
-                    scaled = True  # the local loss's gradient: the rank's own slice's mean
+                if dim == self.dp and op.index in self.seeds and found != "R":
+                    # The local loss's gradient: the rank's own slice's mean. What backward
+                    # computes from it is scaled too (through the inputs); what it computes
+                    # from forward values alone (a saved activation's transpose) is not.
+                    scaled = True
                 placement = found
             placements.append(placement)
         return tuple(placements), scaled
@@ -342,10 +354,15 @@ class _Folder:
                 source, seen = back[source[0]], seen + 1
             return source
 
+        read_by_dtensor_ops = {t.source[0] for op in ops if op.layout is not None for t in op.inputs
+                               if t.source is not None}
+        dropped: Counter[str] = Counter()  # id without its count -> layout changes dropped so far
+
         for op in ops:
             layout = op.layout
             if (layout is not None and layout["role"] == "redistribute") or op.group is not None \
-                    or op.name in _PASS_THROUGH:
+                    or op.name in _PASS_THROUGH or self._wraps(op, ops, read_by_dtensor_ops):
+                dropped[op.id.rsplit(":", 1)[0]] += 1
                 moved = value_of(op.inputs[0].source) if op.inputs else None
                 back[op.index] = moved
                 if op.inputs and op.inputs[0].source is None:
@@ -374,6 +391,19 @@ class _Folder:
                     inputs.append(TensorRecord(t.dtype, t.shape, None, source=(kept[source[0]], source[1])))
                     known.append((placement, scaled))
                     continue
+                if source is not None and source[0] in kept \
+                        and math.prod(self._output_shape(source)) == math.prod(t.shape):
+                    # The producer's value read in another shape (a view the recording keys to
+                    # the producer's storage): placed as a reshape of it, the same elements.
+                    from_shape = self._output_shape(source)
+                    placement = tuple("?" if p == "?" else
+                                      local_placement("aten.view.default", [from_shape], [p], t.shape) or "?"
+                                      for p in placed[source][0])
+                    record = self.fold_tensor(op, "input", position, placement)
+                    record.stats = folded[kept[source[0]]].outputs[source[1]].stats
+                    inputs.append(record)
+                    known.append((placement, placed[source][1]))
+                    continue
                 origin = external.get(t.source[0]) if t.source is not None else None
                 moved_value = layout_changes.get(t.source) if t.source is not None else None
                 if moved_value is not None and moved_value.stats is not None \
@@ -400,14 +430,19 @@ class _Folder:
                                                and len(unknown) == len(op.outputs)):
                 for position, record in enumerate(outputs):
                     layout_changes[(op.index, position)] = record
+                dropped[op.id.rsplit(":", 1)[0]] += 1
                 # A buffer nothing wrote, or a value whose layout is not known (FSDP2's copy-in,
                 # all-gather and reduce-scatter buffers and their views): a layout change, not
                 # an op of the model; what reads it reads it as a value from outside.
                 continue
             kept[op.index] = len(folded)
-            op_id, module, stack = op.id, op.module, op.module_stack
+            # Counted as if the dropped ops were not there: ids count ops per module call,
+            # phase and name, and a plan's layout changes (RowwiseParallel's div of its bias)
+            # would shift the ids of the model's own ops of that name.
+            base, count = op.id.rsplit(":", 1)
+            op_id, module, stack = f"{base}:{int(count) - dropped[base]}", op.module, op.module_stack
             if self.unwrap:
-                op_id, module, stack = _unwrapped(op)
+                op_id, module, stack = _unwrapped(op_id, op.module, op.module_stack)
             folded.append(OpRecord(
                 index=len(folded), id=op_id, name=op.name, phase=op.phase, module=module,
                 module_call=op.module_call, module_stack=stack, step=op.step, rank=op.rank,
@@ -417,8 +452,22 @@ class _Folder:
             if index in kept:
                 target = folded[kept[index]].outputs[position]
                 result = self._collective_result(collective, placed[(index, position)])
-                if result is not None and result.shape == target.shape:
-                    target.stats = result.stats
+                if result is None or result.shape != target.shape:
+                    continue
+                target.stats = result.stats
+                # A partial sum reshaped before its reduction (a 3-D linear's addmm, then its
+                # view back): the reshape's input is the same partial value.
+                source: tuple[int, int] | None = (index, position)
+                while source is not None and base_name(ops[source[0]].name) in _ALIASES \
+                        and ops[source[0]].inputs:
+                    source = value_of(ops[source[0]].inputs[0].source)
+                    if source is None or source[0] not in kept \
+                            or not any(p.startswith("P") for p in placed[source][0]):
+                        break
+                    earlier = folded[kept[source[0]]].outputs[source[1]]
+                    if earlier.stats is not None or math.prod(earlier.shape) != math.prod(target.shape):
+                        break
+                    earlier.stats = result.stats
         _adopt_detached_gradients(folded)
         for op in folded:
             for t in op.inputs:
@@ -426,6 +475,22 @@ class _Folder:
                     produced = folded[t.source[0]].outputs[t.source[1]]
                     t.shape, t.stats = produced.shape, produced.stats
         return LogicalStep(self.step, folded, len(ops) - len(folded), self.findings)
+
+    @staticmethod
+    def _wraps(op: OpRecord, ops: list[OpRecord], read_by_dtensor_ops: set[int]) -> bool:
+        """Whether ``op`` is the view of a whole tensor that DTensor's ``from_local`` or
+        ``to_local`` makes around a DTensor op (the parallel styles' input and output hooks):
+        a layout change a single process does not make."""
+        if op.layout is not None or base_name(op.name) not in _ALIASES or len(op.inputs) != 1 \
+                or len(op.outputs) != 1 or op.inputs[0].shape != op.outputs[0].shape:
+            return False
+        source = op.inputs[0].source
+        if op.index in read_by_dtensor_ops:
+            return True
+        if source is None:
+            return False
+        producer = ops[source[0]]
+        return producer.layout is not None or producer.group is not None or producer.name in _PASS_THROUGH
 
     def _output_shape(self, source: tuple[int, int]) -> tuple[int, ...]:
         return self.ops[self.lead][source[0]].outputs[source[1]].shape
@@ -501,13 +566,14 @@ def _unwrap_name(module: str) -> str:
     return module[len("module."):] if module.startswith("module.") else module
 
 
-def _unwrapped(op: OpRecord) -> tuple[str, str, list[str]]:
-    """The op's id, module and module stack without DDP's ``module.`` level."""
-    module = _unwrap_name(op.module)
-    phase, rest = op.id.split(":", 1)
+def _unwrapped(op_id: str, module: str, module_stack: list[str]) -> tuple[str, str, list[str]]:
+    """An op's id, module and module stack without DDP's ``module.`` level."""
+    phase, rest = op_id.split(":", 1)
     frame, name, n = rest.rsplit(":", 2)
-    op_id = f"{phase}:{module}{frame[len(op.module):]}:{name}:{n}"
-    stack = [_unwrap_name(entry.split("[")[0]) + entry[len(entry.split("[")[0]):] for entry in op.module_stack
+    unwrapped = _unwrap_name(module)
+    op_id = f"{phase}:{unwrapped}{frame[len(module):]}:{name}:{n}"
+    module = unwrapped
+    stack = [_unwrap_name(entry.split("[")[0]) + entry[len(entry.split("[")[0]):] for entry in module_stack
              if entry.split("[")[0] != ""]
     return op_id, module, stack
 

@@ -1,9 +1,15 @@
-"""A small MLP trained 3 SGD steps under the probe, in one process or under a parallel plan.
+"""A small model trained 3 SGD steps under the probe, in one process or under a parallel plan.
+
+``--model mlp``: two residual MLP blocks (``up``, ``down``) on rows of width 16;
+``--model transformer``: two pre-norm transformer blocks on sequences (batch 4, length 6,
+width 16): layer norm, hand-written attention (``q``, ``k``, ``v``, ``o``; 4 heads of 4, the
+local heads found by ``view(..., -1, head_dim)`` as torchtitan's attention does), layer norm,
+MLP (``up``, ``down``).
 
 ``--plan single`` runs in one process; the others under torchrun (gloo, CPU):
 
-- ``tp``: each block's ``up`` is ``ColwiseParallel``, its ``down`` ``RowwiseParallel``, on a
-  1-D mesh of every rank;
+- ``tp``: each block's ``up`` (and ``q``, ``k``, ``v``) is ``ColwiseParallel``, its ``down``
+  (and ``o``) ``RowwiseParallel``, on a 1-D mesh of every rank;
 - ``ddp``: ``DistributedDataParallel``, each rank a slice of the batch;
 - ``fsdp``: ``fully_shard`` on each block and the root, each rank a slice of the batch;
 - ``fsdp_tp``: a 2-D mesh ``(dp, tp)`` with two ranks on ``tp``: tensor parallelism as ``tp``
@@ -39,23 +45,72 @@ class Block(nn.Module):
         return x + self.down(self.act(self.up(x)))
 
 
-def build() -> nn.Module:
+class Attention(nn.Module):
+    """Multi-head self-attention written out, so that tensor parallelism shards its heads: each
+    rank's ``q``, ``k``, ``v`` give it whole heads, ``o`` sums the ranks' heads."""
+
+    def __init__(self, width: int = 16, head_dim: int = 4) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        # No biases (as Llama's): the gradient of k's bias is zero but for rounding (softmax
+        # ignores a shift of each row), noise no two plans share.
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        # -1: the heads this rank holds (all of them in one process).
+        q, k, v = (p(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        weights = torch.softmax(q @ k.transpose(-2, -1) / self.head_dim ** 0.5, dim=-1)
+        return self.o((weights @ v).transpose(1, 2).reshape(batch, length, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, width: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, width: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(width), Attention(width)
+        self.norm2, self.mlp = nn.LayerNorm(width), FeedForward(width, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+def build(kind: str = "mlp") -> nn.Module:
     torch.manual_seed(0)
+    if kind == "transformer":
+        return nn.Sequential(TransformerBlock(), TransformerBlock())
     return nn.Sequential(Block(), Block())
 
 
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(kind: str = "mlp") -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(STEPS)]
+    shape = (4, 6, 16) if kind == "transformer" else (8, 16)
+    return [(torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)) for _ in range(STEPS)]
 
 
 def tensor_parallel(model: nn.Module, mesh) -> None:
-    """Each block's ``up`` column-wise, its ``down`` row-wise over ``mesh``."""
+    """Column-wise: each MLP's ``up``, each attention's ``q``, ``k``, ``v``; row-wise: ``down``
+    and ``o`` (torchtitan's plan for these layers), over ``mesh``."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     plan = {}
-    for name, _ in model.named_children():
-        plan[f"{name}.up"], plan[f"{name}.down"] = ColwiseParallel(), RowwiseParallel()
+    for name, module in model.named_modules():
+        if isinstance(module, Block | FeedForward):
+            plan[f"{name}.up"], plan[f"{name}.down"] = ColwiseParallel(), RowwiseParallel()
+        elif isinstance(module, Attention):
+            for part in ("q", "k", "v"):
+                plan[f"{name}.{part}"] = ColwiseParallel()
+            plan[f"{name}.o"] = RowwiseParallel()
     parallelize_module(model, mesh, plan)
 
 
@@ -71,10 +126,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--plan", choices=["single", "tp", "ddp", "fsdp", "fsdp_tp"], default="single")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--model", choices=["mlp", "transformer"], default="mlp")
     parser.add_argument("--halve", default=None, help="RANK:MODULE")
     args = parser.parse_args()
 
-    model = build()
+    model = build(args.model)
     trained = model
     shard, shards = 0, 1  # this rank's slice of the batch, of how many
     if args.plan != "single":
@@ -104,7 +160,7 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     # Each rank's slice of the batch, cut before the probe starts: the data come from outside
     # the traced steps, as a loader's would.
-    data = [(x.chunk(shards)[shard], y.chunk(shards)[shard]) for x, y in batches()]
+    data = [(x.chunk(shards)[shard], y.chunk(shards)[shard]) for x, y in batches(args.model)]
     with probe.mode("stats", out=args.out) as session:
         for x, y in data:
             loss = nn.functional.mse_loss(trained(x), y)
