@@ -52,6 +52,25 @@ def test_graph_edges_follow_values_through_views_and_inplace_writes(tmp_path):
     assert g.nodes[ids[4]]["module"] == "" and g.nodes[ids[4]]["phase"] == "forward"
 
 
+def test_a_dtype_view_and_its_base_are_each_read_with_their_own_dtype(tmp_path):
+    # view(torch.int32) of float32 values has its base's key (memory, shape, stride, version):
+    # a read of either is linked to the latest op that exposed the value, described in its own dtype.
+    with probe.mode("structure", out=tmp_path / "r"):
+        y = torch.randn(4, 4).exp()
+        bits = y.view(torch.int32)
+        bits.bitwise_and(1)
+        y.neg()
+        y.abs()
+    ops = {op.name: op for op in probe.load(tmp_path / "r").ops(0)}
+    view = ops["aten.view.dtype"]
+    assert view.inputs[0].dtype == "float32" and view.inputs[0].source[0] == ops["aten.exp.default"].index
+    assert view.outputs[0].dtype == "int32"
+    assert ops["aten.bitwise_and.Scalar"].inputs[0].dtype == "int32"
+    for name in ("aten.neg.default", "aten.abs.default"):
+        read = ops[name].inputs[0]
+        assert read.dtype == "float32" and tuple(read.shape) == (4, 4) and read.source is not None
+
+
 def test_freed_storage_reuse_does_not_link_to_a_stale_producer(tmp_path):
     with probe.mode("stats", out=tmp_path / "r", ops=["aten.exp.default", "aten.neg.default"]):
         a = torch.randn(1024).exp()  # traced producer

@@ -82,8 +82,9 @@ class ValueIndex:
     """Per-step map from values to the (op index, output position) that produced them."""
 
     def __init__(self) -> None:
-        # Entries hold the Source tuple a hit returns, built once when the value is registered.
-        self._exact: dict[ExactKey, tuple[Source, weakref.ref]] = {}
+        # Entries hold what a hit returns, built once when the value is registered: the Source
+        # tuple, and the whole input metadata for a reader of the registered dtype.
+        self._exact: dict[ExactKey, tuple[Source, weakref.ref, torch.dtype, InputMeta]] = {}
         self._latest_write: dict[int, tuple[Source, int, weakref.ref]] = {}
         self._math_bits = False
 
@@ -130,7 +131,9 @@ class ValueIndex:
             )
             hit = exact.get(key)
             if hit is not None and hit[1]() is not None:
-                found.append((DTYPE_NAMES[t.dtype], tuple(shape), hit[0]))
+                dtype = t.dtype
+                # A dtype view of the same bytes (``view(torch.int32)``) has the same key.
+                found.append(hit[3] if dtype is hit[2] else (DTYPE_NAMES[dtype], tuple(shape), hit[0]))
             else:
                 found.append((DTYPE_NAMES[t.dtype], tuple(shape), self._storage_source(t, version)))
         return found
@@ -185,20 +188,23 @@ class ValueIndex:
             # without a version bump ("rewritten"): its new value takes the old value's key.
             counted = mutated and not (rewritten and any(t is r for r in rewritten))
             version = t._version
+            dtype = t.dtype
+            name, dims = DTYPE_NAMES[dtype], tuple(shape)
             if not counted:
                 key: ExactKey = (
                     (ptr, shape, t.stride(), version, t.is_conj(), t.is_neg()) if math_bits
                     else (ptr, shape, t.stride(), version)
                 )
-                exact[key] = ((op_index, position, True), weakref.ref(t))
+                source = (op_index, position, True)
+                exact[key] = (source, weakref.ref(t), dtype, (name, dims, source))
             if mutated or not view:
                 try:
                     storage = t.untyped_storage()
                 except (RuntimeError, NotImplementedError):
-                    outputs.append((DTYPE_NAMES[t.dtype], tuple(shape), mutated))
+                    outputs.append((name, dims, mutated))
                     continue
                 latest_write[storage.data_ptr()] = (
                     (op_index, position, False), version, weakref.ref(storage)
                 )
-            outputs.append((DTYPE_NAMES[t.dtype], tuple(shape), mutated))
+            outputs.append((name, dims, mutated))
         return outputs
