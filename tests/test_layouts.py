@@ -200,10 +200,12 @@ def test_a_replica_that_disagrees_is_a_finding_and_shards_concatenate():
 
 @pytest.fixture(scope="module")
 def plans(runs, tmp_path_factory) -> dict[str, Path]:
-    """The data-parallel plans, and FSDP2 x TP2 with rank 1's shard of 1.down halved."""
+    """The data-parallel plans (HSDP: a (replicate, shard) mesh of 2 x 2), and FSDP2 x TP2 with
+    rank 1's shard of 1.down halved."""
     root = tmp_path_factory.mktemp("plans")
     paths = {"single": runs["single"], "tp2": runs["tp2"]}
-    for name, plan, nproc in (("ddp", "ddp", 2), ("fsdp2", "fsdp", 2), ("fsdp2_tp2", "fsdp_tp", 4)):
+    for name, plan, nproc in (("ddp", "ddp", 2), ("fsdp2", "fsdp", 2), ("hsdp", "hsdp", 4),
+                              ("fsdp2_tp2", "fsdp_tp", 4)):
         paths[name] = root / name
         _job(paths[name], "--plan", plan, nproc=nproc)
     paths["fsdp2_tp2_halved"] = root / "fsdp2_tp2_halved"
@@ -211,10 +213,10 @@ def plans(runs, tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
-@pytest.mark.slow  # four torchrun jobs, one of them 4 ranks
+@pytest.mark.slow  # five torchrun jobs, two of them 4 ranks
 def test_every_plan_folds_to_the_single_process_and_every_pair_compares_clean(plans):
     single = probe.load(plans["single"])
-    names = ["single", "tp2", "ddp", "fsdp2", "fsdp2_tp2"]
+    names = ["single", "tp2", "ddp", "fsdp2", "hsdp", "fsdp2_tp2"]
     for name in names[1:]:
         share, worst, compared = _folded_like(single, probe.load(plans[name]))
         assert share >= 0.95 and worst <= 1e-6 and compared > 100, (name, share, worst, compared)
@@ -320,3 +322,18 @@ def test_a_halved_row_parallel_shard_is_the_first_divergence_in_both_tp_pairs(tr
         assert report.divergence is not None, (reference, halved)
         assert (report.divergence.op.module, report.divergence.op.phase, report.first_divergence[0].step) == \
             (TRANSFORMER_HALVED, "forward", 0), (reference, halved, report.conclusion)
+
+
+@pytest.mark.slow
+def test_hsdp_folds_over_its_two_dimensional_mesh(plans):
+    # HSDP's parameters are DTensors on the (replicate, shard) mesh: the step's mesh is that
+    # one, each of its dims a slice of the batch; the optimizer's sharded parameters fold
+    # to whole ones.
+    hsdp = probe.load(plans["hsdp"])
+    step = fold_step(hsdp, 0)
+    meshes = {tuple(op.layout["mesh"]["shape"]) for op in hsdp.ops(0, 0) if op.layout is not None}
+    assert meshes == {(2, 2)}
+    single = {op.id: op for op in probe.load(plans["single"]).ops(0, 0)}
+    updates = [op for op in step.ops if op.phase == "optimizer"]
+    assert updates and all(op.outputs[0].shape == single[op.id].outputs[0].shape for op in updates)
+    assert all(op.outputs[0].stats is not None for op in updates)

@@ -154,23 +154,30 @@ def _coordinates(mesh: Mesh) -> dict[int, tuple[int, ...]]:
     return coords
 
 
-def _world(ops: dict[int, list[OpRecord]], ranks: list[int]) -> tuple[Mesh, int | None]:
-    """The mesh of every rank of the step, and its data-parallel dim (None when all ranks see
+def _world(ops: dict[int, list[OpRecord]], ranks: list[int]) -> tuple[Mesh, tuple[int, ...]]:
+    """The mesh of every rank of the step, and its data-parallel dims (none when all ranks see
     one batch). Each rank's tensor-parallel group is the mesh of its forward DTensor ops (itself
     without); ranks in other groups compute on other slices of the batch (DDP, FSDP2, FSDP2 x
-    TP): the mesh is (groups, group size), or (ranks,) when no rank has a group."""
+    TP): the mesh is (groups, group size), or (ranks,) when no rank has a group, or, when no
+    rank has a group and DTensor ops (the optimizer's on HSDP's parameters) ran on a mesh of
+    several dims over every rank, that mesh, each of its dims data-parallel."""
     groups = {rank: next((tuple(op.layout["mesh"]["ranks"]) for op in ops[rank] if op.layout is not None
                           and op.phase == "forward" and len(op.layout["mesh"]["shape"]) == 1), (rank,))
               for rank in ranks}
     distinct = sorted(set(groups.values()))
     if len(distinct) == 1:
-        return ((len(distinct[0]),), distinct[0]), None
+        return ((len(distinct[0]),), distinct[0]), ()
     flat = tuple(r for group in distinct for r in group)
     if len({len(g) for g in distinct}) != 1 or sorted(flat) != sorted(ranks):
-        return ((len(ranks),), tuple(ranks)), None  # groups that do not tile the ranks: as before
+        return ((len(ranks),), tuple(ranks)), ()  # groups that do not tile the ranks: as before
     if len(distinct[0]) == 1:
-        return ((len(flat),), flat), 0
-    return ((len(distinct), len(distinct[0])), flat), 0
+        meshes = {(tuple(op.layout["mesh"]["shape"]), tuple(op.layout["mesh"]["ranks"]))
+                  for op in ops[ranks[0]] if op.layout is not None and len(op.layout["mesh"]["shape"]) > 1}
+        hybrid = [mesh for mesh in meshes if sorted(mesh[1]) == sorted(ranks)]
+        if len(hybrid) == 1:  # HSDP: (replicate, shard), every rank its own slice of the batch
+            return hybrid[0], tuple(range(len(hybrid[0][0])))
+        return ((len(flat),), flat), (0,)
+    return ((len(distinct), len(distinct[0])), flat), (0,)
 
 
 World = tuple[str, ...]
@@ -290,8 +297,9 @@ class _Folder:
                                     math.prod(self.mesh[0][k] for k in partial if placements[k] == "P(avg)"))
         else:
             stats = combine_stats([(records[r].stats, records[r].shape) for r in contributing])
-        if scaled and stats is not None and self.dp is not None and placements[self.dp] != "R":
-            stats = _scaled(stats, 1 / self.mesh[0][self.dp])
+        degree = math.prod(self.mesh[0][d] for d in self.dp if placements[d] != "R")
+        if scaled and stats is not None and degree > 1:
+            stats = _scaled(stats, 1 / degree)
         return TensorRecord(lead.dtype, tuple(shape), stats, mutated=lead.mutated)
 
     def _outside(self, op: OpRecord, position: int) -> World:
@@ -302,11 +310,11 @@ class _Folder:
         records = self._records(op, "input", position)
         out = []
         for dim, placement in enumerate(given):
-            if placement is None and dim == self.dp and all(r.stats is None for r in records.values()):
+            if placement is None and dim in self.dp and all(r.stats is None for r in records.values()):
                 placement = "?"  # a buffer nothing wrote, or a value not recorded
             elif placement is None:
                 agree = self._agree_along(records, dim)
-                placement = "R" if agree else "S(0)" if dim == self.dp else "?"
+                placement = "R" if agree else "S(0)" if dim in self.dp else "?"
             out.append(placement)
         return tuple(out)
 
@@ -329,7 +337,7 @@ class _Folder:
                     # Replicated inputs by the rules (buffers without statistics, FSDP2's
                     # copy-in of each rank's shard), unequal results: not known.
                     found = "?"
-                if dim == self.dp and op.index in self.seeds and found != "R":
+                if dim in self.dp and op.index in self.seeds and found != "R":
                     # The local loss's gradient: the rank's own slice's mean. What backward
                     # computes from it is scaled too (through the inputs); what it computes
                     # from forward values alone (a saved activation's transpose) is not.

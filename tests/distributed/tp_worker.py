@@ -12,6 +12,9 @@ MLP (``up``, ``down``).
   (and ``o``) ``RowwiseParallel``, on a 1-D mesh of every rank;
 - ``ddp``: ``DistributedDataParallel``, each rank a slice of the batch;
 - ``fsdp``: ``fully_shard`` on each block and the root, each rank a slice of the batch;
+- ``hsdp``: ``fully_shard`` on a 2-D mesh ``(replicate, shard)`` with two ranks on each dim
+  (HSDP: parameters sharded over ``shard``, replicated over ``replicate``), each rank a slice
+  of the batch;
 - ``fsdp_tp``: a 2-D mesh ``(dp, tp)`` with two ranks on ``tp``: tensor parallelism as ``tp``
   on it, ``fully_shard`` over ``dp``, each ``dp`` coordinate a slice of the batch.
 
@@ -124,7 +127,8 @@ def fully_shard_blocks(model: nn.Module, mesh) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--plan", choices=["single", "tp", "ddp", "fsdp", "fsdp_tp"], default="single")
+    plans = ["single", "tp", "ddp", "fsdp", "hsdp", "fsdp_tp"]
+    parser.add_argument("--plan", choices=plans, default="single")
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", choices=["mlp", "transformer"], default="mlp")
     parser.add_argument("--halve", default=None, help="RANK:MODULE")
@@ -146,6 +150,10 @@ def main() -> None:
             shard, shards = dist.get_rank(), world
         elif args.plan == "fsdp":
             fully_shard_blocks(model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+            shard, shards = dist.get_rank(), world
+        elif args.plan == "hsdp":
+            mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+            fully_shard_blocks(model, mesh)
             shard, shards = dist.get_rank(), world
         else:
             mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
