@@ -240,9 +240,9 @@ def test_staged_chunks_are_exact_and_count_signed_infs():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
                                    torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool], ids=str)
-def test_staged_values_are_torchs_copy_whatever_the_copy_path(dtype):
-    # CPU chunks copy most dtypes through numpy (bf16 through torch): the chunk must hold the
-    # bytes torch's copy_ writes, for tensors that require grad and strided ones alike.
+def test_staged_values_are_torchs_copy(dtype):
+    # The chunk holds the bytes torch's copy_ writes, for tensors that require grad and strided
+    # ones alike.
     g = torch.Generator().manual_seed(5)
     base = (torch.randn(6, 10, generator=g) * 1e3).to(dtype)
     if dtype == torch.int64:
@@ -257,6 +257,19 @@ def test_staged_values_are_torchs_copy_whatever_the_copy_path(dtype):
         chunk.add(t)
         expected = torch.empty(t.numel(), dtype=chunk_dtype).copy_(t.detach().reshape(-1))
         assert torch.equal(chunk.buffer[start:chunk.used], expected)
+
+
+def test_staging_leaves_the_tensor_storage_resizable(tmp_path):
+    # FSDP2 frees a parameter's storage by resizing it to zero: staging a tensor through
+    # numpy (x.numpy()) would mark its storage not resizable for good.
+    weight = torch.randn(8, 8, requires_grad=True)
+    activation = torch.randn(4, 8)
+    with probe.mode("stats", out=tmp_path / "run") as session:
+        (activation @ weight).sum().backward()
+        session.step()
+    for t in (weight, activation, weight.grad):
+        t.detach().untyped_storage().resize_(0)
+        assert t.untyped_storage().nbytes() == 0
 
 
 def test_cpu_rows_batches_of_many_dtypes_and_shapes_stay_exact():

@@ -74,20 +74,11 @@ DEFAULT_QUEUE_BUDGET_BYTES = 256 << 20
 (a few percent of a training step's peak on a GPU that trains 7B-wide layers)."""
 
 
-_HOST_COPIED = frozenset({torch.float32, torch.float64, torch.float16, torch.int8, torch.int16, torch.int32,
-                          torch.int64, torch.uint8, torch.bool})
-"""Dtypes whose CPU tensors are copied into a chunk by numpy: the same conversion to the chunk's
-fp32 or fp64 as torch's ``copy_`` (exact for floats, round to nearest for integers), at a fifth
-of the cost of a slice, a reshape and a ``copy_`` (three torch calls, each a dispatch)."""
-
-
 class StageChunk:
     """A flat buffer of small tensors' values, reduced segment by segment when written."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, eps: float | None = None) -> None:
         self.buffer = torch.empty(CHUNK_NUMEL, dtype=dtype, device=device)
-        self._host = self.buffer.numpy() if self.buffer.device.type == "cpu" else None
-        """The buffer as numpy sees it, on the CPU (the same memory)."""
         self.offsets: list[int] = []
         self.used = 0
         self.eps = eps
@@ -97,12 +88,9 @@ class StageChunk:
         n = x.numel()
         if self.used + n > CHUNK_NUMEL:
             return None
-        if self._host is not None and x.dtype in _HOST_COPIED:
-            # numpy reads ``x`` in row-major order as ``reshape`` does; it refuses a tensor that
-            # requires grad (a weight), whose detached alias holds the same values.
-            self._host[self.used : self.used + n] = (x.detach() if x.requires_grad else x).numpy().reshape(-1)
-        else:
-            self.buffer[self.used : self.used + n].copy_(x.reshape(-1))
+        # torch's copy_, never numpy: ``x.numpy()`` marks x's storage not resizable for good, and
+        # FSDP2 frees its parameters' storages by resizing them to zero.
+        self.buffer[self.used : self.used + n].copy_(x.reshape(-1))
         self.offsets.append(self.used)
         self.used += n
         return len(self.offsets) - 1
