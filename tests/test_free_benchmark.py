@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import weakref
 from collections import Counter
 
 import pytest
@@ -103,6 +106,67 @@ def test_foreach_optimizer_ops_rerun_on_copies_of_their_tensor_lists(tmp_path):
     foreach = [c for c in checks if c.name.startswith("aten._foreach_")]
     assert len(foreach) > 20
     assert [c for c in foreach if c.verdict != "pass"] == []
+
+
+_SOLVES = {
+    "linalg.solve": lambda a, b: torch.linalg.solve(a, b),
+    "linalg.solve_ex": lambda a, b: torch.linalg.solve_ex(a, b).result,
+    "linalg.solve_triangular": lambda a, b: torch.linalg.solve_triangular(a, b, upper=True),
+    "triangular_solve": lambda a, b: torch.triangular_solve(b, a).solution,
+}
+
+
+@pytest.mark.filterwarnings("ignore:torch.triangular_solve is deprecated")
+@pytest.mark.parametrize("op", list(_SOLVES))
+def test_gradients_keep_the_layout_autograd_gives_them(tmp_path, op):
+    # The solves compute column-major: the (3, 1) right-hand side's gradient has strides (1, 3).
+    # AccumulateGrad keeps a gradient as computed when nothing else holds it, and copies it into
+    # the leaf's layout, (1, 1), otherwise: a mode that holds an op's tensors past the op changes
+    # .grad's strides. The cyclic collector is off, as it may be at any moment of training.
+    gen = torch.Generator().manual_seed(0)
+    a0 = torch.randn(3, 3, generator=gen).triu() + 3 * torch.eye(3)
+    b0 = torch.randn(3, 1, generator=gen)
+    runs = []
+    for session in (contextlib.nullcontext(), probe.mode("free_benchmark", out=tmp_path / "r")):
+        a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+        gc.disable()
+        try:
+            with session:
+                x = _SOLVES[op](a, b)
+                x.backward(torch.ones_like(x))
+        finally:
+            gc.enable()
+        runs.append((x.detach(), a.grad, b.grad))
+    bare, probed = runs
+    assert bare[2].stride() == (1, 3)  # the layout a reference held too long would lose
+    def layouts(tensors: tuple[torch.Tensor, ...]) -> list[tuple[tuple[int, ...], int]]:
+        return [(t.stride(), t.storage_offset()) for t in tensors]
+
+    assert layouts(probed) == layouts(bare)
+    assert all(torch.equal(p, q) for p, q in zip(probed, bare, strict=True))
+    checked = {c.phase for c in probe.load(tmp_path / "r").checks() if c.verdict != "skip"}
+    assert checked == {"forward", "backward"}
+
+
+@pytest.mark.parametrize("perturb", PERTURBATIONS)
+def test_a_checked_ops_tensors_are_freed_by_reference_counting(tmp_path, perturb):
+    # Whatever the re-run holds (inputs, their copies, results) must go when the op returns,
+    # not when Python's cyclic collector runs: see the test above for what a late one changes.
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    with probe.mode("free_benchmark", out=tmp_path / "r", perturb=perturb):
+        gc.disable()
+        try:
+            x = a.clone()
+            y = torch.mm(x, b)
+            x.add_(y)  # a written argument: the re-run works on a snapshot of it
+            refs = [weakref.ref(x), weakref.ref(y)]
+            del x, y
+            alive = [r() is not None for r in refs]
+        finally:
+            gc.enable()
+    assert alive == [False, False]
+    checks = probe.load(tmp_path / "r").checks()
+    assert {c.name for c in checks if c.verdict != "skip"} == {"aten.mm.default", "aten.add_.Tensor"}
 
 
 def test_fix_replaces_a_sloppy_low_precision_kernel_with_its_higher_precision_result(tmp_path):
