@@ -7,6 +7,11 @@ per operator). Asserted for every case:
 
 - nothing raises that did not raise bare;
 - outputs and gradients are bit-identical to the bare run, and the RNG state after it is the same;
+- outputs and gradients have the bare run's strides and storage offsets. Gradients are read from
+  ``.grad`` after ``backward``: autograd's AccumulateGrad keeps a gradient as computed only when
+  nothing else holds a reference to it, and copies it into the leaf's layout otherwise, so a mode
+  that keeps an op's tensors alive past the op shows here (the free benchmark did, through a
+  reference cycle: ``linalg.solve``'s gradients came back with other strides, values equal);
 - under ``stats``, the statistics recorded for the op that produced each output equal a fp64
   recomputation of the real output (its producer is found through the graph: the output is read
   by one ``aten.alias``, whose input source names the producing record).
@@ -15,14 +20,17 @@ Not asserted: what any TorchDispatchMode changes. While a mode is active, ATen's
 ``isTensorSubclassLike`` is true for every tensor, so some composite kernels and autograd formulas
 (``prod``'s backward, linalg norms, ``cond``, ``eigvalsh``, ``svdvals``) take their subclass-safe
 path and may round differently; the probe cannot avoid that while it traces. With the one sample
-per op used here no op is affected (torch 2.13); should one be, compare it with a run under a bare
-passthrough ``TorchDispatchMode`` and say so here.
+per op used here no op's values are affected (torch 2.13); should one be, compare it with a run under
+a bare passthrough ``TorchDispatchMode`` and say so here. Layouts are: ``ormqr``'s gradient comes
+back with other strides under any dispatch mode, so a layout that differs from the bare run's is
+accepted when a run under a bare passthrough mode gives the probed one.
 
 Free-benchmark *verdicts* are not asserted (a ``fail`` is a finding, not a fault).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import warnings
@@ -31,6 +39,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import probe
 from probe.rundir import layout
@@ -80,6 +89,22 @@ class Outcome:
     outputs: list[Any] = field(default_factory=list)
     grads: list[Any] = field(default_factory=list)
     rng: torch.Tensor | None = None
+    # Strides and storage offset of each output, then of each gradient, as returned (a clone
+    # need not keep them).
+    layouts: list[Any] = field(default_factory=list)
+
+
+class _Passthrough(TorchDispatchMode):
+    """A dispatch mode that only runs each op: what any mode changes, the probe's or not."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _layout(t: torch.Tensor | None) -> tuple[tuple[int, ...], int] | None:
+    if t is None or t.layout != torch.strided or t.is_nested:
+        return None
+    return tuple(t.stride()), t.storage_offset()
 
 
 def _sample(op):
@@ -99,9 +124,11 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _run(op, sample_and_grad, session=None, alias_outputs: bool = False) -> Outcome:
-    """Run ``op`` on its sample (forward, then backward where supported); ``session.step()``
-    ends the step. ``alias_outputs`` reads each output through one ``aten.alias`` (see module doc)."""
+def _run(op, sample_and_grad, session=None, alias_outputs: bool = False,
+         dispatch_mode: TorchDispatchMode | None = None) -> Outcome:
+    """Run ``op`` on its sample (forward, then backward into ``.grad`` where supported), under
+    ``dispatch_mode`` if given; ``session.step()`` ends the step. ``alias_outputs`` reads each
+    output through one ``aten.alias`` (see module doc)."""
     sample, grad = sample_and_grad
     if sample is None:
         if session is not None:
@@ -110,23 +137,8 @@ def _run(op, sample_and_grad, session=None, alias_outputs: bool = False) -> Outc
     outcome = Outcome()
     torch.manual_seed(99)
     try:
-        out = op(sample.input, *sample.args, **sample.kwargs)
-        outputs = _tensors(out)
-        if alias_outputs:
-            for t in outputs:
-                if t.layout == torch.strided and not t.is_nested:
-                    torch.ops.aten.alias.default(t)
-        outcome.outputs = [t.detach().clone() if t.layout == torch.strided and not t.is_nested else t.detach()
-                           for t in outputs]
-        if grad:
-            inputs = [t for t in _tensors([sample.input, sample.args, list(sample.kwargs.values())])
-                      if t.requires_grad]
-            differentiable = [t for t in outputs if t.requires_grad and t.grad_fn is not None]
-            if inputs and differentiable:
-                grads = torch.autograd.grad(
-                    differentiable, inputs, [torch.ones_like(t) for t in differentiable], allow_unused=True
-                )
-                outcome.grads = [None if g is None else g.detach().clone() for g in grads]
+        with dispatch_mode if dispatch_mode is not None else contextlib.nullcontext():
+            _forward_backward(op, sample, grad, alias_outputs, outcome)
     except Exception as e:  # the bare run defines which errors are the op's own
         outcome.error = f"{type(e).__name__}: {str(e)[:200]}"
     finally:
@@ -136,6 +148,29 @@ def _run(op, sample_and_grad, session=None, alias_outputs: bool = False) -> Outc
     return outcome
 
 
+def _forward_backward(op, sample, grad: bool, alias_outputs: bool, outcome: Outcome) -> None:
+    """The op on its sample, then backward into ``.grad``; what it gives goes into ``outcome``."""
+    out = op(sample.input, *sample.args, **sample.kwargs)
+    outputs = _tensors(out)
+    if alias_outputs:
+        for t in outputs:
+            if t.layout == torch.strided and not t.is_nested:
+                torch.ops.aten.alias.default(t)
+    outcome.outputs = [t.detach().clone() if t.layout == torch.strided and not t.is_nested else t.detach()
+                       for t in outputs]
+    outcome.layouts = [_layout(t) for t in outputs]
+    if grad:
+        inputs = [t for t in _tensors([sample.input, sample.args, list(sample.kwargs.values())])
+                  if t.requires_grad]
+        differentiable = [t for t in outputs if t.requires_grad and t.grad_fn is not None]
+        if inputs and differentiable:
+            # Into .grad, as training does: the leaves' AccumulateGrad decides their layout.
+            torch.autograd.backward(
+                differentiable, [torch.ones_like(t) for t in differentiable], inputs=inputs
+            )
+            grads = [t.grad for t in inputs]
+            outcome.grads = [None if g is None else g.detach().clone() for g in grads]
+            outcome.layouts += [_layout(g) for g in grads]
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -172,6 +207,10 @@ def _differences(op, bare: Outcome, probed: Outcome) -> list[str]:
         found.append("gradients differ")
     if not torch.equal(bare.rng, probed.rng):
         found.append("RNG state differs")
+    # A layout any dispatch mode gives is not the probe's doing (see module doc).
+    if not found and bare.layouts != probed.layouts \
+            and _run(op, _sample(op), dispatch_mode=_Passthrough()).layouts != probed.layouts:
+        found.append(f"strides or storage offsets differ: {bare.layouts} bare, {probed.layouts} probed")
     return found
 
 
