@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -77,3 +79,21 @@ def test_upcast_under_autocast_keeps_the_autocast_dtypes(tmp_path):
 def test_only_fp32_or_fp64_are_upcast_targets(tmp_path):
     with pytest.raises(ProbeError, match="upcast_dtype"):
         probe.mode("upcast", out=tmp_path / "r", upcast_dtype=torch.float16)
+
+
+def test_upcast_leaves_no_reference_cycle_behind_an_op(tmp_path):
+    # The re-run's argument walk must hold nothing past the op (the snapshot of a written input,
+    # the op's arguments): a closure that calls itself would, until Python's cyclic collector.
+    net = _net()
+    x = torch.randn(8, 16).half()
+    with probe.mode("upcast", out=tmp_path / "r", model=net, modules=["fragile"]):
+        gc.collect()
+        gc.disable()
+        try:
+            net.fragile(net.pre(x))
+            left = [o.__qualname__ for o in gc.get_objects()
+                    if callable(o) and getattr(o, "__qualname__", "").startswith("UpcastMode.")
+                    and "<locals>" in o.__qualname__]
+        finally:
+            gc.enable()
+    assert left == []

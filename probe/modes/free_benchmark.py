@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -63,7 +62,7 @@ from probe.rundir.writer import StepWriter
 from probe.tracer.dispatch_mode import dtype_name
 from probe.tracer.op_call import OpCall
 from probe.vocabulary.op_class import OpClass
-from probe.vocabulary.op_tensors import results_of
+from probe.vocabulary.op_tensors import map_arguments, results_of
 from probe.vocabulary.option_values import parse_bool, parse_choice, parse_int
 
 HANDLERS = ("check", "fix")
@@ -270,7 +269,7 @@ class FreeBenchmarkMode(Mode):
         deltas: list[Any] = []
         inputs: list[torch.Tensor] = []
 
-        def convert(value: Any) -> Any:  # one argument; _map_arguments walks the lists
+        def convert(value: Any) -> Any:  # one argument; map_arguments walks the lists
             if isinstance(value, torch.Tensor):
                 t = snapshot.get(id(value), value)
                 if t.is_floating_point():
@@ -293,8 +292,8 @@ class FreeBenchmarkMode(Mode):
                 return target_device
             return value
 
-        args = [_map_arguments(a, convert) for a in call.args]
-        kwargs = {k: _map_arguments(v, convert) for k, v in (call.kwargs or {}).items()}
+        args = [map_arguments(a, convert) for a in call.args]
+        kwargs = {k: map_arguments(v, convert) for k, v in (call.kwargs or {}).items()}
         func = call.func
         reference = cpu_reference(call.info.name) if target_device is not None else None
         out = (reference or func)(*args, **kwargs)
@@ -314,20 +313,6 @@ class FreeBenchmarkMode(Mode):
                             self._preheat_max if self.preheat else None)
         self._reset()
         return result
-
-
-def _map_arguments(value: Any, leaf: Callable[[Any], Any]) -> Any:
-    """``value`` with every element of its (nested) lists and tuples replaced by ``leaf(element)``.
-
-    A module function, not a closure that calls itself: such a closure is a reference cycle,
-    and its cells (the op's inputs, the perturbed copies) would outlive the op until Python's
-    cyclic collector runs. A gradient still referenced when autograd's AccumulateGrad takes it
-    is copied into the parameter's layout instead of being kept as computed, so the ``.grad``
-    of ``linalg.solve``'s column-vector right-hand side came back with other strides.
-    """
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_arguments(v, leaf) for v in value)
-    return leaf(value)
 
 
 # What the rounding rule compares each perturbation's run with, for the reasons of failed checks.

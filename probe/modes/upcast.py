@@ -27,7 +27,7 @@ from probe.modes.base import Mode
 from probe.modes.free_benchmark import eligible
 from probe.modes.registry import register_mode
 from probe.tracer.op_call import OpCall
-from probe.vocabulary.op_tensors import results_of
+from probe.vocabulary.op_tensors import map_arguments, results_of
 from probe.vocabulary.option_values import show
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -76,17 +76,15 @@ class UpcastMode(Mode):
         if snapshot is None:
             return
 
-        def convert(value: Any) -> Any:
+        def convert(value: Any) -> Any:  # one argument; map_arguments walks the lists
             if isinstance(value, torch.Tensor):
                 return snapshot[id(value)] if id(value) in snapshot else self._shadow_or_upcast(value)
-            if isinstance(value, (list, tuple)):
-                return type(value)(convert(v) for v in value)
             if isinstance(value, torch.dtype) and value in _LOW:
                 return self.dtype  # a dtype argument (sum(dtype=...)) follows the upcast
             return value
 
-        args = [convert(a) for a in call.args]
-        kwargs = {k: convert(v) for k, v in (call.kwargs or {}).items()}
+        args = [map_arguments(a, convert) for a in call.args]
+        kwargs = {k: map_arguments(v, convert) for k, v in (call.kwargs or {}).items()}
         results = results_of(call.info, args, kwargs, call.func(*args, **kwargs))
         moving = call.versions_moving()
         for position, original in enumerate(call.output_tensors or ()):

@@ -6,7 +6,7 @@ upcast) and replay, so they agree on which tensors an op reads and writes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +23,21 @@ def tensors_in(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Ten
         elif isinstance(value, (list, tuple)):
             found.extend(v for v in value if isinstance(v, torch.Tensor))
     return found
+
+
+def map_arguments(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``value`` with every element of its (nested) lists and tuples replaced by ``leaf(element)``:
+    how the modes that re-run an op (free benchmark, upcast) build its new arguments.
+
+    A module function, not a closure that calls itself: such a closure is a reference cycle,
+    and its cells (the op's inputs, the perturbed copies) would outlive the op until Python's
+    cyclic collector runs. A gradient still referenced when autograd's AccumulateGrad takes it
+    is copied into the parameter's layout instead of being kept as computed, so the ``.grad``
+    of ``linalg.solve``'s column-vector right-hand side came back with other strides.
+    """
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_arguments(v, leaf) for v in value)
+    return leaf(value)
 
 
 def tensors_out(out: Any) -> list[torch.Tensor]:
