@@ -278,6 +278,10 @@ class StatsMode(Mode):
         skipped = call.skipped
         if skipped and reuse_base and call.skip_reason("in", 0) is not None:
             reuse_base = False
+        if reuse_base and inputs[0].untyped_storage()._cdata in self._rows.volatile:
+            # Memory the program frees and refills outside any op (FSDP2's unsharded
+            # parameters): the value it held when its row was taken may be another one now.
+            reuse_base = False
         moving = call.versions_moving()
         for position, t in enumerate(outputs):
             if skipped and call.skip_reason("out", position) is not None:
