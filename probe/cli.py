@@ -170,6 +170,19 @@ def _cmd_consistency(args: argparse.Namespace, console: Console) -> int:
     return EXIT_OK if report.consistent else EXIT_CHECK_FAILED
 
 
+def _partitions(items: list[str] | None) -> dict[str, str | int] | None:
+    """``--partition MODULE=colwise|rowwise|DIM`` (repeated, or comma-separated) as a dict."""
+    if not items:
+        return None
+    out: dict[str, str | int] = {}
+    for item in (part.strip() for text in items for part in text.split(",") if part.strip()):
+        module, _, value = item.partition("=")
+        if not module or not value:
+            raise ProbeError(f"--partition: expected MODULE=colwise|rowwise|DIM, got {item!r}")
+        out[module.strip()] = int(value) if value.strip().isdigit() else value.strip()
+    return out
+
+
 def _module_map(text: str | None) -> dict[str, str] | None:
     if not text:
         return None
@@ -188,7 +201,7 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
         task = bar.add_task("compare", total=None)
         report = probe.compare(
             args.run_a, args.run_b, steps=_int_list(args.steps), ranks=_int_list(args.ranks),
-            module_map=_module_map(args.module_map),
+            module_map=_module_map(args.module_map), partitions=_partitions(args.partition),
             **({} if args.replay_limit is None else {"replay_limit": args.replay_limit}),
             progress=lambda done, total: bar.update(task, completed=done, total=total),
         )
@@ -316,6 +329,11 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--steps", help="comma-separated steps (default: all in common)")
     compare.add_argument("--ranks", help="comma-separated ranks (default: all in common)")
     compare.add_argument("--module-map", help="rename run B's modules: b_name=a_name,...")
+    compare.add_argument("--partition", action="append", metavar="MODULE=colwise|rowwise|DIM",
+                         help="tensor parallelism written by hand (no DTensor): the dim a module's "
+                              "weight is sharded along (colwise: output features, rowwise: input "
+                              "features), so that its shards fold into whole tensors; repeatable, "
+                              "MODULE may be a glob")
     compare.add_argument("--replay-limit", type=int, metavar="N",
                          help="replay an op in fp64 to judge it only when its inputs hold at most N "
                               "elements (default: probe.compare's, 4M; 0: never)")

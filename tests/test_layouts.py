@@ -20,10 +20,17 @@ import torch
 import torch.distributed as dist
 
 import probe
-from probe.analysis.layouts import LogicalRun, combine_stats, fold_step
+from probe.analysis.layouts import (
+    LogicalRun,
+    MissingPartitions,
+    combine_stats,
+    fold_step,
+    normalize_partitions,
+)
 from probe.analysis.local_placements import local_placement
 from probe.analysis.matching import match_ops
 from probe.cli import main
+from probe.errors import ProbeError
 from probe.rundir.records import OpRecord, TensorRecord
 
 WORKER = Path(__file__).parent / "distributed" / "tp_worker.py"
@@ -81,7 +88,8 @@ def test_ops_on_dtensors_record_their_mesh_and_placements(runs):
     assert all(op.layout is None for op in probe.load(runs["single"]).ops(0, 0))  # read as before
 
 
-def _folded_like(single: probe.Run, run: probe.Run) -> tuple[float, float, int]:
+def _folded_like(single: probe.Run, run: probe.Run,
+                 partitions: dict[str, str] | None = None) -> tuple[float, float, int]:
     """Each step of ``run`` folded against the single process's ops, paired as compare pairs
     them: the lowest share of the single run's ops matched over the steps, the largest relative
     difference of a folded statistic (to the larger of the value and the tensor's RMS), and the
@@ -89,7 +97,8 @@ def _folded_like(single: probe.Run, run: probe.Run) -> tuple[float, float, int]:
     weight gradient before its reduction) may lack statistics."""
     share, worst, compared = 1.0, 0.0, 0
     for step in single.steps:
-        pairs = [m for m in match_ops(single.ops(step, 0), fold_step(run, step).ops) if m.a is not None]
+        folded = fold_step(run, step, partitions).ops
+        pairs = [m for m in match_ops(single.ops(step, 0), folded) if m.a is not None]
         matched = [m for m in pairs if m.b is not None]
         share = min(share, len(matched) / len(pairs))
         for m in matched:
@@ -337,3 +346,67 @@ def test_hsdp_folds_over_its_two_dimensional_mesh(plans):
     updates = [op for op in step.ops if op.phase == "optimizer"]
     assert updates and all(op.outputs[0].shape == single[op.id].outputs[0].shape for op in updates)
     assert all(op.outputs[0].stats is not None for op in updates)
+
+
+PARTITIONS = {"*.up": "colwise", "*.down": "rowwise"}
+"""tp_worker's megatron model: each block's up column-parallel, its down row-parallel."""
+
+
+@pytest.fixture(scope="module")
+def manual(tmp_path_factory) -> dict[str, Path]:
+    """Megatron-style tensor parallelism written by hand (no DTensor; the row-parallel output
+    all-reduced with torch.distributed.all_reduce): the layers whole in one process, over 2
+    ranks, and over 2 ranks with rank 1's shard of 1.down halved."""
+    root = tmp_path_factory.mktemp("manual")
+    paths = {name: root / name for name in ("single", "tp2", "halved")}
+    _job(paths["single"], "--model", "megatron", "--plan", "single")
+    _job(paths["tp2"], "--model", "megatron", "--plan", "manual", nproc=2)
+    _job(paths["halved"], "--model", "megatron", "--plan", "manual", "--halve", f"1:{HALVED}", nproc=2)
+    return paths
+
+
+def test_hand_written_tensor_parallelism_folds_by_the_partitions(manual, capsys):
+    single, tp = probe.load(manual["single"]), probe.load(manual["tp2"])
+    assert all(op.layout is None for op in tp.ops(0, 0))  # nothing recorded a layout
+    share, worst, compared = _folded_like(single, tp, PARTITIONS)
+    assert share >= 0.95 and worst <= 1e-6 and compared > 150, (share, worst, compared)
+    # The row-parallel product: the partial sums' all-reduced value, read by the bias's add.
+    folded = {op.id: op for op in fold_step(tp, 0, PARTITIONS).ops}
+    for op_id in ("forward:1.down[0]:aten.mm.default:0", "forward:1.down[0]:aten.view.default:0"):
+        reference = _op(single, op_id).outputs[0]
+        assert folded[op_id].outputs[0].shape == reference.shape
+        assert folded[op_id].outputs[0].stats["norm"] == pytest.approx(reference.stats["norm"], rel=1e-6)
+    assert LogicalRun(tp, PARTITIONS).findings() == []
+    report = probe.compare(manual["single"], manual["tp2"], partitions=PARTITIONS)
+    assert report.first_divergence is None and report.conclusion.startswith("no divergence")
+    assert report.counts["error"] == report.counts["unmatched"] == report.counts["not compared"] == 0
+    assert main(["compare", str(manual["single"]), str(manual["tp2"]), "--partition", "*.up=colwise",
+                 "--partition", "*.down=rowwise", "--fail-on-divergence"]) == 0
+
+
+def test_a_halved_hand_written_shard_is_the_first_divergence_at_its_module(manual):
+    for reference in ("single", "tp2"):
+        report = probe.compare(manual[reference], manual["halved"], partitions=PARTITIONS)
+        assert report.divergence is not None, reference
+        assert (report.divergence.op.module, report.divergence.op.phase, report.first_divergence[0].step) == \
+            (HALVED, "forward", 0), (reference, report.conclusion)
+
+
+def test_without_the_partitions_compare_names_the_option(manual, capsys):
+    with pytest.raises(MissingPartitions, match=r"0\.down, 1\.down.*partitions=.*--partition"):
+        probe.compare(manual["single"], manual["tp2"])
+    assert main(["compare", str(manual["single"]), str(manual["tp2"])]) == 2
+    assert "--partition 0.down=rowwise" in capsys.readouterr().err
+    with pytest.raises(ProbeError, match="partitions name no module of either run"):
+        probe.compare(manual["single"], manual["tp2"], partitions={"layers.*.up": "colwise"})
+    # Twin runs sharded alike compare rank by rank without it, as twin DDP runs do.
+    assert probe.compare(manual["tp2"], manual["tp2"]).first_divergence is None
+
+
+def test_partitions_are_checked_and_a_square_matrix_transpose_moves_its_shard():
+    assert normalize_partitions({"a": "colwise", "b": "Rowwise", "c": 2}) == {"a": 0, "b": 1, "c": 2}
+    for bad in ({"a": "diagonal"}, {"a": -1}, {"": "colwise"}, ["a"]):
+        with pytest.raises(ProbeError, match="partitions"):
+            normalize_partitions(bad)
+    # aten.t of a 2-D tensor swaps its dims even when they have one size (a square shard).
+    assert local_placement("aten.t.default", [(16, 16)], ["S(0)"], (16, 16)) == "S(1)"

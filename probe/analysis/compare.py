@@ -1401,20 +1401,23 @@ def compare(
     a: str | Path | Run, b: str | Path | Run, steps: list[int] | None = None,
     ranks: list[int] | None = None, module_map: dict[str, str] | None = None,
     processes: int | None = None, progress: Callable[[int, int], None] | None = None,
-    replay_limit: int = REPLAY_LIMIT,
+    replay_limit: int = REPLAY_LIMIT, partitions: dict[str, str | int] | None = None,
 ) -> Report:
     """Compare run ``b`` against the reference run ``a``; see the module docstring.
 
     ``progress(done, total)`` is called as ops of run A are compared. ``replay_limit``:
     ops whose inputs hold more elements (in either run) are judged by the propagation
-    bound instead of an fp64 replay; 0 disables the replay.
+    bound instead of an fp64 replay; 0 disables the replay. ``partitions``: for tensor
+    parallelism written by hand (no DTensor), module (or glob) -> ``"colwise"``,
+    ``"rowwise"`` or the weight's sharded dim, so that its shards fold into whole tensors
+    (``probe.analysis.layouts.normalize_partitions``).
     """
     if type(replay_limit) is not int or replay_limit < 0:
         raise ProbeError(f"replay_limit must be a non-negative int, got {replay_limit!r}")
     run_a = a if isinstance(a, Run) else Run(a)
     run_b = b if isinstance(b, Run) else Run(b)
     # Runs over several ranks or with DTensor placements compare as logical ops (layouts.py).
-    run_a, run_b = logical_pair(run_a, run_b)
+    run_a, run_b = logical_pair(run_a, run_b, partitions)
     missing: list[str] = []
     plan: dict[int, list[int]] = {}
     for rank in sorted(set(run_a.ranks) | set(run_b.ranks)):

@@ -37,6 +37,18 @@ changes; a strided shard (``_S``) folds as a shard. DTensor's
 ``from_local``/``to_local`` views are layout changes too, and the ids of the ops kept are
 counted without the ops dropped.
 
+Hand-written tensor parallelism (Megatron-style column- and row-parallel layers on plain
+tensors, ``torch.distributed.all_reduce``, no DTensor) records no layout: a user mapping,
+``partitions`` (module -> ``"colwise"``, ``"rowwise"`` or the weight's sharded dim), says it
+(:func:`normalize_partitions`). Every rank is then one tensor-parallel group; an input from
+outside the step that a mapped module's op reads and the ranks hold different values of is
+that module's parameter, placed as the mapping says (colwise: ``S(0)`` for the weight and the
+bias, the output's last dim sharded through the matrix product; rowwise: ``S(1)`` for the
+weight, the product a partial sum that the module's all-reduce resolves, the bias
+replicated); the rest follows by the shape rules, as for the ops between DTensor's modules.
+A run that all-reduces forward values outside DTensor, folded without the mapping, is refused
+with a message that names the option (:class:`MissingPartitions`).
+
 A run of one rank without layouts folds to itself. What is not folded yet: dumps (the
 logical ops of a folded run compare on statistics), per-tensor distributions and histograms;
 see ``docs/distributed.md``.
@@ -44,8 +56,10 @@ see ``docs/distributed.md``.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +77,52 @@ _COUNTS = ("nan", "inf", "posinf", "neginf", "zeros")
 Placements = tuple[str, ...] | None
 Mesh = tuple[tuple[int, ...], tuple[int, ...]]
 """(mesh shape, global ranks in mesh order)."""
+
+Partitions = dict[str, int]
+"""Module FQN (or glob) -> the dim of its weight that hand-written tensor parallelism shards."""
+_PARTITION_NAMES = {"colwise": 0, "column": 0, "rowwise": 1, "row": 1}
+
+
+def normalize_partitions(partitions: Mapping[str, str | int] | None) -> Partitions:
+    """``partitions`` as module -> the weight's sharded dim: ``"colwise"`` (output features:
+    the weight's dim 0, the bias sharded too, the output's last dim), ``"rowwise"`` (input
+    features: the weight's dim 1, the output a partial sum until its all-reduce, the bias
+    whole), or that dim as an int. Module names may be globs (``layers.*.mlp.up_proj``).
+    Raises :class:`ProbeError` naming the option and the accepted values."""
+    if partitions is None:
+        return {}
+    if not isinstance(partitions, Mapping):
+        raise ProbeError(f"partitions must be a dict module -> 'colwise' | 'rowwise' | dim, "
+                         f"got {partitions!r}")
+    out: Partitions = {}
+    for module, value in partitions.items():
+        dim = _PARTITION_NAMES.get(value.lower()) if isinstance(value, str) else \
+            value if type(value) is int and value >= 0 else None
+        if not isinstance(module, str) or not module or dim is None:
+            raise ProbeError(f"partitions: {module!r}: {value!r} is not a partition; accepted: 'colwise', "
+                             "'rowwise' or the weight's sharded dim (0, 1, ...), for a module name or glob")
+        out[module] = dim
+    return out
+
+
+def partition_of(partitions: Partitions, module: str) -> int | None:
+    """The weight's sharded dim the mapping gives ``module`` (an exact name first, then globs)."""
+    if not partitions or not module:
+        return None
+    if module in partitions:
+        return partitions[module]
+    return next((dim for pattern, dim in partitions.items() if fnmatch.fnmatchcase(module, pattern)), None)
+
+
+def _parameter_placement(dim: int, ndim: int, agree: bool) -> str:
+    """The placement of a mapped module's parameter of ``ndim`` dims on the tensor-parallel
+    mesh dim: a weight sharded along ``dim``; a bias sharded with a colwise weight's rows (even
+    where the shards agree: a zero-initialised bias), else whole."""
+    if ndim >= 2:
+        return f"S({dim})" if not agree else "R"
+    if ndim == 1 and dim == 0:
+        return "S(0)"
+    return "R" if agree else "?"
 
 
 @dataclass(frozen=True)
@@ -154,17 +214,22 @@ def _coordinates(mesh: Mesh) -> dict[int, tuple[int, ...]]:
     return coords
 
 
-def _world(ops: dict[int, list[OpRecord]], ranks: list[int]) -> tuple[Mesh, tuple[int, ...]]:
+def _world(ops: dict[int, list[OpRecord]], ranks: list[int],
+           hand_sharded: bool = False) -> tuple[Mesh, tuple[int, ...]]:
     """The mesh of every rank of the step, and its data-parallel dims (none when all ranks see
     one batch). Each rank's tensor-parallel group is the mesh of its forward DTensor ops (itself
     without); ranks in other groups compute on other slices of the batch (DDP, FSDP2, FSDP2 x
     TP): the mesh is (groups, group size), or (ranks,) when no rank has a group, or, when no
     rank has a group and DTensor ops (the optimizer's on HSDP's parameters) ran on a mesh of
-    several dims over every rank, that mesh, each of its dims data-parallel."""
+    several dims over every rank, that mesh, each of its dims data-parallel. ``hand_sharded``
+    (a partitions mapping applies, and no rank has a DTensor group): every rank is one
+    tensor-parallel group, on one batch."""
     groups = {rank: next((tuple(op.layout["mesh"]["ranks"]) for op in ops[rank] if op.layout is not None
                           and op.phase == "forward" and len(op.layout["mesh"]["shape"]) == 1), (rank,))
               for rank in ranks}
     distinct = sorted(set(groups.values()))
+    if hand_sharded and all(len(group) == 1 for group in distinct):
+        return ((len(ranks),), tuple(ranks)), ()
     if len(distinct) == 1:
         return ((len(distinct[0]),), distinct[0]), ()
     flat = tuple(r for group in distinct for r in group)
@@ -188,14 +253,19 @@ World = tuple[str, ...]
 class _Folder:
     """Folds one step of a run; the lead rank's records give the order, ids and modules."""
 
-    def __init__(self, run: Run, step: int, ranks: list[int]) -> None:
+    def __init__(self, run: Run, step: int, ranks: list[int],
+                 partitions: Partitions | None = None) -> None:
         self.step = step
+        self.partitions = partitions or {}
+        self._values: dict[tuple, World] = {}
+        """Outputs kept so far, by shape and statistics on every rank -> their placements."""
         self.lead = ranks[0]
         self.ranks = ranks
         self.ops = {rank: run.ops(step, rank) for rank in ranks}
         self.by_id = {rank: {op.id: op for op in ops} for rank, ops in self.ops.items()}
         self.findings: list[ReplicaFinding] = []
-        self.mesh, self.dp = _world(self.ops, ranks)
+        self.mesh, self.dp = _world(self.ops, ranks, bool(self.partitions) and any(
+            partition_of(self.partitions, op.module) is not None for op in self.ops[self.lead]))
         self.coords = _coordinates(self.mesh)
         self.unwrap = _ddp_wrapped(run, step, self.lead)
         lead_ops = self.ops[self.lead]
@@ -302,16 +372,42 @@ class _Folder:
             stats = _scaled(stats, 1 / degree)
         return TensorRecord(lead.dtype, tuple(shape), stats, mutated=lead.mutated)
 
+    def _fingerprint(self, records: dict[int, TensorRecord]) -> tuple | None:
+        """Shape and statistics of a tensor on every rank (None where a rank lacks them)."""
+        if any(rank not in records or records[rank].stats is None for rank in self.ranks):
+            return None
+        keys = ("min", "max", "mean", "norm")
+        return tuple((records[r].shape, *(records[r].stats.get(k) for k in keys))  # type: ignore[union-attr]
+                     for r in self.ranks)
+
+    def _remember(self, op: OpRecord, position: int, placements: World) -> None:
+        """Index a kept output by its shape and statistics on every rank (see :meth:`_outside`)."""
+        key = self._fingerprint(self._records(op, "output", position))
+        if key is not None and "?" not in placements and len(self.ranks) > 1:
+            self._values[key] = placements
+
     def _outside(self, op: OpRecord, position: int) -> World:
         """Placements of an input from outside the step (a weight, the data), by the DTensor op's
         layout where it has one; on a dim it does not cover, replicated if the ranks agree, else
         (on the data-parallel dim) each rank's slice of the batch, along dim 0."""
         given = self._given(op.layout, "input", position)
         records = self._records(op, "input", position)
+        partition = partition_of(self.partitions, op.module) if op.layout is None else None
+        if partition is not None:
+            earlier = self._values.get(self._fingerprint(records))
+            if earlier is not None:
+                # A value this step made, read where the recording lost its producer (a
+                # weight's transpose made in an earlier step, the same view read again).
+                return earlier
         out = []
         for dim, placement in enumerate(given):
             if placement is None and dim in self.dp and all(r.stats is None for r in records.values()):
                 placement = "?"  # a buffer nothing wrote, or a value not recorded
+            elif placement is None and partition is not None and dim not in self.dp:
+                # A module sharded by hand: the ranks' own values of what it reads from
+                # outside are its parameter's shards (its input is the same on every rank).
+                placement = _parameter_placement(partition, len(op.inputs[position].shape),
+                                                 self._agree_along(records, dim))
             elif placement is None:
                 agree = self._agree_along(records, dim)
                 placement = "R" if agree else "S(0)" if dim in self.dp else "?"
@@ -355,6 +451,7 @@ class _Folder:
         partial_results: dict[tuple[int, int], OpRecord] = {}
         external: dict[int, OpRecord] = {}  # dropped op -> itself, when it moved a value from outside
         layout_changes: dict[tuple[int, int], TensorRecord] = {}  # outputs of FSDP2's buffer ops, folded
+        reduced_in_place: dict[tuple[int, int], OpRecord] = {}  # value -> the collective reducing it in place
 
         def value_of(source: tuple[int, int] | None) -> tuple[int, int] | None:
             seen = 0
@@ -375,6 +472,8 @@ class _Folder:
                 back[op.index] = moved
                 if op.inputs and op.inputs[0].source is None:
                     external[op.index] = op
+                if moved is not None and op.group is not None and op.outputs and op.outputs[0].mutated:
+                    reduced_in_place.setdefault(moved, op)
                 if moved is not None and op.group is not None and op.outputs:
                     producer = placed.get(moved)
                     if producer is not None and any(p.startswith("P") for p in producer[0]):
@@ -432,6 +531,15 @@ class _Folder:
                 placement, scaled = self._infer(op, position, self._given(layout, "output", position), known)
                 placed[(op.index, position)] = (placement, scaled)
                 outputs.append(self.fold_tensor(op, "output", position, placement, scaled))
+            if op.inputs and op.outputs and "?" in known[0][0] and op.inputs[0].source is None \
+                    and op.outputs[0].mutated and op.inputs[0].shape == op.outputs[0].shape \
+                    and "?" not in placed[(op.index, 0)][0]:
+                # What an in-place op wrote is its first input (an optimizer's update of a
+                # parameter sharded by hand): the input is placed as the result is.
+                inputs[0] = self.fold_tensor(op, "input", 0, placed[(op.index, 0)][0])
+            reduced = self._read_after_reduction(op, reduced_in_place, value_of, placed)
+            if reduced is not None:
+                placed[(op.index, 0)], outputs[0] = reduced
             unknown = [k for k in range(len(op.outputs)) if "?" in placed[(op.index, k)][0]
                        or op.outputs[k].stats is None]
             if op.name.startswith("fsdp.") or (layout is None and op.outputs
@@ -444,6 +552,8 @@ class _Folder:
                 # an op of the model; what reads it reads it as a value from outside.
                 continue
             kept[op.index] = len(folded)
+            for position in range(len(op.outputs)):
+                self._remember(op, position, placed[(op.index, position)][0])
             # Counted as if the dropped ops were not there: ids count ops per module call,
             # phase and name, and a plan's layout changes (RowwiseParallel's div of its bias)
             # would shift the ids of the model's own ops of that name.
@@ -483,6 +593,27 @@ class _Folder:
                     produced = folded[t.source[0]].outputs[t.source[1]]
                     t.shape, t.stats = produced.shape, produced.stats
         return LogicalStep(self.step, folded, len(ops) - len(folded), self.findings)
+
+    def _read_after_reduction(self, op: OpRecord, reduced_in_place: dict[tuple[int, int], OpRecord],
+                              value_of: Any, placed: dict[tuple[int, int], tuple[World, bool]]
+                              ) -> tuple[tuple[World, bool], TensorRecord] | None:
+        """A view of a partial value that a collective reduced in place before it (a
+        row-parallel layer's output after ``torch.distributed.all_reduce``): the reduced
+        value, its placements and statistics the collective's. The recording gives such a
+        view the statistics of the value it views as they were before the collective."""
+        if base_name(op.name) not in _ALIASES or not op.inputs or len(op.outputs) != 1:
+            return None
+        value = value_of(op.inputs[0].source)
+        collective = reduced_in_place.get(value) if value is not None else None
+        if collective is None or collective.index > op.index or value not in placed \
+                or not any(p.startswith("P") for p in placed[value][0]):
+            return None
+        result = self._collective_result(collective, placed[value])
+        if result is None or math.prod(result.shape) != math.prod(op.outputs[0].shape):
+            return None
+        placements = tuple("R" if p.startswith("P") else p for p in placed[value][0])
+        output = op.outputs[0]
+        return (placements, placed[value][1]), TensorRecord(output.dtype, output.shape, result.stats)
 
     @staticmethod
     def _wraps(op: OpRecord, ops: list[OpRecord], read_by_dtensor_ops: set[int]) -> bool:
@@ -586,17 +717,36 @@ def _unwrapped(op_id: str, module: str, module_stack: list[str]) -> tuple[str, s
     return op_id, module, stack
 
 
+def _first_ops(run: Run) -> list[OpRecord]:
+    """The lead rank's first step's ops (none for an empty run)."""
+    if not run.ranks:
+        return []
+    rank = run.ranks[0]
+    steps = run.steps_of(rank)
+    return run.ops(steps[0], rank) if steps else []
+
+
 def _plan(run: Run) -> tuple:
     """The run's parallel layout, as far as compare needs it: its ranks and the placements its
     lead rank's first step recorded (op id -> results' placements)."""
-    if not run.ranks:
-        return ((), ())
-    rank = run.ranks[0]
-    steps = run.steps_of(rank)
-    ops = run.ops(steps[0], rank) if steps else []
     placed = tuple((op.id, str(op.layout["mesh"]), str(op.layout["out"]))
-                   for op in ops if op.layout is not None)
+                   for op in _first_ops(run) if op.layout is not None)
     return tuple(run.ranks), placed
+
+
+def _reducing_forward_modules(ops: list[OpRecord]) -> list[str]:
+    """Modules that all-reduce a value computed in the step during forward, in a step with no
+    DTensor op in forward: hand-written tensor parallelism (a row-parallel layer's partial
+    output). Data parallelism reduces in backward, DTensor's styles record their layouts."""
+    if any(op.layout is not None and op.phase == "forward" for op in ops):
+        return []
+    found = [op.module for op in ops if op.phase == "forward" and op.group is not None
+             and "reduce" in op.name and any(t.source is not None for t in op.inputs)]
+    return sorted(set(found))
+
+
+class MissingPartitions(ProbeError):
+    """A run sharded by hand (no DTensor) folded without the partitions that say how."""
 
 
 def _computes_on_shards(plan: tuple) -> bool:
@@ -607,13 +757,13 @@ def _computes_on_shards(plan: tuple) -> bool:
     return any(op_id.startswith("forward:") for op_id, _, _ in plan[1])
 
 
-def fold_step(run: Run, step: int) -> LogicalStep:
+def fold_step(run: Run, step: int, partitions: Mapping[str, str | int] | None = None) -> LogicalStep:
     """One step of ``run`` as logical ops (see the module docstring); ranks that lack the step
-    are left out."""
+    are left out. ``partitions``: how modules sharded by hand are (:func:`normalize_partitions`)."""
     ranks = [rank for rank in run.ranks if run.has_step(step, rank)]
     if not ranks:
         raise ProbeError(f"{str(run.path)!r} has no rank with step {step}")
-    return _Folder(run, step, ranks).fold()
+    return _Folder(run, step, ranks, normalize_partitions(partitions)).fold()
 
 
 class LogicalRun:
@@ -621,9 +771,10 @@ class LogicalRun:
     (folded once per step), under its lowest rank; it holds no dump (dumps are not folded).
     Everything else is the run's own."""
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: Run, partitions: Mapping[str, str | int] | None = None) -> None:
         self.run = run
         self.lead = run.ranks[0]
+        self.partitions = normalize_partitions(partitions)
         self._steps: dict[int, LogicalStep] = {}
 
     def __getattr__(self, name: str) -> Any:
@@ -646,7 +797,7 @@ class LogicalRun:
 
     def logical_step(self, step: int) -> LogicalStep:
         if step not in self._steps:
-            self._steps[step] = fold_step(self.run, step)
+            self._steps[step] = fold_step(self.run, step, self.partitions)
         return self._steps[step]
 
     def ops(self, step: int | None = None, rank: int | None = None) -> list[OpRecord]:
@@ -661,18 +812,43 @@ class LogicalRun:
         return [f for step in self.steps for f in self.logical_step(step).findings]
 
 
-def logical_pair(run_a: Run, run_b: Run) -> tuple[Run, Run]:
+def logical_pair(run_a: Run, run_b: Run,
+                 partitions: Mapping[str, str | int] | None = None) -> tuple[Run, Run]:
     """The two runs to compare op by op: both folded into logical ops when their layouts differ
     (other ranks, or other placements: another parallel plan; a single-process run folds to
-    itself) or when they compute on shards (tensor parallelism), else as they are, rank by rank
-    (DDP, FSDP2 twins: each rank against its twin)."""
+    itself) or when they compute on shards (tensor parallelism, DTensor's or by hand as
+    ``partitions`` says), else as they are, rank by rank (DDP, FSDP2 twins: each rank against
+    its twin). Raises :class:`MissingPartitions` when a run to fold all-reduces forward values
+    outside DTensor in modules ``partitions`` does not name, and :class:`ProbeError` when
+    ``partitions`` names no module of either run."""
+    mapping = normalize_partitions(partitions)
     try:
         plan_a, plan_b = _plan(run_a), _plan(run_b)
+        first = {"A": _first_ops(run_a), "B": _first_ops(run_b)}
     except ProbeError:  # a damaged first step: compared rank by rank, where it is reported
         return run_a, run_b
-    if plan_a == plan_b and not _computes_on_shards(plan_a):
+    mapped = {label: any(partition_of(mapping, op.module) is not None for op in ops)
+              for label, ops in first.items()}
+    if mapping and not any(mapped.values()):
+        modules = sorted({op.module for ops in first.values() for op in ops if op.module})
+        raise ProbeError(f"partitions name no module of either run: {sorted(mapping)}; modules: "
+                         f"{', '.join(modules[:12])}{' ...' if len(modules) > 12 else ''}")
+    hand_sharded = any(mapped[label] and len(run.ranks) > 1 for label, run in (("A", run_a), ("B", run_b)))
+    if plan_a == plan_b and not _computes_on_shards(plan_a) and not hand_sharded:
         return run_a, run_b
-    return LogicalRun(run_a), LogicalRun(run_b)  # type: ignore[return-value]
+    for label, run in (("A", run_a), ("B", run_b)):
+        if len(run.ranks) < 2:
+            continue
+        unmapped = [m for m in _reducing_forward_modules(first[label]) if partition_of(mapping, m) is None]
+        if unmapped:
+            raise MissingPartitions(
+                f"run {label} ({str(run.path)!r}) all-reduces forward values outside DTensor in "
+                f"{', '.join(unmapped)}: tensor parallelism written by hand, whose shards cannot be "
+                f"folded into whole tensors without knowing which dim each layer splits. Name "
+                f"them: probe.compare(a, b, partitions={{'<column-parallel module>': 'colwise', "
+                f"{unmapped[0]!r}: 'rowwise', ...}}), or on the command line "
+                f"--partition {unmapped[0]}=rowwise --partition <module>=colwise")
+    return LogicalRun(run_a, mapping), LogicalRun(run_b, mapping)  # type: ignore[return-value]
 
 
 def layout_notes(run_a: Run, run_b: Run) -> list[str]:

@@ -62,6 +62,8 @@ def _transposed(name: str, shape: Shape, dim: int, out: Shape) -> str | None:
         return None
     if base_name(name) == "t" and len(shape) < 2:
         return f"S({dim})"
+    if base_name(name) == "t":  # a matrix's transpose: its two dims swap, whatever their sizes
+        return f"S({1 - dim})"
     if base_name(name) in _SWAPS:
         # Two dims swap: where the shapes differ, they are the two (of different sizes).
         differ = [j for j in range(len(out)) if out[j] != shape[j]]

@@ -18,9 +18,16 @@ MLP (``up``, ``down``).
 - ``fsdp_tp``: a 2-D mesh ``(dp, tp)`` with two ranks on ``tp``: tensor parallelism as ``tp``
   on it, ``fully_shard`` over ``dp``, each ``dp`` coordinate a slice of the batch.
 
+- ``manual``: Megatron-style tensor parallelism written by hand, no DTensor (``--model
+  megatron`` only): each block's ``up`` a :class:`ColumnParallelLinear` (its rows of the weight
+  and bias; the input's gradient all-reduced), ``down`` a :class:`RowParallelLinear` (its
+  columns of the weight; the partial output all-reduced with ``torch.distributed.all_reduce``,
+  then the whole bias added), over every rank. ``--model megatron --plan single`` runs the same
+  layers whole in one process.
+
 All build the same weights (seed 0) and feed the same global batch, so every plan trains the
 same model as the single process. ``--halve RANK:MODULE`` halves that rank's shard of
-``MODULE.weight`` before training (a corrupted shard; tensor-parallel plans).
+``MODULE.weight`` before training (a corrupted shard; tensor-parallel plans, ``manual`` too).
 """
 
 from __future__ import annotations
@@ -88,6 +95,85 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class _CopyToParallel(torch.autograd.Function):
+    """Megatron's ``copy_to_tensor_model_parallel_region``: the identity forward; backward,
+    the ranks' partial gradients of the replicated input summed."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(grad)
+        return grad
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    """Megatron's ``reduce_from_tensor_model_parallel_region``: the ranks' partial outputs
+    summed in place forward; backward, the identity."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _tp_rank_and_size() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+class ColumnParallelLinear(nn.Module):
+    """This rank's rows of ``full``'s weight and bias (output features); the output stays
+    sharded along its last dim."""
+
+    def __init__(self, full: nn.Linear) -> None:
+        super().__init__()
+        rank, size = _tp_rank_and_size()
+        self.weight = nn.Parameter(full.weight.detach().chunk(size, 0)[rank].clone())
+        self.bias = nn.Parameter(full.bias.detach().chunk(size, 0)[rank].clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(_CopyToParallel.apply(x), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """This rank's columns of ``full``'s weight (input features), the whole bias: the local
+    product is a partial sum, all-reduced before the bias is added."""
+
+    def __init__(self, full: nn.Linear) -> None:
+        super().__init__()
+        rank, size = _tp_rank_and_size()
+        self.weight = nn.Parameter(full.weight.detach().chunk(size, 1)[rank].clone())
+        self.bias = nn.Parameter(full.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ReduceFromParallel.apply(nn.functional.linear(x, self.weight)) + self.bias
+
+
+def megatron_parallel(model: nn.Module) -> None:
+    """Each block's ``up`` column-parallel, its ``down`` row-parallel, over every rank (one
+    rank: the whole layers), built from the blocks' own weights."""
+    for block in model.children():
+        block.up, block.down = ColumnParallelLinear(block.up), RowParallelLinear(block.down)
+
+
+MANUAL_PARTITIONS = {"0.up": "colwise", "0.down": "rowwise", "1.up": "colwise", "1.down": "rowwise"}
+"""The ``megatron`` model's partitions, as ``probe.compare(..., partitions=)`` takes them."""
+
+
 def build(kind: str = "mlp") -> nn.Module:
     torch.manual_seed(0)
     if kind == "transformer":
@@ -127,14 +213,16 @@ def fully_shard_blocks(model: nn.Module, mesh) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    plans = ["single", "tp", "ddp", "fsdp", "hsdp", "fsdp_tp"]
+    plans = ["single", "tp", "ddp", "fsdp", "hsdp", "fsdp_tp", "manual"]
     parser.add_argument("--plan", choices=plans, default="single")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--model", choices=["mlp", "transformer"], default="mlp")
+    parser.add_argument("--model", choices=["mlp", "transformer", "megatron"], default="mlp")
     parser.add_argument("--halve", default=None, help="RANK:MODULE")
     args = parser.parse_args()
 
-    model = build(args.model)
+    if (args.plan == "manual") != (args.model == "megatron") and args.plan != "single":
+        parser.error("--plan manual goes with --model megatron, the other parallel plans without it")
+    model = build("mlp" if args.model == "megatron" else args.model)
     trained = model
     shard, shards = 0, 1  # this rank's slice of the batch, of how many
     if args.plan != "single":
@@ -143,7 +231,9 @@ def main() -> None:
 
         dist.init_process_group("gloo")
         world = dist.get_world_size()
-        if args.plan == "tp":
+        if args.plan == "manual":
+            megatron_parallel(model)
+        elif args.plan == "tp":
             tensor_parallel(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
         elif args.plan == "ddp":
             trained = nn.parallel.DistributedDataParallel(model)
@@ -164,11 +254,15 @@ def main() -> None:
             rank, module = args.halve.split(":")
             if int(rank) == dist.get_rank():
                 with torch.no_grad():
-                    model.get_submodule(module).weight.to_local().mul_(0.5)
+                    weight = model.get_submodule(module).weight
+                    (weight if args.plan == "manual" else weight.to_local()).mul_(0.5)
+    if args.model == "megatron" and args.plan == "single":
+        megatron_parallel(model)  # the same layers, whole
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     # Each rank's slice of the batch, cut before the probe starts: the data come from outside
     # the traced steps, as a loader's would.
-    data = [(x.chunk(shards)[shard], y.chunk(shards)[shard]) for x, y in batches(args.model)]
+    data = [(x.chunk(shards)[shard], y.chunk(shards)[shard])
+            for x, y in batches("mlp" if args.model == "megatron" else args.model)]
     with probe.mode("stats", out=args.out) as session:
         for x, y in data:
             loss = nn.functional.mse_loss(trained(x), y)
