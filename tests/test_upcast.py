@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import types
 
 import pytest
 import torch
@@ -92,7 +93,7 @@ def test_upcast_leaves_no_reference_cycle_behind_an_op(tmp_path):
         try:
             net.fragile(net.pre(x))
             left = [o.__qualname__ for o in gc.get_objects()
-                    if callable(o) and getattr(o, "__qualname__", "").startswith("UpcastMode.")
+                    if type(o) is types.FunctionType and o.__qualname__.startswith("UpcastMode.")
                     and "<locals>" in o.__qualname__]
         finally:
             gc.enable()
