@@ -170,26 +170,23 @@ def _cmd_consistency(args: argparse.Namespace, console: Console) -> int:
     return EXIT_OK if report.consistent else EXIT_CHECK_FAILED
 
 
+def _pairs(texts: list[str], option: str, expected: str) -> dict[str, str] | None:
+    """``KEY=VALUE`` items, separated by commas (in one text or several), as a dict."""
+    pairs = [item.split("=", 1) for text in texts for item in text.split(",") if item.strip()]
+    if any(len(pair) != 2 or not pair[0].strip() or not pair[1].strip() for pair in pairs):
+        raise ProbeError(f"{option}: expected {expected}, got {','.join(texts)!r}")
+    return {key.strip(): value.strip() for key, value in pairs} or None
+
+
 def _partitions(items: list[str] | None) -> dict[str, str | int] | None:
     """``--partition MODULE=colwise|rowwise|DIM`` (repeated, or comma-separated) as a dict."""
-    if not items:
-        return None
-    out: dict[str, str | int] = {}
-    for item in (part.strip() for text in items for part in text.split(",") if part.strip()):
-        module, _, value = item.partition("=")
-        if not module or not value:
-            raise ProbeError(f"--partition: expected MODULE=colwise|rowwise|DIM, got {item!r}")
-        out[module.strip()] = int(value) if value.strip().isdigit() else value.strip()
-    return out
+    pairs = _pairs(items or [], "--partition", "MODULE=colwise|rowwise|DIM")
+    return {module: int(value) if value.isdigit() else value for module, value in pairs.items()} \
+        if pairs else None
 
 
 def _module_map(text: str | None) -> dict[str, str] | None:
-    if not text:
-        return None
-    pairs = [item.split("=", 1) for item in text.split(",") if item.strip()]
-    if any(len(pair) != 2 or not pair[0] for pair in pairs):
-        raise ProbeError(f"--module-map: expected b_name=a_name pairs separated by commas, got {text!r}")
-    return {b.strip(): a.strip() for b, a in pairs}
+    return _pairs([text] if text else [], "--module-map", "b_name=a_name pairs separated by commas")
 
 
 def _cmd_compare(args: argparse.Namespace, console: Console) -> int:

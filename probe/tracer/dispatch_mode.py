@@ -339,8 +339,6 @@ class Tracer:
             # for op #index already, so its record is kept (with the outputs known so far); else the
             # step's files would point past its records, and the next op would reuse the index.
             if len(self.records) == index:
-                if call is not None:
-                    outputs, skipped = call.outputs, call.skipped
                 self.records.append((index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack(),
                                      tuple(inputs), tuple(outputs), callsite, None, skipped, None))
             raise

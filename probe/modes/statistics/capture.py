@@ -489,7 +489,7 @@ class StepRows:
             source = self._device_source(device)
             rows = self._sources[source]
             assert isinstance(rows, DeviceRows)
-            first = rows.add_block(device_rows(xs, eps=self._eps))
+            first = rows.add_block(device_rows(xs, eps=self._eps, stats=self._stats))
         for i, queued in enumerate(kept):
             _, _, numel, multiplicity = table[queued.row]
             table[queued.row] = (source, first + i, numel, multiplicity)

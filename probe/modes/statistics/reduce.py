@@ -288,29 +288,23 @@ def _sumsq(xs: list[torch.Tensor], acc: torch.dtype) -> list[torch.Tensor]:
         return [torch.linalg.vector_norm(x, 2, dtype=acc).square() for x in xs]
 
 
-_AUTO = TensorStats()
-
-
-def device_rows(xs: list[torch.Tensor], eps: float | None = None) -> torch.Tensor:
+def device_rows(xs: list[torch.Tensor], eps: float | None = None, stats: TensorStats | None = None
+                ) -> torch.Tensor:
     """Raw rows of tensors of one device and dtype, ``[len(xs), WIDTH]`` on that device in its
     accumulation dtype, without reading any value on the host.
 
-    Large tensors go through the compiled kernel, one read each; the others through
-    ``_foreach_*`` reductions, a handful of launches per batch. The foreach form reads a tensor
-    about eight times and writes a negated copy and three masks of it, which on a GPU made a
-    7B-wide bf16 step 14x slower (H200: 335 of 359 ms went to those passes).
+    Tensors ``stats`` (default: ``"auto"``) reduces with the compiled kernel go through it, one
+    read each; the others through ``_foreach_*`` reductions, a handful of launches per batch.
+    The foreach form reads a tensor about eight times and writes a negated copy and three masks
+    of it, which on a GPU made a 7B-wide bf16 step 14x slower (H200: 335 of 359 ms).
     """
-    fused = [i for i, x in enumerate(xs) if _AUTO.uses_compiled(x)]
-    if not fused:
+    stats = stats if stats is not None else TensorStats()
+    fused = [stats.uses_compiled(x) for x in xs]
+    if not any(fused):
         return _foreach_rows(xs, eps)
-    rows: list[torch.Tensor | None] = [None] * len(xs)
-    for i in fused:
-        rows[i] = _AUTO.row(xs[i], eps=eps)
-    rest = [i for i, r in enumerate(rows) if r is None]
-    if rest:
-        for i, row in zip(rest, _foreach_rows([xs[i] for i in rest], eps).unbind(0), strict=True):
-            rows[i] = row
-    return torch.stack(rows)  # type: ignore[arg-type]
+    small = [x for x, f in zip(xs, fused, strict=True) if not f]
+    rest = iter(_foreach_rows(small, eps).unbind(0) if small else ())
+    return torch.stack([stats.row(x, eps=eps) if f else next(rest) for x, f in zip(xs, fused, strict=True)])
 
 
 def _foreach_rows(xs: list[torch.Tensor], eps: float | None) -> torch.Tensor:
