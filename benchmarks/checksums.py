@@ -35,8 +35,8 @@ import probe
 from benchmarks.models import MODELS
 from probe.demo.model import synthetic_batch
 from probe.demo.train import DemoTraining
-from probe.modes.bit_checksum import ChecksumCache
-from probe.modes.checksums import _Queued, _rng_states
+from probe.modes.checksums.bit_checksum import ChecksumCache
+from probe.modes.checksums.mode import _Queued, _rng_states
 
 
 def _median_ms(run: Callable[[], None], trainer: DemoTraining, repeats: int) -> float:

@@ -20,10 +20,16 @@ from probe.analysis.replay import replay, replay_step
 from probe.errors import ProbeError, ProbeWarning, warn_once
 from probe.exporters import compare_report as _compare_report  # noqa: F401  (registers Report.to_csv/to_html's writers)
 from probe.exporters.graph_export import export_graph
-from probe.mode_objects import Dump, FreeBenchmark, ModeOptions, Monitor, Stats, Structure, Upcast
-from probe.modes.cpu_reference import register_cpu_reference
-from probe.modes.monitor import AnomalyStop
-from probe.rundir.reader import OpRecord, Run, TensorRecord, load
+from probe.modes.dump import Dump
+from probe.modes.free_benchmark import FreeBenchmark
+from probe.modes.free_benchmark.cpu_reference import register_cpu_reference
+from probe.modes.mode_options import ModeOptions
+from probe.modes.monitor import Monitor
+from probe.modes.monitor.mode import AnomalyStop
+from probe.modes.stats import Stats
+from probe.modes.structure import Structure
+from probe.modes.upcast import Upcast
+from probe.rundir.run import OpRecord, Run, TensorRecord, load
 from probe.seeding import seed_all
 from probe.session import Session, active_session, mode
 from probe.version import __version__

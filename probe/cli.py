@@ -20,7 +20,7 @@ from probe.errors import ProbeError
 from probe.exporters.console import make_console, progress_bar
 
 if TYPE_CHECKING:
-    from probe.rundir.reader import Run
+    from probe.rundir.run import Run
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -234,7 +234,7 @@ def _cmd_view(args: argparse.Namespace, console: Console) -> int:
 
     from probe.exporters.graph_export import model_explorer_graphs
     from probe.exporters.model_explorer import serve, write_model_explorer
-    from probe.rundir.reader import load
+    from probe.rundir.run import load
 
     run = load(args.run)
     step, rank = run.resolve(_one_int(args.step), _one_int(args.rank))
@@ -394,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_repro(args: argparse.Namespace, console: Console) -> int:
     from probe.analysis.compiled_judge import load_region, region_calls
     from probe.analysis.repro import reduce_region, write_script
-    from probe.rundir.reader import Run
+    from probe.rundir.run import Run
 
     run = Run(args.run)
     calls = region_calls(run, args.op_id, args.step)

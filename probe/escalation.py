@@ -44,9 +44,9 @@ from typing import Any
 
 from probe.errors import ProbeError, warn_once
 from probe.lifecycle import build_modes, start_modes, traced
-from probe.modes.anomaly import Anomaly, anomaly_json
 from probe.modes.base import OpObserver, SessionPlugin
-from probe.modes.monitor import MonitorMode
+from probe.modes.monitor.anomaly import Anomaly, anomaly_json
+from probe.modes.monitor.mode import MonitorMode
 from probe.modes.registry import MODES
 from probe.rundir import layout
 from probe.tracer.dispatch_mode import Tracer

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from probe.errors import ProbeError, warn_once
-from probe.modes.free_benchmark import HANDLERS
-from probe.modes.perturbations import PERTURBATIONS
+from probe.modes.free_benchmark.mode import HANDLERS
+from probe.modes.free_benchmark.perturbations import PERTURBATIONS
 from probe.vocabulary.option_values import IntSet, parse_bool, parse_choice, parse_int, show
 
 # msprobe task -> probe modes (and options the task implies)

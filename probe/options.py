@@ -16,7 +16,7 @@ import torch
 
 from probe.errors import ProbeError
 from probe.hparams import parse_hparams
-from probe.mode_objects import unfold
+from probe.modes.mode_options import ModeOptions, same_value
 from probe.modes.registry import MODES
 from probe.rundir import layout
 from probe.tracer.rank import current_rank, world_size
@@ -173,7 +173,7 @@ def _parse_phases(value: Any) -> frozenset[str]:
 
 def _config_options(config: Any) -> dict[str, Any]:
     """``config=``: a JSON file (or a dict) of options, or of msprobe's config or monitor config."""
-    from probe.modes.monitor_config import from_msprobe_monitor, is_monitor_config
+    from probe.modes.monitor.config import from_msprobe_monitor, is_monitor_config
     from probe.msprobe_config import from_msprobe, is_msprobe_config
 
     data = _read_config(config)
@@ -248,3 +248,29 @@ def check_out_dir(out: Path, overwrite: bool, rank: int = 0, world: int = 1) -> 
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise ProbeError(f"option 'out': cannot create {str(out)!r}: {str(parent)!r} is not writable")
+
+
+def unfold(modes: Any, options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``probe.mode``'s ``modes`` and keyword options with mode objects unfolded into names and
+    keyword options. An option given twice with different values (by two objects that share it,
+    such as ``distribution`` for stats and monitor, or by an object and a keyword) is refused,
+    naming both places: the session holds one value per option name."""
+    if isinstance(modes, ModeOptions):
+        modes = [modes]
+    if not isinstance(modes, (list, tuple)) or not any(isinstance(m, ModeOptions) for m in modes):
+        return modes, options
+    names: list[Any] = []
+    merged = dict(options)
+    given_by: dict[str, str] = {key: "a keyword option" for key in options}
+    for item in modes:
+        if not isinstance(item, ModeOptions):
+            names.append(item)  # a name (or a bad value: refused by the mode list's own check)
+            continue
+        names.append(item.mode)
+        for key, value in item.options.items():
+            if key in merged and not same_value(merged[key], value):
+                raise ProbeError(f"option {key!r} given twice with different values: {show(merged[key])} "
+                                 f"by {given_by[key]} and {show(value)} by {item!r}")
+            merged[key] = value
+            given_by.setdefault(key, repr(item))
+    return names, merged

@@ -37,13 +37,13 @@ from probe.errors import ProbeError, warn_once
 from probe.escalation import Escalation
 from probe.lifecycle import build_modes, start_modes, traced
 from probe.modes.base import OpObserver, SessionPlugin, StepResult
-from probe.modes.checksums import plugin_for as checksums_plugin_for
+from probe.modes.checksums.mode import plugin_for as checksums_plugin_for
 from probe.modes.registry import mode_option_names
 from probe.npu import read_and_clear_overflow_flag
 from probe.options import Options, parse_options, show
 from probe.rundir import layout
 from probe.rundir.background import BackgroundWriter
-from probe.rundir.op_records import encode
+from probe.rundir.op_record_json import encode
 from probe.rundir.writer import RunWriter
 from probe.seeding import seeded
 from probe.tracer.compat import check_dispatch_features

@@ -13,8 +13,9 @@ from hf_models import tiny_llama
 
 import probe
 from probe import ProbeError
-from probe.modes.bit_checksum import ChecksumCache, checksums, hex_checksum
-from probe.modes.checksums import _Queued, _rng_states, step_checksums
+from probe.modes.checksums.bit_checksum import ChecksumCache, checksums, hex_checksum
+from probe.modes.checksums.files import step_checksums
+from probe.modes.checksums.mode import _Queued, _rng_states
 from probe.rundir import layout
 from tests.test_no_host_sync import SyncSentinel
 

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from probe.modes.distribution import (
+from probe.modes.statistics.distribution import (
     DistributionRows,
     dtype_range,
     exponent_counts,
     read_histograms,
     share_counts,
 )
-from probe.modes.fp8_scales import Fp8Scales, scale_arguments, scales_json
+from probe.modes.stats.fp8_scales import Fp8Scales, scale_arguments, scales_json
 
 
 def _planted(dtype: torch.dtype, n: int = 1000, seed: int = 0) -> tuple[torch.Tensor, dict[str, int]]:
@@ -161,7 +161,7 @@ def test_large_tensors_take_the_compiled_pass_with_the_same_counts(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_eager_and_compiled_counts_agree(dtype, monkeypatch):
-    import probe.modes.distribution as distribution
+    import probe.modes.statistics.distribution as distribution
 
     x, _ = _planted(dtype, n=3000)
     compiled = share_counts(x), exponent_counts(x)

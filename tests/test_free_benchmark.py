@@ -13,8 +13,8 @@ import torch
 import probe
 from probe import ProbeError
 from probe.demo.model import TinyLlama, synthetic_batch
-from probe.modes import free_benchmark as fb
-from probe.modes.perturbations import PERTURBATIONS
+from probe.modes.free_benchmark import mode as fb
+from probe.modes.free_benchmark.perturbations import PERTURBATIONS
 from tests.conftest import SharedBlockNet, train_steps, train_under
 
 
@@ -247,7 +247,7 @@ def test_max_checks_per_op_caps_the_checks(tmp_path):
 
 
 def test_contractions_get_a_rounding_allowance_that_grows_with_their_length():
-    from probe.modes.perturbations import reduction_length, threshold
+    from probe.modes.free_benchmark.perturbations import reduction_length, threshold
 
     a, b, bias = torch.ones(3, 1600), torch.ones(1600, 5), torch.ones(5)
     assert reduction_length("aten.mm.default", (a, b)) == 1600

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import probe
-from probe.modes.deviation import DeviationQueue, deviation
-from probe.modes.perturbations import _one_ulp_up, one_ulp_up
+from probe.modes.free_benchmark.deviation import DeviationQueue, deviation
+from probe.modes.free_benchmark.perturbations import _one_ulp_up, one_ulp_up
 
 
 def _pairs() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:

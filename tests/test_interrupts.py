@@ -24,11 +24,11 @@ from conftest import SharedBlockNet, train_steps
 
 import probe
 from probe import cli
-from probe.modes.dump import DumpMode
-from probe.modes.free_benchmark import FreeBenchmarkMode
-from probe.modes.monitor import MonitorMode
-from probe.modes.stats import StatsMode
-from probe.modes.structure import StructureMode
+from probe.modes.dump.mode import DumpMode
+from probe.modes.free_benchmark.mode import FreeBenchmarkMode
+from probe.modes.monitor.mode import MonitorMode
+from probe.modes.stats.mode import StatsMode
+from probe.modes.structure.mode import StructureMode
 from probe.rundir.background import BackgroundWriter
 from probe.rundir.writer import StepWriter
 from probe.session import Session

@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("modes", ("probe.modes",)),
     ("analysis", ("probe.analysis",)),
     ("exporters", ("probe.exporters",)),
-    ("session", ("probe.mode_objects", "probe.options", "probe.lifecycle", "probe.escalation",
+    ("session", ("probe.options", "probe.lifecycle", "probe.escalation",
                  "probe.session")),
     ("integrations", ("probe.integrations",)),
     ("cli", ("probe.cli",)),

@@ -70,7 +70,7 @@ def _train_llama(model: nn.Module, scaler: torch.amp.GradScaler, session=None) -
     return losses
 
 
-def _summary_text(run: probe.rundir.reader.Run) -> str:
+def _summary_text(run: probe.rundir.run.Run) -> str:
     buffer = io.StringIO()
     render_run(Console(file=buffer, width=250), run, summarize(run))
     return buffer.getvalue()

@@ -20,11 +20,11 @@ from probe.analysis.summary import lost_steps, tails
 from probe.cli import main
 from probe.modes.base import SessionPlugin
 from probe.modes.registry import MODES, register_mode
-from probe.modes.stats import StatsFiles
+from probe.modes.stats.mode import StatsFiles
 from probe.rundir import layout
 from probe.rundir.mode_files import ModeFiles
-from probe.rundir.reading import read_json, reading
 from probe.rundir.records import OpRecord
+from probe.rundir.untrusted_reads import read_json, reading
 from probe.rundir.writer import StepWriter
 
 NOTES_FILE = "notes.json"
@@ -177,10 +177,10 @@ def test_the_run_reader_knows_no_mode_and_no_mode_imports_it():
     package = Path(probe.__file__).parent
     for path in (package / "rundir").glob("*.py"):
         assert not {m for m in _module_level_imports(path) if m.startswith("probe.modes")}, path.name
-    reader = (package / "rundir" / "reader.py").read_text()
+    reader = (package / "rundir" / "run.py").read_text()
     for name in (layout.STATS_FILE, layout.CHECKS_FILE, layout.MONITOR_FILE, layout.ANOMALIES_FILE,
                  layout.TENSOR_INDEX_FILE, "STATS_FILE", "CHECKS_FILE", "MONITOR_FILE", "ANOMALIES_FILE",
                  "TENSOR_INDEX_FILE"):
         assert name not in reader, name
-    for path in (package / "modes").glob("*.py"):
-        assert "probe.rundir.reader" not in _all_imports(path), path.name
+    for path in (package / "modes").rglob("*.py"):
+        assert "probe.rundir.run" not in _all_imports(path), path.name

@@ -6,14 +6,14 @@ import pytest
 
 import probe
 from probe.modes import MODES, Mode, register_mode
-from probe.modes.stats import StatsMode
+from probe.modes.stats.mode import StatsMode
 
 
 def test_a_different_class_under_a_taken_name_is_refused() -> None:
     class Impostor(Mode):
         name = "stats"
 
-    with pytest.raises(probe.ProbeError, match=r"'stats' is taken by probe\.modes\.stats\.StatsMode"):
+    with pytest.raises(probe.ProbeError, match=r"'stats' is taken by probe\.modes\.stats\.mode\.StatsMode"):
         register_mode(Impostor)
     assert MODES["stats"] is StatsMode
 

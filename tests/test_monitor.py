@@ -350,8 +350,8 @@ def _scan(values: list[float], nans: list[int] | None = None) -> list[int]:
     """Steps at which the default rules alert on a norm series with these values."""
     import numpy as np
 
-    from probe.modes.anomaly import AnomalyDetector, Series
-    from probe.modes.monitor_config import parse_monitor_options
+    from probe.modes.monitor.anomaly import AnomalyDetector, Series
+    from probe.modes.monitor.config import parse_monitor_options
     from probe.modes.statistics.columns import MONITOR_COLUMNS as METRIC_COLUMNS
 
     detector = AnomalyDetector(parse_monitor_options({"targets": ["x"]}))

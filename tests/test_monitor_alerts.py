@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import probe
-from probe.modes.anomaly import AnomalyDetector, Series, incidents
-from probe.modes.monitor_config import parse_monitor_options
+from probe.modes.monitor.anomaly import AnomalyDetector, Series, incidents
+from probe.modes.monitor.config import parse_monitor_options
 from probe.modes.statistics.columns import MONITOR_COLUMNS as METRIC_COLUMNS
 
 # -- non-finite alerts ----------------------------------------------------------------
@@ -68,7 +68,7 @@ class _PerSeries:
         self.incident = None
 
     def scan(self, step, rank, series, values):
-        from probe.modes.anomaly import Anomaly, Observation
+        from probe.modes.monitor.anomaly import Anomaly, Observation
 
         found = []
         rule = self.config.turbulence

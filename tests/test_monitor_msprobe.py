@@ -172,7 +172,7 @@ PLANT_STEP = 5
 
 
 def test_a_planted_gradient_explosion_is_one_incident(tmp_path, caplog, capsys):
-    from probe.modes.anomaly import incidents
+    from probe.modes.monitor.anomaly import incidents
 
     model = _gpt2()
     session = probe.mode("monitor", out=tmp_path / "run", model=model, modules=["transformer.h.*"],

@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import probe
 from probe.rundir import layout
-from probe.rundir.op_records import decode
+from probe.rundir.op_record_json import decode
 from probe.tracer.op_call import RECORD_FIELD_INDEX
 
 common_methods_invocations = pytest.importorskip(

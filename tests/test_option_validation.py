@@ -24,7 +24,7 @@ import torch
 
 import probe
 from probe import ProbeError
-from probe.modes.monitor_config import SLOTS
+from probe.modes.monitor.config import SLOTS
 from probe.modes.registry import MODES
 from probe.options import _COMMON_KEYS, DEFAULT_CHECKSUMS, PHASES, IntSet
 

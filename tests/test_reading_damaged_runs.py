@@ -27,8 +27,8 @@ from probe.demo.train import DemoTraining, train
 from probe.exporters.compare_report import csv_safe
 from probe.exporters.console import LOG_WIDTH, make_console, render_step
 from probe.rundir import layout
-from probe.rundir.reader import STEPS_KEPT
 from probe.rundir.records import first_nonfinite_in
+from probe.rundir.run import STEPS_KEPT
 
 # -- runs to damage ------------------------------------------------------------------
 

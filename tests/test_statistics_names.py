@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import probe
-from probe.modes.monitor_config import parse_monitor_options
+from probe.modes.monitor.config import parse_monitor_options
 from probe.modes.statistics.columns import MONITOR_COLUMNS, STATS_FILE_COLUMNS
 from tests.conftest import train_steps
 

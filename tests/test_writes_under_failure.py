@@ -32,7 +32,7 @@ from conftest import SharedBlockNet, train_steps
 
 import probe
 from probe.errors import ProbeError, ProbeWarning
-from probe.modes.dump import DumpMode
+from probe.modes.dump.mode import DumpMode
 from probe.rundir import layout
 from probe.rundir.writer import RunWriter
 from probe.tracer.dispatch_mode import Tracer

@@ -73,7 +73,7 @@ from probe.analysis.verdicts import (
 )
 from probe.errors import ProbeError
 from probe.rundir.mode_files import DumpReader
-from probe.rundir.reader import OpRecord, Run, TensorRecord
+from probe.rundir.run import OpRecord, Run, TensorRecord
 from probe.vocabulary.op_class import creates_uninitialized, draws_random
 from probe.vocabulary.rounding import reduction_length
 

@@ -32,9 +32,9 @@ from probe.analysis.precision import CONDITION, own_error, rounding
 from probe.errors import ProbeError
 from probe.rundir import layout
 from probe.rundir.confined_files import read_in_run
-from probe.rundir.reader import Run
-from probe.rundir.reading import read_json
 from probe.rundir.region_graphs import compiled_dir, graph_from_json
+from probe.rundir.run import Run
+from probe.rundir.untrusted_reads import read_json
 from probe.vocabulary.rounding import reduction_length
 
 TENSOR_FILE_LIMIT = 1 << 30

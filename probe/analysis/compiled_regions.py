@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from probe.errors import ProbeError
 from probe.rundir import layout
-from probe.rundir.reader import Run
+from probe.rundir.run import Run
 
 
 def eager_compiled_entries(run: Run) -> int:

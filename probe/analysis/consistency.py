@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from probe.errors import ProbeError
-from probe.rundir.reader import OpRecord, Run, load
+from probe.rundir.run import OpRecord, Run, load
 
 COMPARED_STATS = ("min", "max", "mean", "norm", "nan", "inf")
 # Collectives whose result is the same on every rank of their group.

@@ -26,8 +26,8 @@ from typing import Any
 from probe.analysis.summary import StepSummary, ranked
 from probe.errors import ProbeError
 from probe.rundir.layout import ESCALATED_KEY, ESCALATION_REFUSED_KEY
-from probe.rundir.reader import AnomalyRecord, OpRecord, Run
-from probe.rundir.reading import record_from_row
+from probe.rundir.run import AnomalyRecord, OpRecord, Run
+from probe.rundir.untrusted_reads import record_from_row
 
 TOP_JUMPS = 3
 

@@ -19,7 +19,7 @@ import networkx as nx
 
 from probe.analysis.verdicts import SEVERITY
 from probe.errors import ProbeError
-from probe.rundir.reader import CheckRecord
+from probe.rundir.run import CheckRecord
 
 CHECK_SEVERITY = {"skip": 0, "pass": 1, "fail": 2}
 COMPARE_METRICS = ("cosine", "max_abs_err", "max_rel_err", "max_ulp")

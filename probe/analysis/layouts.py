@@ -66,7 +66,7 @@ from typing import Any
 
 from probe.analysis.local_placements import base_name, local_placement, shard_dim
 from probe.errors import ProbeError
-from probe.rundir.reader import OpRecord, Run, TensorRecord
+from probe.rundir.run import OpRecord, Run, TensorRecord
 
 _PASS_THROUGH = frozenset({"_c10d_functional.wait_tensor.default",
                            "_c10d_functional._wrap_tensor_autograd.default"})

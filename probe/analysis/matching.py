@@ -16,7 +16,7 @@ import difflib
 from collections import defaultdict
 from dataclasses import dataclass
 
-from probe.rundir.reader import OpRecord
+from probe.rundir.run import OpRecord
 
 
 @dataclass

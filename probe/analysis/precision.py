@@ -15,7 +15,7 @@ the compare machinery:
   rounds as bf16 should.
 - :func:`rounding` and :func:`own_error`: how far one run's result of an op may sit from
   its exact (fp64) result on that run's own inputs (the free benchmark's bound, from
-  ``probe.modes.perturbations``), and how far it does.
+  ``probe.modes.free_benchmark.perturbations``), and how far it does.
 - :func:`describe_policy`: the words for a report whose differences precision explains.
 """
 
@@ -29,7 +29,7 @@ import torch
 
 from probe.analysis.metrics import TensorMetrics
 from probe.rundir.loss_scaler import is_scaler_op, scaler_step_in
-from probe.rundir.reader import OpRecord, TensorRecord
+from probe.rundir.run import OpRecord, TensorRecord
 from probe.vocabulary.rounding import CONDITION, ROUNDING_ULPS, eps, threshold
 
 __all__ = [

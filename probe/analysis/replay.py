@@ -21,7 +21,7 @@ from probe.devices import usable_device
 from probe.errors import ProbeError
 from probe.rundir.call_args import decode_args
 from probe.rundir.mode_files import DumpReader
-from probe.rundir.reader import OpRecord, Run
+from probe.rundir.run import OpRecord, Run
 from probe.vocabulary.op_class import classify, draws_random, resolve_op
 from probe.vocabulary.op_tensors import results_of
 

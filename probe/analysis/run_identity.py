@@ -7,7 +7,7 @@ Two parts, both read from what each run recorded (no tensor data):
   variables, package versions), their ``run.json`` hyperparameters (``hparams=``) and
   seeds (``probe.seed_all``). Differences are findings to read, not verdicts: another
   cuBLAS may or may not change a result.
-- **Start**: the checksums mode's records (``probe.modes.checksums``): whether the runs
+- **Start**: the checksums mode's records (``probe.modes.checksums.mode``): whether the runs
   started from the same **weights** (the parameter and buffer checksums at the first step
   both recorded them: a buffer such as a rotary embedding's ``inv_freq`` is as much a
   starting point as a weight), were fed the same **inputs** and drew from the same **RNG
@@ -31,8 +31,8 @@ from typing import Any, cast
 
 from probe.hparams import flatten
 from probe.rundir.mode_files import ChecksumsReader
-from probe.rundir.reader import Run
 from probe.rundir.records import StepChecksums, TensorChecksum
+from probe.rundir.run import Run
 from probe.vocabulary.csv_cells import csv_safe
 
 SAME, DIFFER, NOT_RECORDED, NOT_COMPARABLE = "same", "differ", "not recorded", "not comparable"

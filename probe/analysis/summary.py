@@ -16,8 +16,8 @@ import torch
 from probe.errors import ProbeError
 from probe.rundir import layout
 from probe.rundir.loss_scaler import ScalerStep, handled_by_scaler
-from probe.rundir.reader import AnomalyRecord, CheckRecord, OpRecord, Run
 from probe.rundir.records import NonfiniteParameterRecord, TensorRecord, nonfinite_origins_in
+from probe.rundir.run import AnomalyRecord, CheckRecord, OpRecord, Run
 
 MASK_FRACTION = 0.5
 """An output whose largest magnitude reaches this fraction of its dtype's largest finite value

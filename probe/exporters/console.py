@@ -19,8 +19,8 @@ from probe.analysis.run_identity import Identity
 from probe.analysis.summary import Extreme, StepSummary, lost_steps, tails
 from probe.analysis.verdicts import NOT_COMPARED, VERDICTS
 from probe.errors import ProbeError
-from probe.modes.anomaly import incidents
-from probe.rundir.reader import OpRecord, Run
+from probe.modes.monitor.anomaly import incidents
+from probe.rundir.run import OpRecord, Run
 from probe.vocabulary.option_values import PHASES
 
 LOG_WIDTH = 200

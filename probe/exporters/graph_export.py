@@ -20,7 +20,7 @@ from probe.analysis.graph_findings import annotate, load_comparisons
 from probe.analysis.module_graph import build_module_graph
 from probe.errors import ProbeError
 from probe.exporters import graph_formats, model_explorer
-from probe.rundir.reader import Run, load
+from probe.rundir.run import Run, load
 from probe.vocabulary.option_values import PHASES
 
 FORMATS = ("graphml", "dot", "json", "model-explorer")

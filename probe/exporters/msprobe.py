@@ -33,7 +33,7 @@ import torch
 from rich.progress import Progress
 
 from probe.errors import ProbeError
-from probe.rundir.reader import OpRecord, Run, TensorRecord
+from probe.rundir.run import OpRecord, Run, TensorRecord
 
 _STAT_KEYS = (("Max", "max"), ("Min", "min"), ("Mean", "mean"), ("Norm", "norm"))
 

@@ -1,6 +1,6 @@
 """TensorBoard histograms of log2 magnitudes, encoded without the tensorboard package.
 
-A monitored series' log2-magnitude histogram (``probe.modes.distribution``) becomes a
+A monitored series' log2-magnitude histogram (``probe.modes.statistics.distribution``) becomes a
 ``HistogramProto`` over the binary exponent: the bucket ``[e, e + 1)`` counts the elements
 with ``2**e <= |x| < 2**(e + 1)``, so TensorBoard's "Histograms" and "Distributions" tabs
 show where a tensor's magnitudes sit against its dtype's range, step after step. Zeros and

@@ -1,4 +1,13 @@
-"""Pluggable per-op work. Importing this package registers the built-in modes."""
+"""What probe does with what it traces: the modes, each a subpackage that owns its plug-in and
+writer (``mode``), its reader (``files``), its options object (``options``) and its helpers.
+
+Per-op modes observe ops through the tracer's dispatch mode: ``stats``, ``dump``,
+``free_benchmark``, ``upcast``, ``structure``. The monitor family (``monitor``) works from module
+and optimizer hooks alone and enters no dispatch mode; ``checksums`` likewise. ``statistics`` is
+the one statistics engine they share (capture queue, column table, reducers, finalize,
+distributions). ``base`` says what a mode is, ``registry`` names them; the run reader finds each
+mode's reader through the registry. Importing this package registers the built-in modes.
+"""
 
 from probe.modes import (  # noqa: F401  (register them)
     checksums,
@@ -10,6 +19,7 @@ from probe.modes import (  # noqa: F401  (register them)
     upcast,
 )
 from probe.modes.base import Mode
+from probe.modes.mode_options import ModeOptions
 from probe.modes.registry import MODES, register_mode
 
-__all__ = ["MODES", "Mode", "register_mode"]
+__all__ = ["MODES", "Mode", "ModeOptions", "register_mode"]

@@ -11,7 +11,7 @@ Every file the reader opens goes through :func:`open_in_run`, which
   is checked with ``stat`` before the open (opening some devices has effects) and again on
   the open descriptor (opened ``O_NONBLOCK``, so a FIFO swapped in between cannot block);
 - bounds what is read: never past the size the file had when opened, and never more than
-  the limit the caller gives (the format's: see :mod:`probe.rundir.reading`).
+  the limit the caller gives (the format's: see :mod:`probe.rundir.untrusted_reads`).
 
 Each refusal is a :class:`ProbeError` naming the file. The check between resolving and
 opening is not atomic (a directory swapped for a link in that instant escapes it); it guards

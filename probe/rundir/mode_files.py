@@ -2,14 +2,14 @@
 
 Each mode keeps its reader beside its writer (``probe/modes/<mode>.py``) and names it on
 its plug-in class (``files = StatsFiles``); registering the mode registers that class here
-(:func:`register_mode_files`). :class:`probe.rundir.reader.Run` looks the class up in this
+(:func:`register_mode_files`). :class:`probe.rundir.run.Run` looks the class up in this
 registry for a mode a step's manifest lists, makes one per (mode,
 step, rank) when asked, keeps those of a few recent steps, and calls :meth:`ModeFiles.attach`
 while decoding the step's op records. So the run reader knows no mode's files: a new mode
 (a plug-in registered anywhere) is read back without touching it.
 
 A reader reads nothing when it is made (a step's readers are made whenever its ops are
-decoded); it reads its files when asked, through :mod:`probe.rundir.reading`, so damage is
+decoded); it reads its files when asked, through :mod:`probe.rundir.untrusted_reads`, so damage is
 a ``ProbeError`` naming the file.
 """
 

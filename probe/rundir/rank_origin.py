@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 
 class Run(Protocol):
-    """What this module reads of a run (``probe.rundir.reader.Run``, which calls it: a Protocol
+    """What this module reads of a run (``probe.rundir.run.Run``, which calls it: a Protocol
     here, so the two do not import each other)."""
 
     @property

@@ -51,7 +51,7 @@ import torch
 from probe.devices import is_accelerator, record_event
 from probe.errors import ProbeError, warn_once
 from probe.rundir.confined_files import open_in_run
-from probe.rundir.reading import parse_json
+from probe.rundir.untrusted_reads import parse_json
 
 BLOB_ALIGN = 64
 """Blobs start at multiples of this in an arena (and so in a shard's data)."""

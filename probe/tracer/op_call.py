@@ -13,7 +13,7 @@ was another view of them.
 
 The record itself is a plain tuple whose fields are listed once, in
 :data:`OP_RECORD_FIELDS`: their order is the tuple's, their keys are the JSON
-keys of ``ops.jsonl`` (``probe.rundir.op_records`` derives encode and decode
+keys of ``ops.jsonl`` (``probe.rundir.op_record_json`` derives encode and decode
 from the list).
 """
 
@@ -65,7 +65,7 @@ class RecordField:
     name: str
     key: str
     kind: str
-    """The value's form, one of ``probe.rundir.op_records.CODECS``."""
+    """The value's form, one of ``probe.rundir.op_record_json.CODECS``."""
     default: Any = _REQUIRED
     """An optional field's value when its key is absent (and it is not written when equal)."""
 

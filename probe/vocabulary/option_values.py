@@ -25,7 +25,7 @@ from probe.errors import ProbeError
 
 PHASES = ("forward", "backward", "recompute", "optimizer")
 CHECKSUM_KINDS = ("parameters", "inputs", "rng", "parameters_each_step")
-"""What ``checksums=`` may record when ``model=`` is given (``probe.modes.checksums``)."""
+"""What ``checksums=`` may record when ``model=`` is given (``probe.modes.checksums.mode``)."""
 DEFAULT_CHECKSUMS = frozenset({"parameters", "inputs", "rng"})
 """``checksums=True`` (the default): parameters at the session's first step, inputs and RNG each step."""
 COMPILED_POLICIES = ("eager", "keep")

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from probe.compiled import CompiledKernel
-from probe.modes.perturbations import worth_compiling
+from probe.modes.free_benchmark.perturbations import worth_compiling
 
 _TINY = torch.finfo(torch.float64).tiny
 RATIO_CAP = 1e30  # "no bits kept" needs no larger number, and JSON has no Infinity

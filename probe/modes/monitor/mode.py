@@ -32,7 +32,7 @@ collectives (asynchronous: only the series count is agreed before, one tiny
 all-reduce; a step that ends by an exception, and the tail after the last
 ``step()``, are not reduced, as the other ranks may not join). The writer
 thread waits for the reductions and moves the rows to the host once; then the
-anomaly rules run (``probe.modes.anomaly``) and the step's ``monitor.csv``,
+anomaly rules run (``probe.modes.monitor.anomaly``) and the step's ``monitor.csv``,
 ``anomalies.jsonl`` and TensorBoard scalars are written. With
 ``on_anomaly="dump"`` or ``"stop"`` that happens on the training thread at the
 step's end instead (one synchronizing transfer per step), so the step's
@@ -42,7 +42,6 @@ tensors around an anomalous module can be saved, or training stopped by
 
 from __future__ import annotations
 
-import csv
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -54,29 +53,32 @@ import numpy as np
 import torch
 from torch import nn
 
-import probe.modes.monitor_distribution as monitor_distribution
+import probe.modes.monitor.distribution as monitor_distribution
 from probe.errors import ProbeError, warn_once
 from probe.local_part import local_part, replicas
-from probe.modes.anomaly import Anomaly, AnomalyDetector, Series, anomaly_json, incidents, read_anomalies
 from probe.modes.base import SessionPlugin
-from probe.modes.monitor_config import (
+from probe.modes.monitor.anomaly import (
+    Anomaly,
+    AnomalyDetector,
+    Series,
+    anomaly_json,
+    incidents,
+)
+from probe.modes.monitor.config import (
     MONITOR_KEYS,
     MonitorConfig,
     Target,
     describe_value,
     parse_monitor_options,
 )
+from probe.modes.monitor.files import MonitorFiles
 from probe.modes.registry import register_mode
 from probe.modes.statistics.capture import PendingRows, StepRows
-from probe.modes.statistics.columns import MONITOR_COLUMNS, RAW_COLUMNS, REPEATS, canonical, combine_ops
+from probe.modes.statistics.columns import MONITOR_COLUMNS, RAW_COLUMNS, REPEATS, combine_ops
 from probe.modes.statistics.finalize import finalize, whole
 from probe.modes.statistics.reduce import TensorStats, adam_update_row
 from probe.optimizer_steps import StepNesting, step_closure, with_closure
 from probe.rundir import layout
-from probe.rundir.confined_files import open_in_run
-from probe.rundir.mode_files import ModeFiles
-from probe.rundir.reading import reading
-from probe.rundir.records import MonitorRecord
 from probe.rundir.writer import StepWriter
 from probe.tracer.mode_stack import untraced
 from probe.tracer.module_tracker import parallel_layout
@@ -301,47 +303,6 @@ class MonitorStep:
             summary.update(monitor_distribution.write_step(writer, self.distribution, series,
                                                            self._sink.tensorboard, self.step))
         return summary
-
-
-def _metrics_read(row: dict[str, str]) -> dict[str, float | None]:
-    """A ``monitor.csv`` row's metrics by today's names. Runs before format 4 wrote ``nans`` and
-    ``infs`` and no ``posinf``/``neginf``: both 0 where the row holds no Inf, else None (unknown)."""
-    metrics: dict[str, float | None] = {}
-    for column, value in row.items():
-        name = canonical(column) if column is not None else None
-        if name in MONITOR_COLUMNS:
-            metrics[name] = float(value)
-    for signed in ("posinf", "neginf"):
-        if signed not in metrics:
-            metrics[signed] = 0.0 if metrics.get("inf") == 0 else None
-    missing = [c for c in MONITOR_COLUMNS if c not in metrics]
-    if missing:
-        raise ValueError(f"monitor.csv has no column {missing[0]!r}")
-    return metrics
-
-
-class MonitorFiles(ModeFiles):
-    """``monitor.csv`` and ``anomalies.jsonl`` of one step (written by :class:`MonitorStep`), read back."""
-
-    def series(self) -> list[MonitorRecord]:
-        """The step's series in collection order (metrics in fp64)."""
-        path = self.where.directory / layout.MONITOR_FILE
-        if not path.exists():
-            return []
-        step, rank = self.where.step, self.where.rank
-        # Streamed row by row (a field is at most csv's field_size_limit): a hostile file costs
-        # the memory of its records, never a copy of its text.
-        with open_in_run(path, self.where.run) as f, reading(path):
-            rows = csv.DictReader(f.text())
-            records = [MonitorRecord(step, rank, row["kind"], row["name"], row["slot"], int(row["call"]),
-                                     **_metrics_read(row))
-                       for row in rows]
-        monitor_distribution.attach_series(self.where.directory, records, self.where.run)
-        return records
-
-    def anomalies(self) -> list[Anomaly]:
-        """The step's alerts in detection order."""
-        return read_anomalies(self.where.directory / layout.ANOMALIES_FILE, self.where.run)
 
 
 @register_mode

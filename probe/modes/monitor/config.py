@@ -303,7 +303,8 @@ class MonitorConfig:
     reduce_ranks: bool = False
     tensorboard: bool | None = None  # None: if the package is installed
     distribution: bool = False
-    """Per series: shares of zeros, underflow and near-overflow of its dtype (probe.modes.distribution)."""
+    """Per series: shares of zeros, underflow and near-overflow of its dtype
+    (:mod:`probe.modes.statistics.distribution`)."""
     histogram: bool = False
     """Per series: a log2-magnitude histogram (and the shares), TensorBoard histograms too."""
     scaler: Any = field(default=None, hash=False, compare=False)

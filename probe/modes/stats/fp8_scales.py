@@ -114,7 +114,7 @@ def attach_file(directory: Any, records: dict[int, Any], run: Any = None) -> Non
     """Set ``OpRecord.fp8_scales`` of the ops a step's ``fp8_scales.jsonl`` names (others keep None);
     ``run``: the run directory, which the file must lie in."""
     from probe.rundir import layout
-    from probe.rundir.reading import expect, read_jsonl, reading
+    from probe.rundir.untrusted_reads import expect, read_jsonl, reading
 
     path = directory / layout.FP8_SCALES_FILE
     for row in read_jsonl(path, run=run):

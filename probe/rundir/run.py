@@ -13,7 +13,7 @@ were not collected), free_benchmark's reads the checks, monitor's the series and
 alerts, dump's the dump index. A step listing a mode the registry does not know is
 read without that mode's files, with one warning.
 
-Every file is read through :mod:`probe.rundir.reading`: damage to a run's metadata
+Every file is read through :mod:`probe.rundir.untrusted_reads`: damage to a run's metadata
 is a :class:`ProbeError` naming the file, never another exception. A run is untrusted input:
 files are opened only through :mod:`probe.rundir.confined_files` (regular files inside the
 run), and a rank directory that is a link leading outside the run is refused.
@@ -52,20 +52,9 @@ from probe.rundir.mode_files import (  # the modes sit above: their readers are 
     registered_mode_files,
 )
 from probe.rundir.op_graph import build_graph
-from probe.rundir.op_records import decode as decode_op_record
-from probe.rundir.op_records import layout_record as encode_layout
+from probe.rundir.op_record_json import decode as decode_op_record
+from probe.rundir.op_record_json import layout_record as encode_layout
 from probe.rundir.rank_origin import RankOrigin, rank_origin
-from probe.rundir.reading import (
-    INDEX_LIMIT,
-    OP_LINE_LIMIT,
-    expect,
-    parse_json,
-    read_json,
-    read_jsonl,
-    read_lines,
-    reading,
-    record_from_row,
-)
 from probe.rundir.records import (
     AnomalyRecord,
     CheckRecord,
@@ -76,6 +65,17 @@ from probe.rundir.records import (
     TensorRecord,
     WriteFailure,
     nonfinite_origins_in,
+)
+from probe.rundir.untrusted_reads import (
+    INDEX_LIMIT,
+    OP_LINE_LIMIT,
+    expect,
+    parse_json,
+    read_json,
+    read_jsonl,
+    read_lines,
+    reading,
+    record_from_row,
 )
 
 __all__ = ["AnomalyRecord", "CheckRecord", "DamagedStep", "MonitorRecord", "OpRecord", "Run", "StepInfo",

@@ -24,7 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from probe.errors import ProbeError
 from probe.modes.base import Mode
-from probe.modes.free_benchmark import eligible
+from probe.modes.free_benchmark.mode import eligible
 from probe.modes.registry import register_mode
 from probe.tracer.op_call import OpCall
 from probe.vocabulary.op_tensors import map_arguments, results_of

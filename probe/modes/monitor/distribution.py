@@ -1,5 +1,5 @@
 """The monitor's ``distribution=`` and ``histogram=`` options: per series, where its values sit in
-its dtype's range (``probe.modes.distribution``), as files, scalars and TensorBoard histograms.
+its dtype's range (``probe.modes.statistics.distribution``), as files, scalars and TensorBoard histograms.
 
 Counted when a series is captured (its value then), on its device without a host sync; the
 step's rows move to the host on the writer thread with the monitor's own rows. Files beside
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from probe.modes.distribution import (
+from probe.modes.statistics.distribution import (
     HIST_NONFINITE,
     HIST_ZERO,
     SHARE_NAMES,
@@ -28,7 +28,7 @@ from probe.modes.distribution import (
     read_shares,
 )
 from probe.rundir import layout
-from probe.rundir.reading import read_npy, reading
+from probe.rundir.untrusted_reads import read_npy, reading
 
 TENSORBOARD_SHARES = ("zeros_share", "underflow", "near_overflow")
 """The TensorBoard scalar names of :data:`SHARE_NAMES` (``zeros`` is the monitor's ``|x| < eps`` metric)."""

@@ -20,42 +20,20 @@ from typing import Any
 import numpy as np
 import torch
 
-import probe.modes.distribution as distribution_files
-import probe.modes.fp8_scales as fp8_files
+import probe.modes.statistics.distribution as distribution_files
+import probe.modes.stats.fp8_scales as fp8_files
 from probe.errors import ProbeError
 from probe.modes.base import Mode
-from probe.modes.nonfinite_params import NonfiniteParameters, NonfiniteParametersStep
 from probe.modes.registry import register_mode
 from probe.modes.statistics.capture import PendingRows, StepRows
-from probe.modes.statistics.columns import COUNTS, STATS_FILE_COLUMNS
 from probe.modes.statistics.finalize import finalize, whole
 from probe.modes.statistics.reduce import BACKENDS, TensorStats
+from probe.modes.stats.files import INPUT, OUTPUT, STAT_NAMES, StatsFiles
+from probe.modes.stats.nonfinite_params import NonfiniteParameters, NonfiniteParametersStep
 from probe.rundir import layout
-from probe.rundir.mode_files import ModeFiles
-from probe.rundir.reading import expect, read_npy, reading
-from probe.rundir.records import NonfiniteParameterRecord, OpRecord
 from probe.rundir.writer import StepWriter
 from probe.tracer.op_call import OpCall
 from probe.vocabulary.option_values import parse_bool, parse_choice, show
-
-INPUT, OUTPUT = 0, 1
-STAT_NAMES = STATS_FILE_COLUMNS
-"""The columns of ``stats.npy`` (the engine's names); an empty tensor's min, max and mean are NaN
-there, None when read. ``inf`` counts both signs (``posinf`` + ``neginf``)."""
-_SIGNLESS_COLUMNS = 6
-"""Runs of format version 2 and before: ``stats.npy`` without ``posinf`` and ``neginf``."""
-_EMPTY_STATS = {"min": None, "max": None, "mean": None, "norm": 0.0,
-                "nan": 0, "inf": 0, "posinf": 0, "neginf": 0}
-
-
-def _row_stats(values: list[float]) -> dict[str, float | int | None]:
-    """One row of ``stats.npy`` as ``TensorRecord.stats``. A row of a run before format version 3
-    has no ``posinf``/``neginf``: both 0 when it holds no Inf, None (unknown) when it does."""
-    if len(values) == _SIGNLESS_COLUMNS:
-        unknown = None if values[5] else 0.0
-        values = [*values, unknown, unknown]
-    return {name: (None if value is None else int(value)) if name in COUNTS else float(value)
-            for name, value in zip(STAT_NAMES, values, strict=True)}
 
 _OVERWRITING = frozenset({"copy_", "fill_", "zero_", "split_with_sizes_copy", "_foreach_copy_", "normal_",
                           "uniform_", "bernoulli_", "random_", "exponential_"})
@@ -75,81 +53,6 @@ def _same_elements(view: torch.Tensor, base: torch.Tensor) -> bool:
         and view.is_conj() == base.is_conj()
         and view.is_neg() == base.is_neg()
     )
-
-
-class StatsFiles(ModeFiles):
-    """``stats.npy`` (rows of :data:`STAT_NAMES`) and ``stats_index.npy`` (rows of op index,
-    INPUT/OUTPUT, position, stats row) of one step, read back and attached to its op records."""
-
-    _arrays: tuple[np.ndarray, np.ndarray] | None = None
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """(stats rows, index rows), checked against each other and the step's op count."""
-        if self._arrays is None:
-            self._arrays = self._read()
-        return self._arrays
-
-    def _read(self) -> tuple[np.ndarray, np.ndarray]:
-        stats_path = self.where.directory / layout.STATS_FILE
-        index_path = self.where.directory / layout.STATS_INDEX_FILE
-        op_count = self.where.op_count()
-        stats = read_npy(stats_path, run=self.where.run)
-        with reading(stats_path):
-            if (stats.ndim != 2 or stats.shape[1] not in (len(STAT_NAMES), _SIGNLESS_COLUMNS)
-                    or stats.dtype.kind != "f"):
-                raise ValueError(f"statistics are an array of shape {stats.shape} and dtype {stats.dtype}, "
-                                 f"expected (rows, {len(STAT_NAMES)}) floats")
-        index = read_npy(index_path, run=self.where.run)
-        with reading(index_path):
-            if index.ndim != 2 or index.shape[1] != 4 or index.dtype.kind not in "iu":
-                raise ValueError(f"the index is an array of shape {index.shape} and dtype {index.dtype}, "
-                                 "expected (entries, 4) integers")
-            if index.size and (index.min() < 0 or index[:, 0].max() >= op_count or index[:, 1].max() > 1
-                               or index[:, 3].max() >= len(stats)):
-                raise ValueError(f"the index points past the {op_count} ops of {layout.OPS_FILE} or the "
-                                 f"{len(stats)} rows of {layout.STATS_FILE}")
-        return stats, index
-
-    def nonfinite_parameters(self) -> NonfiniteParameterRecord:
-        """The parameters and gradients the step found holding NaN or Inf (from the manifest)."""
-        with reading(self.where.directory / layout.MANIFEST_FILE):
-            # Steps written before these checks have no entry: nothing was checked.
-            checks = expect(self.where.summary.get("nonfinite_parameters", {}), dict, "nonfinite_parameters")
-            found: dict[str, tuple[list[str], int] | None] = {}
-            for key in ("parameters", "gradients"):
-                check = expect(checks.get(key), (dict, type(None)), f"nonfinite_parameters.{key}")
-                found[key] = None if check is None else (
-                    [expect(n, str, f"a name in nonfinite_parameters.{key}")
-                     for n in expect(check.get("names"), list, f"nonfinite_parameters.{key}.names")],
-                    expect(check.get("count"), int, f"nonfinite_parameters.{key}.count"))
-        return NonfiniteParameterRecord(self.where.step, self.where.rank, found["parameters"],
-                                        found["gradients"])
-
-    def output_stats(self) -> tuple[np.ndarray, np.ndarray]:
-        """(op index per row, rows) of the op outputs, without decoding any op record."""
-        stats, index = self.arrays()
-        outputs = index[index[:, 1] == OUTPUT]
-        return outputs[:, 0], stats[outputs[:, 3]]
-
-    def attach(self, records: dict[int, OpRecord]) -> None:
-        stats, index = self.arrays()
-        if len(records) < self.where.op_count():
-            index = index[np.isin(index[:, 0], list(records))]
-        with reading(self.where.directory / layout.STATS_INDEX_FILE):
-            rows: dict[int, dict[str, float | int | None]] = {}  # a row shared by tensors is one dict
-            for op_index, io, position, row in index.tolist():
-                record = records.get(op_index)
-                if record is None:
-                    continue
-                tensor = (record.inputs if io == INPUT else record.outputs)[position]
-                if tensor.numel == 0:
-                    tensor.stats = dict(_EMPTY_STATS)
-                    continue
-                if row not in rows:
-                    rows[row] = _row_stats(stats[row].tolist())
-                tensor.stats = rows[row]
-        distribution_files.attach_files(self.where.directory, index, records, len(stats), self.where.run)
-        fp8_files.attach_file(self.where.directory, records, self.where.run)
 
 
 def _value_key(t: torch.Tensor) -> tuple[Any, ...] | None:

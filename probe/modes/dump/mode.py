@@ -24,7 +24,6 @@ the test behind ``OpCall.skipped``) and quantized ones are recorded with a
 from __future__ import annotations
 
 import weakref
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +31,11 @@ import torch
 
 from probe.errors import ProbeError
 from probe.modes.base import Mode
+from probe.modes.dump.files import DumpIndex
 from probe.modes.registry import register_mode
 from probe.rundir import layout
 from probe.rundir.call_args import encode_args
-from probe.rundir.mode_files import ModeFiles
-from probe.rundir.reading import INDEX_LIMIT, expect, plain_name, read_json, read_jsonl, reading
-from probe.rundir.records import DumpedTensor
-from probe.rundir.shards import ShardWriter, StepShards, map_blob, read_header
+from probe.rundir.shards import ShardWriter, StepShards
 from probe.rundir.writer import StepWriter
 from probe.tracer.dispatch_mode import dtype_name
 from probe.tracer.op_call import OpCall
@@ -113,157 +110,6 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
 
 
 # -- reading a step's dump back (``run.dump(step)``) -------------------------------
-
-_DTYPES = {str(t).removeprefix("torch."): t for t in vars(torch).values() if isinstance(t, torch.dtype)}
-
-
-
-
-def _entry(e: Any) -> DumpedTensor:
-    """One checked entry of ``tensors.json`` (raises ValueError/KeyError on damage)."""
-    expect(e, dict, "a tensor entry")
-
-    def ints(key: str) -> tuple[int, ...]:
-        return tuple(expect(v, int, f"an item of {key}") for v in expect(e[key], list, key))
-
-    optional_int, optional_str = (int, type(None)), (str, type(None))
-    entry = DumpedTensor(
-        expect(e["op"], int, "op"), expect(e["io"], str, "io"), expect(e["position"], int, "position"),
-        expect(e["dtype"], str, "dtype"), ints("shape"), ints("stride"),
-        expect(e["blob"], optional_int, "blob"), expect(e["offset"], int, "offset"),
-        expect(e["checksum"], (*optional_int, float), "checksum"),
-        expect(e["status"], optional_str, "status"),
-        expect(e.get("conj", False), bool, "conj"), expect(e.get("neg", False), bool, "neg"),
-    )
-    if entry.io not in ("input", "output") or entry.dtype not in _DTYPES:
-        raise ValueError(f"tensor entry {e!r}: io must be input or output, dtype a torch dtype")
-    if len(entry.shape) != len(entry.stride) or min(
-            (entry.offset, entry.position, *entry.shape, *entry.stride), default=0) < 0:
-        raise ValueError(f"tensor entry {e!r}: a negative or mismatched offset, position, shape or stride")
-    return entry
-
-
-class DumpIndex(ModeFiles):
-    """The dump of one (step, rank), as :class:`DumpStep` wrote it: ``tensors.json`` lists every
-    dumped tensor with its blob, byte offset, dtype, shape and stride; blobs live in safetensors
-    shards under ``rankR/tensors/stepN/``; ``calls.jsonl`` holds each op's call.
-
-    A tensor is rebuilt as a strided view of its memory-mapped blob, so it loads bitwise-equal
-    with the original layout and nothing is read from disk until it is used. Damage to
-    ``tensors.json`` or ``calls.jsonl`` is a :class:`ProbeError` naming the file; a tensor whose
-    bytes cannot be read (a shard missing, cut short, or named outside the run), or whose entry
-    disagrees with its op's record (dtype, shape, or an extent past its blob), is a
-    ``ProbeError`` from :meth:`tensor` only, so the rest of the step stays usable.
-    """
-
-    @property
-    def complete(self) -> bool:
-        """Whether every blob of the step was written."""
-        return self._index[0]
-
-    @property
-    def entries(self) -> dict[tuple[int, str, int], DumpedTensor]:
-        """(op index, "input"/"output", position) -> its entry."""
-        return self._index[2]
-
-    @cached_property
-    def _index_path(self) -> Path:
-        return self.where.directory / layout.TENSOR_INDEX_FILE
-
-    @cached_property
-    def _index(self) -> tuple[bool, dict[int, tuple[Any, str]], dict[tuple[int, str, int], DumpedTensor]]:
-        path = self._index_path
-        if not path.exists():
-            raise ProbeError(f"step {self.where.step} of rank {self.where.rank} has no dump "
-                             f"({str(path)!r} is missing)")
-        index = read_json(path, run=self.where.run, limit=INDEX_LIMIT)
-        with reading(path):
-            complete = expect(index["complete"], bool, "complete")
-            # A blob's shard is checked when it is read, so one bad name costs only its tensors.
-            blobs = {int(k): (v[0], expect(v[1], str, "a blob name"))
-                     for k, v in expect(index["blobs"], dict, "blobs").items()}
-            entries: dict[tuple[int, str, int], DumpedTensor] = {}
-            for e in expect(index["tensors"], list, "tensors"):
-                entry = _entry(e)
-                entries[(entry.op, entry.io, entry.position)] = entry
-        return complete, blobs, entries
-
-    @cached_property
-    def _headers(self) -> dict[str, tuple[int, dict[str, dict]]]:
-        return {}  # shard -> its parsed header
-
-    @cached_property
-    def _calls(self) -> dict[int, dict[str, Any]]:
-        path = self.where.directory / layout.CALLS_FILE
-        if not path.exists():
-            raise ProbeError(f"cannot read {str(path)!r}: the file is missing")
-        rows = read_jsonl(path, run=self.where.run)
-        with reading(path):
-            calls = {expect(row.pop("i"), int, "i"): row for row in rows}
-            for row in calls.values():
-                expect(row["args"], list, "args"), expect(row["kwargs"], dict, "kwargs")
-        return calls
-
-    def tensor(self, op: int, io: str, position: int) -> torch.Tensor:
-        """The dumped ``io`` ("input"/"output") ``position`` of op #``op``, memory-mapped."""
-        entry = self.entries.get((op, io, position))
-        if entry is None:
-            raise ProbeError(f"{io} {position} of op #{op} was not dumped")
-        dtype = _DTYPES[entry.dtype]
-        if entry.status is not None:
-            raise ProbeError(f"{io} {position} of op #{op} has no data: {entry.status}")
-        self._check_against_record(entry)
-        if entry.blob is None:  # an empty tensor
-            return torch.empty_strided(entry.shape, entry.stride, dtype=dtype)
-        blobs = self._index[1]
-        if entry.blob not in blobs:
-            raise ProbeError(f"{io} {position} of op #{op}: blob {entry.blob} is in no shard of "
-                             f"{str(self._index_path)!r}")
-        shard, name = blobs[entry.blob]
-        with reading(self._index_path):
-            shard = plain_name(shard, f"the shard of blob {entry.blob}")
-        path = layout.tensors_dir(self.where.run, self.where.rank, self.where.step) / shard
-        with reading(path):
-            if shard not in self._headers:
-                self._headers[shard] = read_header(path, self.where.run)
-            data_start, header = self._headers[shard]
-            raw = map_blob(path, data_start, header[name], self.where.run)
-            itemsize = dtype.itemsize
-            # The view must lie within the blob: a damaged index must not read past it.
-            extent = 1 + sum((n - 1) * s for n, s in zip(entry.shape, entry.stride, strict=True)) \
-                if all(entry.shape) else 0
-            if entry.offset + extent * itemsize > raw.numel():
-                raise ValueError(f"{io} {position} of op #{op} reaches past the end of blob {name}")
-        if entry.offset % itemsize:  # a view at an odd byte offset: realign by copying
-            raw = raw[entry.offset :].clone()
-            offset = 0
-        else:
-            offset = entry.offset // itemsize
-        typed = torch.empty(0, dtype=dtype).set_(raw.untyped_storage(), offset, entry.shape, entry.stride)
-        if entry.conj:
-            typed = typed.conj()
-        return torch._neg_view(typed) if entry.neg else typed
-
-    def _check_against_record(self, entry: DumpedTensor) -> None:
-        """Refuse an entry whose dtype or shape is not its op record's: the index of a damaged or
-        edited run must not make a tensor of another shape than the op produced."""
-        record = self.where.op(entry.op)
-        tensors = record.inputs if entry.io == "input" else record.outputs
-        where = f"{str(self._index_path)!r}: {entry.io} {entry.position} of op #{entry.op} ({record.id})"
-        if entry.position >= len(tensors):
-            raise ProbeError(f"{where} is not in its op record, which has {len(tensors)} {entry.io}s")
-        expected = tensors[entry.position]
-        if entry.dtype != expected.dtype or entry.shape != tuple(expected.shape):
-            raise ProbeError(f"{where} is dumped as {entry.dtype} {list(entry.shape)}, its op record "
-                             f"says {expected.dtype} {list(expected.shape)}: the dump index disagrees "
-                             "with the op record")
-
-    def call(self, op: int) -> dict[str, Any]:
-        """The recorded ``{"args": ..., "kwargs": ...}`` of op #``op``."""
-        if op not in self._calls:
-            raise ProbeError(f"op #{op} has no recorded call in "
-                             f"{str(self.where.directory / layout.CALLS_FILE)!r}")
-        return self._calls[op]
 
 
 @register_mode

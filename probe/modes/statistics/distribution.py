@@ -372,7 +372,7 @@ def attach_files(directory: Any, index: np.ndarray, records: dict[int, Any], row
     version 1, have none: the records keep None). ``index`` rows: (op, io, position, stats row).
     ``run``: the run directory, which the files must lie in."""
     from probe.rundir import layout
-    from probe.rundir.reading import read_npy, reading
+    from probe.rundir.untrusted_reads import read_npy, reading
 
     shares_path = directory / layout.DISTRIBUTION_FILE
     if not shares_path.exists():

@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from probe.modes.statistics.columns import LEGACY_NAMES, MONITOR_COLUMNS
-from probe.rundir.reading import read_jsonl, reading, record_from_row
 from probe.rundir.records import AnomalyRecord as Anomaly  # what the monitor writes is what load() reads
+from probe.rundir.untrusted_reads import read_jsonl, reading, record_from_row
 
 if TYPE_CHECKING:
-    from probe.modes.monitor_config import MonitorConfig
+    from probe.modes.monitor.config import MonitorConfig
 
 
 @dataclass(frozen=True)

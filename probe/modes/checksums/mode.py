@@ -6,7 +6,7 @@ selected alone, ``probe.mode("checksums", model=model)``, to record only this). 
 first call of the model (each root of ``model=``) in a recorded step, a forward pre-hook
 queues:
 
-- **parameters**: a checksum of each parameter's bits (``probe.modes.bit_checksum``), at
+- **parameters**: a checksum of each parameter's bits (``probe.modes.checksums.bit_checksum``), at
   the session's first recorded step (the weights the run started from; every step with
   ``checksums=[..., "parameters_each_step"]``: reading every weight once a step costs
   about a ``sum`` over the model, 3% of a CPU step of a LLaMA-7B-wide layer, see
@@ -41,12 +41,17 @@ import torch
 from probe.devices import current_device, is_accelerator, record_event
 from probe.errors import ProbeError, warn_once
 from probe.modes.base import SessionPlugin
-from probe.modes.bit_checksum import ChecksumCache, checksummable, combine, hex_checksum, local, row_sums
+from probe.modes.checksums.bit_checksum import (
+    ChecksumCache,
+    checksummable,
+    combine,
+    hex_checksum,
+    local,
+    row_sums,
+)
+from probe.modes.checksums.files import ChecksumsFiles
 from probe.modes.registry import register_mode
 from probe.rundir import layout
-from probe.rundir.mode_files import ModeFiles
-from probe.rundir.reading import expect, read_json, reading
-from probe.rundir.records import InputCall, StepChecksums, TensorChecksum
 from probe.rundir.writer import StepWriter
 from probe.tracer.mode_stack import untraced
 from probe.vocabulary.option_values import DEFAULT_CHECKSUMS, IntSet
@@ -180,62 +185,6 @@ class ChecksumsStep:
                 "buffers": len(self.buffers.names) if self.buffers is not None else None,
                 "inputs": len(self.calls) if "inputs" in data else None,
                 "rng": sorted(data["rng"]) if "rng" in data else None}
-
-
-
-
-
-
-
-
-def _tensor_list(data: dict[str, Any], what: str) -> list[TensorChecksum]:
-    names = expect(data.get("names"), list, f"{what}.names")
-    dtypes = expect(data.get("dtypes"), list, f"{what}.dtypes")
-    shapes = expect(data.get("shapes"), list, f"{what}.shapes")
-    values = expect(data.get("checksums"), list, f"{what}.checksums")
-    if not len(names) == len(dtypes) == len(shapes) == len(values):
-        raise ValueError(f"{what}: names, dtypes, shapes and checksums differ in length")
-    def shape(s: Any) -> tuple[int, ...]:
-        return tuple(expect(x, int, f"a size in {what}") for x in expect(s, list, f"a shape in {what}"))
-
-    return [TensorChecksum(expect(n, str, f"a name in {what}"), expect(d, str, f"a dtype in {what}"),
-                           shape(s), expect(c, (str, type(None)), f"a checksum in {what}"))
-            for n, d, s, c in zip(names, dtypes, shapes, values, strict=True)]
-
-
-class ChecksumsFiles(ModeFiles):
-    """``checksums.json`` of one step, read back."""
-
-    _read: StepChecksums | None = None
-
-    def checksums(self) -> StepChecksums:
-        if self._read is None:
-            path = self.where.directory / layout.CHECKSUMS_FILE
-            data = read_json(path, run=self.where.run)
-            with reading(path):
-                parameters = inputs = rng = buffers = None
-                if "parameters" in data:
-                    tensors = _tensor_list(expect(data["parameters"], dict, "parameters"), "parameters")
-                    parameters = {t.name: t for t in tensors}
-                if "buffers" in data:
-                    tensors = _tensor_list(expect(data["buffers"], dict, "buffers"), "buffers")
-                    buffers = {t.name: t for t in tensors}
-                if "inputs" in data:
-                    inputs = [InputCall(expect(c.get("module"), str, "inputs.module"),
-                                        expect(c.get("call"), int, "inputs.call"), _tensor_list(c, "inputs"))
-                              for c in (expect(c, dict, "an input call")
-                                        for c in expect(data["inputs"], list, "inputs"))]
-                if "rng" in data:
-                    rng = {kind: expect(v, str, f"rng.{kind}")
-                           for kind, v in expect(data["rng"], dict, "rng").items()}
-            self._read = StepChecksums(self.where.step, self.where.rank, parameters, inputs, rng, buffers)
-        return self._read
-
-
-def step_checksums(run: Any, step: int, rank: int) -> StepChecksums | None:
-    """The checksums a run recorded for one step (``probe.load(...)``'s Run), or None without them."""
-    files = run.mode_files(ChecksumsMode.name, step, rank)
-    return files.checksums() if isinstance(files, ChecksumsFiles) else None
 
 
 @register_mode

@@ -16,7 +16,7 @@ Safety: arguments the schema marks as written are copied before the real op
 runs, and the perturbed run works on copies; factory ops, views, random ops,
 collectives, host syncs and pure data movement are never re-run; running out
 of memory during a check skips that check, with a record. Deviations are
-computed on the device, many pairs per reduction (``probe.modes.deviation``), and
+computed on the device, many pairs per reduction (``probe.modes.free_benchmark.deviation``), and
 read with the step's results, without host syncs (except ``to_cpu`` on a device,
 which copies to the CPU by definition).
 
@@ -37,9 +37,10 @@ import torch
 
 from probe.errors import ProbeError
 from probe.modes.base import Mode
-from probe.modes.cpu_reference import cpu_reference
-from probe.modes.deviation import DeviationQueue
-from probe.modes.perturbations import (
+from probe.modes.free_benchmark.cpu_reference import cpu_reference
+from probe.modes.free_benchmark.deviation import DeviationQueue
+from probe.modes.free_benchmark.files import ChecksFiles
+from probe.modes.free_benchmark.perturbations import (
     BITS_BOUND,
     JUDGES_BITS,
     MIN_BITS,
@@ -55,9 +56,6 @@ from probe.modes.perturbations import (
 )
 from probe.modes.registry import register_mode
 from probe.rundir import layout
-from probe.rundir.mode_files import ModeFiles
-from probe.rundir.reading import read_jsonl, reading, record_from_row
-from probe.rundir.records import CheckRecord
 from probe.rundir.writer import StepWriter
 from probe.tracer.dispatch_mode import dtype_name
 from probe.tracer.op_call import OpCall
@@ -92,18 +90,6 @@ def eligible(info: OpClass) -> bool:
         or info.is_host_sync or info.uninitialized_output or info.compiled_region
         or info.short in _DATA_MOVEMENT
     )
-
-
-class ChecksFiles(ModeFiles):
-    """``checks.jsonl`` of one step (written by :class:`ChecksStep`), read back."""
-
-    def checks(self) -> list[CheckRecord]:
-        """The step's checks in execution order; keys a reader does not know are ignored."""
-        path = self.where.directory / layout.CHECKS_FILE
-        rows = read_jsonl(path, run=self.where.run)
-        with reading(path):
-            return [record_from_row(CheckRecord, row, {"op": "op_index"}, step=self.where.step,
-                                    rank=self.where.rank) for row in rows]
 
 
 @register_mode
