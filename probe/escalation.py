@@ -44,9 +44,8 @@ from typing import Any
 
 from probe.errors import ProbeError, warn_once
 from probe.lifecycle import build_modes, start_modes, traced
-from probe.modes.base import OpObserver, SessionPlugin
+from probe.modes.base import OpObserver, SessionPlugin, TraceRequest
 from probe.modes.monitor.anomaly import Anomaly, anomaly_json
-from probe.modes.monitor.mode import MonitorMode
 from probe.modes.registry import MODES
 from probe.rundir import layout
 from probe.tracer.dispatch_mode import Tracer
@@ -94,21 +93,19 @@ class Window:
 class Escalation:
     """The trace modes the monitor arms after an anomaly; driven by the session."""
 
-    def __init__(self, monitor: MonitorMode, options: Options) -> None:
-        config = monitor.config
-        self.monitor = monitor
+    def __init__(self, request: TraceRequest, options: Options) -> None:
+        self.request = request
         self.options = options
-        self.trace_modes = config.trace_modes
-        self.trace_options = dict(config.trace_options)
-        self.trace_steps = config.trace_steps
-        self.trace_limit = config.trace_limit
+        self.trace_modes = request.modes
+        self.trace_options = dict(request.options)
+        self.trace_steps = request.steps
+        self.trace_limit = request.limit
         self._opened = 0
         """Windows this session opened (``trace_limit`` bounds it)."""
         self._refused: dict[int, list[dict[str, Any]]] = {}
         """Step -> incidents learned at its start and not traced (the limit), for its manifest."""
         self._limit_told = False
-        turbulence = config.turbulence
-        self._threshold = None if turbulence is None else turbulence.threshold
+        self._threshold = request.threshold
         accepted = set().union(*(MODES[name].option_names for name in self.trace_modes))
         unknown = sorted(key for key in self.trace_options if key not in accepted)
         if unknown:
@@ -132,16 +129,17 @@ class Escalation:
     @classmethod
     def of(cls, modes: list[SessionPlugin], options: Options,
            observers: list[OpObserver]) -> Escalation | None:
-        """The session's escalation: None unless its monitor has ``on_anomaly="trace"``."""
-        monitor = next((m for m in modes if isinstance(m, MonitorMode)), None)
-        if monitor is None or monitor.config.on_anomaly != "trace":
+        """The session's escalation: None unless a plug-in asks for one (the monitor's
+        ``on_anomaly="trace"``, :meth:`SessionPlugin.trace_request`)."""
+        request = next((r for r in (m.trace_request() for m in modes) if r is not None), None)
+        if request is None:
             return None
         if observers:
             tracing = [m.name for m in modes if m.observer() is not None]
             raise ProbeError(f"monitor option on_anomaly='trace' turns per-op modes on after an anomaly, but "
                              f"this session traces every op already with {tracing}; drop on_anomaly='trace' "
                              "or those modes")
-        return cls(monitor, options)
+        return cls(request, options)
 
     def _build(self) -> list[SessionPlugin]:
         return build_modes(self.trace_modes, self.trace_options)
@@ -151,7 +149,7 @@ class Escalation:
     def start(self, tracer: Tracer, out: Path, rank: int) -> None:
         """The session started on a recorded rank: listen for the monitor's incidents."""
         self._tracer, self._out, self._rank = tracer, out, rank
-        self.monitor.detector.listeners.append(self._hear)
+        self.request.listeners.append(self._hear)
 
     def _hear(self, found: list[Anomaly]) -> None:
         """The monitor's scan found alerts (on the writer thread): keep the root of a new incident."""
@@ -274,7 +272,7 @@ class Escalation:
         """The session ends, every step on disk: close every window's modes."""
         if self._tracer is not None:
             with suppress(ValueError):
-                self.monitor.detector.listeners.remove(self._hear)
+                self.request.listeners.remove(self._hear)
         modes = [mode for _, retired in self._retired for mode in retired] + self._modes
         self._retired, self._modes = [], []
         _close_all(modes)

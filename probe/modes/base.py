@@ -16,6 +16,8 @@ Modes never talk to each other; a mode never holds a tensor of the model past ``
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -30,6 +32,24 @@ class StepResult(Protocol):
     def write(self, writer: StepWriter) -> dict[str, Any]:
         """Write the step's files; return a small summary for the step manifest."""
         ...
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """What a plug-in asks of the session's escalation (``probe/escalation.py``): turn the per-op
+    ``modes`` on for ``steps`` steps after each incident the plug-in reports to ``listeners``."""
+
+    modes: tuple[str, ...]
+    options: Mapping[str, Any]
+    """Options of the trace modes."""
+    steps: int
+    limit: int | None
+    """The most windows one session opens (None: no limit)."""
+    threshold: float | None
+    """The threshold in force when an incident is reported (written beside it in the manifest)."""
+    listeners: list[Callable[[list[Any]], None]]
+    """Where the escalation adds its callback: called with the alerts of each scan that found some
+    (the first one the incident's root), on the writer thread."""
 
 
 class SessionPlugin:
@@ -50,6 +70,11 @@ class SessionPlugin:
         mode options the user gave) lacks them; ``common`` is the parsed
         :class:`~probe.vocabulary.option_values.Options`. None by default."""
         return {}
+
+    def trace_request(self) -> TraceRequest | None:
+        """Per-op modes this plug-in asks the session to turn on after an incident it detects
+        (the monitor's ``on_anomaly="trace"``); None by default."""
+        return None
 
     def observer(self) -> OpObserver | None:
         """The per-op half of this mode, or None when it works from hooks alone."""

@@ -56,7 +56,7 @@ from torch import nn
 import probe.modes.monitor.distribution as monitor_distribution
 from probe.errors import ProbeError, warn_once
 from probe.local_part import local_part, replicas
-from probe.modes.base import SessionPlugin
+from probe.modes.base import SessionPlugin, TraceRequest
 from probe.modes.monitor.anomaly import (
     Anomaly,
     AnomalyDetector,
@@ -319,6 +319,15 @@ class MonitorMode(SessionPlugin):
         if "targets" not in given and common.modules.globs is not None:
             return {"targets": list(common.modules.globs)}
         return {}
+
+    def trace_request(self) -> TraceRequest | None:
+        """With ``on_anomaly="trace"``: the trace modes to turn on after each incident."""
+        config = self.config
+        if config.on_anomaly != "trace":
+            return None
+        threshold = None if config.turbulence is None else config.turbulence.threshold
+        return TraceRequest(config.trace_modes, dict(config.trace_options), config.trace_steps,
+                            config.trace_limit, threshold, self.detector.listeners)
 
     @property
     def collective_each_step(self) -> bool:
