@@ -56,7 +56,12 @@ def parse_options(modes: Any, kwargs: dict[str, Any], mode_option_names: dict[st
     config = kwargs.pop("config", None)
     modes, kwargs = unfold(modes, kwargs)  # an object's options count as given directly
     if config is not None:
-        for key, value in _config_options(config).items():
+        from_config = _config_options(config)
+        # A config's mode objects (the msprobe adapters build them) unfold as the config's own keys.
+        config_modes, from_config = unfold(from_config.pop("mode", None), from_config)
+        if config_modes is not None:
+            from_config["mode"] = config_modes
+        for key, value in from_config.items():
             kwargs.setdefault(key, value)
     if modes is None:
         modes = kwargs.pop("mode", None)

@@ -23,8 +23,9 @@ DEFAULT = {
 
 
 def test_default_config_maps_to_stats_with_inputs_and_stacks():
+    # Each mode option reaches probe.mode as the property of its mode's object; the rest is common.
     assert from_msprobe(DEFAULT) == {
-        "mode": ["stats"], "inputs": True, "out": "./dump_path", "stack": True, "async_flush": False,
+        "mode": [probe.Stats(inputs=True)], "out": "./dump_path", "stack": True, "async_flush": False,
     }
 
 
@@ -34,11 +35,11 @@ def test_tensor_task_with_ranges_selection_and_data_mode():
         "tensor": {"list": ["relu", "Module.layers.0.Linear.forward.0"], "data_mode": ["forward", "output"]},
     }
     options = from_msprobe(config)
-    assert options["mode"] == ["stats", "dump"]
+    assert options["mode"] == [probe.Stats(inputs=False), probe.Dump(tensors="outputs")]
     assert options["steps"] == ["4-6"] and options["ranks"] == [0, "2-3"]
     assert options["ops"] == ["*relu*"] and options["modules"] == ["layers.0", "layers.0.*"]
     assert options["phases"] == ["forward", "optimizer", "recompute"]
-    assert options["tensors"] == "outputs" and options["inputs"] is False
+    assert "tensors" not in options and "inputs" not in options
 
 
 @pytest.mark.parametrize(
@@ -63,7 +64,7 @@ def test_unsupported_keys_are_errors_naming_them(config, message):
 def test_keys_safe_to_ignore_warn_once():
     with pytest.warns(ProbeWarning, match="'risk_level' is ignored"):
         options = from_msprobe({"task": "statistics", "dump_path": "d", "risk_level": "FOCUS"})
-    assert options["mode"] == ["stats"]
+    assert options["mode"] == [probe.Stats(inputs=True)]
 
 
 def test_probe_mode_runs_from_an_msprobe_config_file(tmp_path):
@@ -91,8 +92,36 @@ def test_free_benchmark_block_of_msprobe_8_3_3():
                            "if_preheat": False, "preheat_step": 15, "max_sample": 20},
     }
     options = from_msprobe(config)
-    assert options["mode"] == ["free_benchmark"] and options["perturb"] == "to_cpu"
-    assert options["handler"] == "fix" and options["phases"] == ["forward"]
-    assert options["ops"] == ["*softmax*"] and options["preheat"] is False
+    (free_benchmark,) = options["mode"]
+    assert isinstance(free_benchmark, probe.FreeBenchmark)
+    assert dict(free_benchmark.options) == {"perturb": "to_cpu", "handler": "fix", "preheat": False,
+                                            "preheat_steps": 15, "max_sample": 20}
+    assert options["phases"] == ["forward"] and options["ops"] == ["*softmax*"]
     with pytest.raises(ProbeError, match="fuzz_stage 'sideways'"):
         from_msprobe({"task": "free_benchmark", "free_benchmark": {"fuzz_stage": "sideways"}})
+
+
+def test_the_adapters_objects_configure_a_session_as_the_flat_options_would(tmp_path):
+    """A config's mode objects unfold as the config's keys: an option given directly still wins."""
+    config = {"task": "statistics", "dump_path": str(tmp_path / "a"), "statistics": {"data_mode": ["output"]}}
+    x = torch.randn(4)
+    with probe.mode(config=config) as session:
+        x.exp()
+        session.step()
+    (op,) = probe.load(tmp_path / "a").ops(0)
+    assert op.outputs[0].stats is not None and op.inputs[0].stats is None  # inputs=False from data_mode
+    config["dump_path"] = str(tmp_path / "b")
+    with probe.mode(config=config, inputs=True) as session:  # the keyword wins over the config's object
+        x.exp()
+        session.step()
+    (op,) = probe.load(tmp_path / "b").ops(0)
+    assert op.inputs[0].stats is not None
+
+
+def test_the_monitor_adapter_builds_a_monitor_object():
+    from probe.modes.monitor.config import from_msprobe_monitor
+
+    options = from_msprobe_monitor({"targets": {"layers.0": {}}, "ops": ["norm"], "module_ranks": [0]})
+    (monitor,) = options.pop("mode")
+    assert isinstance(monitor, probe.Monitor) and monitor.options["metrics"] == ("norm",)
+    assert options == {"ranks": [0]}

@@ -7,7 +7,7 @@ the flat form, stays accepted and means the same. Each mode's subpackage defines
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -23,6 +23,11 @@ class ModeOptions:
 
     mode: ClassVar[str]
     """The registered name of the mode (``"stats"``, ``"monitor"``, ...)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "mode" in cls.__dict__:
+            _CLASSES[cls.mode] = cls
 
     def __init__(self, **options: Any) -> None:
         accepted = mode_option_names().get(self.mode)
@@ -47,6 +52,31 @@ class ModeOptions:
     def __repr__(self) -> str:
         inner = ", ".join(f"{key}={value!r}" for key, value in self._options.items())
         return f"{type(self).__name__}({inner})"
+
+
+_CLASSES: dict[str, type[ModeOptions]] = {}
+"""Mode name -> its options class, filled as each mode's subpackage defines it."""
+
+
+def as_mode_objects(names: Sequence[str], options: Mapping[str, Any]) -> tuple[list[ModeOptions | str],
+                                                                             dict[str, Any]]:
+    """The modes ``names`` as objects, each carrying the options of ``options`` its mode takes, and the
+    options no selected mode takes (the session's common ones; an unknown one is refused later, by
+    ``probe.mode``). What the config adapters (msprobe's ``config.json`` and monitor config) build:
+    each option reaches ``probe.mode`` as the property of one mode. A mode without an options class
+    (or an unknown name, refused by ``probe.mode``) stays a name."""
+    accepted = mode_option_names()
+    objects: list[ModeOptions | str] = []
+    claimed: set[str] = set()
+    for name in names:
+        cls = _CLASSES.get(name)
+        if cls is None:
+            objects.append(name)
+            continue
+        own = {key: value for key, value in options.items() if key in accepted.get(name, ())}
+        claimed |= own.keys()
+        objects.append(cls(**own))
+    return objects, {key: value for key, value in options.items() if key not in claimed}
 
 
 def same_value(a: Any, b: Any) -> bool:

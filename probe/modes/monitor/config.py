@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from probe.errors import ProbeError, warn_once
+from probe.modes.mode_options import as_mode_objects
 from probe.modes.statistics.columns import LEGACY_NAMES
 from probe.vocabulary.option_values import IntSet, parse_bool, parse_choice, parse_int, parse_number, show
 
@@ -135,7 +136,8 @@ def _names_slots(targets: Any) -> bool:
 
 
 def from_msprobe_monitor(config: Mapping[str, Any]) -> dict[str, Any]:
-    """Our ``probe.mode`` keyword options (``mode`` included) for an msprobe monitor config."""
+    """Our ``probe.mode`` options for an msprobe monitor config: ``mode`` holds a ``Monitor`` object
+    carrying the monitor's options, the other keys are the session's common options."""
     options: dict[str, Any] = {"mode": ["monitor"]}
     if "all_xy" in config:
         parse_bool("all_xy", config["all_xy"])
@@ -164,7 +166,8 @@ def from_msprobe_monitor(config: Mapping[str, Any]) -> dict[str, Any]:
         else:
             accepted = (MONITOR_KEYS - {"metrics"}) | {"ops", "all_xy"} | set(_IGNORED_KEYS)
             raise ProbeError(f"msprobe monitor key {key!r} is unknown; accepted: {sorted(accepted)}")
-    return options
+    objects, common = as_mode_objects(options.pop("mode"), options)
+    return {"mode": objects, **common}
 
 
 def _ranks(value: Any) -> Any:
