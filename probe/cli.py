@@ -7,6 +7,7 @@ usage or unreadable input, with a one-line reason on stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -191,16 +192,21 @@ def _module_map(text: str | None) -> dict[str, str] | None:
 
 def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     import probe
+    from probe.analysis.compare_pieces import cluster_executor
     from probe.exporters.console import render_compare
 
     out = _output_dir(args.out, "-o") if args.out else None
-    with progress_bar(console, "comparing") as bar:
+    if args.processes is not None and args.processes < 1:
+        raise ProbeError(f"--processes must be at least 1, got {args.processes}")
+    with contextlib.ExitStack() as stack, progress_bar(console, "comparing") as bar:
+        executor = stack.enter_context(cluster_executor(args.scheduler)) if args.scheduler else None
         task = bar.add_task("compare", total=None)
         report = probe.compare(
             args.run_a, args.run_b, steps=_int_list(args.steps), ranks=_int_list(args.ranks),
             module_map=_module_map(args.module_map), partitions=_partitions(args.partition),
             **({} if args.replay_limit is None else {"replay_limit": args.replay_limit}),
             progress=lambda done, total: bar.update(task, completed=done, total=total),
+            processes=args.processes, executor=executor,
         )
     if out is not None:
         report.to_csv(out / "report.csv")
@@ -334,6 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--replay-limit", type=int, metavar="N",
                          help="replay an op in fp64 to judge it only when its inputs hold at most N "
                               "elements (default: probe.compare's, 4M; 0: never)")
+    compare.add_argument("--processes", type=int, metavar="N",
+                         help="compare the pieces of work (a step of a rank; a step of a folded run) in N "
+                              "processes (default: one per rank compared rank by rank, else 1)")
+    compare.add_argument("--scheduler", metavar="ADDRESS",
+                         help="compare the pieces on the Dask cluster whose scheduler is at ADDRESS "
+                              "(tcp://host:8786; the cluster extra), whose workers read the runs "
+                              "under the same paths")
     compare.add_argument("--fail-on-divergence", action="store_true",
                          help="exit 1 if a divergence is found or an op could not be compared")
     compare.set_defaults(func=_cmd_compare)

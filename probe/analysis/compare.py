@@ -19,7 +19,8 @@ assumed. Inputs from outside the step (weights, data) are the op's own state: wh
 differs, this op is where the difference enters, and the report says so. From it, the
 **chain** follows A's graph through the consumers that diverge too.
 
-Ranks are compared in parallel processes; tensors are read one op at a time
+The work splits into pieces of one step of one rank (``compare_pieces``), matched in
+parallel processes or on a cluster and judged here in step order; tensors are read one op at a time
 through memory maps, so memory is bounded by the largest op, not the run.
 """
 
@@ -27,10 +28,9 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,8 +38,9 @@ from typing import Any
 import torch
 
 from probe.analysis import precision
+from probe.analysis.compare_pieces import run_pieces
 from probe.analysis.compiled_regions import compare_notes, opened_regions, replayed_ops
-from probe.analysis.layouts import layout_notes, logical_pair
+from probe.analysis.layouts import LogicalRun, LogicalStep, layout_notes, logical_pair, partial_sums
 from probe.analysis.matching import Match, match_ops
 from probe.analysis.metrics import stats_metrics, tensor_metrics
 from probe.analysis.replay import recompute
@@ -56,6 +57,7 @@ from probe.analysis.verdicts import (
     RULE_NOT_COMPARED,
     RULE_OUTSIDE,
     RULE_PROPAGATION,
+    RULE_REDUCTION_ORDER,
     RULE_REPLAY,
     RULE_SHAPE,
     RULE_STATS,
@@ -151,6 +153,16 @@ class _Side:
         self.ops, self.loss_scale, self._scaled = precision.unscaled(run.ops(step, rank))
         self.held = precision.held_precision(self.ops)
         self.dump: DumpReader | None = run.dump(step, rank) if run.has_dump(step, rank) else None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A piece of work (compare_pieces) hands its sides back without the run and its open
+        # dump; the process that judges the step attaches its own (:meth:`attach`).
+        return {**self.__dict__, "run": None, "dump": None}
+
+    def attach(self, run: Run, step: int, rank: int) -> None:
+        """Reattaches the run (and its dump) after the side was pickled."""
+        self.run = run
+        self.dump = run.dump(step, rank) if run.has_dump(step, rank) else None
 
     def unscale(self, op: OpRecord, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """An op's outputs recomputed from its dumped inputs, with the loss scale divided out
@@ -436,13 +448,16 @@ def _replayable(side: _Side, op: OpRecord) -> bool:
     return True
 
 
-def _judge_by_replay(side_a: _Side, side_b: _Side, c: OpComparison) -> tuple[bool, str] | None:
+def _judge_by_replay(side_a: _Side, side_b: _Side, c: OpComparison,
+                     terms: tuple[int, int] | None = None) -> tuple[bool, str] | None:
     """(enters, message) from an fp64 replay of the op on each run's own dumped inputs.
 
     A run's result far from the exact result on its own inputs (beyond the rounding
     bound of its dtype) was computed badly: the divergence enters here. Otherwise the
     difference is the inputs' difference carried through the op plus rounding.
-    None when the op cannot be replayed (not fully dumped, random, unknown).
+    None when the op cannot be replayed (not fully dumped, random, unknown). ``terms``:
+    the terms each run's rounding is bounded by, when its order of summation is not the
+    op's own (:func:`_judge_reduction_order`); else the recorded shapes say.
     """
     assert c.a is not None and c.b is not None
     if not (_replayable(side_a, c.a) and _replayable(side_b, c.b)):
@@ -458,7 +473,8 @@ def _judge_by_replay(side_a: _Side, side_b: _Side, c: OpComparison) -> tuple[boo
         p = t.position
         if p >= len(exact_a) or p >= len(exact_b) or not c.a.outputs[p].dtype.startswith(("float", "bfloat")):
             continue
-        for name, side, op, exact in (("A", side_a, c.a, exact_a[p]), ("B", side_b, c.b, exact_b[p])):
+        for k, (name, side, op, exact) in enumerate((("A", side_a, c.a, exact_a[p]),
+                                                     ("B", side_b, c.b, exact_b[p]))):
             result, _ = side.data(op, "output", p)
             if result is None or tuple(result.shape) != tuple(exact.shape):
                 return None
@@ -470,7 +486,8 @@ def _judge_by_replay(side_a: _Side, side_b: _Side, c: OpComparison) -> tuple[boo
             operands = precision.input_precision(op)
             if operands is not None:
                 computed = precision.lower_of(computed, operands)
-            bound = precision.rounding(computed, _reduction(op, p)) * max(precision.condition(op), 1.0)
+            reduction = terms[k] if terms is not None else _reduction(op, p)
+            bound = precision.rounding(computed, reduction) * max(precision.condition(op), 1.0)
             if error > bound:
                 return True, (f"output {p}: run {name}'s result is {error:.3g} (relative) from the "
                               f"exact result on its own inputs (fp64 replay), beyond the rounding bound "
@@ -649,11 +666,13 @@ def _uninitialized(a: TensorRecord, b: TensorRecord, by_index: dict[int, OpCompa
 
 def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
                           by_index: dict[int, OpComparison],
-                          carried: dict[int, float] | None = None) -> tuple[bool, str] | None:
+                          carried: dict[int, float] | None = None,
+                          terms: tuple[int, int] | None = None) -> tuple[bool, str] | None:
     """(enters, message) from the inputs' difference: beyond ``CONDITION`` x it plus each run's
     rounding, the difference enters here. None when an input computed in the step is unknown.
     ``carried``: the differences of inputs from outside the step that earlier steps explain
-    (input position -> relative difference)."""
+    (input position -> relative difference). ``terms``: each run's terms for its rounding, as
+    :func:`_judge_by_replay` takes them."""
     assert c.a is not None and c.b is not None
     in_error = 0.0
     overwritten = _overwritten(c.a)
@@ -700,8 +719,9 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
     # An op's own rounding is relative to its terms; where they cancel, relative to its result
     # it grows as its inputs' differences do (a gradient that is zero in exact arithmetic, such
     # as a key bias's, is rounding alone).
-    rounding = max(cancellation, 1.0) * (precision.rounding(out_dtypes[0], _reduction(c.a), floor=False)
-                                         + precision.rounding(out_dtypes[1], _reduction(c.b), floor=False))
+    reductions = terms if terms is not None else (_reduction(c.a), _reduction(c.b))
+    rounding = max(cancellation, 1.0) * (precision.rounding(out_dtypes[0], reductions[0], floor=False)
+                                         + precision.rounding(out_dtypes[1], reductions[1], floor=False))
     factor = max(precision.CONDITION, cancellation)
     bound = factor * in_error + rounding
     c.input_error = in_error
@@ -1110,6 +1130,8 @@ def _judge_op(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int,
     carried: dict[int, float] = {}
     outside = [] if tainted else _external_inputs_differ(side_a, side_b, c, carry, carried)
     if c.verdict == PASS and not (outside and carry.identical):
+        if not tainted and not outside:  # a pass, and where the layouts summed in other orders, why
+            _judge_reduction_order(side_a, side_b, c, by_index, replay_limit, carried)
         return
     magnitude = c.verdict
     if c.rule in (RULE_SHAPE, RULE_NONFINITE):
@@ -1123,6 +1145,8 @@ def _judge_op(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int,
     if otherwise is not None:
         c.verdict, c.rule, c.enters = ERROR, RULE_ARGUMENTS, True
         c.message = f"{otherwise}; {c.message}" if c.message else otherwise
+        return
+    if not tainted and _judge_reduction_order(side_a, side_b, c, by_index, replay_limit, carried):
         return
     # Downstream of a divergence a replay would only say where it grows: the cheap bound does.
     skipped = None if tainted else _replay_skipped(c, replay_limit)
@@ -1148,6 +1172,55 @@ def _judge_op(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int,
             t.verdict, t.rule = c.verdict, c.rule
 
 
+def _summation_terms(op: OpRecord, position: int) -> int:
+    """Terms each element of output ``position`` sums: a contraction's, a sum's (or mean's, a
+    loss's) input elements per output element."""
+    ratio = op.inputs[0].numel // max(op.outputs[position].numel, 1) if op.inputs else 1
+    return max(_reduction(op, position), precision.summed_terms(op), ratio, 1)
+
+
+def _judge_reduction_order(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int, OpComparison],
+                           replay_limit: int, carried: dict[int, float]) -> bool:
+    """Judges an op whose sum the two layouts computed in other orders (a folded run's partial
+    sums, ``probe.analysis.layouts.partial_sums``: TP's row-parallel product reduced by an
+    all-reduce, where a single process ran one matmul): with both runs' dumps, by an fp64 replay
+    on each run's (folded) inputs, each run's result held to the rounding bound of its own order
+    (K terms in one sum; K / P in each of P partial sums, then P more); without them, by the
+    propagation bound with those terms. When consistent, records it (rule "reduction order": a
+    pass stays a pass, a difference beyond the thresholds is a warning) and returns True; else
+    leaves the op to the other rules. Runs of one layout never get here."""
+    assert c.a is not None and c.b is not None
+    positions = range(min(len(c.a.outputs), len(c.b.outputs)))
+    sums = (partial_sums(side_a.run, c.step), partial_sums(side_b.run, c.step))
+    parts = [(sums[0].get((c.a.index, p), 1), sums[1].get((c.b.index, p), 1)) for p in positions]
+    changed = [p for p, (pa, pb) in zip(positions, parts, strict=True) if pa != pb]
+    if not changed:
+        return False
+    p = changed[0]
+    total = max(_summation_terms(c.a, p), _summation_terms(c.b, p))
+    split = [parts[p][k] for k in (0, 1)]
+    terms = tuple(-(-total // n) + n - 1 for n in split)
+    skipped = _replay_skipped(c, replay_limit)
+    judged = None if skipped else _judge_by_replay(side_a, side_b, c, terms)  # type: ignore[arg-type]
+    how = "fp64 replay on each run's inputs" if judged is not None else "statistics"
+    if judged is None:
+        judged = _judge_by_propagation(side_a, side_b, c, by_index, carried, terms)  # type: ignore[arg-type]
+    if judged is None or judged[0]:
+        return False
+    orders = ", ".join(f"run {name} sums {total} terms in one" if n == 1 else
+                       f"run {name} in {n} partial sums of {-(-total // n)}, then across ranks (rounding of {k})"
+                       for name, n, k in zip("AB", split, terms, strict=True))
+    note = f"consistent with a different reduction order ({how}): {orders}; {judged[1]}"
+    c.rule = RULE_REDUCTION_ORDER
+    if c.verdict != PASS:
+        c.verdict = WARNING
+        for t in c.outputs:
+            if t.verdict in (ERROR, WARNING):
+                t.verdict, t.rule = WARNING, RULE_REDUCTION_ORDER
+    c.message = f"{note}; {c.message}" if c.message else note
+    return True
+
+
 def _divergence(run_a: Run, step: int, rank: int, comparisons: list[OpComparison]) -> Divergence | None:
     by_index = {c.a.index: c for c in comparisons if c.a is not None}
     for position, c in enumerate(comparisons):
@@ -1165,11 +1238,26 @@ def _divergence(run_a: Run, step: int, rank: int, comparisons: list[OpComparison
     return None
 
 
-def compare_step(run_a: Run, run_b: Run, step: int, rank: int,
-                 module_map: dict[str, str] | None = None,
-                 on_op: Callable[[], None] | None = None,
-                 replay_limit: int = REPLAY_LIMIT, carry: Carry | None = None) -> StepComparison:
-    """Compares one step of one rank; ``carry``: what the steps compared before it hand on."""
+@dataclass
+class MatchedStep:
+    """One step of one rank read, matched and measured but not judged yet: what a piece of work
+    (``probe.analysis.compare_pieces``) hands back, in any process. The sides' runs are
+    reattached where it is judged; ``folded`` are the logical steps a folded run's piece made,
+    so that the judging process need not fold them again."""
+
+    step: int
+    rank: int
+    sides: tuple[_Side, _Side]
+    comparisons: list[OpComparison]
+    lowerings: dict[int, precision.Lowering]
+    policy: str
+    folded: tuple[LogicalStep | None, LogicalStep | None] = (None, None)
+
+
+def match_step(run_a: Run, run_b: Run, step: int, rank: int, module_map: dict[str, str] | None = None,
+               on_op: Callable[[], None] | None = None) -> MatchedStep:
+    """The part of :func:`compare_step` that reads this step alone: the ops matched and each
+    pair measured, and the precision each run computed in."""
     side_a, side_b = _Side(run_a, step, rank), _Side(run_b, step, rank)
     matches = match_ops(side_a.ops, side_b.ops, module_map, *replayed_ops(run_b, step, rank))
     comparisons = []
@@ -1182,25 +1270,28 @@ def compare_step(run_a: Run, run_b: Run, step: int, rank: int,
     # A compiled region whose graph was re-run node by node is judged at its nodes' ops.
     opened = opened_regions(run_b, step, rank)
     lowerings = {i: low for i, low in lowerings.items() if low.op.id not in opened}
-    handed_on = _judge(side_a, side_b, comparisons, lowerings, replay_limit, carry)
-    divergence = _divergence(run_a, step, rank, comparisons)
     policy = precision.describe_policy(side_a.ops, side_b.ops)
-    return StepComparison(step, rank, comparisons, divergence, policy, handed_on)
+    folded = tuple(run.logical_step(step) if isinstance(run, LogicalRun) else None for run in (run_a, run_b))
+    return MatchedStep(step, rank, (side_a, side_b), comparisons, lowerings, policy, folded)
 
 
-def _compare_steps(run_a: Run, run_b: Run, steps: list[int], rank: int, module_map: dict[str, str] | None,
-                   on_op: Callable[[], None] | None, replay_limit: int) -> list[StepComparison]:
-    """The steps of one rank in order, each handed what the one before found (:class:`Carry`).
-    A gap in the steps (a step one run lacks, or not asked for) breaks the chain: what the
-    runs carry across it is judged as at a first step."""
-    out: list[StepComparison] = []
-    for i, step in enumerate(steps):
-        carry = out[-1].carry if out and steps[i - 1] == step - 1 and out[-1].unreadable is None else None
-        try:
-            out.append(compare_step(run_a, run_b, step, rank, module_map, on_op, replay_limit, carry))
-        except ProbeError as e:  # a damaged step: its ops are not compared, the other steps are
-            out.append(_unreadable_step(run_a, run_b, step, rank, str(e)))
-    return out
+def judge_step(run_a: Run, matched: MatchedStep, replay_limit: int = REPLAY_LIMIT,
+               carry: Carry | None = None) -> StepComparison:
+    """Judges a matched step (:func:`match_step`) given what the steps before hand on (``carry``):
+    the verdicts, the first divergence, and what this step hands to the next."""
+    side_a, side_b = matched.sides
+    step, rank, comparisons = matched.step, matched.rank, matched.comparisons
+    handed_on = _judge(side_a, side_b, comparisons, matched.lowerings, replay_limit, carry)
+    divergence = _divergence(run_a, step, rank, comparisons)
+    return StepComparison(step, rank, comparisons, divergence, matched.policy, handed_on)
+
+
+def compare_step(run_a: Run, run_b: Run, step: int, rank: int,
+                 module_map: dict[str, str] | None = None,
+                 on_op: Callable[[], None] | None = None,
+                 replay_limit: int = REPLAY_LIMIT, carry: Carry | None = None) -> StepComparison:
+    """Compares one step of one rank; ``carry``: what the steps compared before it hand on."""
+    return judge_step(run_a, match_step(run_a, run_b, step, rank, module_map, on_op), replay_limit, carry)
 
 
 def _unreadable_step(run_a: Run, run_b: Run, step: int, rank: int, reason: str) -> StepComparison:
@@ -1226,9 +1317,16 @@ def _unreadable_step(run_a: Run, run_b: Run, step: int, rank: int, reason: str) 
     return StepComparison(step, rank, rows, None, unreadable=message)
 
 
-def _compare_rank(path_a: str, path_b: str, steps: list[int], rank: int,
-                  module_map: dict[str, str] | None, replay_limit: int) -> list[StepComparison]:
-    return _compare_steps(Run(path_a), Run(path_b), steps, rank, module_map, None, replay_limit)
+def _match_piece(spec_a: tuple[str, bool], spec_b: tuple[str, bool], partitions: dict[str, str | int] | None,
+                 step: int, rank: int, module_map: dict[str, str] | None) -> MatchedStep | str:
+    """A piece of a compare, run wherever the executor puts it: reopens both runs by path
+    (``(path, folded)``) and matches one step, or says why the step cannot be read."""
+    run_a, run_b = (LogicalRun(Run(path), partitions) if folded else Run(path)
+                    for path, folded in (spec_a, spec_b))
+    try:
+        return match_step(run_a, run_b, step, rank, module_map)
+    except ProbeError as e:
+        return str(e)
 
 
 class Report:
@@ -1402,6 +1500,7 @@ def compare(
     ranks: list[int] | None = None, module_map: dict[str, str] | None = None,
     processes: int | None = None, progress: Callable[[int, int], None] | None = None,
     replay_limit: int = REPLAY_LIMIT, partitions: dict[str, str | int] | None = None,
+    executor: Executor | None = None,
 ) -> Report:
     """Compare run ``b`` against the reference run ``a``; see the module docstring.
 
@@ -1411,6 +1510,13 @@ def compare(
     parallelism written by hand (no DTensor), module (or glob) -> ``"colwise"``,
     ``"rowwise"`` or the weight's sharded dim, so that its shards fold into whole tensors
     (``probe.analysis.layouts.normalize_partitions``).
+
+    The work splits into pieces of one step of one rank (one step of a folded run), see
+    ``probe.analysis.compare_pieces``: ``processes=N`` runs them in N spawned processes
+    (default: one per rank when ranks are compared one by one, else this process);
+    ``executor``, any :class:`concurrent.futures.Executor` (a Dask cluster's:
+    ``compare_pieces.cluster_executor``), runs them there, on workers that read the runs under
+    the same paths. The report is the same wherever the pieces ran.
     """
     if type(replay_limit) is not int or replay_limit < 0:
         raise ProbeError(f"replay_limit must be a non-negative int, got {replay_limit!r}")
@@ -1444,25 +1550,89 @@ def compare(
         if progress is not None:
             progress(done, total)
 
-    workers = min(len(plan), processes or len(plan))
-    if workers > 1:
-        # Spawned, not forked: a fork of a process whose OpenMP pool has run (any torch CPU
-        # kernel, the compiled metrics) deadlocks in the child's first parallel region.
-        spawn = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool:
-            futures = {pool.submit(_compare_rank, str(run_a.path), str(run_b.path), s, r, module_map,
-                                   replay_limit): r
-                       for r, s in plan.items()}
-            results = []
-            for future in as_completed(futures):
-                results += future.result()
-                advance(sum(n for (_, r), n in sizes.items() if r == futures[future]))
-    else:
-        results = [c for r, ss in plan.items()
-                   for c in _compare_steps(run_a, run_b, ss, r, module_map, advance, replay_limit)]
+    results = _compare_pieces(run_a, run_b, plan, module_map, replay_limit, partitions,
+                              _workers(plan, processes), executor, sizes, advance)
     return Report(run_a.path, run_b.path, sorted(results, key=lambda s: (s.step, s.rank)), missing,
                   identity(run_a, run_b, _readable_plan(plan, results)),
                   compare_notes(run_a, run_b) + layout_notes(run_a, run_b))
+
+
+def _workers(plan: dict[int, list[int]], processes: int | None) -> int:
+    """How many processes compare the pieces: ``processes``, else one per rank when ranks are
+    compared one by one (a folded run, one logical rank, stays in this process unless asked)."""
+    return processes or len(plan)
+
+
+def _compare_pieces(run_a: Run, run_b: Run, plan: dict[int, list[int]], module_map: dict[str, str] | None,
+                    replay_limit: int, partitions: dict[str, str | int] | None, workers: int,
+                    executor: Executor | None, sizes: dict[tuple[int, int], int],
+                    advance: Callable[[int], None]) -> list[StepComparison]:
+    """Compares the plan (rank -> steps) as pieces of one step of one rank
+    (``probe.analysis.compare_pieces``), matched wherever they run and judged here, per rank in
+    step order as the pieces complete: each step is handed what the one before found
+    (:class:`Carry`); a gap in the steps (a step one run lacks, or not asked for) or an
+    unreadable step breaks the chain, and what the runs carry across it is judged as at a
+    first step."""
+    specs = tuple((str(run.path), isinstance(run, LogicalRun)) for run in (run_a, run_b))
+    matched: dict[tuple[int, int], MatchedStep | str] = {}
+    judged: dict[tuple[int, int], StepComparison] = {}
+    next_of = dict.fromkeys(plan, 0)  # per rank, the position in its steps to judge next
+
+    def here(piece: tuple[int, int]) -> MatchedStep | str:
+        step, rank = piece
+        try:
+            return match_step(run_a, run_b, step, rank, module_map, advance)
+        except ProbeError as e:
+            return str(e)
+
+    def judge_ready(rank: int) -> None:
+        steps = plan[rank]
+        while next_of[rank] < len(steps) and (steps[next_of[rank]], rank) in matched:
+            i = next_of[rank]
+            step = steps[i]
+            before = judged.get((steps[i - 1], rank)) if i and steps[i - 1] == step - 1 else None
+            carry = before.carry if before is not None and before.unreadable is None else None
+            judged[step, rank] = _judged(run_a, run_b, matched.pop((step, rank)), step, rank,
+                                         replay_limit, carry)
+            next_of[rank] += 1
+
+    def done(piece: tuple[int, int], result: MatchedStep | str) -> None:
+        step, rank = piece
+        if isinstance(result, MatchedStep):
+            for side, run, folded in zip(result.sides, (run_a, run_b), result.folded, strict=True):
+                side.attach(run, step, rank)
+                if folded is not None:
+                    _adopt_folded(run, folded)
+        if workers > 1 or executor is not None:  # in this process, ``here`` advanced op by op
+            advance(sizes.get(piece, 0))
+        matched[piece] = result
+        judge_ready(rank)
+
+    pieces = [(step, rank) for rank, steps in plan.items() for step in steps]
+    run_pieces(pieces, here, _match_piece,
+               lambda piece: (specs[0], specs[1], partitions, piece[0], piece[1], module_map),
+               done, workers, executor)
+    return list(judged.values())
+
+
+def _judged(run_a: Run, run_b: Run, matched: MatchedStep | str, step: int, rank: int, replay_limit: int,
+            carry: Carry | None) -> StepComparison:
+    """A matched step judged, or one that could not be read (``matched`` is then the reason)."""
+    if isinstance(matched, str):
+        return _unreadable_step(run_a, run_b, step, rank, matched)
+    try:
+        return judge_step(run_a, matched, replay_limit, carry)
+    except ProbeError as e:  # a damaged step: its ops are not compared, the other steps are
+        return _unreadable_step(run_a, run_b, step, rank, str(e))
+
+
+def _adopt_folded(run: Run, folded: LogicalStep) -> None:
+    """Keeps a logical step folded in another process in this process's folded run, so that
+    what reads it here (the replica findings of :func:`layout_notes`) does not fold it again.
+    ``LogicalRun`` memoises its steps in ``_steps``; seeded from here rather than by a new
+    method there while ``layouts.py`` is being changed by another line of work."""
+    if isinstance(run, LogicalRun):
+        run._steps.setdefault(folded.step, folded)
 
 
 def _readable_plan(plan: dict[int, list[int]], results: list[StepComparison]) -> dict[int, list[int]]:
