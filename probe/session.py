@@ -551,8 +551,9 @@ class Session:
             writer.commit({**manifest, "modes": modes})
         except OSError as e:
             failure = run_writer.record_failure(step, tail, e, len(records), [name for name, _ in results])
-            # A mode may ask for write failures to stop training (dump's on_error="raise").
-            stopping = [name for name, result in results if getattr(result, "on_error", None) == "raise"]
+            # A mode may ask for write failures to stop training (base.StepResult).
+            stopping = [name for name, result in results
+                        if getattr(result, "stops_training_on_write_failure", False)]
             if stopping:
                 raise ProbeError(
                     f"cannot write step {step} ({failure['file']}: {failure['error']}); mode "

@@ -27,7 +27,10 @@ from probe.tracer.observer import OpObserver
 
 
 class StepResult(Protocol):
-    """What a mode collected in one step, written on the writer thread."""
+    """What a mode collected in one step, written on the writer thread.
+
+    A result may set ``stops_training_on_write_failure = True`` (the dump's ``on_error="raise"``):
+    then a step its files could not be written stops training at the next ``session.step()``."""
 
     def write(self, writer: StepWriter) -> dict[str, Any]:
         """Write the step's files; return a small summary for the step manifest."""

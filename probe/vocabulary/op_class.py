@@ -52,6 +52,7 @@ _UNINITIALIZED_BUFFERS = frozenset({"fsdp.all_gather_copy_in.default"})
 # (FSDP2's unsharded parameters, a storage resize_ after each reshard): until the op
 # writes them, views of those buffers hold whatever the allocator handed back.
 _REFILLS_BUFFERS = frozenset({"fsdp.split_with_sizes_copy.default"})
+_MEMORY_MANAGED_OUTSIDE_NAMESPACES = frozenset({"fsdp"})
 # Ops that return a conjugate or negative view: the same memory, key and version as their
 # input, holding other values (see ValueIndex.track_math_bits).
 _MATH_BIT_VIEWS = frozenset({"aten._conj.default", "aten._neg_view.default"})
@@ -92,6 +93,9 @@ class OpClass:
     """What the op writes are views of buffers reallocated before each of its calls, outside
     any op: a later view of such a buffer is uninitialized until the op fills it
     (``Tracer._is_refilled``)."""
+    memory_managed_outside: bool = False
+    """What the op writes lives in memory its caller frees and reallocates outside any op (FSDP2's
+    ops: unsharded parameters, collective buffers), where no dispatch mode sees it change."""
     counts_writes: bool = False
     """Autograd adds one to the version counter of each tensor the op writes once the op
     returns, after every dispatch mode's work on it (but those of :attr:`uncounted_writes`):
@@ -199,6 +203,7 @@ def classify(func: torch._ops.OpOverload) -> OpClass:
         region=_REGION_MARKERS.get(name, 0),
         math_bit_view=name in _MATH_BIT_VIEWS,
         refills_buffers=name in _REFILLS_BUFFERS,
+        memory_managed_outside=ns in _MEMORY_MANAGED_OUTSIDE_NAMESPACES,
         counts_writes=counts_writes,
         uncounted_writes=uncounted if counts_writes else (),
     )

@@ -62,6 +62,11 @@ def not_dumpable(t: torch.Tensor) -> str | None:
     reason = unkeyable(t)
     if reason is None and t.is_quantized:
         reason = "quantized"
+    if reason is None:
+        try:  # a wrapper subclass (the functional collectives' AsyncCollectiveTensor) has no bytes of its own
+            t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            reason = "no storage"
     return None if reason is None else f"not dumpable: {reason}"
 
 
@@ -274,6 +279,8 @@ class DumpStep:
     ) -> None:
         self.shards, self.entries, self.calls, self.checksums = shards, entries, calls, checksums
         self.on_error = on_error
+        self.stops_training_on_write_failure = on_error == "raise"
+        """Asked of every step result by the session (``probe.modes.base.StepResult``)."""
         self.host_buffer_peak = host_buffer_peak
 
     def write(self, writer: StepWriter) -> dict[str, Any]:

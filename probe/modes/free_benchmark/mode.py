@@ -178,8 +178,8 @@ class FreeBenchmarkMode(Mode):
             rerun, delta, inputs = self._rerun(call, snapshot)
             # improve_precision measures the op's own rounding against its higher-precision
             # result, and its inputs' rounding by a second run with every input one ULP up.
-            nudged, bits_delta = (self._rerun(call, snapshot, nudge=True)[:2] if name == "improve_precision"
-                                  else (None, 0.0))
+            higher = self.perturbation.in_higher_precision
+            nudged, bits_delta = self._rerun(call, snapshot, nudge=True)[:2] if higher else (None, 0.0)
         except torch.OutOfMemoryError:
             self._skip(call, "out of memory during the check")
             return
@@ -251,7 +251,7 @@ class FreeBenchmarkMode(Mode):
         moved one ULP up in its own dtype before it is computed in the higher precision.
         """
         pert = self.perturbation
-        target_device = torch.device("cpu") if pert.name == "to_cpu" else None
+        target_device = torch.device("cpu") if pert.on_cpu else None
         deltas: list[Any] = []
         inputs: list[torch.Tensor] = []
 
@@ -260,7 +260,7 @@ class FreeBenchmarkMode(Mode):
                 t = snapshot.get(id(value), value)
                 if t.is_floating_point():
                     inputs.append(t)
-                    compute = higher_precision(t.dtype) if pert.name == "improve_precision" else None
+                    compute = higher_precision(t.dtype) if pert.in_higher_precision else None
                     if nudge:
                         deltas.append(torch.finfo(t.dtype).eps)
                         t = one_ulp_up(t, compute)  # moved and upcast in one pass

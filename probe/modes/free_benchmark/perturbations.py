@@ -193,6 +193,17 @@ class Perturbation:
         if self.name not in PERTURBATIONS:
             raise ValueError(self.name)
 
+    @property
+    def on_cpu(self) -> bool:
+        """The re-run computes on the CPU (``to_cpu``), not where the op ran."""
+        return self.name == "to_cpu"
+
+    @property
+    def in_higher_precision(self) -> bool:
+        """The re-run computes in a higher precision (``improve_precision``); its check also
+        measures the inputs' rounding, by a second re-run with every input one ULP up."""
+        return self.name == "improve_precision"
+
     def perturb(self, t: torch.Tensor) -> tuple[torch.Tensor, float | torch.Tensor]:
         """A perturbed copy of a floating tensor and the relative change it made (at most).
 

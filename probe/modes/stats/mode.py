@@ -173,10 +173,9 @@ class StatsMode(Mode):
         reuse_base = (
             call.info.is_view and inputs and call.info.short not in _NOT_SAME_ELEMENTS
         )
-        if call.info.namespace == "fsdp":
-            # FSDP2 manages the memory of what its ops write (unsharded parameters, reallocated
-            # between uses; its collectives' buffers) outside any op, where before_write cannot
-            # see it: never queued.
+        if call.info.memory_managed_outside:
+            # FSDP2 reallocates what its ops write between uses, outside any op, where
+            # before_write cannot see it: never queued.
             self._rows.unstable(outputs)
         skipped = call.skipped
         if skipped and reuse_base and call.skip_reason("in", 0) is not None:
