@@ -86,9 +86,10 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     training = DemoTraining()
     # The monitor watches what it is told to: in the demo, every decoder layer and the weight gradients.
     layer = {"input": "tuple[1]:0", "output": "tensor", "input_grad": "tuple[1]:0", "output_grad": "tensor"}
-    monitor = {"targets": {"layers.?": layer}, "wg_distribution": True} if "monitor" in modes else {}
+    demo_monitor = probe.Monitor(targets={"layers.?": layer}, wg_distribution=True)
     session = probe.mode(
-        modes, out=out, overwrite=args.overwrite, stack=args.stack, model=training.model, **monitor
+        [demo_monitor if name == demo_monitor.mode else name for name in modes], out=out,
+        overwrite=args.overwrite, stack=args.stack, model=training.model,
     )
     console.print(f"training the built-in tiny LLaMA for {args.steps} steps under {modes} -> {out}")
     with progress_bar(console, "[progress.description]{task.description}") as progress:
