@@ -2,12 +2,13 @@
 
 Run from the repository root::
 
-    python -m benchmarks.compare_scale [--quick] [--ranks 64] [--processes 2] [--markdown]
+    python -m benchmarks.compare_scale [--quick] [--ranks 64] [--steps 3] [--processes 2] [--markdown]
 
 1. Records a real run: the small transformer of ``tests/distributed/tp_worker.py`` (two
    pre-norm blocks, attention and MLP) under tensor parallelism (DTensor, TP2: 2 ranks, gloo,
    CPU), 3 SGD steps, stats mode.
-2. Builds a simulated run of ``--ranks`` ranks from those records: ranks ``2k`` and ``2k+1``
+2. Builds a simulated run of ``--ranks`` ranks (and ``--steps`` steps: more than the real 3
+   repeat them) from those records: ranks ``2k`` and ``2k+1``
    are copies of the real ranks 0 and 1, each pair one tensor-parallel group (its meshes' and
    process groups' ranks, ``rank.json`` and the manifests rewritten to the new rank, ``run.json``
    the new world size): what a job of ``ranks / 2`` data-parallel replicas of TP2 records, each
@@ -62,9 +63,10 @@ def record(out: Path) -> float:
     return time.perf_counter() - start
 
 
-def simulate(real: Path, out: Path, world: int) -> None:
-    """A run of ``world`` ranks from the 2-rank run ``real``: rank ``r`` is a copy of real rank
-    ``r % 2`` in tensor-parallel group ``r // 2`` (see the module docstring)."""
+def simulate(real: Path, out: Path, world: int, steps: int) -> None:
+    """A run of ``world`` ranks and ``steps`` steps from the 2-rank, 3-step run ``real``: rank
+    ``r`` is a copy of real rank ``r % 2`` in tensor-parallel group ``r // 2``, step ``s`` a copy
+    of real step ``s % 3`` (see the module docstring)."""
     real_world = 2
     if world % real_world:
         raise SystemExit(f"--ranks must be a multiple of {real_world}, got {world}")
@@ -78,15 +80,18 @@ def simulate(real: Path, out: Path, world: int) -> None:
             return '"ranks":[' + ",".join(str(base + int(r)) for r in match.group(1).split(",")) + "]"
 
         target = out / f"rank{rank}"
-        shutil.copytree(source, target)
+        target.mkdir()
         info = json.loads((source / "rank.json").read_text())
         info.update(rank=rank, local_rank=rank % 8, world_size=world)
         (target / "rank.json").write_text(json.dumps(info, indent=1))
-        for step in sorted(target.glob("step*")):
-            ops = step / "ops.jsonl"
+        real_steps = sorted(int(d.name[len("step"):]) for d in source.glob("step*"))
+        for step in range(steps):
+            step_dir = target / f"step{step}"
+            shutil.copytree(source / f"step{real_steps[step % len(real_steps)]}", step_dir)
+            ops = step_dir / "ops.jsonl"
             ops.write_text(_RANKS_FIELD.sub(moved, ops.read_text()))
-            step_manifest = json.loads((step / "manifest.json").read_text())
-            (step / "manifest.json").write_text(json.dumps({**step_manifest, "rank": rank}))
+            step_manifest = json.loads((step_dir / "manifest.json").read_text())
+            (step_dir / "manifest.json").write_text(json.dumps({**step_manifest, "rank": rank, "step": step}))
 
 
 def stages(path_a: Path, path_b: Path) -> tuple[list[tuple[str, float]], int, int]:
@@ -109,7 +114,7 @@ def stages(path_a: Path, path_b: Path) -> tuple[list[tuple[str, float]], int, in
     start = time.perf_counter()
     for step in steps:
         run_a.logical_step(step), run_b.logical_step(step)
-    timed.append((f"fold: read and fold every rank, {len(steps)} steps x 2 runs",
+    timed.append((f"fold: read and fold every rank's records, {len(steps)} steps x 2 runs",
                   time.perf_counter() - start))
     start = time.perf_counter()
     matched = [match_step(run_a, run_b, step, run_a.lead) for step in steps]
@@ -150,15 +155,18 @@ def _everything(report) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.compare_scale")
-    parser.add_argument("--quick", action="store_true", help="8 simulated ranks: a smoke run (< 60 s)")
+    parser.add_argument("--quick", action="store_true",
+                        help="4 simulated ranks: a smoke run (under a minute on a 2-core VM)")
     parser.add_argument("--ranks", type=int, default=None,
-                        help="simulated ranks (default 64; 8 with --quick)")
+                        help="simulated ranks (default 64; 4 with --quick)")
+    parser.add_argument("--steps", type=int, default=3,
+                        help="simulated steps (default 3, the real run's; more repeat its steps)")
     parser.add_argument("--processes", type=int, default=2, help="spawned processes against one (2)")
     parser.add_argument("--dir", default=None, help="where to write the runs (default: a temp dir)")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
-    world = args.ranks or (8 if args.quick else 64)
+    world = args.ranks or (4 if args.quick else 64)
     console = Console()
     console.print(f"[bold]compare scale[/bold]  {machine_line()}")
     scratch = Path(tempfile.mkdtemp(prefix="probe-compare-scale-", dir=args.dir))
@@ -167,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             record_s = record(scratch / "tp2")
         start = time.perf_counter()
         for name in ("a", "b"):
-            simulate(scratch / "tp2", scratch / name, world)
+            simulate(scratch / "tp2", scratch / name, world, args.steps)
         simulate_s = time.perf_counter() - start
         size = sum(f.stat().st_size for f in (scratch / "a").rglob("*") if f.is_file())
         with console.status("timing each stage"):
@@ -194,9 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     steps = len({s.step for s in serial.steps})
     rows = [
         ("real run recorded (TP2 transformer, 2 ranks, 3 steps; wall)", f"{record_s:.1f} s"),
-        (f"simulated runs built ({world} ranks each, 2 copies)",
+        (f"simulated runs built ({world} ranks x {args.steps} steps each, 2 copies)",
          f"{simulate_s:.1f} s, {size / 1e6:.0f} MB each"),
-        ("rank-steps read (both runs)", str(rank_steps)),
+        ("rank-steps read (ranks x steps, both runs)", str(rank_steps)),
         ("logical ops compared", str(ops)),
         ("probe.compare, 1 process", f"{serial_s:.1f} s"),
         (f"probe.compare, {args.processes} processes (pieces: {steps} steps)", f"{parallel_s:.1f} s"),

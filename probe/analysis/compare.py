@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from probe.analysis import precision
 from probe.analysis.compare_pieces import run_pieces
 from probe.analysis.compiled_regions import compare_notes, opened_regions, replayed_ops
@@ -1518,9 +1519,11 @@ def _compare_pieces(run_a: Run, run_b: Run, plan: dict[int, list[int]], module_m
     matched: dict[tuple[int, int], MatchedStep | str] = {}
     judged: dict[tuple[int, int], StepComparison] = {}
     next_of = dict.fromkeys(plan, 0)  # per rank, the position in its steps to judge next
+    ran_here: set[tuple[int, int]] = set()  # pieces that advanced the progress op by op
 
     def here(piece: tuple[int, int]) -> MatchedStep | str:
         step, rank = piece
+        ran_here.add(piece)
         try:
             return match_step(run_a, run_b, step, rank, module_map, advance)
         except ProbeError as e:
@@ -1544,7 +1547,7 @@ def _compare_pieces(run_a: Run, run_b: Run, plan: dict[int, list[int]], module_m
                 side.attach(run, step, rank)
                 if folded is not None:
                     _adopt_folded(run, folded)
-        if workers > 1 or executor is not None:  # in this process, ``here`` advanced op by op
+        if piece not in ran_here:
             advance(sizes.get(piece, 0))
         matched[piece] = result
         judge_ready(rank)

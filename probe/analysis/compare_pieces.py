@@ -51,12 +51,13 @@ def run_pieces(pieces: Sequence[P], here: Callable[[P], R], remote: Callable[...
     """Runs every piece and calls ``done(piece, result)`` in this process as each completes.
 
     With ``executor`` (any :class:`concurrent.futures.Executor`, e.g. a Dask cluster's), each
-    piece runs there as ``remote(*remote_args(piece))``; else with ``workers > 1``, in that many
-    spawned processes; else in this process as ``here(piece)`` (which may use what this process
-    has already opened). ``remote`` must be a module-level function and its arguments plain
-    data (paths, ints): they are pickled to wherever the piece runs.
+    piece runs there as ``remote(*remote_args(piece))``; else with ``workers > 1`` (and more than
+    one piece), in that many spawned processes, at most one per piece; else in this process as
+    ``here(piece)`` (which may use what this process has already opened). ``remote`` must be
+    a module-level function and its arguments plain data (paths, ints): they are pickled to
+    wherever the piece runs.
     """
-    if executor is None and workers <= 1:
+    if executor is None and min(workers, len(pieces)) <= 1:  # a process to spawn would only wait
         for piece in pieces:
             done(piece, here(piece))
         return
