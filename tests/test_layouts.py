@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import probe
+from probe.analysis.folded_dumps import FoldedPiece, LogicalDump, fold_parts
 from probe.analysis.layouts import (
     LogicalRun,
     MissingPartitions,
@@ -31,7 +32,7 @@ from probe.analysis.local_placements import local_placement
 from probe.analysis.matching import match_ops
 from probe.cli import main
 from probe.errors import ProbeError
-from probe.rundir.records import OpRecord, TensorRecord
+from probe.rundir.records import DumpedTensor, OpRecord, TensorRecord
 
 WORKER = Path(__file__).parent / "distributed" / "tp_worker.py"
 JOB_TIMEOUT_S = 300
@@ -126,12 +127,27 @@ def test_folded_statistics_equal_the_single_process_ones(runs):
     assert LogicalRun(tp).findings() == []  # every replica agrees
 
 
+ROW_PARALLEL_SUMS = {"forward:0.down[0]:aten.addmm.default:0", "forward:1.down[0]:aten.addmm.default:0",
+                     "backward:1.up[0]:aten.mm.default:0"}
+"""The MLP's sums TP2 splits over its ranks (a partial sum each, all-reduced): RowwiseParallel's
+products, and the input gradient of 1.up (ColwiseParallel: its hidden features)."""
+
+
 def test_single_process_and_tp2_compare_as_logical_ops(runs, capsys):
     report = probe.compare(runs["single"], runs["tp2"])
     assert report.first_divergence is None
     assert report.counts["error"] == 0 and report.counts["pass"] > 150
     assert report.conclusion.startswith("no divergence")
+    # Sums whose order TP changed are judged, by the statistics' propagation bound with each
+    # run's own number of terms (no dumps here), not passed silently.
+    reordered = [c for c in report.comparisons if c.rule == "reduction order"]
+    assert {c.a.id for c in reordered} == ROW_PARALLEL_SUMS and len(reordered) == 3 * len(ROW_PARALLEL_SUMS)
+    assert all(c.verdict == "pass" and c.message.startswith(
+        "consistent with a different reduction order (statistics): run A sums 32 terms in one, run B in 2 "
+        "partial sums of 16") for c in reordered)
+    assert "sum(s) in a different reduction order" in report.conclusion
     assert main(["compare", str(runs["single"]), str(runs["tp2"]), "--fail-on-divergence"]) == 0
+    assert "9 sum(s) in a different reduction order" in capsys.readouterr().out
 
 
 def test_a_halved_shard_is_the_first_divergence_at_its_module(runs, capsys):
@@ -164,6 +180,130 @@ def test_shard_statistics_combine_exactly():
         assert combined["norm"] == pytest.approx(expected["norm"], rel=1e-12)
         assert combined["nan"] == 1
     assert combine_stats([(None, (3,)), ({"min": 0.0}, (3,))]) is None
+
+
+@pytest.fixture(scope="module")
+def dumped(tmp_path_factory) -> dict[str, Path]:
+    """The MLP recorded with the dump mode beside the statistics: in one process, TP2, and TP2
+    with rank 1's shard of 1.down halved."""
+    root = tmp_path_factory.mktemp("dumped")
+    paths = {name: root / name for name in ("single", "tp2", "halved")}
+    _job(paths["single"], "--plan", "single", "--dump")
+    _job(paths["tp2"], "--plan", "tp", "--dump", nproc=2)
+    _job(paths["halved"], "--plan", "tp", "--dump", "--halve", f"1:{HALVED}", nproc=2)
+    return paths
+
+
+def _folded_tensors_like(single: probe.Run, logical: LogicalRun) -> tuple[float, int]:
+    """Every dumped tensor of the folded run's ops against the single process's of the same op:
+    the largest difference (relative to the single process's largest magnitude), and how many."""
+    worst, compared = 0.0, 0
+    for step in single.steps:
+        reference = {op.id: op for op in single.ops(step, 0)}
+        entries = logical.dump(step).entries
+        for op in logical.ops(step):
+            if op.id not in reference:
+                continue
+            for io, records in (("input", op.inputs), ("output", op.outputs)):
+                for position in range(len(records)):
+                    entry = entries.get((op.index, io, position))
+                    assert entry is not None and entry.status is None, (op.id, io, position, entry)
+                    whole = logical.tensor(op.id, io, position, step)
+                    expected = single.tensor(op.id, io, position, step, 0)
+                    assert (whole.shape, whole.dtype) == (expected.shape, expected.dtype), op.id
+                    scale = float(expected.double().abs().max()) or 1.0
+                    worst = max(worst, float((whole.double() - expected.double()).abs().max()) / scale)
+                    compared += 1
+    return worst, compared
+
+
+def test_dumped_tensors_fold_into_the_whole_tensors_of_the_single_process(dumped):
+    single, tp = probe.load(dumped["single"]), probe.load(dumped["tp2"])
+    logical = LogicalRun(tp)
+    worst, compared = _folded_tensors_like(single, logical)
+    assert worst <= 1e-6 and compared > 400, (worst, compared)  # fp32 rounding of other sum orders
+    # A column-parallel product is each rank's half of the features, concatenated; the
+    # row-parallel one the all-reduce's result (the value the program went on with).
+    up = "forward:0.up[0]:aten.addmm.default:0"
+    assert tp.tensor(up, "output", 0, 0, 1).shape == (8, 16) and logical.tensor(up).shape == (8, 32)
+    assert torch.equal(logical.tensor(up)[:, 16:], tp.tensor(up, "output", 0, 0, 1))
+    down = "forward:0.down[0]:aten.addmm.default:0"
+    all_reduce = next(op for op in tp.ops(0, 0) if op.name == "_c10d_functional.all_reduce.default")
+    assert torch.equal(logical.tensor(down), tp.tensor(all_reduce.id, "output", 0, 0, 0))
+    assert logical.findings() == []  # every replica holds the same bytes
+
+
+def test_folded_dumps_compare_on_data_and_judge_a_split_sum_by_an_fp64_replay(dumped, capsys):
+    report = probe.compare(dumped["single"], dumped["tp2"])
+    assert report.first_divergence is None and report.conclusion.startswith("no divergence")
+    assert report.counts["error"] == report.counts["not compared"] == 0
+    matched = [c for c in report.comparisons if c.a is not None and c.b is not None]
+    assert matched and all({t.kind for t in c.outputs} <= {"data"} for c in matched)
+    assert any(c.rule == "replay" for c in matched)  # the fp64 replay ran on folded inputs
+    reordered = [c for c in matched if c.rule == "reduction order"]
+    assert {c.a.id for c in reordered} == ROW_PARALLEL_SUMS and len(reordered) == 9
+    assert all(c.message.startswith("consistent with a different reduction order (fp64 replay on each run's "
+                                    "inputs): run A sums 32 terms in one, run B in 2 partial sums of 16")
+               for c in reordered)
+    assert main(["compare", str(dumped["single"]), str(dumped["tp2"]), "--fail-on-divergence"]) == 0
+    for reference in ("single", "tp2"):
+        report = probe.compare(dumped[reference], dumped["halved"])
+        assert report.divergence is not None, reference
+        assert (report.divergence.op.id, report.divergence.rule, report.divergence.step) == \
+            (f"forward:{HALVED}[0]:aten.t.default:0", "outside input", 0), reference
+
+
+def test_shards_partial_values_and_strided_shards_fold_by_placement():
+    torch.manual_seed(0)
+    whole = torch.randn(8, 6)
+    # FSDP2 x TP2's column-parallel weight on a (dp, tp) mesh: (_S(0,2), S(0)); rank (i, j)
+    # holds rows block j (of 2), then its i-th half of it.
+    coords = [(0, 0), (0, 1), (1, 0), (1, 1)]
+    parts = {rank: whole.chunk(2, 0)[j].chunk(2, 0)[i] for rank, (i, j) in enumerate(coords)}
+    piece = FoldedPiece("output", 0, tuple((r, 0) for r in range(4)), ("_S(0,2)", "S(0)"), (8, 6), "float32")
+    assert torch.equal(fold_parts(piece, (2, 2), parts), whole)
+    # Shards of dim 1 on the second dim, replicas on the first (only the lowest coordinate's
+    # parts are read); partial values summed in fp64, rounded once.
+    replicated = FoldedPiece("output", 0, piece.sources, ("R", "S(1)"), (8, 6), "float32")
+    assert torch.equal(fold_parts(replicated, (2, 2), {0: whole[:, :3], 1: whole[:, 3:]}), whole)
+    halves = {0: whole / 3, 1: whole * 2 / 3}
+    partial = FoldedPiece("output", 0, ((0, 0), (1, 0)), ("P(sum)",), (48,), "float32")
+    summed = (halves[0].double() + halves[1].double()).float().reshape(48)
+    assert torch.equal(fold_parts(partial, (2,), halves), summed)
+    assert "summed in fp64" in partial.describe()
+
+
+class _RankDump:
+    """One rank's dump of one op's output, as ``run.dump`` hands it."""
+
+    complete = True
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+        entry = DumpedTensor(0, "output", 0, "float32", tuple(t.shape), t.stride(), 0, 0, None, None)
+        self.entries = {(0, "output", 0): entry}
+
+    def tensor(self, op: int, io: str, position: int) -> torch.Tensor:
+        return self.t
+
+
+class _Dumps:
+    def __init__(self, by_rank: dict[int, torch.Tensor]) -> None:
+        self.by_rank = by_rank
+
+    def dump(self, step: int, rank: int) -> _RankDump:
+        return _RankDump(self.by_rank[rank])
+
+
+def test_a_replica_whose_bytes_differ_is_found_even_with_equal_statistics():
+    value = torch.arange(6, dtype=torch.float32)
+    piece = FoldedPiece("output", 0, ((0, 0), (1, 0)), ("R",), (6,), "float32")
+    pieces = {(0, "output", 0): piece}
+    agreeing = LogicalDump(_Dumps({0: value, 1: value.clone()}), 0, (2,), pieces, {0: 0}, 0)
+    assert agreeing.disagreeing_replicas() == []
+    swapped = value[[1, 0, 2, 3, 4, 5]]  # the same values, so the same statistics, elsewhere
+    found = LogicalDump(_Dumps({0: value, 1: swapped}), 0, (2,), pieces, {0: 0}, 0).disagreeing_replicas()
+    assert found == [((0, "output", 0), 1, 0, 2)]
 
 
 class _Runs:
@@ -241,6 +381,19 @@ def _assert_every_plan_agrees(runs: dict, names: list[str], min_compared: int) -
             report = probe.compare(runs[a], runs[b], processes=1)
             assert report.first_divergence is None, (a, b, report.conclusion)
             assert report.counts["error"] == 0 and report.conclusion.startswith("no divergence"), (a, b)
+
+
+@pytest.mark.slow  # one more torchrun job
+def test_fsdp2_dumps_fold_and_its_split_weight_gradients_are_another_reduction_order(dumped, tmp_path):
+    _job(tmp_path / "fsdp2", "--plan", "fsdp", "--dump", nproc=2)
+    single, fsdp2 = probe.load(dumped["single"]), probe.load(tmp_path / "fsdp2")
+    worst, compared = _folded_tensors_like(single, LogicalRun(fsdp2))
+    assert worst <= 1e-6 and compared > 400, (worst, compared)
+    report = probe.compare(dumped["single"], tmp_path / "fsdp2")
+    assert report.first_divergence is None and report.counts["not compared"] == 0, report.conclusion
+    # Each rank sums its slice of the batch: the weights' and biases' gradients, and the loss.
+    reordered = {c.a.id for c in report.comparisons if c.rule == "reduction order"}
+    assert {"backward:1.down[0]:aten.mm.default:1", "forward::aten.mse_loss.default:0"} <= reordered
 
 
 @pytest.mark.slow

@@ -40,7 +40,7 @@ import torch
 from probe.analysis import precision
 from probe.analysis.compare_pieces import run_pieces
 from probe.analysis.compiled_regions import compare_notes, opened_regions, replayed_ops
-from probe.analysis.layouts import LogicalRun, LogicalStep, layout_notes, logical_pair
+from probe.analysis.layouts import LogicalRun, LogicalStep, layout_notes, logical_pair, partial_sums
 from probe.analysis.matching import Match, match_ops
 from probe.analysis.metrics import stats_metrics, tensor_metrics
 from probe.analysis.replay import recompute
@@ -57,6 +57,7 @@ from probe.analysis.verdicts import (
     RULE_NOT_COMPARED,
     RULE_OUTSIDE,
     RULE_PROPAGATION,
+    RULE_REDUCTION_ORDER,
     RULE_REPLAY,
     RULE_SHAPE,
     RULE_STATS,
@@ -447,13 +448,16 @@ def _replayable(side: _Side, op: OpRecord) -> bool:
     return True
 
 
-def _judge_by_replay(side_a: _Side, side_b: _Side, c: OpComparison) -> tuple[bool, str] | None:
+def _judge_by_replay(side_a: _Side, side_b: _Side, c: OpComparison,
+                     terms: tuple[int, int] | None = None) -> tuple[bool, str] | None:
     """(enters, message) from an fp64 replay of the op on each run's own dumped inputs.
 
     A run's result far from the exact result on its own inputs (beyond the rounding
     bound of its dtype) was computed badly: the divergence enters here. Otherwise the
     difference is the inputs' difference carried through the op plus rounding.
-    None when the op cannot be replayed (not fully dumped, random, unknown).
+    None when the op cannot be replayed (not fully dumped, random, unknown). ``terms``:
+    the terms each run's rounding is bounded by, when its order of summation is not the
+    op's own (:func:`_judge_reduction_order`); else the recorded shapes say.
     """
     assert c.a is not None and c.b is not None
     if not (_replayable(side_a, c.a) and _replayable(side_b, c.b)):
@@ -469,7 +473,8 @@ def _judge_by_replay(side_a: _Side, side_b: _Side, c: OpComparison) -> tuple[boo
         p = t.position
         if p >= len(exact_a) or p >= len(exact_b) or not c.a.outputs[p].dtype.startswith(("float", "bfloat")):
             continue
-        for name, side, op, exact in (("A", side_a, c.a, exact_a[p]), ("B", side_b, c.b, exact_b[p])):
+        for k, (name, side, op, exact) in enumerate((("A", side_a, c.a, exact_a[p]),
+                                                     ("B", side_b, c.b, exact_b[p]))):
             result, _ = side.data(op, "output", p)
             if result is None or tuple(result.shape) != tuple(exact.shape):
                 return None
@@ -481,7 +486,8 @@ def _judge_by_replay(side_a: _Side, side_b: _Side, c: OpComparison) -> tuple[boo
             operands = precision.input_precision(op)
             if operands is not None:
                 computed = precision.lower_of(computed, operands)
-            bound = precision.rounding(computed, _reduction(op, p)) * max(precision.condition(op), 1.0)
+            reduction = terms[k] if terms is not None else _reduction(op, p)
+            bound = precision.rounding(computed, reduction) * max(precision.condition(op), 1.0)
             if error > bound:
                 return True, (f"output {p}: run {name}'s result is {error:.3g} (relative) from the "
                               f"exact result on its own inputs (fp64 replay), beyond the rounding bound "
@@ -660,11 +666,13 @@ def _uninitialized(a: TensorRecord, b: TensorRecord, by_index: dict[int, OpCompa
 
 def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
                           by_index: dict[int, OpComparison],
-                          carried: dict[int, float] | None = None) -> tuple[bool, str] | None:
+                          carried: dict[int, float] | None = None,
+                          terms: tuple[int, int] | None = None) -> tuple[bool, str] | None:
     """(enters, message) from the inputs' difference: beyond ``CONDITION`` x it plus each run's
     rounding, the difference enters here. None when an input computed in the step is unknown.
     ``carried``: the differences of inputs from outside the step that earlier steps explain
-    (input position -> relative difference)."""
+    (input position -> relative difference). ``terms``: each run's terms for its rounding, as
+    :func:`_judge_by_replay` takes them."""
     assert c.a is not None and c.b is not None
     in_error = 0.0
     overwritten = _overwritten(c.a)
@@ -711,8 +719,9 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
     # An op's own rounding is relative to its terms; where they cancel, relative to its result
     # it grows as its inputs' differences do (a gradient that is zero in exact arithmetic, such
     # as a key bias's, is rounding alone).
-    rounding = max(cancellation, 1.0) * (precision.rounding(out_dtypes[0], _reduction(c.a), floor=False)
-                                         + precision.rounding(out_dtypes[1], _reduction(c.b), floor=False))
+    reductions = terms if terms is not None else (_reduction(c.a), _reduction(c.b))
+    rounding = max(cancellation, 1.0) * (precision.rounding(out_dtypes[0], reductions[0], floor=False)
+                                         + precision.rounding(out_dtypes[1], reductions[1], floor=False))
     factor = max(precision.CONDITION, cancellation)
     bound = factor * in_error + rounding
     c.input_error = in_error
@@ -1121,6 +1130,8 @@ def _judge_op(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int,
     carried: dict[int, float] = {}
     outside = [] if tainted else _external_inputs_differ(side_a, side_b, c, carry, carried)
     if c.verdict == PASS and not (outside and carry.identical):
+        if not tainted and not outside:  # a pass, and where the layouts summed in other orders, why
+            _judge_reduction_order(side_a, side_b, c, by_index, replay_limit, carried)
         return
     magnitude = c.verdict
     if c.rule in (RULE_SHAPE, RULE_NONFINITE):
@@ -1134,6 +1145,8 @@ def _judge_op(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int,
     if otherwise is not None:
         c.verdict, c.rule, c.enters = ERROR, RULE_ARGUMENTS, True
         c.message = f"{otherwise}; {c.message}" if c.message else otherwise
+        return
+    if not tainted and _judge_reduction_order(side_a, side_b, c, by_index, replay_limit, carried):
         return
     # Downstream of a divergence a replay would only say where it grows: the cheap bound does.
     skipped = None if tainted else _replay_skipped(c, replay_limit)
@@ -1157,6 +1170,56 @@ def _judge_op(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int,
     for t in c.outputs:  # consumers read their inputs' verdicts from here
         if t.verdict in (ERROR, WARNING):
             t.verdict, t.rule = c.verdict, c.rule
+
+
+def _summation_terms(op: OpRecord, position: int) -> int:
+    """Terms each element of output ``position`` sums: a contraction's, a sum's (or mean's, a
+    loss's) input elements per output element."""
+    ratio = op.inputs[0].numel // max(op.outputs[position].numel, 1) if op.inputs else 1
+    return max(_reduction(op, position), precision.summed_terms(op), ratio, 1)
+
+
+def _judge_reduction_order(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int, OpComparison],
+                           replay_limit: int, carried: dict[int, float]) -> bool:
+    """Judges an op whose sum the two layouts computed in other orders (a folded run's partial
+    sums, ``probe.analysis.layouts.partial_sums``: TP's row-parallel product reduced by an
+    all-reduce, where a single process ran one matmul): with both runs' dumps, by an fp64 replay
+    on each run's (folded) inputs, each run's result held to the rounding bound of its own order
+    (K terms in one sum; K / P in each of P partial sums, then P more); without them, by the
+    propagation bound with those terms. When consistent, records it (rule "reduction order": a
+    pass stays a pass, a difference beyond the thresholds is a warning) and returns True; else
+    leaves the op to the other rules. Runs of one layout never get here."""
+    assert c.a is not None and c.b is not None
+    positions = range(min(len(c.a.outputs), len(c.b.outputs)))
+    sums = (partial_sums(side_a.run, c.step), partial_sums(side_b.run, c.step))
+    parts = [(sums[0].get((c.a.index, p), 1), sums[1].get((c.b.index, p), 1)) for p in positions]
+    changed = [p for p, (pa, pb) in zip(positions, parts, strict=True) if pa != pb]
+    if not changed:
+        return False
+    p = changed[0]
+    total = max(_summation_terms(c.a, p), _summation_terms(c.b, p))
+    split = [parts[p][k] for k in (0, 1)]
+    terms = tuple(-(-total // n) + n - 1 for n in split)
+    skipped = _replay_skipped(c, replay_limit)
+    judged = None if skipped else _judge_by_replay(side_a, side_b, c, terms)  # type: ignore[arg-type]
+    how = "fp64 replay on each run's inputs" if judged is not None else "statistics"
+    if judged is None:
+        judged = _judge_by_propagation(side_a, side_b, c, by_index, carried, terms)  # type: ignore[arg-type]
+    if judged is None or judged[0]:
+        return False
+    orders = ", ".join(f"run {name} sums {total} terms in one" if n == 1 else
+                       f"run {name} in {n} partial sums of {-(-total // n)}, then across ranks "
+                       f"(rounding of {k} terms)"
+                       for name, n, k in zip("AB", split, terms, strict=True))
+    note = f"consistent with a different reduction order ({how}): {orders}; {judged[1]}"
+    c.rule = RULE_REDUCTION_ORDER
+    if c.verdict != PASS:
+        c.verdict = WARNING
+        for t in c.outputs:
+            if t.verdict in (ERROR, WARNING):
+                t.verdict, t.rule = WARNING, RULE_REDUCTION_ORDER
+    c.message = f"{note}; {c.message}" if c.message else note
+    return True
 
 
 def _divergence(run_a: Run, step: int, rank: int, comparisons: list[OpComparison]) -> Divergence | None:
@@ -1355,7 +1418,17 @@ class Report:
             text = f"no divergence: differences consistent with {' / '.join(policies) or 'rounding'}"
         if uncompared:
             text += f" among the ops compared ({uncompared} not compared)"
+        reordered = self.reduction_orders
+        if reordered:
+            text += (f"; {len(reordered)} sum(s) in a different reduction order across the layouts, each "
+                     f"consistent with its own (rule: {RULE_REDUCTION_ORDER})")
         return text
+
+    @property
+    def reduction_orders(self) -> list[OpComparison]:
+        """The ops judged "consistent with a different reduction order" (folded runs whose
+        layouts split a sum otherwise: ``_judge_reduction_order``)."""
+        return [c for c in self.comparisons if c.rule == RULE_REDUCTION_ORDER]
 
     def by_rank(self) -> list[dict[str, Any]]:
         """Across ranks: per rank, the steps compared, verdict counts and its first divergence."""
@@ -1519,11 +1592,9 @@ def _compare_pieces(run_a: Run, run_b: Run, plan: dict[int, list[int]], module_m
     matched: dict[tuple[int, int], MatchedStep | str] = {}
     judged: dict[tuple[int, int], StepComparison] = {}
     next_of = dict.fromkeys(plan, 0)  # per rank, the position in its steps to judge next
-    ran_here: set[tuple[int, int]] = set()  # pieces that advanced the progress op by op
 
     def here(piece: tuple[int, int]) -> MatchedStep | str:
         step, rank = piece
-        ran_here.add(piece)
         try:
             return match_step(run_a, run_b, step, rank, module_map, advance)
         except ProbeError as e:
@@ -1547,7 +1618,7 @@ def _compare_pieces(run_a: Run, run_b: Run, plan: dict[int, list[int]], module_m
                 side.attach(run, step, rank)
                 if folded is not None:
                     _adopt_folded(run, folded)
-        if piece not in ran_here:
+        if workers > 1 or executor is not None:  # in this process, ``here`` advanced op by op
             advance(sizes.get(piece, 0))
         matched[piece] = result
         judge_ready(rank)

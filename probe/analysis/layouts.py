@@ -60,10 +60,13 @@ import fnmatch
 import math
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from probe.analysis.folded_dumps import FoldedPiece, LogicalDump
 from probe.analysis.local_placements import base_name, local_placement, shard_dim
 from probe.errors import ProbeError
 from probe.rundir.run import OpRecord, Run, TensorRecord
@@ -154,6 +157,17 @@ class LogicalStep:
     layout_changes: int = 0
     """Local ops dropped as layout changes (redistributions, collectives)."""
     findings: list[ReplicaFinding] = field(default_factory=list)
+    mesh_shape: tuple[int, ...] = (1,)
+    pieces: dict[tuple[int, str, int], FoldedPiece | str] = field(default_factory=dict)
+    """(logical op index, io, position) -> how its data folds from the ranks' dumps, or why it
+    does not (:mod:`probe.analysis.folded_dumps`)."""
+    origins: dict[int, int] = field(default_factory=dict)
+    """Logical op index -> the lead rank's op index it was folded from."""
+    partial_sums: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(logical op index, output position) -> how many partial sums the ranks computed it in:
+    a sum or contraction whose terms the ranks split (TP's row-parallel product, a
+    data-parallel rank's weight gradient), reduced by a collective or folded in fp64. Its
+    order of summation is not a single process's."""
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -264,6 +278,7 @@ class _Folder:
         self.ops = {rank: run.ops(step, rank) for rank in ranks}
         self.by_id = {rank: {op.id: op for op in ops} for rank, ops in self.ops.items()}
         self.findings: list[ReplicaFinding] = []
+        self._pieces: dict[int, tuple[TensorRecord, FoldedPiece | str | None]] = {}
         self.mesh, self.dp = _world(self.ops, ranks, bool(self.partitions) and any(
             partition_of(self.partitions, op.module) is not None for op in self.ops[self.lead]))
         self.coords = _coordinates(self.mesh)
@@ -337,13 +352,13 @@ class _Folder:
         lead = records[self.lead]
         blank = TensorRecord(lead.dtype, lead.shape, None, mutated=lead.mutated)
         if any(rank not in records for rank in self.mesh[1]):
-            return blank  # a rank not recorded
+            return self._with_piece(blank, "a rank did not record it")
         sharded = {k: d % max(len(lead.shape), 1) for k, p in enumerate(placements)
                    if (d := shard_dim(p)) is not None}
         partial = [k for k, p in enumerate(placements) if p.startswith("P")]
         replicated = [k for k, p in enumerate(placements) if p == "R"]
         if len(sharded) + len(partial) + len(replicated) != len(placements):
-            return blank  # a placement not known: nothing is claimed
+            return self._with_piece(blank, "its placement over the ranks is not known")  # nothing is claimed
         contributing = [r for r in self.mesh[1] if all(self.coords[r][k] == 0 for k in replicated)]
         for rank in self.mesh[1]:  # replicas: each rank against the contributing rank of its coordinates
             if rank in contributing:
@@ -370,7 +385,35 @@ class _Folder:
         degree = math.prod(self.mesh[0][d] for d in self.dp if placements[d] != "R")
         if scaled and stats is not None and degree > 1:
             stats = _scaled(stats, 1 / degree)
-        return TensorRecord(lead.dtype, tuple(shape), stats, mutated=lead.mutated)
+        out = TensorRecord(lead.dtype, tuple(shape), stats, mutated=lead.mutated)
+        if any(placements[k] == "P(other)" for k in partial):
+            return self._with_piece(out, "a partial value of a reduction other than a sum")
+        return self._with_piece(out, self._piece(op, io, position, placements, tuple(shape),
+                                                 1 / degree if scaled and degree > 1 else 1.0))
+
+    def _piece(self, op: OpRecord, io: str, position: int, placements: World, shape: tuple[int, ...],
+               factor: float = 1.0) -> FoldedPiece:
+        """How ``op``'s tensor folds from the ranks' dumps of it, by ``placements``."""
+        sources = tuple((rank, self.by_id[rank][op.id].index) for rank in self.mesh[1])
+        dtype = (op.outputs if io == "output" else op.inputs)[position].dtype
+        return FoldedPiece(io, position, sources, tuple(placements), shape, dtype, factor)
+
+    def _with_piece(self, record: TensorRecord, piece: FoldedPiece | str | None) -> TensorRecord:
+        """``record``, with how its data folds from the ranks' dumps (a reason when it does not;
+        None: not known)."""
+        self._pieces[id(record)] = (record, piece)  # the record is kept: its id is not reused
+        return record
+
+    def _piece_of(self, record: TensorRecord) -> FoldedPiece | str | None:
+        found = self._pieces.get(id(record))
+        return found[1] if found is not None and found[0] is record else None
+
+    def _same_data(self, record: TensorRecord, source: TensorRecord) -> TensorRecord:
+        """``record`` holds the data of ``source`` (in its own shape: the same elements)."""
+        piece = self._piece_of(source)
+        if isinstance(piece, FoldedPiece):
+            piece = replace(piece, shape=tuple(record.shape))
+        return self._with_piece(record, piece)
 
     def _fingerprint(self, records: dict[int, TensorRecord]) -> tuple | None:
         """Shape and statistics of a tensor on every rank (None where a rank lacks them)."""
@@ -452,6 +495,8 @@ class _Folder:
         external: dict[int, OpRecord] = {}  # dropped op -> itself, when it moved a value from outside
         layout_changes: dict[tuple[int, int], TensorRecord] = {}  # outputs of FSDP2's buffer ops, folded
         reduced_in_place: dict[tuple[int, int], OpRecord] = {}  # value -> the collective reducing it in place
+        origins: dict[int, int] = {}  # logical index -> lead index
+        partial_sums: dict[tuple[int, int], int] = {}
 
         def value_of(source: tuple[int, int] | None) -> tuple[int, int] | None:
             seen = 0
@@ -508,6 +553,7 @@ class _Folder:
                                       for p in placed[source][0])
                     record = self.fold_tensor(op, "input", position, placement)
                     record.stats = folded[kept[source[0]]].outputs[source[1]].stats
+                    self._same_data(record, folded[kept[source[0]]].outputs[source[1]])
                     inputs.append(record)
                     known.append((placement, placed[source][1]))
                     continue
@@ -517,7 +563,14 @@ class _Folder:
                         and math.prod(moved_value.shape) == math.prod(t.shape):
                     # FSDP2's unsharded parameter, a view of the all-gathered buffer it copied
                     # out: the same elements, read in this op's shape.
-                    placement, record = placed[t.source][0], TensorRecord(t.dtype, t.shape, moved_value.stats)
+                    placement = placed[t.source][0]
+                    record = TensorRecord(t.dtype, t.shape, moved_value.stats)
+                    if all(p == "R" for p in placement):
+                        # Its data as this op read it: FSDP2 refills the buffer outside any op
+                        # (a re-gather for backward), after the layout change's dump.
+                        self._with_piece(record, self._piece(op, "input", position, placement, t.shape))
+                    else:
+                        self._same_data(record, moved_value)
                 elif origin is not None:  # from outside, through a local redistribution: as it was
                     placement = self._outside(origin, 0)
                     record = self.fold_tensor(origin, "input", 0, placement)
@@ -552,8 +605,12 @@ class _Folder:
                 # an op of the model; what reads it reads it as a value from outside.
                 continue
             kept[op.index] = len(folded)
+            origins[len(folded)] = op.index
             for position in range(len(op.outputs)):
                 self._remember(op, position, placed[(op.index, position)][0])
+                parts = self._partial_sums(placed[(op.index, position)][0], known)
+                if parts > 1:
+                    partial_sums[(len(folded), position)] = parts
             # Counted as if the dropped ops were not there: ids count ops per module call,
             # phase and name, and a plan's layout changes (RowwiseParallel's div of its bias)
             # would shift the ids of the model's own ops of that name.
@@ -573,6 +630,7 @@ class _Folder:
                 if result is None or result.shape != target.shape:
                     continue
                 target.stats = result.stats
+                self._same_data(target, result)
                 # A partial sum reshaped before its reduction (a 3-D linear's addmm, then its
                 # view back): the reshape's input is the same partial value.
                 source: tuple[int, int] | None = (index, position)
@@ -586,13 +644,29 @@ class _Folder:
                     if earlier.stats is not None or math.prod(earlier.shape) != math.prod(target.shape):
                         break
                     earlier.stats = result.stats
+                    self._same_data(earlier, result)
         _adopt_detached_gradients(folded)
+        pieces: dict[tuple[int, str, int], FoldedPiece | str] = {}
         for op in folded:
-            for t in op.inputs:
+            for position, t in enumerate(op.outputs):
+                pieces[(op.index, "output", position)] = self._piece_of(t) or "not folded"
+        for op in folded:
+            for position, t in enumerate(op.inputs):
                 if t.source is not None:
                     produced = folded[t.source[0]].outputs[t.source[1]]
                     t.shape, t.stats = produced.shape, produced.stats
-        return LogicalStep(self.step, folded, len(ops) - len(folded), self.findings)
+                    pieces[(op.index, "input", position)] = pieces[(t.source[0], "output", t.source[1])]
+                else:
+                    pieces[(op.index, "input", position)] = self._piece_of(t) or "not folded"
+        return LogicalStep(self.step, folded, len(ops) - len(folded), self.findings, self.mesh[0], pieces,
+                           origins, partial_sums)
+
+    def _partial_sums(self, placements: World, inputs: list[tuple[World, bool]]) -> int:
+        """How many partial sums an output placed ``placements`` was computed in: the ranks of
+        the mesh dims where it is a partial sum (or mean) and none of its inputs is (1: none)."""
+        dims = [k for k, p in enumerate(placements) if p in ("P(sum)", "P(avg)")
+                and not any(k < len(given) and given[k].startswith("P") for given, _ in inputs)]
+        return math.prod(self.mesh[0][k] for k in dims)
 
     def _read_after_reduction(self, op: OpRecord, reduced_in_place: dict[tuple[int, int], OpRecord],
                               value_of: Any, placed: dict[tuple[int, int], tuple[World, bool]]
@@ -613,7 +687,8 @@ class _Folder:
             return None
         placements = tuple("R" if p.startswith("P") else p for p in placed[value][0])
         output = op.outputs[0]
-        return (placements, placed[value][1]), TensorRecord(output.dtype, output.shape, result.stats)
+        return (placements, placed[value][1]), self._same_data(
+            TensorRecord(output.dtype, output.shape, result.stats), result)
 
     @staticmethod
     def _wraps(op: OpRecord, ops: list[OpRecord], read_by_dtensor_ops: set[int]) -> bool:
@@ -768,8 +843,9 @@ def fold_step(run: Run, step: int, partitions: Mapping[str, str | int] | None = 
 
 class LogicalRun:
     """A run seen as one process computing whole tensors: ``ops(step)`` are its logical ops
-    (folded once per step), under its lowest rank; it holds no dump (dumps are not folded).
-    Everything else is the run's own."""
+    (folded once per step), under its lowest rank; its dump (``dump``, ``tensor``) holds their
+    tensors folded from the ranks' dumps (:mod:`probe.analysis.folded_dumps`). Everything else
+    is the run's own."""
 
     def __init__(self, run: Run, partitions: Mapping[str, str | int] | None = None) -> None:
         self.run = run
@@ -804,12 +880,63 @@ class LogicalRun:
         step = self.steps[0] if step is None else step
         return self.logical_step(step).ops
 
-    def has_dump(self, step: int | None = None, rank: int | None = None) -> bool:
-        return False
+    def op(self, op_id: str, step: int | None = None, rank: int | None = None) -> OpRecord:
+        """The logical op ``op_id`` of ``step`` (default: the first)."""
+        found = next((op for op in self.ops(step) if op.id == op_id), None)
+        if found is None:
+            raise ProbeError(f"no logical op {op_id!r} in step {self.steps[0] if step is None else step} "
+                             f"of {str(self.path)!r}")
+        return found
 
-    def findings(self) -> list[ReplicaFinding]:
-        """Replicas that disagree, over every step (folding each)."""
-        return [f for step in self.steps for f in self.logical_step(step).findings]
+    def has_dump(self, step: int | None = None, rank: int | None = None) -> bool:
+        """Whether every rank dumped the step (its tensors then fold into the logical ops')."""
+        step = self.steps[0] if step is None else step
+        ranks = [r for r in self.run.ranks if self.run.has_step(step, r)]
+        return bool(ranks) and all(self.run.has_dump(step, r) for r in ranks)
+
+    def dump(self, step: int | None = None, rank: int | None = None) -> LogicalDump:
+        """The step's logical tensors, folded from the ranks' dumps (:class:`LogicalDump`)."""
+        step = self.steps[0] if step is None else step
+        if not self.has_dump(step):
+            raise ProbeError(f"step {step} of {str(self.path)!r} has no dump on every rank: its "
+                             f"logical tensors cannot be folded")
+        folded = self.logical_step(step)
+        return LogicalDump(self.run, step, folded.mesh_shape, folded.pieces, folded.origins, self.lead)
+
+    def tensor(self, op_id: str, io: str = "output", index: int = 0,
+               step: int | None = None, rank: int | None = None) -> torch.Tensor:
+        """A logical op's tensor, the whole one, folded from the ranks' dumps."""
+        if io not in ("input", "output"):
+            raise ProbeError(f"io must be 'input' or 'output', got {io!r}")
+        op = self.op(op_id, step)
+        return self.dump(op.step).tensor(op.index, io, index)
+
+    def partial_sums(self, step: int) -> dict[tuple[int, int], int]:
+        """(logical op index, output position) -> the partial sums the ranks computed it in
+        (:attr:`LogicalStep.partial_sums`)."""
+        return self.logical_step(step).partial_sums
+
+    def findings(self, data: bool = True) -> list[ReplicaFinding]:
+        """Replicas that disagree, over every step (folding each): by their statistics, and
+        where every rank dumped the step and ``data``, by their bytes (each replicated part
+        read from both ranks' dumps)."""
+        found = []
+        for step in self.steps:
+            folded = self.logical_step(step)
+            found += folded.findings
+            if data and len(self.run.ranks) > 1 and self.has_dump(step):
+                for (index, io, position), rank, reference, count in self.dump(step).disagreeing_replicas():
+                    if not any(f.rank == rank and f.op_id == folded.ops[index].id and f.io == io
+                               and f.position == position for f in folded.findings):
+                        found.append(ReplicaFinding(step, folded.ops[index].id, io, position, rank, reference,
+                                                    "elements differing", count, 0))
+        return found
+
+
+def partial_sums(run: Run, step: int) -> dict[tuple[int, int], int]:
+    """(op index, output position) -> how many partial sums the ranks of a folded run computed
+    it in (:attr:`LogicalStep.partial_sums`); empty for a run compared as it is."""
+    return run.partial_sums(step) if isinstance(run, LogicalRun) else {}
 
 
 def logical_pair(run_a: Run, run_b: Run,

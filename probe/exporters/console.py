@@ -285,6 +285,13 @@ def render_compare(console: Console, report: Report, out: str | None) -> None:
         if len(d.chain) > 1:
             console.print(f"  propagates through {len(d.chain) - 1} ops: " + ", ".join(d.chain[1:6])
                           + (" ..." if len(d.chain) > 6 else ""))
+    reordered = report.reduction_orders
+    if reordered:
+        first = reordered[0].a or reordered[0].b
+        assert first is not None
+        console.print(f"{len(reordered)} sum(s) in a different reduction order across the layouts, each "
+                      f"consistent with its own (rule: reduction order), e.g. {first.id}",
+                      markup=False, highlight=False)
     per_rank = report.by_rank()
     if len(per_rank) > 1:
         table = Table(title="per rank", title_justify="left", show_edge=False, pad_edge=False)

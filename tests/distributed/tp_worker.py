@@ -218,6 +218,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", choices=["mlp", "transformer", "megatron"], default="mlp")
     parser.add_argument("--halve", default=None, help="RANK:MODULE")
+    parser.add_argument("--dump", action="store_true", help="record the dump mode beside the statistics")
     args = parser.parse_args()
 
     if (args.plan == "manual") != (args.model == "megatron") and args.plan != "single":
@@ -263,7 +264,7 @@ def main() -> None:
     # the traced steps, as a loader's would.
     data = [(x.chunk(shards)[shard], y.chunk(shards)[shard])
             for x, y in batches("mlp" if args.model == "megatron" else args.model)]
-    with probe.mode("stats", out=args.out) as session:
+    with probe.mode(["stats", "dump"] if args.dump else "stats", out=args.out) as session:
         for x, y in data:
             loss = nn.functional.mse_loss(trained(x), y)
             loss.backward()
