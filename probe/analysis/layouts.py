@@ -49,9 +49,11 @@ replicated); the rest follows by the shape rules, as for the ops between DTensor
 A run that all-reduces forward values outside DTensor, folded without the mapping, is refused
 with a message that names the option (:class:`MissingPartitions`).
 
-A run of one rank without layouts folds to itself. What is not folded yet: dumps (the
-logical ops of a folded run compare on statistics), per-tensor distributions and histograms;
-see ``docs/distributed.md``.
+A run of one rank without layouts folds to itself. Dumps fold by the same placements
+(:mod:`probe.analysis.folded_dumps`: ``LogicalRun.dump``, ``LogicalRun.tensor``); an op whose
+output is a partial sum its inputs are not is recorded (:attr:`LogicalStep.partial_sums`), for
+compare's "reduction order" rule. What is not folded yet: per-tensor distributions and
+histograms; see ``docs/distributed.md``.
 """
 
 from __future__ import annotations
@@ -673,8 +675,8 @@ class _Folder:
                               ) -> tuple[tuple[World, bool], TensorRecord] | None:
         """A view of a partial value that a collective reduced in place before it (a
         row-parallel layer's output after ``torch.distributed.all_reduce``): the reduced
-        value, its placements and statistics the collective's. The recording gives such a
-        view the statistics of the value it views as they were before the collective."""
+        value, its placements and statistics the collective's (the view reads the collective's
+        output; the value's placements are those of the partial value the collective reduced)."""
         if base_name(op.name) not in _ALIASES or not op.inputs or len(op.outputs) != 1:
             return None
         value = value_of(op.inputs[0].source)
@@ -704,7 +706,10 @@ class _Folder:
         if source is None:
             return False
         producer = ops[source[0]]
-        return producer.layout is not None or producer.group is not None or producer.name in _PASS_THROUGH
+        # A view of what a collective wrote in place (torch.distributed.all_reduce's tensor) is the
+        # program's own view, which a single process makes too; DTensor's collectives write none.
+        collective = producer.group is not None and not any(t.mutated for t in producer.outputs)
+        return producer.layout is not None or collective or producer.name in _PASS_THROUGH
 
     def _output_shape(self, source: tuple[int, int]) -> tuple[int, ...]:
         return self.ops[self.lead][source[0]].outputs[source[1]].shape
