@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import time
 import warnings
+from concurrent.futures import Executor, ProcessPoolExecutor
 from pathlib import Path
 
 from rich.console import Console
@@ -133,12 +135,49 @@ def stages(path_a: Path, path_b: Path) -> tuple[list[tuple[str, float]], int, in
     return timed, len(report.comparisons), ranks_steps
 
 
-def timed_compare(path_a: Path, path_b: Path, processes: int) -> tuple[float, object]:
+def timed_compare(path_a: Path, path_b: Path, processes: int,
+                  executor: Executor | None = None) -> tuple[float, object]:
     import probe
 
     start = time.perf_counter()
-    report = probe.compare(path_a, path_b, processes=processes)
+    report = probe.compare(path_a, path_b, processes=processes, executor=executor)
     return time.perf_counter() - start, report
+
+
+def _imported() -> int:
+    """Run in each worker of the warm pool before timing: the imports a piece needs."""
+    import probe.analysis.compare  # noqa: F401
+
+    return os.getpid()
+
+
+def _timed_piece(*args: object) -> tuple[float, float]:
+    """One piece (``compare._match_piece``) in a worker: its CPU and wall seconds there."""
+    from probe.analysis.compare import _match_piece
+
+    cpu, wall = time.process_time(), time.perf_counter()
+    _match_piece(*args)
+    return time.process_time() - cpu, time.perf_counter() - wall
+
+
+def pieces_alone(pool: Executor, path_a: Path, path_b: Path, steps: list[int]) -> tuple[float, list[float]]:
+    """The pieces of the compare (one per step, both runs folded) on ``pool`` without the rest
+    of the compare: the wall time of all of them and each one's CPU seconds in its worker."""
+    start = time.perf_counter()
+    futures = [pool.submit(_timed_piece, (str(path_a), True), (str(path_b), True), None, step, 0, None)
+               for step in steps]
+    cpu = [f.result()[0] for f in futures]
+    return time.perf_counter() - start, cpu
+
+
+def warm_pool(processes: int) -> ProcessPoolExecutor:
+    """Spawned processes that have imported the compare: what ``executor=`` reuses across
+    compares (a long-lived service, a Dask worker), so that a compare pays no start-up."""
+    pool = ProcessPoolExecutor(max_workers=processes, mp_context=multiprocessing.get_context("spawn"))
+    pids: set[int] = set()
+    while len(pids) < processes:  # each worker once at least (a fast one may take several)
+        pids |= {f.result() for f in [pool.submit(_imported) for _ in range(processes * 2)]}
+    return pool
 
 
 def worker_start() -> float:
@@ -162,11 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3,
                         help="simulated steps (default 3, the real run's; more repeat its steps)")
     parser.add_argument("--processes", type=int, default=2, help="spawned processes against one (2)")
+    parser.add_argument("--repeat", type=int, default=None,
+                        help="rounds of the three compares, the best kept (2; 1 with --quick)")
     parser.add_argument("--dir", default=None, help="where to write the runs (default: a temp dir)")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     world = args.ranks or (4 if args.quick else 64)
+    args.repeat = args.repeat or (1 if args.quick else 2)
     console = Console()
     console.print(f"[bold]compare scale[/bold]  {machine_line()}")
     scratch = Path(tempfile.mkdtemp(prefix="probe-compare-scale-", dir=args.dir))
@@ -181,39 +223,59 @@ def main(argv: list[str] | None = None) -> int:
         with console.status("timing each stage"):
             timed, ops, rank_steps = stages(scratch / "a", scratch / "b")
         spawn_s = worker_start()
-        with console.status("compare: one process, then spawned processes"):
-            serial_s, serial = timed_compare(scratch / "a", scratch / "b", 1)
-            parallel_s, parallel = timed_compare(scratch / "a", scratch / "b", args.processes)
+        # Alternated, best of --repeat: other load on the machine reaches every configuration alike.
+        seconds: dict[str, list[float]] = {"serial": [], "cold": [], "warm": []}
+        reports = {}
+        with console.status("compare: one process, spawned processes, a warm pool"), \
+                warm_pool(args.processes) as pool:
+            for round_ in range(args.repeat):
+                order = ["serial", "cold", "warm"]
+                for name in order[round_ % 3:] + order[:round_ % 3]:
+                    took, reports[name] = timed_compare(
+                        scratch / "a", scratch / "b", 1 if name == "serial" else args.processes,
+                        pool if name == "warm" else None)
+                    seconds[name].append(took)
+            steps = sorted({s.step for s in reports["serial"].steps})
+            alone_s, piece_cpu = pieces_alone(pool, scratch / "a", scratch / "b", steps)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    same = _everything(serial) == _everything(parallel)
+    serial = reports["serial"]
+    same = all(_everything(reports[name]) == _everything(serial) for name in ("cold", "warm"))
+    serial_s, cold_s, warm_s = (min(seconds[name]) for name in ("serial", "cold", "warm"))
     stage_total = sum(s for _, s in timed)
     table = Table(title=f"compare of two simulated {world}-rank runs, stage by stage (one process)",
                   title_justify="left")
     for column in ("stage", "seconds", "share"):
         table.add_column(column, justify="left" if column == "stage" else "right")
-    for name, seconds in timed:
-        table.add_row(name, f"{seconds:.2f}", f"{seconds / stage_total:.0%}")
+    for name, took in timed:
+        table.add_row(name, f"{took:.2f}", f"{took / stage_total:.0%}")
     console.print(table)
     if args.markdown:
         print("\n| stage | seconds | share |\n|---|---:|---:|")
-        for name, seconds in timed:
-            print(f"| {name} | {seconds:.2f} | {seconds / stage_total:.0%} |")
-    steps = len({s.step for s in serial.steps})
+        for name, took in timed:
+            print(f"| {name} | {took:.2f} | {took / stage_total:.0%} |")
+    cpu_share = sum(piece_cpu) / (alone_s * args.processes)
     rows = [
         ("real run recorded (TP2 transformer, 2 ranks, 3 steps; wall)", f"{record_s:.1f} s"),
         (f"simulated runs built ({world} ranks x {args.steps} steps each, 2 copies)",
          f"{simulate_s:.1f} s, {size / 1e6:.0f} MB each"),
         ("rank-steps read (ranks x steps, both runs)", str(rank_steps)),
         ("logical ops compared", str(ops)),
-        ("probe.compare, 1 process", f"{serial_s:.1f} s"),
-        (f"probe.compare, {args.processes} processes (pieces: {steps} steps)", f"{parallel_s:.1f} s"),
-        ("speed-up", f"{serial_s / parallel_s:.2f}x"),
-        ("spawned worker start (imports torch and probe; in the parallel time)", f"{spawn_s:.1f} s"),
+        (f"probe.compare, 1 process (best of {args.repeat})", f"{serial_s:.1f} s"),
+        (f"probe.compare, {args.processes} processes spawned for it (pieces: {len(steps)} steps)",
+         f"{cold_s:.1f} s ({serial_s / cold_s:.2f}x)"),
+        (f"probe.compare, a warm pool of {args.processes} processes (executor=)",
+         f"{warm_s:.1f} s ({serial_s / warm_s:.2f}x)"),
+        ("spawned worker start (a fresh interpreter importing the compare)", f"{spawn_s:.1f} s"),
+        ("CPU time of one piece (a step of both runs: read, fold, match; in its worker)",
+         f"{min(piece_cpu):.1f}-{max(piece_cpu):.1f} s"),
+        (f"the pieces alone on the warm pool: wall, and the CPU the {args.processes} workers got",
+         f"{alone_s:.1f} s, {cpu_share:.0%} of {args.processes} cores"),
         ("throughput, 1 process",
          f"{ops / serial_s:.0f} logical ops/s, {rank_steps / serial_s:.1f} rank-steps/s"),
-        (f"throughput, {args.processes} processes",
-         f"{ops / parallel_s:.0f} logical ops/s, {rank_steps / parallel_s:.1f} rank-steps/s"),
+        (f"throughput, {args.processes} processes spawned / warm",
+         f"{ops / cold_s:.0f} / {ops / warm_s:.0f} logical ops/s, "
+         f"{rank_steps / cold_s:.1f} / {rank_steps / warm_s:.1f} rank-steps/s"),
         ("reports equal (rows, first divergence)", "yes" if same else "NO"),
         ("conclusion", serial.conclusion),
     ]
