@@ -1571,9 +1571,9 @@ def compare(
 def _workers(plan: dict[int, list[int]], processes: int | None) -> int:
     """How many processes compare the pieces: ``processes``, else one per rank when ranks are
     compared one by one (a folded run, one logical rank, stays in this process unless asked)."""
-    if processes is None:
+    if not processes:  # None (and 0, as before)
         return len(plan)
-    if type(processes) is not int or processes < 1:
+    if type(processes) is not int or processes < 0:
         raise ProbeError(f"processes must be a positive int, got {processes!r}")
     return processes
 
@@ -1592,9 +1592,11 @@ def _compare_pieces(run_a: Run, run_b: Run, plan: dict[int, list[int]], module_m
     matched: dict[tuple[int, int], MatchedStep | str] = {}
     judged: dict[tuple[int, int], StepComparison] = {}
     next_of = dict.fromkeys(plan, 0)  # per rank, the position in its steps to judge next
+    ran_here: set[tuple[int, int]] = set()  # pieces that advanced the progress op by op
 
     def here(piece: tuple[int, int]) -> MatchedStep | str:
         step, rank = piece
+        ran_here.add(piece)
         try:
             return match_step(run_a, run_b, step, rank, module_map, advance)
         except ProbeError as e:
@@ -1618,7 +1620,7 @@ def _compare_pieces(run_a: Run, run_b: Run, plan: dict[int, list[int]], module_m
                 side.attach(run, step, rank)
                 if folded is not None:
                     _adopt_folded(run, folded)
-        if workers > 1 or executor is not None:  # in this process, ``here`` advanced op by op
+        if piece not in ran_here:
             advance(sizes.get(piece, 0))
         matched[piece] = result
         judge_ready(rank)
