@@ -1616,10 +1616,11 @@ def _compare_pieces(run_a: Run, run_b: Run, plan: dict[int, list[int]], module_m
     def done(piece: tuple[int, int], result: MatchedStep | str) -> None:
         step, rank = piece
         if isinstance(result, MatchedStep):
-            for side, run, folded in zip(result.sides, (run_a, run_b), result.folded, strict=True):
-                side.attach(run, step, rank)
-                if folded is not None:
+            for run, folded in zip((run_a, run_b), result.folded, strict=True):
+                if folded is not None:  # first: a folded run's dump is read through its fold
                     _adopt_folded(run, folded)
+            for side, run in zip(result.sides, (run_a, run_b), strict=True):
+                side.attach(run, step, rank)
         if piece not in ran_here:
             advance(sizes.get(piece, 0))
         matched[piece] = result
