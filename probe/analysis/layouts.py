@@ -498,6 +498,7 @@ class _Folder:
         layout_changes: dict[tuple[int, int], TensorRecord] = {}  # outputs of FSDP2's buffer ops, folded
         reduced_in_place: dict[tuple[int, int], OpRecord] = {}  # value -> the collective reducing it in place
         origins: dict[int, int] = {}  # logical index -> lead index
+        reshaped_reads: set[tuple[int, int]] = set()  # (logical index, input) reading its producer reshaped
         partial_sums: dict[tuple[int, int], int] = {}
 
         def value_of(source: tuple[int, int] | None) -> tuple[int, int] | None:
@@ -554,8 +555,10 @@ class _Folder:
                                       local_placement("aten.view.default", [from_shape], [p], t.shape) or "?"
                                       for p in placed[source][0])
                     record = self.fold_tensor(op, "input", position, placement)
-                    record.stats = folded[kept[source[0]]].outputs[source[1]].stats
-                    self._same_data(record, folded[kept[source[0]]].outputs[source[1]])
+                    # Still the producer's value (as the run's own record says): computed in the
+                    # step, not read from outside it.
+                    record.source = (kept[source[0]], source[1])
+                    reshaped_reads.add((len(folded), position))
                     inputs.append(record)
                     known.append((placement, placed[source][1]))
                     continue
@@ -656,8 +659,16 @@ class _Folder:
             for position, t in enumerate(op.inputs):
                 if t.source is not None:
                     produced = folded[t.source[0]].outputs[t.source[1]]
-                    t.shape, t.stats = produced.shape, produced.stats
-                    pieces[(op.index, "input", position)] = pieces[(t.source[0], "output", t.source[1])]
+                    piece = pieces[(t.source[0], "output", t.source[1])]
+                    if (op.index, position) in reshaped_reads:
+                        t.stats = produced.stats  # read in its own shape (placed as a reshape)
+                        if isinstance(piece, FoldedPiece) and math.prod(t.shape) == math.prod(piece.shape):
+                            piece = replace(piece, shape=tuple(t.shape))
+                        elif isinstance(piece, FoldedPiece):
+                            piece = "its placement over the ranks is not known"
+                    else:
+                        t.shape, t.stats = produced.shape, produced.stats
+                    pieces[(op.index, "input", position)] = piece
                 else:
                     pieces[(op.index, "input", position)] = self._piece_of(t) or "not folded"
         return LogicalStep(self.step, folded, len(ops) - len(folded), self.findings, self.mesh[0], pieces,
