@@ -97,13 +97,6 @@ def test_a_functional_result_nothing_waits_for_is_waited_for_at_the_step_end(gro
     assert reduce.outputs[0].stats["max"] == 3.0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known (issue 25): c10d's in-place collectives bump no version, so the value index keys a later "
-    "read of their tensor to the value before the collective. Keying the result at its version "
-    "(Tracer: rewritten = written for collectives) and deferring a view's after with the pending "
-    "collective fixes this test, but changes what FSDP2/HSDP folding reads in gloo's emulated "
-    "reduce-scatter (split + copy_ into the output): test_layouts' plan matrix then finds a shape "
-    "divergence between FSDP2 and HSDP; the folder must learn those ops first"))
 @pytest.mark.parametrize("async_op", [False, True])
 def test_what_reads_an_in_place_collectives_result_reads_the_collectives_value(group, tmp_path, async_op):
     """An in-place collective writes without a version bump: what reads its tensor afterwards

@@ -43,6 +43,7 @@ from probe.analysis.compiled_regions import compare_notes, opened_regions, repla
 from probe.analysis.layouts import LogicalRun, LogicalStep, layout_notes, logical_pair, partial_sums
 from probe.analysis.matching import Match, match_ops
 from probe.analysis.metrics import stats_metrics, tensor_metrics
+from probe.analysis.overwrites import overwritten_inputs
 from probe.analysis.replay import recompute
 from probe.analysis.report_writers import write_report
 from probe.analysis.run_identity import Identity, identity
@@ -640,22 +641,6 @@ def _held_apart(side_a: _Side, side_b: _Side, a: TensorRecord, b: TensorRecord) 
     return float(torch.finfo(precision.lower_of(held[0], held[1])).eps)
 
 
-_OVERWRITES_SELF = frozenset({"aten.copy_.default", "aten.fill_.Scalar", "aten.fill_.Tensor",
-                              "aten.zero_.default"})
-
-
-def _overwritten(op: OpRecord) -> set[int]:
-    """Positions of the inputs ``op`` overwrites whole without reading them (``out=`` arguments,
-    ``copy_``'s destination): their old contents (a reused buffer's, uninitialized memory) are
-    no value of the program."""
-    if op.name.split(".")[-1].startswith("out"):
-        written = sum(t.mutated for t in op.outputs)
-        return set(range(len(op.inputs) - written, len(op.inputs)))
-    if op.name in _OVERWRITES_SELF and op.inputs and op.outputs and op.inputs[0].shape == op.outputs[0].shape:
-        return {0}
-    return set()
-
-
 def _uninitialized(a: TensorRecord, b: TensorRecord, by_index: dict[int, OpComparison]) -> bool:
     """Whether the input is memory nothing had written yet (``empty_like``'s, filled by this op,
     e.g. ``copy_``'s destination): it holds no value of the program, so no difference."""
@@ -675,7 +660,7 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
     :func:`_judge_by_replay` takes them."""
     assert c.a is not None and c.b is not None
     in_error = 0.0
-    overwritten = _overwritten(c.a)
+    overwritten = overwritten_inputs(c.a)
     summed = _reduction(c.a) > 1 or precision.summed_terms(c.a) > 1
     for position, record in enumerate(c.a.inputs):
         if position >= len(c.b.inputs) or position in overwritten \
@@ -751,7 +736,7 @@ def _external_inputs_differ(side_a: _Side, side_b: _Side, c: OpComparison, carry
     the thresholds enters here."""
     assert c.a is not None and c.b is not None
     differ = []
-    overwritten = _overwritten(c.a)
+    overwritten = overwritten_inputs(c.a)
     for position, record in enumerate(c.a.inputs):
         if record.source is not None or position >= len(c.b.inputs) \
                 or c.b.inputs[position].source is not None or position in overwritten:

@@ -70,6 +70,7 @@ import torch
 
 from probe.analysis.folded_dumps import FoldedPiece, LogicalDump
 from probe.analysis.local_placements import base_name, local_placement, shard_dim
+from probe.analysis.overwrites import overwritten_inputs
 from probe.errors import ProbeError
 from probe.rundir.run import OpRecord, Run, TensorRecord
 
@@ -510,9 +511,18 @@ class _Folder:
         read_by_dtensor_ops = {t.source[0] for op in ops if op.layout is not None for t in op.inputs
                                if t.source is not None}
         dropped: Counter[str] = Counter()  # id without its count -> layout changes dropped so far
+        completing = self._completions(ops)
 
         for op in ops:
             layout = op.layout
+            if op.index in completing:
+                # A backend's own ops that finish a collective (gloo's emulated reduce-scatter:
+                # the split of the reduced input, the copy_ of this rank's chunk into the output):
+                # part of the collective's layout change; its result is the collective's value.
+                dropped[op.id.rsplit(":", 1)[0]] += 1
+                collective = completing[op.index]
+                back[op.index] = back.get(collective) if collective is not None else None
+                continue
             if (layout is not None and layout["role"] == "redistribute") or op.group is not None \
                     or op.name in _PASS_THROUGH or self._wraps(op, ops, read_by_dtensor_ops):
                 dropped[op.id.rsplit(":", 1)[0]] += 1
@@ -673,6 +683,40 @@ class _Folder:
                     pieces[(op.index, "input", position)] = self._piece_of(t) or "not folded"
         return LogicalStep(self.step, folded, len(ops) - len(folded), self.findings, self.mesh[0], pieces,
                            origins, partial_sums)
+
+    def _completions(self, ops: list[OpRecord]) -> dict[int, int | None]:
+        """The ops that complete a collective rather than compute (index -> the collective's
+        index, None for the ops that only feed them): an op overwriting a collective's result
+        (``copy_``'s destination, an ``out=`` argument) with the value the collective recorded
+        as its result, on every rank (the backend filling the output it returned: a program's
+        own write after a collective would change it), and the ops after the collective whose
+        results only those completions read (the split that cuts this rank's chunk)."""
+        completions: dict[int, int | None] = {}
+        for op in ops:
+            if op.group is not None:
+                continue
+            written_outputs = [k for k, t in enumerate(op.outputs) if t.mutated] or [0]
+            for nth, position in enumerate(sorted(overwritten_inputs(op))):
+                source = op.inputs[position].source
+                if source is None or ops[source[0]].group is None or not op.outputs:
+                    continue
+                written = written_outputs[min(nth, len(written_outputs) - 1)]
+                result = self._fingerprint(self._records(ops[source[0]], "output", source[1]))
+                if result is not None and result == self._fingerprint(self._records(op, "output", written)):
+                    completions[op.index] = source[0]
+                    break
+        readers: dict[int, set[int]] = {}
+        for op in ops:
+            for position, t in enumerate(op.inputs):
+                if t.source is not None and position not in overwritten_inputs(op):
+                    readers.setdefault(t.source[0], set()).add(op.index)
+        for index, collective in list(completions.items()):
+            assert collective is not None
+            for feeder in range(index - 1, collective, -1):
+                read_by = readers.get(feeder)
+                if read_by and ops[feeder].group is None and read_by <= completions.keys():
+                    completions[feeder] = None
+        return completions
 
     def _partial_sums(self, placements: World, inputs: list[tuple[World, bool]]) -> int:
         """How many partial sums an output placed ``placements`` was computed in: the ranks of

@@ -15,7 +15,8 @@ Three things differ from ordinary ops:
   result runs (a correct program waits before that), or until an op that
   completes it returns (``wait_tensor``; the ``copy_`` with which gloo's emulated
   collectives fill the output); what nothing touched by the end of the step is
-  waited for then. The probe itself never blocks earlier than the
+  waited for then. A view of the result taken before then (it reads nothing) is
+  deferred with it: its values are the final result's. The probe itself never blocks earlier than the
   program does, so it cannot reorder collectives across ranks or add a hang.
 """
 
@@ -99,10 +100,13 @@ class GroupCache:
 
 
 class _Deferred:
-    __slots__ = ("call", "storages", "work")
+    __slots__ = ("call", "storages", "views", "work")
 
     def __init__(self, call: OpCall, storages: set[int], work: Any) -> None:
         self.call, self.storages, self.work = call, storages, work
+        self.views: list[OpCall] = []
+        """Views of the pending result taken before it was final: their ``after`` follows the
+        collective's (a view's values are the result's, which the program reads after the wait)."""
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
@@ -142,6 +146,17 @@ class PendingCollectives:
             self.in_flight[key] = deferred
         return True
 
+    def follow(self, call: OpCall) -> bool:
+        """Defer the ``after`` of a view op whose input is a pending result until the result is
+        final; whether it was deferred."""
+        for t in call.input_tensors or ():
+            found = self.in_flight.get(_storage_key(t))  # type: ignore[arg-type]
+            if found is not None:
+                call.writes_in_flight = []  # its ``after`` runs later, inside another op (or none)
+                found.views.append(call)
+                return True
+        return False
+
     def take_read_by(self, inputs: list[torch.Tensor]) -> list[_Deferred]:
         """The deferred collectives whose results ``inputs`` read (removed from the pending set)."""
         taken: list[_Deferred] = []
@@ -155,12 +170,17 @@ class PendingCollectives:
 
     def finish(self, taken: list[_Deferred]) -> None:
         for deferred in taken:
-            self._finish(deferred.call)
+            self._finish_all(deferred)
+
+    def _finish_all(self, deferred: _Deferred) -> None:
+        self._finish(deferred.call)
+        for view in deferred.views:
+            self._finish(view)
 
     def _resolve(self, deferred: _Deferred) -> None:
         for key in deferred.storages:
             self.in_flight.pop(key, None)
-        self._finish(deferred.call)
+        self._finish_all(deferred)
 
     def _take_all(self) -> list[_Deferred]:
         remaining = list({id(d): d for d in self.in_flight.values()}.values())
@@ -171,6 +191,8 @@ class PendingCollectives:
         """The step failed: let go of the deferred calls without reading their outputs."""
         for deferred in self._take_all():
             deferred.call.release()
+            for view in deferred.views:
+                view.release()
 
     def drain(self) -> None:
         """End of step: wait for what nothing read, then finish it."""
@@ -180,7 +202,7 @@ class PendingCollectives:
             else:
                 for t in deferred.call.output_tensors or ():
                     torch.ops._c10d_functional.wait_tensor(t)
-            self._finish(deferred.call)
+            self._finish_all(deferred)
 
     @staticmethod
     def may_read(info: OpClass) -> bool:

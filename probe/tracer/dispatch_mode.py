@@ -286,8 +286,11 @@ class Tracer:
             rewritten: list[torch.Tensor] = []
             if info.is_collective:
                 # c10d schemas do not mark what they write: an output that is an argument was written.
+                # No version bump follows a collective's return (an emulated one's copy_ bumped it
+                # inside): the new value is keyed by the version it has now.
                 out_tensors = collective_outputs(info, args, out)
                 written = [t for t in out_tensors if any(t is i for i in in_tensors)]
+                rewritten = written
             else:
                 out_tensors = [out] if type(out) is torch.Tensor else tensors_out(out)
                 if not info.mutates:
@@ -326,7 +329,7 @@ class Tracer:
                     group = self.groups.of(info, args, kwargs)
                     if not self.pending.maybe_defer(call, out):
                         self._finish(call)
-                else:
+                elif not (info.is_view and self.pending.in_flight and self.pending.follow(call)):
                     self._finish(call)
             # In the order of OP_RECORD_FIELDS.
             self.records.append(
