@@ -236,3 +236,25 @@ def test_a_tensor_one_run_could_not_measure_is_not_compared_never_passed(tmp_pat
     assert clone.verdict == "not compared" and "no statistics in run B" in clone.message
     assert mul.verdict == "pass"
     assert not report.ok  # --fail-on-divergence fails: not everything was compared
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_compiled_pass_split_across_threads_sums_in_fp64(threads):
+    # From PARALLEL_MIN_NUMEL on, the pass runs on torch's intra-op threads (partial sums per
+    # thread, combined in fp64): the same exactness as one thread's pass.
+    from probe.modes.statistics.reduce import PARALLEL_MIN_NUMEL
+
+    x = torch.rand(4 * PARALLEL_MIN_NUMEL + 5, generator=torch.Generator().manual_seed(8)) * 0.1 + 0.05
+    x[17] = -3.0
+    x[-2] = 7.5
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        row = cpu_rows([x])[0]
+    finally:
+        torch.set_num_threads(saved)
+    wide = x.to(torch.float64)
+    assert (row[0], row[1]) == (-3.0, 7.5)
+    assert row[2] == pytest.approx(wide.sum().item(), rel=1e-12)
+    assert row[3] == pytest.approx((wide * wide).sum().item(), rel=1e-12)
+

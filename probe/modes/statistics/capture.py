@@ -14,8 +14,10 @@ A tensor's raw row (``columns.RAW_COLUMNS``) comes from one of three places:
   caller flushes (the monitor, before the optimizer changes gradients and weights in place),
   and at the end of the step. The per-tensor work is a list append; the budget bounds the
   memory the queue keeps alive.
-- other tensors (integers, bool, saturating devices, tensors whose key is volatile) are
-  reduced at once by one kernel call (``reduce.TensorStats``).
+- other tensors (integers, bool, saturating devices, tensors whose key is volatile, tensors
+  read just before an op writes them) are reduced at once by one kernel call
+  (``reduce.TensorStats``; floating-point CPU tensors by ``reduce.cpu_rows``, whose generated
+  loop has no dynamo guards to evaluate).
 
 One in-place strategy: a queued tensor is reduced with the value it had at capture, or not at
 all. When its batch is reduced, a tensor whose version counter moved (a write nobody told the
@@ -386,6 +388,11 @@ class StepRows:
                 # Reduced before the next op (settle): the op in dispatch has not returned, and
                 # autograd counts its in-place writes only then.
                 self.due.add(x.device)
+        elif x.is_cpu and x.dtype in QUEUED_DTYPES and self._stats.backend == "auto":
+            # Read now (about to be written) or volatile: the standalone kernel, as a queued
+            # batch would be; the compiled TensorStats kernel costs 100 us and more of dynamo
+            # guards per call, which the optimizer's in-place writes paid for every tensor.
+            rows.append((*self._append_host_rows(cpu_rows([x], eps=self._eps)), numel, multiplicity))
         else:
             rows.append((*self._append_device_row(self._stats.row(x, eps=self._eps)), numel, multiplicity))
         return len(rows) - 1
@@ -478,13 +485,7 @@ class StepRows:
         xs = [queued.tensor for queued in kept]
         device = xs[0].device
         if device.type == "cpu":
-            if self._host_rows is None:
-                self._sources.append(HostRows())
-                self._host_rows = len(self._sources) - 1
-            source = self._host_rows
-            host = self._sources[source]
-            assert isinstance(host, HostRows)
-            first = host.add_block(cpu_rows(xs, eps=self._eps))
+            source, first = self._append_host_rows(cpu_rows(xs, eps=self._eps))
         else:
             source = self._device_source(device)
             rows = self._sources[source]
@@ -508,6 +509,15 @@ class StepRows:
         segment = chunk.add(x)
         assert segment is not None  # a staged tensor always fits an empty chunk
         return source, segment
+
+    def _append_host_rows(self, block: np.ndarray) -> tuple[int, int]:
+        """Add rows already on the host; (their source, the first one's position in it)."""
+        if self._host_rows is None:
+            self._sources.append(HostRows())
+            self._host_rows = len(self._sources) - 1
+        host = self._sources[self._host_rows]
+        assert isinstance(host, HostRows)
+        return self._host_rows, host.add_block(block)
 
     def _device_source(self, device: torch.device) -> int:
         source = self._device_rows.get(device)
