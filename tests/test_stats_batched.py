@@ -258,3 +258,38 @@ def test_the_compiled_pass_split_across_threads_sums_in_fp64(threads):
     assert row[2] == pytest.approx(wide.sum().item(), rel=1e-12)
     assert row[3] == pytest.approx((wide * wide).sum().item(), rel=1e-12)
 
+
+def _stats_summary(out) -> dict:
+    return probe.load(out).step_info(0).manifest["modes"]["stats"]
+
+
+def test_a_weight_and_its_transpose_read_from_outside_share_one_row(tmp_path):
+    # A linear layer reads its weight as it is and transposed (forward and backward): the same
+    # elements, reduced once.
+    g = torch.Generator().manual_seed(9)
+    weight = torch.randn(256, 512, generator=g)
+    transposed = weight.t()  # made outside the step: both are inputs from outside it
+    x = torch.randn(4, 256, generator=g)
+    with probe.mode("stats", out=tmp_path / "r"):
+        torch.mm(x, weight)
+        torch.mm(transposed, x.t())
+    first, second = (op for op in probe.load(tmp_path / "r").ops(0) if op.name == "aten.mm.default")
+    assert first.inputs[1].stats == second.inputs[0].stats
+    assert first.inputs[1].stats["max"] == weight.max().item()
+    assert first.inputs[1].stats["norm"] == pytest.approx(weight.norm().item(), rel=1e-6)
+    # x and x.t() (a view op in the step) share a row too: x, the weight, two products.
+    assert _stats_summary(tmp_path / "r")["rows"] == 4
+
+
+def test_an_unsafe_view_takes_its_input_row(tmp_path):
+    base = torch.randn(LARGE, generator=torch.Generator().manual_seed(10))
+    with probe.mode("stats", out=tmp_path / "r"):
+        y = base * 2
+        z = torch.ops.aten._unsafe_view(y, (LARGE // 4, 4))
+        z.mul_(3.0)  # a write after: z's and y's rows keep the value they had
+    mul, view, mul_ = probe.load(tmp_path / "r").ops(0)
+    assert view.name == "aten._unsafe_view.default"
+    assert view.outputs[0].stats == mul.outputs[0].stats
+    assert view.outputs[0].stats["max"] == (base * 2).max().item()
+    assert mul_.outputs[0].stats["max"] == (base * 6).max().item()
+    assert _stats_summary(tmp_path / "r")["rows"] == 3  # base, y (= z), z after mul_

@@ -40,6 +40,9 @@ _OVERWRITING = frozenset({"copy_", "fill_", "zero_", "split_with_sizes_copy", "_
 """In-place ops that write their argument without reading it: its old contents are no input."""
 # Views whose elements may overlap or repeat even with the same numel as the base.
 _NOT_SAME_ELEMENTS = frozenset({"as_strided", "unfold", "diagonal"})
+_UNSAFE_VIEWS = frozenset({"_unsafe_view"})
+"""Ops that return a view of their input that autograd is not told of (a reshape's copy it
+could skip): the output reuses its input's row as a view's does."""
 
 
 def _same_elements(view: torch.Tensor, base: torch.Tensor) -> bool:
@@ -56,10 +59,15 @@ def _same_elements(view: torch.Tensor, base: torch.Tensor) -> bool:
 
 
 def _value_key(t: torch.Tensor) -> tuple[Any, ...] | None:
-    """The value ``t`` holds (its memory, layout and version), or None for a tensor without one."""
+    """The values ``t`` holds (its memory, layout and version), or None for a tensor without
+    one. A tensor dense in its memory, contiguous or a transposed contiguous matrix, holds
+    every element of a range once whatever its shape: a weight and its transpose (a linear
+    layer reads both) have one key."""
     try:
-        return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t._version,
-                t.dtype)
+        storage, offset, version = t.untyped_storage()._cdata, t.storage_offset(), t._version
+        if t.is_contiguous() or (t.dim() >= 2 and t.mT.is_contiguous()):
+            return (storage, offset, t.numel(), version, t.dtype, t.is_conj(), t.is_neg())
+        return (storage, offset, tuple(t.shape), t.stride(), version, t.dtype, t.is_conj(), t.is_neg())
     except (RuntimeError, NotImplementedError):
         return None
 
@@ -171,7 +179,8 @@ class StatsMode(Mode):
         inputs = call.input_tensors or ()
         self._fp8.add(call.index, call.func, call.args, call.kwargs, inputs)
         reuse_base = (
-            call.info.is_view and inputs and call.info.short not in _NOT_SAME_ELEMENTS
+            (call.info.is_view or call.info.short in _UNSAFE_VIEWS) and inputs
+            and call.info.short not in _NOT_SAME_ELEMENTS
         )
         if call.info.memory_managed_outside:
             # FSDP2 reallocates what its ops write between uses, outside any op, where
