@@ -79,7 +79,7 @@ class WorkloadSpec:
     dtype_mode: str = "fp32"
 
     def with_seq(self, seq: int) -> WorkloadSpec:
-        return replace(self, shape=(*self.shape[:7], seq))  # type: ignore[arg-type]
+        return replace(self, shape=(*self.shape[:7], seq, *self.shape[8:]))  # type: ignore[arg-type]
 
     def with_dtype(self, dtype_mode: str) -> WorkloadSpec:
         return replace(self, dtype_mode=dtype_mode)
@@ -89,14 +89,15 @@ class WorkloadSpec:
         return _hf_llama(*self.shape).build(device, self.dtype_mode)
 
     def num_params(self) -> int:
-        _, hidden, inter, layers, _, vocab, _, _ = self.shape
+        _, hidden, inter, layers, _, vocab, _, _, _ = self.shape
         return 2 * vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden) + hidden
 
     def describe(self) -> str:
-        _, hidden, inter, layers, heads, vocab, batch, seq = self.shape
+        _, hidden, inter, layers, heads, vocab, batch, seq, attention = self.shape
         return (
             f"HF LlamaForCausalLM hidden {hidden}, heads {heads}, intermediate {inter}, layers {layers}, "
-            f"vocab {vocab}; batch {batch}, seq {seq}; {self.dtype_mode}; AdamW foreach=default"
+            f"vocab {vocab}, {attention} attention; batch {batch}, seq {seq}; {self.dtype_mode}; "
+            "AdamW foreach=default"
         )
 
 
