@@ -217,8 +217,43 @@ def _folded_tensors_like(single: probe.Run, logical: LogicalRun) -> tuple[float,
     return worst, compared
 
 
+def _dumps_hold_their_recorded_statistics(run: probe.Run) -> int:
+    """Every rank's dumped floating-point tensors against the statistics the stats mode took of
+    the same tensors (independently): extremes equal, norms within fp32 rounding. How many.
+
+    Left out: what an op reads right after an in-place c10d collective without a producer (gloo's
+    emulated reduce-scatter splits the buffer it all-reduced): its record is keyed to the value
+    before the collective, a known recording fault (``tests/test_collectives.py``'s strict
+    xfail); the dump holds what the op read."""
+    checked = 0
+    for step in run.steps:
+        for rank in run.ranks:
+            dump = run.dump(step, rank)
+            ops = run.ops(step, rank)
+            for k, op in enumerate(ops):
+                after_in_place_collective = k > 0 and ops[k - 1].group is not None \
+                    and any(t.mutated for t in ops[k - 1].outputs)
+                for io, records in (("input", op.inputs), ("output", op.outputs)):
+                    for position, record in enumerate(records):
+                        entry = dump.entries.get((op.index, io, position))
+                        if record.stats is None or entry is None or entry.status is not None \
+                                or not record.dtype.startswith("float") or not math.prod(record.shape) \
+                                or (io == "input" and record.source is None and after_in_place_collective):
+                            continue
+                        data = dump.tensor(op.index, io, position).double()
+                        where = (step, rank, op.id, io, position)
+                        extremes = (float(data.min()), float(data.max()))
+                        assert extremes == (record.stats["min"], record.stats["max"]), where
+                        assert float(data.norm()) == pytest.approx(record.stats["norm"], rel=1e-5), where
+                        checked += 1
+    return checked
+
+
 def test_dumped_tensors_fold_into_the_whole_tensors_of_the_single_process(dumped):
     single, tp = probe.load(dumped["single"]), probe.load(dumped["tp2"])
+    # What a rank read of an async collective's buffer before its wait (the wrapper, a view,
+    # wait_tensor's input) is its result, as its record says, not the bytes before it.
+    assert _dumps_hold_their_recorded_statistics(tp) > 1000
     logical = LogicalRun(tp)
     worst, compared = _folded_tensors_like(single, logical)
     assert worst <= 1e-6 and compared > 400, (worst, compared)  # fp32 rounding of other sum orders

@@ -13,6 +13,13 @@ buffers goes in pieces (``ShardWriter.put``), so the budget holds for any size.
 Optional checksums are computed on the device and moved with the step, so two
 runs can be compared bit for bit without dumping everything.
 
+An async collective's result is there only once it completes (the tracer runs the modes'
+``after`` of it then, ``probe.tracer.collectives``); ops may touch its buffer before (the
+functional collectives' wrapper, a view, ``wait_tensor``'s input), and what they read is the
+collective's result, as their records say. Blobs copied from the buffer in that time are
+copied again when the collective completes, and their entries point to the copy
+(:meth:`DumpMode._recopy_in_flight`).
+
 Conjugate and negative views (``x.conj()``, ``torch._neg_view``) share their
 base's bytes: the blob holds those bytes, and the index entry records the view's
 bit, so the tensor reads back as the values it held. Tensors the tracer cannot
@@ -114,6 +121,16 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def _view_of(storage: torch.UntypedStorage, byte_offset: int, entry: tuple[Any, ...]) -> torch.Tensor:
+    """The tensor an index entry describes, at ``byte_offset`` of ``storage`` (its math bits too)."""
+    dtype = getattr(torch, entry[5])
+    view = torch.empty(0, dtype=dtype, device=storage.device).set_(
+        storage, byte_offset // dtype.itemsize, entry[6], entry[7])
+    if entry[10] & CONJ:
+        view = view.conj()
+    return torch._neg_view(view) if entry[10] & NEG else view
+
+
 # -- reading a step's dump back (``run.dump(step)``) -------------------------------
 
 
@@ -175,6 +192,11 @@ class DumpMode(Mode):
         # (op index, INPUT/OUTPUT, position, blob id or -1, byte offset in blob, dtype, shape,
         #  stride, checksum index or -1, status or None, CONJ/NEG bits)
         self._entries: list[tuple[Any, ...]] = []
+        # blob id -> (storage address, lo, hi): the bytes it copied
+        self._spans: dict[int, tuple[int, int, int]] = {}
+        # collective op index -> len(self._entries) once its inputs were captured; the latest op index called
+        self._collectives: dict[int, int] = {}
+        self._latest = -1
         self._calls: list[tuple[int, dict[str, Any]]] = []
         self._checksums: list[torch.Tensor] = []
 
@@ -184,16 +206,51 @@ class DumpMode(Mode):
         inputs = call.input_tensors or []
         tensor_ids = {id(t): position for position, t in enumerate(inputs)}
         self._calls.append((call.index, encode_args(call.args, call.kwargs or {}, tensor_ids)))
+        self._latest = max(self._latest, call.index)
         if self._dump_inputs:
             for position, t in enumerate(inputs):
                 self._entries.append((call.index, INPUT, position, *self._capture(t)))
+        if call.info.is_collective:
+            self._collectives[call.index] = len(self._entries)
 
     def after(self, call: OpCall) -> None:
+        if call.info.is_collective:
+            since = self._collectives.pop(call.index, len(self._entries))
+            if call.index < self._latest:  # later ops ran while it was in flight
+                self._recopy_in_flight(call, since)
         if not self._dump_outputs or call.uninitialized:
             return
         for position, t in enumerate(call.output_tensors or ()):
             written = call.outputs[position][2]
             self._entries.append((call.index, OUTPUT, position, *self._capture(t, written)))
+
+    def _recopy_in_flight(self, call: OpCall, since: int) -> None:
+        """The collective ``call`` completed after later ops touched its outputs' buffers: what
+        they read there is its result (as their records say), but the blobs their entries point
+        to were copied before it was there (during the flight, or before the collective, and
+        found again by storage and version). Those blobs are copied again now, and the entries
+        made since the collective's call point to the copies (their checksums taken again)."""
+        outputs = {t.untyped_storage().data_ptr(): t
+                   for t in call.output_tensors or () if not_dumpable(t) is None}
+        replaced: dict[int, int | None] = {}  # blob read in flight -> its copy (None: skipped)
+        for k in range(since, len(self._entries)):
+            entry = self._entries[k]
+            span = self._spans.get(entry[3])
+            if span is None or span[0] not in outputs:
+                continue
+            address, lo, hi = span
+            t = outputs[address]
+            if entry[3] not in replaced:
+                replaced[entry[3]] = self._copy_out(t, t.untyped_storage(), lo, hi)
+                self._blobs.pop(address, None)  # its blobs hold the bytes from before the result
+            copy = replaced[entry[3]]
+            if copy is None:
+                entry = (*entry[:3], -1, entry[4], *entry[5:9], "skipped: memory budget", entry[10])
+            else:
+                entry = (*entry[:3], copy, *entry[4:])
+            if entry[8] >= 0:
+                self._checksums[entry[8]] = checksum(_view_of(t.untyped_storage(), lo + entry[4], entry))
+            self._entries[k] = entry
 
     def _capture(self, t: torch.Tensor, written: bool = False) -> tuple[Any, ...]:
         """Copy (or find already copied) the bytes of ``t``; its index entry fields.
@@ -244,6 +301,7 @@ class DumpMode(Mode):
         source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage).narrow(0, lo, hi - lo)
         if not self._writer.put(self._next_blob, source):
             return None
+        self._spans[self._next_blob] = (storage.data_ptr(), lo, hi)
         self._next_blob += 1
         return self._next_blob - 1
 
