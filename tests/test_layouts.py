@@ -306,6 +306,11 @@ def test_shards_partial_values_and_strided_shards_fold_by_placement():
     summed = (halves[0].double() + halves[1].double()).float().reshape(48)
     assert torch.equal(fold_parts(partial, (2,), halves), summed)
     assert "summed in fp64" in partial.describe()
+    # A transpose no rank recorded the data of (FSDP2 x TP2's unsharded weight in its first
+    # step): the parts of what it read, the whole transposed.
+    transposed = FoldedPiece("input", 0, piece.sources, ("R", "S(1)"), (6, 8), "float32", transposed=True)
+    assert torch.equal(fold_parts(transposed, (2, 2), {0: whole[:, :3], 1: whole[:, 3:]}), whole.t())
+    assert "transposed" in transposed.describe()
 
 
 class _RankDump:
@@ -418,17 +423,40 @@ def _assert_every_plan_agrees(runs: dict, names: list[str], min_compared: int) -
             assert report.counts["error"] == 0 and report.conclusion.startswith("no divergence"), (a, b)
 
 
-@pytest.mark.slow  # one more torchrun job
-def test_fsdp2_dumps_fold_and_its_split_weight_gradients_are_another_reduction_order(dumped, tmp_path):
-    _job(tmp_path / "fsdp2", "--plan", "fsdp", "--dump", nproc=2)
-    single, fsdp2 = probe.load(dumped["single"]), probe.load(tmp_path / "fsdp2")
-    worst, compared = _folded_tensors_like(single, LogicalRun(fsdp2))
+DATA_PARALLEL_SUMS = {"backward:1.down[0]:aten.mm.default:1", "forward::aten.mse_loss.default:0"}
+"""Sums each data-parallel rank computes over its slice of the batch (a weight's gradient, the loss)."""
+
+
+@pytest.mark.slow  # one or two more torchrun jobs
+@pytest.mark.parametrize(("plan", "nproc", "split_sums"), [
+    ("fsdp", 2, DATA_PARALLEL_SUMS),
+    # FSDP2 x TP2: FSDP2's unsharded tensor-parallel parameters (views of the all-gathered
+    # buffer the recording keeps no statistics of) are placed by the DTensor op reading them;
+    # RowwiseParallel's bias is the bias its div read, not the div's halved result.
+    ("fsdp_tp", 4, DATA_PARALLEL_SUMS | ROW_PARALLEL_SUMS),
+])
+def test_data_parallel_dumps_fold_and_their_split_sums_are_another_reduction_order(
+        dumped, tmp_path, plan, nproc, split_sums):
+    _job(tmp_path / plan, "--plan", plan, "--dump", nproc=nproc)
+    single, run = probe.load(dumped["single"]), probe.load(tmp_path / plan)
+    worst, compared = _folded_tensors_like(single, LogicalRun(run))
     assert worst <= 1e-6 and compared > 400, (worst, compared)
-    report = probe.compare(dumped["single"], tmp_path / "fsdp2")
+    assert LogicalRun(run).findings() == []
+    assert _dumps_hold_their_recorded_statistics(run) > 1000
+    report = probe.compare(dumped["single"], tmp_path / plan)
     assert report.first_divergence is None and report.counts["not compared"] == 0, report.conclusion
-    # Each rank sums its slice of the batch: the weights' and biases' gradients, and the loss.
+    assert report.counts["error"] == 0
+    # Each rank sums its slice of the batch (and under TP its features): the weights' and
+    # biases' gradients, the loss, the row-parallel products.
     reordered = {c.a.id for c in report.comparisons if c.rule == "reduction order"}
-    assert {"backward:1.down[0]:aten.mm.default:1", "forward::aten.mse_loss.default:0"} <= reordered
+    assert split_sums <= reordered, split_sums - reordered
+    if plan == "fsdp_tp":  # a halved shard is found with dumps too, at its module
+        _job(tmp_path / "halved", "--plan", plan, "--dump", "--halve", f"1:{HALVED}", nproc=nproc)
+        for reference in (dumped["single"], tmp_path / plan):
+            report = probe.compare(reference, tmp_path / "halved", processes=1)
+            assert report.divergence is not None, reference
+            assert (report.divergence.op.id, report.divergence.rule, report.divergence.step) == \
+                (f"forward:{HALVED}[0]:aten.t.default:0", "outside input", 0), reference
 
 
 @pytest.mark.slow

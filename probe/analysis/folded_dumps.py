@@ -55,6 +55,9 @@ class FoldedPiece:
     dtype: str
     factor: float = 1.0
     """A gradient on the data-parallel dim: each rank holds the degree times its slice."""
+    transposed: bool = False
+    """The whole made of the parts is read transposed (a ``t`` view no rank recorded the data
+    of: the parts are the dumps of the tensor it read)."""
 
     def describe(self) -> str:
         """How the parts make the whole, in words."""
@@ -70,6 +73,8 @@ class FoldedPiece:
                 words.append(f"mesh dim {dim}: {placement}, one replica")
         if self.factor != 1.0:
             words.append(f"scaled by {self.factor:g} (a data-parallel rank's gradient)")
+        if self.transposed:
+            words.append(f"transposed (the ranks' {self.io} {self.position}, which the transpose read)")
         return "; ".join(words)
 
 
@@ -122,6 +127,8 @@ def fold_parts(piece: FoldedPiece, mesh_shape: tuple[int, ...],
     whole = level[()]
     if summed or piece.factor != 1.0:
         whole = (whole.to(torch.float64) * piece.factor).to(getattr(torch, piece.dtype))
+    if piece.transposed:
+        whole = whole.t()
     if math.prod(whole.shape) != math.prod(piece.shape):
         raise ProbeError(f"the folded parts make {list(whole.shape)}, not {list(piece.shape)}")
     return whole.reshape(piece.shape)

@@ -78,6 +78,9 @@ _PASS_THROUGH = frozenset({"_c10d_functional.wait_tensor.default",
                            "_c10d_functional._wrap_tensor_autograd.default"})
 _ALIASES = frozenset({"view", "alias", "_unsafe_view"})
 """Ops that can be DTensor's ``from_local``/``to_local`` view of a whole local tensor."""
+_UNSHARDED_VIEWS = _ALIASES | {"as_strided", "detach"}
+"""Ops by which FSDP2 makes its unsharded parameter of the all-gathered buffer (under tensor
+parallelism, DTensor's ``detach`` of the local tensor, labelled with the parameter's layout)."""
 _COUNTS = ("nan", "inf", "posinf", "neginf", "zeros")
 
 Placements = tuple[str, ...] | None
@@ -418,6 +421,17 @@ class _Folder:
             piece = replace(piece, shape=tuple(record.shape))
         return self._with_piece(record, piece)
 
+    def _transposed(self, read: TensorRecord, output: TensorRecord) -> TensorRecord:
+        """A transpose (``t``) of which no rank recorded statistics or data (FSDP2's unsharded
+        parameter in its first step, which the recording takes for a view of memory nothing
+        wrote): the elements it read, transposed."""
+        piece = self._piece_of(read)
+        out = TensorRecord(output.dtype, output.shape, read.stats, mutated=output.mutated)
+        if isinstance(piece, FoldedPiece) and piece.shape == tuple(reversed(output.shape)):
+            piece = replace(piece, shape=tuple(output.shape), transposed=not piece.transposed)
+            return self._with_piece(out, piece)
+        return self._with_piece(out, self._piece_of(output))
+
     def _fingerprint(self, records: dict[int, TensorRecord]) -> tuple | None:
         """Shape and statistics of a tensor on every rank (None where a rank lacks them)."""
         if any(rank not in records or records[rank].stats is None for rank in self.ranks):
@@ -497,6 +511,9 @@ class _Folder:
         partial_results: dict[tuple[int, int], OpRecord] = {}
         external: dict[int, OpRecord] = {}  # dropped op -> itself, when it moved a value from outside
         layout_changes: dict[tuple[int, int], TensorRecord] = {}  # outputs of FSDP2's buffer ops, folded
+        # A layout change's output (or a buffer FSDP2 filled) -> the op output whose statistics
+        # hold its elements: the all-gather's copy-out that filled it (see :meth:`_unsharded`).
+        filled_by: dict[tuple[int, int], tuple[OpRecord, int]] = {}
         reduced_in_place: dict[tuple[int, int], OpRecord] = {}  # value -> the collective reducing it in place
         origins: dict[int, int] = {}  # logical index -> lead index
         reshaped_reads: set[tuple[int, int]] = set()  # (logical index, input) reading its producer reshaped
@@ -586,6 +603,8 @@ class _Folder:
                         self._with_piece(record, self._piece(op, "input", position, placement, t.shape))
                     else:
                         self._same_data(record, moved_value)
+                elif (unsharded := self._unsharded(op, position, ops, back, filled_by, placed)) is not None:
+                    placement, record = unsharded
                 elif origin is not None:  # from outside, through a local redistribution: as it was
                     placement = self._outside(origin, 0)
                     record = self.fold_tensor(origin, "input", 0, placement)
@@ -605,15 +624,27 @@ class _Folder:
                 # What an in-place op wrote is its first input (an optimizer's update of a
                 # parameter sharded by hand): the input is placed as the result is.
                 inputs[0] = self.fold_tensor(op, "input", 0, placed[(op.index, 0)][0])
+            if base_name(op.name) == "t" and len(op.inputs) == 1 and len(outputs) == 1 \
+                    and outputs[0].stats is None \
+                    and all(r.stats is None for r in self._records(op, "output", 0).values()):
+                read = inputs[0].source
+                outputs[0] = self._transposed(inputs[0] if read is None else folded[read[0]].outputs[read[1]],
+                                              outputs[0])
             reduced = self._read_after_reduction(op, reduced_in_place, value_of, placed)
             if reduced is not None:
                 placed[(op.index, 0)], outputs[0] = reduced
             unknown = [k for k in range(len(op.outputs)) if "?" in placed[(op.index, k)][0]
                        or op.outputs[k].stats is None]
-            if op.name.startswith("fsdp.") or (layout is None and op.outputs
-                                               and len(unknown) == len(op.outputs)):
+            # FSDP2's unsharded parameter made of the all-gathered buffer (its first step: an
+            # as_strided view, then under TP DTensor's detach), which the recording left without
+            # statistics (a view of the buffer FSDP2 allocated, written through other views).
+            unsharded_view = layout is not None and base_name(op.name) in _UNSHARDED_VIEWS and op.inputs \
+                and op.inputs[0].source in filled_by and len(unknown) == len(op.outputs)
+            if op.name.startswith("fsdp.") or unsharded_view or (layout is None and op.outputs
+                                                                 and len(unknown) == len(op.outputs)):
                 for position, record in enumerate(outputs):
                     layout_changes[(op.index, position)] = record
+                self._note_filled(op, ops, filled_by)
                 dropped[op.id.rsplit(":", 1)[0]] += 1
                 # A buffer nothing wrote, or a value whose layout is not known (FSDP2's copy-in,
                 # all-gather and reduce-scatter buffers and their views): a layout change, not
@@ -717,6 +748,63 @@ class _Folder:
                 if read_by and ops[feeder].group is None and read_by <= completions.keys():
                     completions[feeder] = None
         return completions
+
+    @staticmethod
+    def _note_filled(op: OpRecord, ops: list[OpRecord],
+                     filled_by: dict[tuple[int, int], tuple[OpRecord, int]]) -> None:
+        """Note which op output holds the elements of a layout change's outputs: a view of a
+        filled buffer holds its filler's; an op that writes its trailing arguments (FSDP2's
+        ``split_with_sizes_copy`` of the all-gathered buffer into the unsharded parameters)
+        fills them and the buffers they are views of."""
+        if base_name(op.name) in _UNSHARDED_VIEWS:
+            found = filled_by.get(op.inputs[0].source) if op.inputs and len(op.outputs) == 1 else None
+            if found is not None and _numel(found[0].outputs[found[1]].shape) == _numel(op.outputs[0].shape):
+                filled_by[(op.index, 0)] = found
+            return
+        arguments = op.inputs[len(op.inputs) - len(op.outputs):] if len(op.inputs) >= len(op.outputs) else []
+        for k, (written, argument) in enumerate(zip(op.outputs, arguments, strict=False)):
+            if not written.mutated or argument.shape != written.shape:
+                continue
+            filled_by[(op.index, k)] = (op, k)
+            source = argument.source
+            for _ in range(8):  # the argument, then the buffer it views, and so on
+                if source is None or _numel(ops[source[0]].outputs[source[1]].shape) != _numel(written.shape):
+                    break
+                filled_by[source] = (op, k)
+                viewer = ops[source[0]]
+                if base_name(viewer.name) not in _UNSHARDED_VIEWS or not viewer.inputs:
+                    break
+                source = viewer.inputs[0].source
+
+    def _unsharded(self, op: OpRecord, position: int, ops: list[OpRecord],
+                   back: dict[int, tuple[int, int] | None],
+                   filled_by: dict[tuple[int, int], tuple[OpRecord, int]],
+                   placed: dict[tuple[int, int], tuple[World, bool]]) -> tuple[World, TensorRecord] | None:
+        """FSDP2's unsharded tensor-parallel parameter, read by a DTensor op (directly, or through
+        a local redistribution: RowwiseParallel's ``div`` of its bias): its placements on the
+        mesh dims the DTensor op covers are the op's, on the others (data-parallel) the
+        all-gathered buffer's (replicated); its data as the DTensor op (or the redistribution)
+        read it, its statistics those of the copy-out that filled the buffer (the same
+        elements; the reading op's own records of it have none). None: not such a read."""
+        reader, at, source = op, position, op.inputs[position].source
+        while source is not None and source[0] in back:
+            moving = ops[source[0]]
+            if moving.layout is None or moving.layout["role"] != "redistribute" or not moving.inputs:
+                return None  # through a collective: another value
+            reader, at, source = moving, 0, moving.inputs[0].source
+        found = filled_by.get(source) if source is not None else None
+        if found is None or reader.layout is None:
+            return None
+        filler, k = found
+        given = self._given(reader.layout, "input", at)
+        buffer = placed[(filler.index, k)][0]
+        placement = tuple(p if g is None else g for g, p in zip(given, buffer, strict=True))
+        if "?" in placement:
+            return None
+        record = self.fold_tensor(reader, "input", at, placement)
+        if record.stats is None and _numel(filler.outputs[k].shape) == _numel(reader.inputs[at].shape):
+            record.stats = self.fold_tensor(filler, "output", k, placement).stats
+        return placement, record
 
     def _partial_sums(self, placements: World, inputs: list[tuple[World, bool]]) -> int:
         """How many partial sums an output placed ``placements`` was computed in: the ranks of
