@@ -162,6 +162,22 @@ def test_a_halved_shard_is_the_first_divergence_at_its_module(runs, capsys):
     assert HALVED in capsys.readouterr().out
 
 
+def test_a_folded_divergence_propagates_through_logical_ops(runs):
+    """The chain a divergence propagates through follows the folded ops' graph: each op in it is a
+    logical op that diverged too, reached from the one where it entered."""
+    report = probe.compare(runs["tp2"], runs["halved"])
+    divergence = report.divergence
+    (step,) = [s for s in report.steps if s.divergence is divergence]
+    rows = {c.a.id: c for c in step.comparisons if c.a is not None}
+    logical = LogicalRun(probe.load(runs["tp2"]))
+    graph = logical.graph(divergence.step)
+    assert set(graph.nodes) == {op.id for op in logical.ops(divergence.step)}
+    assert divergence.chain[0] == divergence.op.id and len(divergence.chain) > 5
+    for op_id in divergence.chain[1:]:
+        assert rows[op_id].verdict in ("error", "warning"), op_id
+        assert any(p in divergence.chain for p in graph.predecessors(op_id)), op_id
+
+
 def test_shard_statistics_combine_exactly():
     torch.manual_seed(0)
     whole = torch.randn(6, 10, dtype=torch.float64)

@@ -61,17 +61,19 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import networkx as nx
 import torch
 
 from probe.analysis.folded_dumps import FoldedPiece, LogicalDump
 from probe.analysis.local_placements import base_name, local_placement, shard_dim
 from probe.analysis.overwrites import overwritten_inputs
 from probe.errors import ProbeError
+from probe.rundir.op_graph import build_graph
 from probe.rundir.run import OpRecord, Run, TensorRecord
 
 _PASS_THROUGH = frozenset({"_c10d_functional.wait_tensor.default",
@@ -1027,6 +1029,12 @@ class LogicalRun:
     def ops(self, step: int | None = None, rank: int | None = None) -> list[OpRecord]:
         step = self.steps[0] if step is None else step
         return self.logical_step(step).ops
+
+    def graph(self, step: int | None = None, rank: int | None = None,
+              phases: Collection[str] | None = None) -> nx.DiGraph:
+        """The logical ops' graph (the run's own is of the lead rank's local ops, whose indices
+        and ids are not the logical ones)."""
+        return build_graph(self.ops(step, rank), phases)
 
     def op(self, op_id: str, step: int | None = None, rank: int | None = None) -> OpRecord:
         """The logical op ``op_id`` of ``step`` (default: the first)."""
