@@ -131,9 +131,6 @@ def _view_of(storage: torch.UntypedStorage, byte_offset: int, entry: tuple[Any, 
     return torch._neg_view(view) if entry[10] & NEG else view
 
 
-# -- reading a step's dump back (``run.dump(step)``) -------------------------------
-
-
 @register_mode
 class DumpMode(Mode):
     """Tensors of the selected ops to sharded safetensors, with the calls that made them."""
@@ -337,9 +334,12 @@ class DumpStep:
     ) -> None:
         self.shards, self.entries, self.calls, self.checksums = shards, entries, calls, checksums
         self.on_error = on_error
-        self.stops_training_on_write_failure = on_error == "raise"
-        """Asked of every step result by the session (``probe.modes.base.StepResult``)."""
         self.host_buffer_peak = host_buffer_peak
+
+    @property
+    def stops_training_on_write_failure(self) -> bool:
+        """Asked of every step result by the session (``probe.modes.base.StepResult``)."""
+        return self.on_error == "raise"
 
     def write(self, writer: StepWriter) -> dict[str, Any]:
         written: StepShards = self.shards()
