@@ -10,7 +10,11 @@ any later read that has no exact match.
 
 Freed memory is reused: an exact entry holds a weak reference to the tensor it
 describes, and a storage entry one to the storage, so an address that now
-belongs to a value no traced op produced never links to a stale producer.
+belongs to a value no traced op produced never links to a stale producer. A live
+tensor's memory can move too: FSDP2 frees and reallocates its unsharded parameters'
+storages (``UntypedStorage.resize_``, which no dispatch mode sees) while autograd
+holds views of them, so a hit also needs the registered tensor to be at the address
+still; otherwise another parameter reallocated there reads as that view.
 
 Some tensors cannot be keyed: inference tensors have no version counter, sparse,
 mkldnn and nested tensors no plain storage or shape, ZeroTensors and meta tensors
@@ -130,7 +134,7 @@ class ValueIndex:
                 else (ptr, shape, t.stride(), version)
             )
             hit = exact.get(key)
-            if hit is not None and hit[1]() is not None:
+            if hit is not None and (registered := hit[1]()) is not None and registered.data_ptr() == ptr:
                 dtype = t.dtype
                 # A dtype view of the same bytes (``view(torch.int32)``) has the same key.
                 found.append(hit[3] if dtype is hit[2] else (DTYPE_NAMES[dtype], tuple(shape), hit[0]))

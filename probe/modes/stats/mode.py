@@ -14,6 +14,7 @@ no row.
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -58,16 +59,18 @@ def _same_elements(view: torch.Tensor, base: torch.Tensor) -> bool:
     )
 
 
-def _value_key(t: torch.Tensor) -> tuple[Any, ...] | None:
-    """The values ``t`` holds (its memory, layout and version), or None for a tensor without
-    one. A tensor dense in its memory, contiguous or a transposed contiguous matrix, holds
-    every element of a range once whatever its shape: a weight and its transpose (a linear
-    layer reads both) have one key."""
+def _value_key(t: torch.Tensor) -> tuple[tuple[Any, ...], torch.UntypedStorage] | None:
+    """The values ``t`` holds (its memory, layout and version) and its storage, or None for
+    a tensor without one. A tensor dense in its memory, contiguous or a transposed contiguous
+    matrix, holds every element of a range once whatever its shape: a weight and its transpose
+    (a linear layer reads both) have one key. The address is part of it: FSDP2 moves a live
+    storage's memory (``resize_``) without a new version."""
     try:
-        storage, offset, version = t.untyped_storage()._cdata, t.storage_offset(), t._version
+        storage = t.untyped_storage()
+        where, version = (storage._cdata, t.data_ptr()), t._version
         if t.is_contiguous() or (t.dim() >= 2 and t.mT.is_contiguous()):
-            return (storage, offset, t.numel(), version, t.dtype, t.is_conj(), t.is_neg())
-        return (storage, offset, tuple(t.shape), t.stride(), version, t.dtype, t.is_conj(), t.is_neg())
+            return (where, t.numel(), version, t.dtype, t.is_conj(), t.is_neg()), storage
+        return (where, tuple(t.shape), t.stride(), version, t.dtype, t.is_conj(), t.is_neg()), storage
     except (RuntimeError, NotImplementedError):
         return None
 
@@ -125,7 +128,9 @@ class StatsMode(Mode):
         self._index: list[tuple[int, int, int, int]] = []  # (op index, INPUT/OUTPUT, position, row)
         self._output_rows: dict[tuple[int, int], int] = {}
         self._input_rows: dict[int, int] = {}  # current op: input position -> row
-        self._external_rows: dict[tuple[Any, ...], int] = {}  # inputs from outside the step -> row
+        # Inputs from outside the step -> row, and a weak reference to their storage: a freed
+        # storage's key may come back with another one allocated at its place.
+        self._external_rows: dict[tuple[Any, ...], tuple[int, weakref.ref]] = {}
 
     def _input_row(self, call: OpCall, position: int) -> int | None:
         row = self._input_rows.get(position)
@@ -159,15 +164,18 @@ class StatsMode(Mode):
             if not every and overwrites and t.untyped_storage()._cdata in written:
                 continue  # a buffer the op fills (out=, a collective's, FSDP2's): no value yet
             row = self._input_row(call, position)
-            key = None if every else _value_key(t)
-            if row is None and key is not None:
-                row = self._external_rows.get(key)  # a weight read by several ops: reduced once
+            keyed = None if every else _value_key(t)
+            if row is None and keyed is not None:
+                # A weight read by several ops: reduced once.
+                known = self._external_rows.get(keyed[0])
+                if known is not None and known[1]() is keyed[1]:
+                    row = known[0]
             if row is None:
                 row = self._rows.add(t, now=bool(written) and t.untyped_storage()._cdata in written)
                 if row is not None and self._distribution is not None:
                     self._distribution.add(t, row)
-                if row is not None and key is not None:
-                    self._external_rows[key] = row
+                if row is not None and keyed is not None:
+                    self._external_rows[keyed[0]] = (row, weakref.ref(keyed[1]))
             if row is not None:
                 self._input_rows[position] = row
                 self._index.append((call.index, INPUT, position, row))
