@@ -491,6 +491,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Plan, int | None]:
     known = {c.name for c in configurations(Path("."), eager=True, peers=True)}
     if only is not None and not only <= known:
         parser.error(f"--configs: unknown {sorted(only - known)}; known: {sorted(known)}")
+    if only is not None:  # the flags that add rows add them to a selection too
+        added = ((DebugModeConfig.name, args.peers), ("probe-stats-eager", args.eager))
+        only |= {name for name, asked in added if asked}
     plan = Plan(models, warmup, steps, args.markdown, args.eager, only, args.device, args.peers)
     return plan, args.threads
 
