@@ -11,6 +11,11 @@ Configurations (each trains its own model and optimizer, built from the same see
 - ``baseline``: the training step, no dispatch mode;
 - ``passthrough``: inside a bare ``TorchDispatchMode`` that runs and counts each
   op, the cost floor of any dispatch mode;
+- ``python-floor``: inside a dispatch mode that does the least any Python tracer of
+  values must do per op: each tensor argument's identity (address, shape, stride,
+  version) looked up in a dict, each result's registered, one record appended; no
+  module, phase, op id or written-argument tracking. What ``probe-structure`` could
+  reach with all its own bookkeeping gone;
 - ``probe-notrace``: inside ``probe.mode("stats", ops=["__nothing__"])``, the
   probe's routing with no op selected;
 - ``probe-structure``: inside ``probe.mode("structure")``, every op recorded
@@ -60,6 +65,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import probe
 from benchmarks.models import MODELS, ModelSpec, WorkloadSpec
 from probe.demo.train import DemoTraining
+from probe.vocabulary.op_tensors import tensors_in, tensors_out
 
 # -- configurations -------------------------------------------------------------
 
@@ -78,6 +84,34 @@ class CountingMode(TorchDispatchMode):
     ) -> Any:
         self.ops += 1
         return func(*args, **(kwargs or {}))
+
+
+class PythonFloorMode(TorchDispatchMode):
+    """The least a Python tracer of values does per op (see ``python-floor`` above)."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: dict[tuple[Any, ...], tuple[int, int]] = {}
+        self.records: list[tuple[Any, ...]] = []
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        values, index = self.values, len(self.records)
+        sources = [
+            values.get((t.data_ptr(), t.shape, t.stride(), t._version))
+            for t in tensors_in(args, kwargs or {})
+        ]
+        out = func(*args, **(kwargs or {}))
+        shapes = []
+        for position, t in enumerate([out] if type(out) is torch.Tensor else tensors_out(out)):
+            shape = t.shape
+            values[(t.data_ptr(), shape, t.stride(), t._version)] = (index, position)
+            shapes.append(tuple(shape))
+        self.records.append((index, func, tuple(sources), tuple(shapes)))
+        return out
 
 
 @dataclass(frozen=True)
@@ -133,6 +167,20 @@ class Passthrough:
             trainer.step()
             trainer.synchronize()
             sample = timer.sample(counter.ops)
+        return sample
+
+
+@dataclass(frozen=True)
+class PythonFloor:
+    name: str = "python-floor"
+
+    def run_step(self, trainer: DemoTraining) -> Sample:
+        timer = Timer()
+        with PythonFloorMode() as floor:
+            timer.start()
+            trainer.step()
+            trainer.synchronize()
+            sample = timer.sample(len(floor.records))
         return sample
 
 
@@ -195,6 +243,7 @@ def configurations(scratch: Path, eager: bool, peers: bool = False) -> list[Conf
     configs: list[Config] = [
         Baseline(),
         Passthrough(),
+        PythonFloor(),
         ProbeConfig("probe-notrace", scratch, options={"ops": ["__nothing__"]}),
         ProbeConfig("probe-structure", scratch, mode="structure"),
         ProbeConfig("probe-stats", scratch),

@@ -47,3 +47,17 @@ def test_overhead_rows_give_each_overhead_as_a_multiple_of_the_bare_modes():
     # No overhead to compare with (the bare mode as fast as no mode): no ratio, not a division by 0.
     flat = overhead.summarize({"baseline": runs(1.0, 1.0), "passthrough": runs(1.0, 1.0, 5)})
     assert flat[1].overhead_vs_bare is None
+
+
+
+def test_the_python_floor_links_each_value_to_the_op_that_made_it():
+    import torch
+
+    x = torch.randn(4, 4)
+    with overhead.PythonFloorMode() as floor, overhead.CountingMode() as counted:
+        z = (x * 2 + 1).t()
+    assert len(floor.records) == counted.ops == 3
+    (mul, _, mul_sources, _), (add, _, add_sources, _), (_, _, t_sources, t_shapes) = floor.records
+    assert mul_sources == (None,)  # x came from outside
+    assert add_sources == ((mul, 0),) and t_sources == ((add, 0),)
+    assert t_shapes == ((4, 4),) == (tuple(z.shape),)
