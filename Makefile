@@ -48,6 +48,7 @@ lint: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.overhead --quick
+	$(PY) -m benchmarks.gc_pressure --quick
 	$(PY) -m benchmarks.dump_throughput --quick
 	$(PY) -m benchmarks.free_benchmark --quick
 	$(PY) -m benchmarks.graph_export --quick

@@ -205,7 +205,7 @@ class Escalation:
         armed = ExitStack()
         try:
             start_modes(modes, self.options.model, self._out, self._rank)
-            traced(armed, tracer, self.options.compiled, under_others=True)
+            traced(armed, tracer, self.options.compiled, under_others=True, gc_freeze=self.options.gc_freeze)
         except Exception as e:  # training goes on, monitored
             with suppress(Exception):
                 armed.close()

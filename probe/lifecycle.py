@@ -20,6 +20,7 @@ from probe.modes.registry import MODES
 from probe.tracer import mode_stack
 from probe.tracer.compat import compiled_regions_eager
 from probe.tracer.dispatch_mode import ProbeDispatchMode, Tracer
+from probe.tracer.frozen_heap import frozen_heap
 
 
 def build_modes(names: Iterable[str], options: Mapping[str, Any]) -> list[SessionPlugin]:
@@ -39,12 +40,15 @@ def start_modes(modes: Iterable[SessionPlugin], model: Any, out: Path, rank: int
 
 
 def traced(stack: ExitStack, tracer: Tracer, compiled: str,
-           on_eager: Callable[[], None] | None = None, under_others: bool = False) -> None:
+           on_eager: Callable[[], None] | None = None, under_others: bool = False,
+           gc_freeze: bool = True) -> None:
     """Put ``tracer`` in place, registering its removal on ``stack``.
 
     ``under_others``: the dispatch mode goes beneath the modes already on the stack (escalation
     arms it while the user's own dispatch modes may be active), and is taken out from there;
-    otherwise it is entered on top, as a ``with`` block would."""
+    otherwise it is entered on top, as a ``with`` block would. ``gc_freeze``: the program's
+    objects are left out of garbage collections while it traces (``probe.tracer.frozen_heap``)."""
+    stack.enter_context(frozen_heap(gc_freeze))
     tracer.modules.install()
     stack.callback(tracer.modules.uninstall)
     stack.enter_context(compiled_regions_eager(compiled, on_eager))

@@ -40,7 +40,7 @@ from probe.vocabulary.option_values import (  # noqa: F401  (re-exported: import
 
 _COMMON_KEYS = {
     "out", "overwrite", "model", "ops", "modules", "steps", "ranks", "phases", "stack", "compiled",
-    "async_flush", "hparams", "checksums", "compiled_inputs",
+    "async_flush", "hparams", "checksums", "compiled_inputs", "gc_freeze",
 }
 CONFIG_MAX_BYTES = 16 << 20  # a config is a few keys; more is a wrong path (a checkpoint, a dataset)
 
@@ -84,7 +84,7 @@ def parse_options(modes: Any, kwargs: dict[str, Any], mode_option_names: dict[st
             setattr(opts, key, IntSet.parse(key, value))
         elif key == "phases":
             opts.phases = _parse_phases(value)
-        elif key in ("overwrite", "stack", "async_flush", "compiled_inputs"):
+        elif key in ("overwrite", "stack", "async_flush", "compiled_inputs", "gc_freeze"):
             setattr(opts, key, parse_bool(key, value))
         elif key == "compiled":
             opts.compiled = parse_choice(key, value, COMPILED_POLICIES)

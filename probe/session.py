@@ -86,6 +86,7 @@ def _options_summary(options: Options) -> dict[str, Any]:
         "stack": options.stack,
         "compiled": options.compiled,
         "async_flush": options.async_flush,
+        "gc_freeze": options.gc_freeze,
         "mode_options": {k: show(v) for k, v in options.mode_options.items()},
     }
 
@@ -166,7 +167,8 @@ class Session:
                 stack.callback(self._escalation.disarm)  # before the writer's close: LIFO
             # An unselected rank runs its steps untraced: no dispatch mode, no hooks.
             if self._writer is not None and self._observers:
-                traced(stack, tracer, self.options.compiled, self._compiled_ran_eagerly)
+                traced(stack, tracer, self.options.compiled, self._compiled_ran_eagerly,
+                       gc_freeze=self.options.gc_freeze)
         except BaseException:
             # The failure to start is the one to report.
             with contextlib.suppress(BaseException):

@@ -81,6 +81,7 @@ ACCEPTED: dict[str, frozenset[str]] = {
     "model": _NONE, "config": _NONE | {"empty_dict"}, "hparams": _NONE | {"dict", "empty_dict"},
     "ops": _GLOBS, "modules": _GLOBS, "steps": _INT_SET, "ranks": _INT_SET,
     "overwrite": _BOOL, "stack": _BOOL, "async_flush": _BOOL, "compiled_inputs": _BOOL, "checksums": _BOOL,
+    "gc_freeze": _BOOL,
     "phases": frozenset(), "compiled": frozenset(),
     # stats (and the monitor's distribution/histogram)
     "inputs": _BOOL, "distribution": _BOOL, "histogram": _BOOL, "saturation": _BOOL,

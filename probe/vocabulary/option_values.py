@@ -255,6 +255,9 @@ class Options:
     """With ``compiled="keep"``: write each opened region call's inputs and compiled outputs (as
     the dump mode does), for judging the region against eager and fp64 and ``probe repro``."""
     async_flush: bool = True
+    gc_freeze: bool = True
+    """Leave the program's objects out of garbage collections while tracing
+    (``probe.tracer.frozen_heap``: the records' promotions made full collections walk them)."""
     hparams: dict[str, Any] | None = None
     checksums: frozenset[str] = DEFAULT_CHECKSUMS
     mode_options: dict[str, Any] = field(default_factory=dict)
