@@ -236,25 +236,18 @@ def _folded_tensors_like(single: probe.Run, logical: LogicalRun) -> tuple[float,
 def _dumps_hold_their_recorded_statistics(run: probe.Run) -> int:
     """Every rank's dumped floating-point tensors against the statistics the stats mode took of
     the same tensors (independently): extremes equal, norms within fp32 rounding. How many.
-
-    Left out: what an op reads right after an in-place c10d collective without a producer (gloo's
-    emulated reduce-scatter splits the buffer it all-reduced): its record is keyed to the value
-    before the collective, a known recording fault (``tests/test_collectives.py``'s strict
-    xfail); the dump holds what the op read."""
+    Reads right after a collective included: gloo's emulated reduce-scatter all-reduces its input
+    buffer unannounced, and the split after it reads the new values (``tests/test_moved_memory.py``)."""
     checked = 0
     for step in run.steps:
         for rank in run.ranks:
             dump = run.dump(step, rank)
-            ops = run.ops(step, rank)
-            for k, op in enumerate(ops):
-                after_in_place_collective = k > 0 and ops[k - 1].group is not None \
-                    and any(t.mutated for t in ops[k - 1].outputs)
+            for op in run.ops(step, rank):
                 for io, records in (("input", op.inputs), ("output", op.outputs)):
                     for position, record in enumerate(records):
                         entry = dump.entries.get((op.index, io, position))
                         if record.stats is None or entry is None or entry.status is not None \
-                                or not record.dtype.startswith("float") or not math.prod(record.shape) \
-                                or (io == "input" and record.source is None and after_in_place_collective):
+                                or not record.dtype.startswith("float") or not math.prod(record.shape):
                             continue
                         data = dump.tensor(op.index, io, position).double()
                         where = (step, rank, op.id, io, position)

@@ -6,6 +6,7 @@ lived there before held."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.autograd import _unsafe_preserve_version_counter
 from torch.utils._python_dispatch import _disable_current_modes
@@ -52,3 +53,42 @@ def test_a_freed_tensor_read_from_outside_lends_its_row_to_no_later_one(tmp_path
             del t
     muls = probe.load(tmp_path / "r").ops(0)
     assert [op.inputs[0].stats["max"] for op in muls] == [v.max().item() for v in values]
+
+
+@pytest.fixture(scope="module")
+def emulated_reduce_scatter():
+    """A collective whose backend writes its input too, without a version bump and without
+    its schema saying so: gloo emulates reduce-scatter by an all-reduce of the input buffer
+    (here: the input tripled, its first half copied out)."""
+    lib = torch.library.Library("_c10d_functional", "FRAGMENT")
+    lib.define("probe_test_reduce_scatter_(Tensor(a!) out, Tensor input) -> ()")
+
+    def run(out: torch.Tensor, input: torch.Tensor) -> None:
+        with torch.no_grad():
+            input.data.mul_(3.0)  # .data: another version counter, as a backend's write
+            out.data.copy_(input.data[: out.numel()])
+
+    lib.impl("probe_test_reduce_scatter_", run, "CPU")
+    yield torch.ops._c10d_functional.probe_test_reduce_scatter_
+    lib._destroy()
+
+
+def test_a_buffer_a_collective_writes_unannounced_is_read_after_it_as_it_is_then(
+        tmp_path, emulated_reduce_scatter):
+    g = torch.Generator().manual_seed(2)
+    buffer, out = torch.randn(4096, generator=g), torch.empty(2048)
+    before = buffer.clone()
+    with probe.mode(["stats", "dump"], out=tmp_path / "r"):
+        buffer * 1.0  # the buffer read from outside the step: its row and blob are of the value before
+        emulated_reduce_scatter(out, buffer)
+        buffer * 2.0  # and after: the tripled values, under the same version
+    run = probe.load(tmp_path / "r")
+    first, collective, second = run.ops(0)
+    assert collective.name.endswith("probe_test_reduce_scatter_.default")
+    assert first.inputs[0].stats["max"] == before.max().item()
+    assert second.inputs[0].stats["max"] == pytest.approx(3 * before.max().item())
+    dump = run.dump(0, 0)
+    assert torch.equal(dump.tensor(first.index, "input", 0), before)
+    assert torch.equal(dump.tensor(collective.index, "input", 1), before)  # what it was given
+    assert torch.equal(dump.tensor(second.index, "input", 0), buffer)
+    assert collective.outputs[0].stats["max"] == pytest.approx(3 * before[:2048].max().item())

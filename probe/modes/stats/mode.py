@@ -148,6 +148,12 @@ class StatsMode(Mode):
         if call.info.mutates:
             # Queued results about to be overwritten are reduced first (see statistics.capture).
             self._rows.before_write(call.written())
+        # A backend may write any buffer a collective is given, unannounced and without a version
+        # bump (gloo emulates reduce-scatter by an all-reduce of its input): its inputs are read
+        # now, and their rows describe no later read.
+        unannounced = self._storages(call.input_tensors or ()) if call.info.is_collective else ()
+        if unannounced:
+            self._rows.before_write(list(call.input_tensors or ()))
         if not self.inputs or (self.inputs == "external" and call.uninitialized):
             return  # a view into memory nothing wrote yet (FSDP2's reallocated buffers): garbage
         every = self.inputs is True
@@ -171,7 +177,8 @@ class StatsMode(Mode):
                 if known is not None and known[1]() is keyed[1]:
                     row = known[0]
             if row is None:
-                row = self._rows.add(t, now=bool(written) and t.untyped_storage()._cdata in written)
+                storage = t.untyped_storage()._cdata
+                row = self._rows.add(t, now=(bool(written) and storage in written) or storage in unannounced)
                 if row is not None and self._distribution is not None:
                     self._distribution.add(t, row)
                 if row is not None and keyed is not None:
@@ -179,6 +186,9 @@ class StatsMode(Mode):
             if row is not None:
                 self._input_rows[position] = row
                 self._index.append((call.index, INPUT, position, row))
+        if unannounced and self._external_rows:
+            self._external_rows = {key: known for key, known in self._external_rows.items()
+                                   if key[0][0] not in unannounced}
 
     def after(self, call: OpCall) -> None:
         if call.uninitialized:
@@ -217,6 +227,17 @@ class StatsMode(Mode):
                 continue
             self._output_rows[(call.index, position)] = row
             self._index.append((call.index, OUTPUT, position, row))
+
+    @staticmethod
+    def _storages(tensors: Any) -> set[int]:
+        """The storages of ``tensors`` (those that have one: not a wrapper subclass, a meta tensor)."""
+        storages = set()
+        for t in tensors:
+            try:
+                storages.add(t.untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError):
+                continue
+        return storages
 
     def end_step(self, step: int) -> StatsStep:
         result = StatsStep(self._rows.end_step(), self._index, self._parameters.end_step())
