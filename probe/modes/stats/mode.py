@@ -59,18 +59,18 @@ def _same_elements(view: torch.Tensor, base: torch.Tensor) -> bool:
     )
 
 
-def _value_key(t: torch.Tensor) -> tuple[tuple[Any, ...], torch.UntypedStorage] | None:
-    """The values ``t`` holds (its memory, layout and version) and its storage, or None for
-    a tensor without one. A tensor dense in its memory, contiguous or a transposed contiguous
-    matrix, holds every element of a range once whatever its shape: a weight and its transpose
-    (a linear layer reads both) have one key. The address is part of it: FSDP2 moves a live
-    storage's memory (``resize_``) without a new version."""
+def _value_key(t: torch.Tensor) -> tuple[torch.UntypedStorage, tuple[Any, ...]] | None:
+    """``t``'s storage and the values ``t`` holds in it (address, layout and version), or None
+    for a tensor without one. A tensor dense in its memory, contiguous or a transposed
+    contiguous matrix, holds every element of a range once whatever its shape: a weight and its
+    transpose (a linear layer reads both) have one key. The address is part of it: FSDP2 moves
+    a live storage's memory (``resize_``) without a new version."""
     try:
         storage = t.untyped_storage()
-        where, version = (storage._cdata, t.data_ptr()), t._version
+        where, version = t.data_ptr(), t._version
         if t.is_contiguous() or (t.dim() >= 2 and t.mT.is_contiguous()):
-            return (where, t.numel(), version, t.dtype, t.is_conj(), t.is_neg()), storage
-        return (where, tuple(t.shape), t.stride(), version, t.dtype, t.is_conj(), t.is_neg()), storage
+            return storage, (where, t.numel(), version, t.dtype, t.is_conj(), t.is_neg())
+        return storage, (where, tuple(t.shape), t.stride(), version, t.dtype, t.is_conj(), t.is_neg())
     except (RuntimeError, NotImplementedError):
         return None
 
@@ -128,9 +128,10 @@ class StatsMode(Mode):
         self._index: list[tuple[int, int, int, int]] = []  # (op index, INPUT/OUTPUT, position, row)
         self._output_rows: dict[tuple[int, int], int] = {}
         self._input_rows: dict[int, int] = {}  # current op: input position -> row
-        # Inputs from outside the step -> row, and a weak reference to their storage: a freed
-        # storage's key may come back with another one allocated at its place.
-        self._external_rows: dict[tuple[Any, ...], tuple[int, weakref.ref]] = {}
+        # Inputs from outside the step by storage (its ``_cdata``: a freed storage's may come back
+        # with the next one allocated, so each entry has a weak reference to its own), then by
+        # value (``_value_key``) -> row.
+        self._external_rows: dict[int, tuple[weakref.ref, dict[tuple[Any, ...], int]]] = {}
 
     def _input_row(self, call: OpCall, position: int) -> int | None:
         row = self._input_rows.get(position)
@@ -171,24 +172,28 @@ class StatsMode(Mode):
                 continue  # a buffer the op fills (out=, a collective's, FSDP2's): no value yet
             row = self._input_row(call, position)
             keyed = None if every else _value_key(t)
-            if row is None and keyed is not None:
-                # A weight read by several ops: reduced once.
-                known = self._external_rows.get(keyed[0])
-                if known is not None and known[1]() is keyed[1]:
-                    row = known[0]
+            values = None
+            if keyed is not None:
+                known = self._external_rows.get(keyed[0]._cdata)
+                if known is not None and known[0]() is keyed[0]:
+                    values = known[1]
+                    if row is None:
+                        row = values.get(keyed[1])  # a weight read by several ops: reduced once
             if row is None:
                 storage = t.untyped_storage()._cdata
                 row = self._rows.add(t, now=(bool(written) and storage in written) or storage in unannounced)
                 if row is not None and self._distribution is not None:
                     self._distribution.add(t, row)
                 if row is not None and keyed is not None:
-                    self._external_rows[keyed[0]] = (row, weakref.ref(keyed[1]))
+                    if values is None:
+                        values = {}
+                        self._external_rows[keyed[0]._cdata] = (weakref.ref(keyed[0]), values)
+                    values[keyed[1]] = row
             if row is not None:
                 self._input_rows[position] = row
                 self._index.append((call.index, INPUT, position, row))
-        if unannounced and self._external_rows:
-            self._external_rows = {key: known for key, known in self._external_rows.items()
-                                   if key[0][0] not in unannounced}
+        for storage in unannounced:
+            self._external_rows.pop(storage, None)
 
     def after(self, call: OpCall) -> None:
         if call.uninitialized:
