@@ -156,18 +156,23 @@ class Baseline:
         return timer.sample(None)
 
 
+def timed_under(mode: TorchDispatchMode, trainer: DemoTraining, ops: Callable[[], int | None]) -> Sample:
+    """One step timed inside ``mode`` (entered before the clock starts); ``ops()`` counts its ops."""
+    timer = Timer()
+    with mode:
+        timer.start()
+        trainer.step()
+        trainer.synchronize()
+        return timer.sample(ops())
+
+
 @dataclass(frozen=True)
 class Passthrough:
     name: str = "passthrough"
 
     def run_step(self, trainer: DemoTraining) -> Sample:
-        timer = Timer()
-        with CountingMode() as counter:
-            timer.start()
-            trainer.step()
-            trainer.synchronize()
-            sample = timer.sample(counter.ops)
-        return sample
+        counter = CountingMode()
+        return timed_under(counter, trainer, lambda: counter.ops)
 
 
 @dataclass(frozen=True)
@@ -175,13 +180,8 @@ class PythonFloor:
     name: str = "python-floor"
 
     def run_step(self, trainer: DemoTraining) -> Sample:
-        timer = Timer()
-        with PythonFloorMode() as floor:
-            timer.start()
-            trainer.step()
-            trainer.synchronize()
-            sample = timer.sample(len(floor.records))
-        return sample
+        floor = PythonFloorMode()
+        return timed_under(floor, trainer, lambda: len(floor.records))
 
 
 def recorded_ops(out: Path) -> int:
@@ -226,13 +226,7 @@ class DebugModeConfig:
     def run_step(self, trainer: DemoTraining) -> Sample:
         from torch.utils._debug_mode import DebugMode
 
-        timer = Timer()
-        with DebugMode():
-            timer.start()
-            trainer.step()
-            trainer.synchronize()
-            sample = timer.sample(None)
-        return sample
+        return timed_under(DebugMode(), trainer, lambda: None)
 
 
 # Every ratio is taken against these two, so a --configs selection always keeps them.
