@@ -302,3 +302,15 @@ def test_the_trace_limit_bounds_the_windows_and_the_summary_says_why(tmp_path, c
     assert second.describe().endswith("-> not traced: the session had traced 1 window(s), its trace_limit")
     assert run.step_info(10, 0).manifest["escalation_refused"]["trace_limit"] == 1
     assert "not tracing after the incident at step 9: this session traced 1 window(s)" in caplog.text
+
+
+def test_the_window_freezes_the_heap_while_it_traces_and_only_then(tmp_path):
+    import gc
+
+    frozen: list[bool] = []
+    seen = _train(8, _monitor(tmp_path / "r", trace_steps=2), plant=(3, _plant_inf),
+                  around=lambda step: frozen.append(gc.get_freeze_count() > 0))
+    traced = [step for step, modes in enumerate(seen) if "ProbeDispatchMode" in modes]
+    assert traced == [4, 5]
+    assert [step for step, f in enumerate(frozen) if f] == traced  # see probe.tracer.frozen_heap
+    assert gc.get_freeze_count() == 0
