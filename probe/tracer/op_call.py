@@ -171,6 +171,13 @@ class OpCall:
             self._written = written_tensors(self.info, self.args, self.kwargs)
         return self._written
 
+    def written_unannounced(self) -> list[torch.Tensor]:
+        """Tensors the op may write that its schema does not mark and whose version counters do
+        not move: a collective's inputs (a backend may write any buffer it is given; gloo emulates
+        reduce-scatter by an all-reduce of its input). A mode that keeps anything of their values
+        by storage and version lets go of it here."""
+        return list(self.input_tensors or ()) if self.info.is_collective else []
+
     def versions_moving(self) -> list[torch.Tensor]:
         """The tensors whose version counters go up by one when the op now in dispatch
         returns (see ``OpClass.counts_writes``)."""

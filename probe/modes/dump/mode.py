@@ -209,12 +209,9 @@ class DumpMode(Mode):
                 self._entries.append((call.index, INPUT, position, *self._capture(t)))
         if call.info.is_collective:
             self._collectives[call.index] = len(self._entries)
-            # A backend may write any buffer a collective is given, unannounced and without a
-            # version bump (gloo emulates reduce-scatter by an all-reduce of its input): what
-            # later reads them finds no blob by storage and version, and is copied as it is then.
-            for t in inputs:
-                if not_dumpable(t) is None:
-                    self._blobs.pop(t.untyped_storage().data_ptr(), None)
+        for t in call.written_unannounced():  # a later read finds no blob of the value before
+            if not_dumpable(t) is None:
+                self._blobs.pop(t.untyped_storage().data_ptr(), None)
 
     def after(self, call: OpCall) -> None:
         if call.info.is_collective:

@@ -149,12 +149,11 @@ class StatsMode(Mode):
         if call.info.mutates:
             # Queued results about to be overwritten are reduced first (see statistics.capture).
             self._rows.before_write(call.written())
-        # A backend may write any buffer a collective is given, unannounced and without a version
-        # bump (gloo emulates reduce-scatter by an all-reduce of its input): its inputs are read
-        # now, and their rows describe no later read.
-        unannounced = self._storages(call.input_tensors or ()) if call.info.is_collective else ()
+        # Read now, and their rows describe no later read (``OpCall.written_unannounced``).
+        unannounced_tensors = call.written_unannounced()
+        unannounced = self._storages(unannounced_tensors) if unannounced_tensors else ()
         if unannounced:
-            self._rows.before_write(list(call.input_tensors or ()))
+            self._rows.before_write(unannounced_tensors)
         if not self.inputs or (self.inputs == "external" and call.uninitialized):
             return  # a view into memory nothing wrote yet (FSDP2's reallocated buffers): garbage
         every = self.inputs is True
@@ -180,7 +179,7 @@ class StatsMode(Mode):
                     if row is None:
                         row = values.get(keyed[1])  # a weight read by several ops: reduced once
             if row is None:
-                storage = t.untyped_storage()._cdata
+                storage = keyed[0]._cdata if keyed is not None else t.untyped_storage()._cdata
                 row = self._rows.add(t, now=(bool(written) and storage in written) or storage in unannounced)
                 if row is not None and self._distribution is not None:
                     self._distribution.add(t, row)
