@@ -133,3 +133,43 @@ def test_gpt2_fp16_against_fp32_is_no_divergence(tmp_path):
     assert report.counts["error"] == 0 and report.counts["warning"] > 50
     assert report.conclusion.startswith("no divergence: differences consistent with the precision of run B "
                                         "(float16 throughout")
+
+
+def _qk_norm_run(out, arch: str, autocast: bool, fault: bool = False):
+    """Two AdamW steps of a QK-norm model (its q_norm/k_norm return ``.to(input_dtype)``: under
+    autocast a cast back to the bf16 its projection made); ``fault`` computes the final norm in bf16
+    from the fp32 residual, a real lowering."""
+    config = getattr(transformers, f"{arch}Config")(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{arch}ForCausalLM")(config)
+    if fault:
+        _norm_in_bf16_without_eps(model.get_submodule("model.norm"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    with probe.mode("stats", out=out, model=model) as session:
+        for _ in range(2):
+            ids = torch.randint(0, 128, (2, 16), generator=gen)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            session.step()
+    return out
+
+
+@pytest.mark.parametrize("arch", ["Qwen3", "Olmo2"])
+def test_a_norm_casting_back_to_the_dtype_it_received_is_no_lowering(tmp_path, arch):
+    # 19 of the 58 healthy autocast pairs the zoo called divergent stopped at a q_norm's cast
+    # back to bf16: it restores what autocast's projection made, and lowers nothing.
+    reference = _qk_norm_run(tmp_path / "a", arch, autocast=False)
+    report = probe.compare(reference, _qk_norm_run(tmp_path / "b", arch, autocast=True))
+    assert report.first_divergence is None and report.ok, report.conclusion
+    assert report.conclusion == "no divergence: differences consistent with bf16 autocast"
+    # The same models' real lowering (a norm of the fp32 residual in bf16) is still found there.
+    faulty = probe.compare(reference, _qk_norm_run(tmp_path / "c", arch, autocast=True, fault=True))
+    assert faulty.divergence is not None
+    assert (faulty.divergence.rule, faulty.divergence.op.module, faulty.divergence.step) == \
+        ("lowered precision", "model.norm", 0)

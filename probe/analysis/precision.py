@@ -180,6 +180,7 @@ def lowered_precision(ops_a: list[OpRecord], ops_b: list[OpRecord],
                 consumers[t.source[0]].append(op)
     dtype_a, dtype_b = model_dtype(ops_a), model_dtype(ops_b)
     model_lowered = dtype_a is not None and dtype_b is not None and _lower(dtype_b, dtype_a)
+    ops_by_index = {op.index: op for op in ops_b}
     found: dict[int, Lowering] = {}
     for op in ops_b:
         out, inp = output_precision(op), input_precision(op)
@@ -191,6 +192,8 @@ def lowered_precision(ops_a: list[OpRecord], ops_b: list[OpRecord],
             continue  # run A lowers here too
         if short_name(op.name) in AUTOCAST_LOWERED or (model_lowered and out == dtype_b):
             continue
+        if _restores_arrival_dtype(op, out, ops_by_index):
+            continue  # the model's own cast back to the dtype its value arrived in (a norm's output)
         targets = _terminal_consumers(op, consumers)
         if not targets:
             continue  # nothing in the step computes on it
@@ -201,6 +204,36 @@ def lowered_precision(ops_a: list[OpRecord], ops_b: list[OpRecord],
             continue  # the loss scaler's own bookkeeping (its inverse scale in fp32)
         found[op.index] = Lowering(op, reference, out, partner is None)
     return found
+
+
+_RESTORE_WALK = 64
+"""The most ops walked back from a cast to find where its value was widened."""
+
+
+def _restores_arrival_dtype(cast: OpRecord, dtype: torch.dtype, ops: dict[int, OpRecord]) -> bool:
+    """Whether ``cast`` puts its value back into ``dtype`` after the same module call widened it
+    from ``dtype``: the ``x.to(float32) ... .to(input_dtype)`` a norm wraps its arithmetic in, or
+    rotary embeddings' ``(q * cos + ...).to(q.dtype)`` after type promotion widened ``q``.
+
+    Such a cast lowers nothing the module received: what entered it was already in ``dtype``
+    (under autocast, a projection's output), and the rounding it adds is the propagation rules'
+    to judge by its effect. A cast of a value that arrived in the higher precision (a residual
+    stream cast to bf16 before a norm) finds no such widening and stays a lowering.
+    """
+    call = (cast.phase, cast.module, cast.module_call)
+    stack = [t.source[0] for t in cast.inputs if t.source is not None]
+    seen: set[int] = set()
+    while stack and len(seen) < _RESTORE_WALK:
+        index = stack.pop()
+        op = ops.get(index)
+        if op is None or index in seen or (op.phase, op.module, op.module_call) != call:
+            continue
+        seen.add(index)
+        widened_to = output_precision(op)
+        if widened_to is not None and input_precision(op) == dtype and _lower(dtype, widened_to):
+            return True  # a cast up from ``dtype``, or arithmetic promoting a ``dtype`` operand
+        stack += [t.source[0] for t in op.inputs if t.source is not None]
+    return False
 
 
 def describe_policy(ops_a: list[OpRecord], ops_b: list[OpRecord]) -> str:
