@@ -68,3 +68,27 @@ def test_nan_from_a_backward_op_is_attributed_to_backward(tmp_path):
     bad = probe.load(tmp_path / "r").first_nonfinite()
     assert bad is not None and bad.phase == "backward" and bad.module == ""
     assert bad.inputs_finite is True
+
+
+def test_an_unread_causal_mask_is_no_origin_the_first_overflow_is(tmp_path):
+    # nn.TransformerEncoder is given the causal mask and is_causal=True: its attention then calls
+    # SDPA with is_causal and never reads the mask's full(-inf). In fp16, layer 1's linear1 grows
+    # until its addmm overflows (finite inputs, Inf out): that is where the fault starts.
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).to(torch.float16)
+    with torch.no_grad():
+        model.layers[1].linear1.weight.mul_(1e5)
+    x = torch.randn(2, 8, 32, dtype=torch.float16)
+    with probe.mode("stats", out=tmp_path, model=model) as session:
+        for _ in range(2):
+            mask = nn.Transformer.generate_square_subsequent_mask(8, dtype=torch.float16)
+            model(x, mask=mask, is_causal=True).float().square().mean().backward()
+            session.step()
+    run = probe.load(tmp_path)
+    first = run.first_nonfinite()
+    assert first is not None
+    assert (first.module, first.name, first.step) == ("layers.1.linear1", "aten.addmm.default", 0), first
+    assert first.inputs_finite
+    for step in run.steps:
+        assert all(op.name.split(".")[1] not in ("full", "triu") for op in run.nonfinite_origins(step))

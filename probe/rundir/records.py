@@ -408,6 +408,7 @@ def nonfinite_origins_in(ops: list[OpRecord]) -> list[OpRecord]:
             if tensor.source is not None:
                 readers.setdefault(tensor.source, []).append(op.index)
     reaching: dict[tuple[int, int], frozenset[str]] = {}  # (op, output) -> its kinds that reach a fault
+    constant = _constant_ops(ops)
 
     def passes_on(reader: OpRecord, kind: str) -> bool:
         kinds = outputs[reader.index]
@@ -421,8 +422,10 @@ def nonfinite_origins_in(ops: list[OpRecord]) -> list[OpRecord]:
             if not kinds:
                 continue
             values = readers.get((op.index, position))
-            reached = kinds if not values else frozenset(
-                k for k in kinds if any(passes_on(ops[c], k) for c in values))
+            if not values:  # a result, unless nothing computed it: a mask built and never used
+                reached = frozenset() if op.index in constant else kinds
+            else:
+                reached = frozenset(k for k in kinds if any(passes_on(ops[c], k) for c in values))
             if reached:
                 reaching[(op.index, position)] = reached
     origins = []
@@ -445,6 +448,20 @@ def nonfinite_origins_in(ops: list[OpRecord]) -> list[OpRecord]:
         if reached - held:
             origins.append(op)
     return origins
+
+
+def _constant_ops(ops: list[OpRecord]) -> set[int]:
+    """The ops whose results depend on no value of the program: made from scalars and shapes
+    alone (``full(-inf)``, ``arange``, a ``triu`` or ``masked_fill`` of those), reading no tensor
+    from outside the step nor one computed from one. Their infinities are masks, written on
+    purpose: one that no op reads is nothing (a causal mask SDPA skips under ``is_causal=True``),
+    one that a reader passes on to a fault is still where that fault started."""
+    constant: set[int] = set()
+    for op in ops:
+        if all(t.source is not None and t.source[0] in constant for t in op.inputs) \
+                or (op.inputs and _short_name(op) in _READS_SHAPE_ONLY):
+            constant.add(op.index)
+    return constant
 
 
 def first_nonfinite_in(ops: list[OpRecord]) -> OpRecord | None:
