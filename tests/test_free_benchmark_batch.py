@@ -9,7 +9,7 @@ import torch
 
 import probe
 from probe.modes.free_benchmark.deviation import DeviationQueue, deviation
-from probe.modes.free_benchmark.perturbations import _one_ulp_up, one_ulp_up
+from probe.modes.free_benchmark.perturbations import _one_ulp_moved, one_ulp_moved
 
 
 def _pairs() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
@@ -78,9 +78,9 @@ def test_the_nudged_upcast_equals_nudging_then_upcasting(numel, low, high):
     flat[0], flat[1], flat[2] = float("inf"), float("nan"), torch.finfo(low).max
     flat[3] = torch.finfo(low).tiny / 2  # subnormal: not moved
     for t in (x, x.t()):
-        fused = one_ulp_up(t, high)
+        fused = one_ulp_moved(t, high)
         assert fused.dtype == high and fused.shape == t.shape
-        assert torch.equal(fused.nan_to_num(), _one_ulp_up(t).to(high).nan_to_num())
+        assert torch.equal(fused.nan_to_num(), _one_ulp_moved(t).to(high).nan_to_num())
 
 
 def test_a_pair_worth_its_own_pass_is_reduced_at_once_and_small_ones_wait():

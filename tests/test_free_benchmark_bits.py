@@ -115,3 +115,17 @@ def test_healthy_hf_models_have_at_most_one_percent_failed_checks(tmp_path, buil
         assert {"aten.cos.default", "aten.sin.default"} <= {c.name for c in checks if c.dtype == "float32"}
     failed = [(c.op_id, c.module, c.reason) for c in checks if c.verdict == "fail"]
     assert counts["fail"] <= 0.01 * judged, failed
+
+
+@pytest.mark.parametrize("perturb", [DEFAULT, "add_noise"])
+def test_a_softmax_blind_to_a_shift_still_fails_on_fp16_logits_near_1000(tmp_path, perturb):
+    # One fp16 ULP at 1000 is 0.5: the rounding of the logits alone puts the softmax 7.5% from
+    # exact. Inputs moved all one way shift as one, and a softmax ignores a shift: the
+    # perturbation must move elements relative to each other for this to show.
+    logits = (1000 + torch.randn(8, 64, generator=torch.Generator().manual_seed(0))).half()
+    exact = torch.softmax(1000 + torch.randn(8, 64, generator=torch.Generator().manual_seed(0)).double(), -1)
+    assert float(((torch.softmax(logits.float(), -1) - exact).abs() / exact).max()) > 0.05
+    with probe.mode("free_benchmark", out=tmp_path / "r", **_options(perturb)):
+        torch.softmax(logits, -1)
+    (check,) = probe.load(tmp_path / "r").checks()
+    assert check.verdict == "fail" and "rule bits" in check.reason, (check.ratio, check.reason)

@@ -48,7 +48,7 @@ from probe.modes.free_benchmark.perturbations import (
     Perturbation,
     bits_kept,
     higher_precision,
-    one_ulp_up,
+    one_ulp_moved,
     reduction_length,
     rounding_scale,
     significant_bits,
@@ -177,7 +177,7 @@ class FreeBenchmarkMode(Mode):
         try:
             rerun, delta, inputs = self._rerun(call, snapshot)
             # improve_precision measures the op's own rounding against its higher-precision
-            # result, and its inputs' rounding by a second run with every input one ULP up.
+            # result, and its inputs' rounding by a second run with every input moved one ULP.
             higher = self.perturbation.in_higher_precision
             nudged, bits_delta = self._rerun(call, snapshot, nudge=True)[:2] if higher else (None, 0.0)
         except torch.OutOfMemoryError:
@@ -248,7 +248,7 @@ class FreeBenchmarkMode(Mode):
 
         Returns its results, the relative input change, and the floating inputs as the op
         read them. ``nudge`` (improve_precision's second run): every floating input is
-        moved one ULP up in its own dtype before it is computed in the higher precision.
+        moved one ULP in its own dtype before it is computed in the higher precision.
         """
         pert = self.perturbation
         target_device = torch.device("cpu") if pert.on_cpu else None
@@ -263,7 +263,7 @@ class FreeBenchmarkMode(Mode):
                     compute = higher_precision(t.dtype) if pert.in_higher_precision else None
                     if nudge:
                         deltas.append(torch.finfo(t.dtype).eps)
-                        t = one_ulp_up(t, compute)  # moved and upcast in one pass
+                        t = one_ulp_moved(t, compute)  # moved and upcast in one pass
                     elif compute is not None:
                         t = t.to(compute)
                     else:

@@ -5,8 +5,8 @@ higher compute precision) and says how large its own input change is:
 
 | name | what changes | input change ``delta`` |
 | --- | --- | --- |
-| improve_precision | computed in fp32 (fp64 for fp32 inputs); once more with inputs one ULP up | 0, 1 ULP |
-| add_noise | every normal element moved one ULP up (deterministic, no RNG) | 1 ULP |
+| improve_precision | computed in fp32 (fp64 for fp32 inputs); again with inputs moved one ULP | 0, 1 ULP |
+| add_noise | every normal element moved one ULP, up or down by a bit of its own (no RNG) | 1 ULP |
 | bit_noise | the lowest mantissa bit of every normal element flipped | 1 ULP |
 | change_value | first and last element of each input swapped | measured |
 | no_change | nothing (a re-run: catches nondeterministic kernels) | 0 |
@@ -112,12 +112,15 @@ def _movable(t: torch.Tensor) -> torch.Tensor:
     return (magnitude >= info.tiny) & (magnitude < info.max)
 
 
-def _one_ulp_up(t: torch.Tensor) -> torch.Tensor:
-    # On the bit pattern (sign and magnitude) one ULP up is +1 for a positive
-    # value and -1 for a negative one.
+def _one_ulp_moved(t: torch.Tensor) -> torch.Tensor:
+    # On the bit pattern (sign and magnitude), +1 is one ULP away from zero and -1 one ULP
+    # towards it. Each element goes one way or the other by its own second-lowest bit: moved
+    # all alike, values close together shift as one, and an op blind to a shift (a softmax
+    # over fp16 logits near 1000, whose ULP is 0.5) would look robust to its inputs' rounding.
     bits = _BITS[t.element_size()]
-    step = torch.where(t < 0, -1, 1).to(bits) * _movable(t).to(bits)
-    return (t.view(bits) + step).view(t.dtype)
+    pattern = t.view(bits)
+    step = (((pattern >> 1) & 1) * 2 - 1) * _movable(t).to(bits)
+    return (pattern + step).view(t.dtype)
 
 
 def _flip_low_bit(t: torch.Tensor) -> torch.Tensor:
@@ -125,29 +128,30 @@ def _flip_low_bit(t: torch.Tensor) -> torch.Tensor:
     return (t.view(bits) ^ _movable(t).to(bits)).view(t.dtype)
 
 
-def _one_ulp_up_to_fp32(t: torch.Tensor) -> torch.Tensor:
-    return _one_ulp_up(t).to(torch.float32)
+def _one_ulp_moved_to_fp32(t: torch.Tensor) -> torch.Tensor:
+    return _one_ulp_moved(t).to(torch.float32)
 
 
-def _one_ulp_up_to_fp64(t: torch.Tensor) -> torch.Tensor:
-    return _one_ulp_up(t).to(torch.float64)
+def _one_ulp_moved_to_fp64(t: torch.Tensor) -> torch.Tensor:
+    return _one_ulp_moved(t).to(torch.float64)
 
 
 # One fused pass instead of five over large inputs (4x faster on a 45M-element
 # weight on CPU); small ones stay eager, where a compiled call costs more than it saves.
 # improve_precision's nudged run moves and upcasts an input in the same pass.
-_COMPILED = {"add_noise": CompiledKernel(_one_ulp_up), "bit_noise": CompiledKernel(_flip_low_bit),
-             ("add_noise", torch.float32): CompiledKernel(_one_ulp_up_to_fp32),
-             ("add_noise", torch.float64): CompiledKernel(_one_ulp_up_to_fp64)}
-_EAGER = {"add_noise": _one_ulp_up, "bit_noise": _flip_low_bit}
+_COMPILED = {"add_noise": CompiledKernel(_one_ulp_moved), "bit_noise": CompiledKernel(_flip_low_bit),
+             ("add_noise", torch.float32): CompiledKernel(_one_ulp_moved_to_fp32),
+             ("add_noise", torch.float64): CompiledKernel(_one_ulp_moved_to_fp64)}
+_EAGER = {"add_noise": _one_ulp_moved, "bit_noise": _flip_low_bit}
 # Below this many elements the eager passes cost less than a compiled call: dynamo's guard
 # evaluation alone takes tens of microseconds, which a CPU spends on a few 10^4 elements
 # and an accelerator on a few 10^6 (an estimate from bandwidth, not yet measured on one).
 COMPILED_MIN_NUMEL_ACCELERATOR = 1 << 22
 
 
-def one_ulp_up(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``t`` with every finite normal element moved one ULP up (``add_noise``), in ``dtype``
+def one_ulp_moved(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` with every finite normal element moved one ULP (``add_noise``: away from zero or
+    towards it, by the element's second-lowest bit, so values change relative to each other), in ``dtype``
     (a higher precision than ``t``'s, which holds the moved values exactly) if given."""
     if dtype is None or dtype == t.dtype:
         return _noise("add_noise", t)
@@ -201,7 +205,7 @@ class Perturbation:
     @property
     def in_higher_precision(self) -> bool:
         """The re-run computes in a higher precision (``improve_precision``); its check also
-        measures the inputs' rounding, by a second re-run with every input one ULP up."""
+        measures the inputs' rounding, by a second re-run with every input moved one ULP."""
         return self.name == "improve_precision"
 
     def perturb(self, t: torch.Tensor) -> tuple[torch.Tensor, float | torch.Tensor]:
