@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
 import time
 import warnings
@@ -39,6 +40,18 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port {port} is not in 0-65535")
     return port
+
+
+_BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _byte_size(text: str) -> int:
+    """``4GiB``, ``512M``, ``1000000``: a positive number of bytes (units are powers of 1024)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
+    size = int(float(match[1]) * _BYTE_UNITS[match[2].lower()]) if match else 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size in bytes (e.g. 4GiB, 512M)")
+    return size
 
 
 def _dangling(path: Path) -> bool:
@@ -279,11 +292,13 @@ def _cmd_replay(args: argparse.Namespace, console: Console) -> int:
         with progress_bar(console, "replaying") as progress:
             task = progress.add_task("replay", total=total)
             results = probe.replay_step(run, step, rank, device=args.device, dtype=dtype,
-                                        progress=lambda: progress.advance(task))
+                                        progress=lambda: progress.advance(task),
+                                        memory_budget=args.memory_budget)
         ranked = [r for r in results if "skipped" not in r]
         render_replay(console, ranked[: args.top], skipped=[r for r in results if "skipped" in r])
         return EXIT_OK
-    result = probe.replay(args.run, args.op_id, device=args.device, dtype=dtype, step=step, rank=rank)
+    result = probe.replay(args.run, args.op_id, device=args.device, dtype=dtype, step=step, rank=rank,
+                          memory_budget=args.memory_budget)
     render_replay(console, [result])
     return EXIT_OK
 
@@ -394,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--step", help="step (default: the first)")
     replay.add_argument("--rank", help="rank (default: the first)")
     replay.add_argument("--top", type=int, default=20, help="rows of the ranking (default 20)")
+    replay.add_argument("--memory-budget", type=_byte_size, metavar="SIZE",
+                        help="refuse, before anything is allocated, an op whose replay would take more "
+                             "(e.g. 4GiB; default: a quarter of physical memory)")
     replay.set_defaults(func=_cmd_replay)
     repro = sub.add_parser("repro", help="reduce a compiled region to a standalone script that "
                            "fails compiled and passes eager")

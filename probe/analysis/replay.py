@@ -6,6 +6,10 @@ on another device and/or in another precision and compares the result with the
 dumped output, in the output dtype's ULPs; ``replay_step`` does it for every
 dumped op of a step and ranks the ops by error, so a faulty kernel stands out
 without a second training run.
+
+A run is untrusted input, so a replay is untrusted execution: only pure tensor computations
+run, within a memory budget checked before anything is allocated
+(:mod:`probe.analysis.replay_confinement`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 import torch
 
 from probe.analysis.metrics import tensor_metrics
+from probe.analysis.replay_confinement import ReplayRefused, check_footprint, checked_budget, refusal
 from probe.devices import usable_device
 from probe.errors import ProbeError
 from probe.rundir.call_args import decode_args
@@ -50,45 +55,61 @@ def _prepare(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None) -
 
 def replay(
     run: Run | str, op_id: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-    step: int | None = None, rank: int | None = None,
+    step: int | None = None, rank: int | None = None, memory_budget: int | None = None,
 ) -> dict[str, Any]:
     """Re-run ``op_id`` from its dumped inputs; metrics of the result against the dumped output.
 
     ``dtype`` (e.g. ``torch.float64``) computes in that precision: floating inputs
     are converted, and the result is compared with the dumped output in the
     output's own dtype's ULPs. A device this process cannot compute on is a ``ProbeError``
-    naming it.
+    naming it. An op the replay will not execute (not a pure tensor computation, or taking
+    more than ``memory_budget`` bytes; default a quarter of physical memory) is a
+    :class:`~probe.analysis.replay_confinement.ReplayRefused` (a ``ProbeError``) naming it
+    and why, raised before anything is allocated.
     """
     checked = usable_device(device)
+    budget = checked_budget(memory_budget)
     run = run if isinstance(run, Run) else Run(run)
     op = run.op(op_id, step, rank)
-    return _replay(run, op, checked, dtype).as_dict()
+    return _replay(run, op, checked, dtype, budget).as_dict()
 
 
-def recompute(run: Run, op: OpRecord, device: torch.device, dtype: torch.dtype | None) -> list[torch.Tensor]:
+def recompute(run: Run, op: OpRecord, device: torch.device, dtype: torch.dtype | None,
+              memory_budget: int | None = None) -> list[torch.Tensor]:
     """``op``'s results, computed again from its dumped inputs and recorded arguments.
 
     ``dtype`` converts the floating inputs first (``torch.float64``: the op's exact result
     on those inputs, as near as fp64 gets). Raises ``ProbeError`` for ops that draw random
-    numbers or that are not in the dump.
+    numbers or that are not in the dump, and ``ReplayRefused`` (a ``ProbeError``) for ops
+    that are not pure tensor computations or that would take more than ``memory_budget``
+    bytes (default: a quarter of physical memory), before anything is allocated.
     """
+    budget = checked_budget(memory_budget)
     func = resolve_op(op.name)
     info = classify(func)
     if info.is_random:
         raise ProbeError(f"op {op.id} draws random numbers; its result cannot be reproduced")
+    why = refusal(func)
+    if why is not None:
+        raise ReplayRefused(op, why)
     dump = run.dump(op.step, op.rank)
-    inputs = [_prepare(run.tensor(op.id, "input", i, op.step, op.rank), device, dtype)
-              for i in range(len(op.inputs))]
-    args, kwargs = decode_args(dump.call(op.index), inputs.__getitem__, device=device)
+    call = dump.call(op.index)
+    # Memory-mapped views of the dumped inputs: nothing is read or copied until they are prepared.
+    dumped = [dump.tensor(op.index, "input", i) for i in range(len(op.inputs))]
+    check_footprint(op, func, info, call, dumped, dtype, device.type != "cpu", budget)
+    inputs = [_prepare(t, device, dtype) for t in dumped]
+    args, kwargs = decode_args(call, inputs.__getitem__, device=device)
     out = func(*args, **kwargs)
     return list(results_of(info, args, kwargs, out))
 
 
-def _replay(run: Run, op: OpRecord, device: torch.device, dtype: torch.dtype | None) -> ReplayResult:
-    results = recompute(run, op, device, dtype)
+def _replay(run: Run, op: OpRecord, device: torch.device, dtype: torch.dtype | None,
+            budget: int) -> ReplayResult:
+    results = recompute(run, op, device, dtype, budget)
+    dump = run.dump(op.step, op.rank)
     compared = []
     for position, result in enumerate(results[: len(op.outputs)]):
-        expected = run.tensor(op.id, "output", position, op.step, op.rank)
+        expected = dump.tensor(op.index, "output", position)
         if tuple(result.shape) != tuple(expected.shape):
             raise ProbeError(f"replay of {op.id} gave output {position} of shape {list(result.shape)}, "
                              f"the dump holds {list(expected.shape)}")
@@ -110,15 +131,19 @@ def _replay(run: Run, op: OpRecord, device: torch.device, dtype: torch.dtype | N
 
 def replay_step(
     run: Run | str, step: int | None = None, rank: int | None = None, device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None, progress: Any = None,
+    dtype: torch.dtype | None = None, progress: Any = None, memory_budget: int | None = None,
 ) -> list[dict[str, Any]]:
     """Replay every op of a step whose inputs and outputs were dumped; worst first.
 
     Ops that cannot be replayed are listed last, each with ``"reason"`` (its kind:
-    "not dumped", "random", "unknown op", "no output", "no dump", "failed") and ``"skipped"`` (the detail).
-    A device this process cannot compute on is a ``ProbeError`` naming it, before any op is replayed.
+    "not dumped", "random", "unknown op", "no output", "no dump", "refused", "failed") and
+    ``"skipped"`` (the detail). "refused": the op is not a pure tensor computation, or replaying
+    it would take more than ``memory_budget`` bytes (default: a quarter of physical memory), so
+    it was not executed. A device this process cannot compute on is a ``ProbeError`` naming it,
+    before any op is replayed.
     """
     checked = usable_device(device)
+    budget = checked_budget(memory_budget)
     run = run if isinstance(run, Run) else Run(run)
     ops = run.ops(step, rank)
     dump = run.dump(ops[0].step, ops[0].rank) if ops and run.has_dump(ops[0].step, ops[0].rank) else None
@@ -129,13 +154,21 @@ def replay_step(
         reason, detail = _why_not_replayable(dump, op)
         if reason is None:
             try:
-                ranked.append(_replay(run, op, checked, dtype).as_dict())
+                ranked.append(_replay(run, op, checked, dtype, budget).as_dict())
                 continue
-            except (ProbeError, RuntimeError, TypeError, ValueError) as e:
+            except ReplayRefused as e:
+                reason, detail = "refused", e.reason
+            except _OP_FAILURES as e:
                 reason, detail = "failed", f"{type(e).__name__}: {e}"
         skipped.append({"op_id": op.id, "name": op.name, "reason": reason, "skipped": detail})
     ranked.sort(key=lambda r: (-(r["max_ulp"] if math.isfinite(r["max_ulp"]) else math.inf), r["op_id"]))
     return ranked + skipped
+
+
+# What executing a recorded call can raise: its arguments come from an untrusted run, so any of
+# these is that op's failure, listed with the others, never the end of the replay.
+_OP_FAILURES = (ProbeError, RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError,
+                NotImplementedError, OverflowError)
 
 
 def _why_not_replayable(dump: DumpReader | None, op: OpRecord) -> tuple[str | None, str]:
@@ -144,14 +177,15 @@ def _why_not_replayable(dump: DumpReader | None, op: OpRecord) -> tuple[str | No
         return "no dump", "the step has no dump"
     if not op.outputs:
         return "no output", "the op returns no tensor"
-    random = draws_random(op.name)
-    if random is None:  # resolve_op's error names the op and what to import
-        try:
-            resolve_op(op.name)
-        except ProbeError as e:
-            return "unknown op", str(e)
-    if random:
+    try:
+        func = resolve_op(op.name)
+    except ProbeError as e:  # its message names the op and what to import
+        return "unknown op", str(e)
+    if draws_random(op.name):
         return "random", "it draws random numbers: its result cannot be reproduced"
+    why = refusal(func)
+    if why is not None:
+        return "refused", why
     for io, records in (("input", op.inputs), ("output", op.outputs)):
         for position in range(len(records)):
             entry = dump.entries.get((op.index, io, position))

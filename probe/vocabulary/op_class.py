@@ -8,6 +8,7 @@ collective) is answered here from the schema and tags, never per call.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -219,18 +220,41 @@ def classify_higher_order(func: object) -> OpClass:
     )
 
 
+_NAME_PART = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 def resolve_op(name: str) -> torch._ops.OpOverload:
-    """``aten.mm.default`` -> ``torch.ops.aten.mm.default`` (any registered namespace)."""
-    namespace, _, rest = name.partition(".")
-    packet, _, overload = rest.rpartition(".")
+    """``aten.mm.default`` -> ``torch.ops.aten.mm.default`` (any registered namespace).
+
+    ``name`` comes from a run, which may have been edited by anyone: it is resolved strictly,
+    never by walking attributes of ``torch.ops``. It must be three identifiers
+    ``namespace.op.overload`` (no dunders), the dispatcher must hold that schema, and what
+    ``torch.ops`` gives for it must be an op namespace, an ``OpOverloadPacket`` and an
+    ``OpOverload`` of that very schema (``load_library.__call__.__call__`` names a method of
+    ``torch.ops``, not an op). Anything else is a ``ProbeError`` naming it.
+    """
+    parts = name.split(".") if isinstance(name, str) else []
+    if len(parts) != 3 or not all(_NAME_PART.fullmatch(p) and not p.startswith("__") for p in parts):
+        raise ProbeError(f"op name {name!r} is not of the form namespace.op.overload")
+    namespace, packet_name, overload_name = parts
+    qualified = f"{namespace}::{packet_name}"
+    unregistered = ProbeError(f"op {name!r} is not registered in this process (import the library "
+                              "that defines it before replaying)")
     try:
-        return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
-    except (AttributeError, RuntimeError):
-        raise ProbeError(f"op {name!r} is not registered in this process (import the library "
-                         "that defines it before replaying)") from None
+        torch._C._dispatch_find_schema_or_throw(qualified, "" if overload_name == "default"
+                                                else overload_name)
+    except RuntimeError:
+        raise unregistered from None
+    space = getattr(torch.ops, namespace, None)
+    packet = getattr(space, packet_name, None) if isinstance(space, torch._ops._OpNamespace) else None
+    is_packet = isinstance(packet, torch._ops.OpOverloadPacket)
+    overload = getattr(packet, overload_name, None) if is_packet else None
+    if not isinstance(overload, torch._ops.OpOverload) or overload._schema.name != qualified:
+        raise unregistered
+    return overload
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4096)  # bounded: the names come from runs, which may hold any number
 def draws_random(name: str) -> bool | None:
     """Whether the op named ``name`` (``aten.dropout.default``) draws from torch's random
     generators; None where no op of that name is registered in this process."""
