@@ -55,6 +55,8 @@ bench-quick: $(STAMP)
 	$(PY) -m benchmarks.monitor --quick
 	$(PY) -m benchmarks.report --quick
 	$(PY) -m benchmarks.diagnosis --quick --check
+	# The zoo (issue 33) runs without --check until the compare rules meet its targets.
+	$(PY) -m benchmarks.zoo --quick
 
 system-deps:
 	command -v dot >/dev/null && test -x /usr/bin/chromium && test -x /usr/bin/chromedriver || { \

@@ -150,6 +150,12 @@ class Pair:
     model_dtype: torch.dtype | None = None
     scaler: bool = False
     threads: int | None = None
+    attn: str | None = None
+    """Run B's attention implementation (None: the same as run A's)."""
+    compiled: bool = False
+    """Run B trains ``torch.compile(model)``, traced with ``compiled="keep"``."""
+    accumulate: int = 1
+    """Run B accumulates gradients over this many micro-batches of the batch."""
 
     @property
     def exact(self) -> bool:
@@ -444,24 +450,45 @@ def run_case(case: Case, root: Path, references: dict[Case, Path]) -> Outcome:
     except Exception as e:  # a crash is an outcome of the benchmark, reported per case
         error = f"{type(e).__name__}: {e}"[:300]
         return Outcome(case, None, error=error, seconds=time.perf_counter() - start)
+    a = judge(report, planted)
+    return Outcome(case, a.found, a.at_op, a.conclusion, a.answer, a.expected, time.perf_counter() - start)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a comparison answered, judged against what was planted."""
+
+    found: bool
+    """Healthy: whether a divergence was reported (a false alarm). Fault: whether the answer
+    named the planted module and step."""
+    at_op: bool | None
+    conclusion: str
+    answer: str
+    """The first divergence in a few words ("none" without one)."""
+    expected: str
+
+
+def judge(report: Any, planted: Planted | None) -> Answer:
+    """Scores ``probe.compare``'s ``report``: for a healthy pair (``planted`` None) any divergence,
+    or a conclusion that does not start with "no divergence", is a false alarm; for a fault the
+    first divergence must be at the planted step, in the planted module or inside it, and the
+    conclusion must name the module."""
     d = report.divergence
     answer = "none" if d is None else \
         f"step {d.step} {d.op.module or '<outside modules>'} {d.op.name} ({d.rule})"
     conclusion = report.conclusion
     if planted is None:
-        found, expected, at_op = d is not None, "no divergence", None
-        found = found or not conclusion.startswith("no divergence")  # the line a person reads
-    else:
-        where = planted.module or "<outside modules>"
-        expected = f"step {planted.step} {where}"
-        found = d is not None and d.step == planted.step and _inside(d.op.module, planted.module) \
-            and where in conclusion
-        # Planted before the first step, a weight is a difference the runs started with: the
-        # start check names the parameter.
-        found = found or (planted.step == 0 and conclusion.startswith("the runs did not start alike")
-                          and planted.module in conclusion)
-        at_op = found
-    return Outcome(case, found, at_op, conclusion, answer, expected, time.perf_counter() - start)
+        found = d is not None or not conclusion.startswith("no divergence")  # the line a person reads
+        return Answer(found, None, conclusion, answer, "no divergence")
+    where = planted.module or "<outside modules>"
+    expected = f"step {planted.step} {where}"
+    found = d is not None and d.step == planted.step and _inside(d.op.module, planted.module) \
+        and where in conclusion
+    # Planted before the first step, a weight is a difference the runs started with: the
+    # start check names the parameter.
+    found = found or (planted.step == 0 and conclusion.startswith("the runs did not start alike")
+                      and planted.module in conclusion)
+    return Answer(found, found, conclusion, answer, expected)
 
 
 def matrix(quick: bool, families: list[str]) -> list[Case]:

@@ -1,0 +1,93 @@
+"""The zoo (``benchmarks.zoo``): its architectures come from transformers' Auto mappings, each
+builds from its shrunk default config or is kept with the reason it does not, and a case runs end
+to end (two trainings under the stats mode, compared and scored). The whole zoo is the benchmark;
+this checks the instrument, not the compare rules it measures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is an optional test dependency")
+
+from benchmarks.zoo import Case, Reference, run_case
+from benchmarks.zoo_architectures import (
+    LAYERS,
+    Architecture,
+    Built,
+    NotBuilt,
+    architectures,
+    build,
+    shrink_config,
+    shrunk,
+)
+
+
+def test_every_causal_lm_architecture_is_listed_and_shrinks():
+    import transformers
+
+    archs = architectures("causal-lm")
+    assert len(archs) > 100
+    assert {"llama", "gpt2", "qwen3", "mistral"} <= {a.name for a in archs}
+    shrinkable = 0
+    for arch in archs:
+        try:
+            values = shrink_config(transformers.CONFIG_MAPPING[arch.model_type]().to_dict())
+            shrunk(arch)
+        except Exception as e:  # a default config that does not build, or refuses its shrunk values
+            reason = build(arch)
+            assert isinstance(reason, NotBuilt) and reason.reason.startswith(type(e).__name__), arch
+            continue
+        shrinkable += 1
+        depths = [values[k] for k in ("num_hidden_layers", "n_layer", "num_layers")
+                  if isinstance(values.get(k), int)]
+        widths = [values[k] for k in ("hidden_size", "d_model", "n_embd") if isinstance(values.get(k), int)]
+        assert all(n <= LAYERS for n in depths) and all(w <= 64 for w in widths), (arch, depths, widths)
+    assert shrinkable > 100
+
+
+def test_an_architecture_that_does_not_build_is_kept_with_its_reason():
+    missing = Architecture("causal-lm", "llama", "NoSuchModelForCausalLM")
+    result = build(missing)
+    assert isinstance(result, NotBuilt)
+    assert result.reason.startswith("AttributeError: ") and "NoSuchModelForCausalLM" in result.reason
+
+
+def test_shrinking_keeps_one_layer_of_each_kind_of_a_hybrid():
+    values = {"num_hidden_layers": 8, "hidden_size": 4096, "num_attention_heads": 32,
+              "num_key_value_heads": 8,
+              "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 4,
+              "vocab_size": 32000, "pad_token_id": 31999, "hidden_dropout": 0.1,
+              "text_config": {"hidden_size": 2048, "num_hidden_layers": 30}}
+    small = shrink_config(values)
+    assert small["num_hidden_layers"] == LAYERS
+    assert small["layer_types"] == ["linear_attention", "full_attention"]
+    assert small["hidden_size"] == 64 and small["num_attention_heads"] == 4
+    assert small["num_key_value_heads"] == 2
+    assert small["pad_token_id"] < small["vocab_size"] == 512
+    assert small["hidden_dropout"] == 0.0
+    assert small["text_config"]["num_hidden_layers"] == LAYERS
+
+
+@pytest.fixture(scope="module")
+def llama() -> Built:
+    arch = next(a for a in architectures("causal-lm") if a.name == "llama")
+    built = build(arch)
+    assert isinstance(built, Built), built
+    return built
+
+
+def test_a_healthy_case_and_a_planted_fault_run_end_to_end(llama, tmp_path: Path):
+    references: dict[Reference, Path] = {}
+    healthy = run_case(Case(llama.arch, "fp32"), llama, tmp_path, references)
+    assert healthy.error is None and healthy.ok, healthy
+    assert healthy.answer == "none" and healthy.conclusion.startswith("no divergence")
+    fault = run_case(Case(llama.arch, "fp32", "scale-output"), llama, tmp_path, references)
+    assert fault.error is None, fault.error
+    assert len(references) == 1  # the fault's run B is compared with the same run A
+    # The planted module and step, as the case chose them, and the compare's answer at them.
+    step, module = fault.site.split()[1:3]
+    assert fault.expected == f"step {step} {module}"
+    assert fault.ok, (fault.site, fault.answer)
+    assert fault.module == module or fault.module.startswith(module + ".")
