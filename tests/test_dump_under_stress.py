@@ -162,9 +162,10 @@ def test_inference_sparse_nested_and_zero_tensors_are_recorded_without_crashing(
     assert zeros.shape == (2, 3)
 
     run = probe.load(tmp_path / "r")
-    statuses = {entry.status for entry in run.dump(0).entries.values()}
-    expected = {f"not dumpable: {kind}" for kind in ("inference", "sparse", "nested", "zero")}
-    assert expected <= statuses
+    entries = run.dump(0).entries.values()
+    assert "not dumpable: inference" in {entry.status for entry in entries}
+    # Sparse, nested and zero tensors are stored in parts (tests/test_dump_layouts.py).
+    assert {"sparse_coo", "nested", "zero"} <= {entry.layout for entry in entries if entry.status is None}
     add_ = next(op for op in run.ops(0) if op.name == "aten.add_.Tensor")
     with pytest.raises(ProbeError, match="not dumpable: inference"):
         run.tensor(add_.id, "output", 0)

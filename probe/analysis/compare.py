@@ -77,6 +77,7 @@ from probe.analysis.verdicts import (
 from probe.errors import ProbeError
 from probe.rundir.mode_files import DumpReader
 from probe.rundir.run import OpRecord, Run, TensorRecord
+from probe.rundir.tensor_layouts import STRIDED, dense_values
 from probe.vocabulary.op_class import creates_uninitialized, draws_random
 from probe.vocabulary.rounding import reduction_length
 
@@ -185,7 +186,7 @@ class _Side:
         if entry.status is not None:
             return None, entry.status
         try:
-            data = self.dump.tensor(op.index, io, position)
+            data = dense_values(self.dump.tensor(op.index, io, position))  # a sparse tensor's values, ...
         except ProbeError as e:
             return None, f"unreadable: {e}"
         if (op.index, io, position) in self._scaled and self.loss_scale:
@@ -212,6 +213,9 @@ def compare_tensors(
     dtype = lower_precision_of(ta.dtype, tb.dtype)
     data_a, why_a = side_a.data(op_a, io, position)
     data_b, why_b = side_b.data(op_b, io, position)
+    if data_a is not None and data_b is not None and data_a.shape != data_b.shape:  # nested: each its own
+        return TensorComparison(io, position, ERROR, f"dumped values {list(data_a.shape)} vs "
+                                f"{list(data_b.shape)}", rule=RULE_SHAPE)
     if data_a is not None and data_b is not None:
         m = tensor_metrics(data_a, data_b)
         verdict, message = tensor_verdict(m, dtype)
@@ -444,8 +448,8 @@ def _replayable(side: _Side, op: OpRecord) -> bool:
     for io, records in (("input", op.inputs), ("output", op.outputs)):
         for position in range(len(records)):
             entry = side.dump.entries.get((op.index, io, position))
-            if entry is None or entry.status is not None:
-                return False
+            if entry is None or entry.status is not None or entry.layout != STRIDED:
+                return False  # a sparse, nested or quantized tensor is compared by its values alone
     return True
 
 
@@ -1357,9 +1361,17 @@ class Report:
         return _count(self.comparisons)
 
     @property
+    def unreadable(self) -> list[StepComparison]:
+        """The steps that could not be read in run A, run B or both (``StepComparison.unreadable``
+        says why): not compared, whether or not either run could still list their ops."""
+        return [s for s in self.steps if s.unreadable is not None]
+
+    @property
     def ok(self) -> bool:
-        """No divergence found and no op left uncompared: what ``--fail-on-divergence`` checks."""
-        return self.divergence is None and not self.counts[NOT_COMPARED]
+        """No divergence found, no op left uncompared and no step unreadable: what
+        ``--fail-on-divergence`` checks. Missing data is never agreement: a step unreadable in both
+        runs (a shared disk fault, a run compared with itself) has no op rows, and still fails."""
+        return self.divergence is None and not self.counts[NOT_COMPARED] and not self.unreadable
 
     @property
     def conclusion(self) -> str:
@@ -1405,6 +1417,10 @@ class Report:
             text = f"no divergence: differences consistent with {' / '.join(policies) or 'rounding'}"
         if uncompared:
             text += f" among the ops compared ({uncompared} not compared)"
+        if self.unreadable:
+            steps = ", ".join(f"step {s.step} rank {s.rank}" for s in self.unreadable[:5])
+            more = f" and {len(self.unreadable) - 5} more" if len(self.unreadable) > 5 else ""
+            text += f"; {len(self.unreadable)} step(s) not compared, unreadable: {steps}{more}"
         reordered = self.reduction_orders
         if reordered:
             text += (f"; {len(reordered)} sum(s) in a different reduction order across the layouts, each "
@@ -1455,6 +1471,7 @@ class Report:
             "run_a": str(self.path_a), "run_b": str(self.path_b),
             "steps": sorted({s.step for s in self.steps}), "ranks": sorted({s.rank for s in self.steps}),
             "counts": self.counts, "ok": self.ok, "missing": self.missing, "per_rank": self.by_rank(),
+            "unreadable": [{"step": s.step, "rank": s.rank, "reason": s.unreadable} for s in self.unreadable],
             "conclusion": self.conclusion,
             "identity": None if self.identity is None else self.identity.to_dict(),
             "first_divergence": None if d is None else {

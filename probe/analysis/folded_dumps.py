@@ -36,6 +36,7 @@ from probe.errors import ProbeError
 from probe.rundir.mode_files import DumpReader
 from probe.rundir.records import DumpedTensor
 from probe.rundir.run import Run
+from probe.rundir.tensor_layouts import STRIDED
 
 _NOT_DUMPABLE = "not dumpable"
 
@@ -198,6 +199,8 @@ class LogicalDump:
             elif found.status is not None:
                 by_design = found.status.startswith(_NOT_DUMPABLE)
                 status = found.status if by_design else f"rank {rank}: {found.status}"
+            elif found.layout != STRIDED:  # sparse, nested, quantized: no strided shards to put together
+                status = f"rank {rank}: stored as {found.layout}, which ranks' pieces are not folded from"
             if status is not None:
                 break
         return DumpedTensor(index, io, position, piece.dtype, piece.shape, _contiguous_strides(piece.shape),

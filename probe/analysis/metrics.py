@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from probe.compiled import CompiledKernel
+from probe.rundir.tensor_layouts import dense_values
 
 CHUNK = 1 << 22
 _REL_EPS = 1e-12
@@ -151,7 +152,9 @@ _FUSED = CompiledKernel(_metric_sums)
 
 
 def tensor_metrics(a: torch.Tensor, b: torch.Tensor) -> TensorMetrics:
-    """Metrics of ``b`` against the reference ``a`` (same number of elements)."""
+    """Metrics of ``b`` against the reference ``a`` (same number of elements); a sparse, nested or
+    quantized tensor is measured by the values it holds (``tensor_layouts.dense_values``)."""
+    a, b = dense_values(a), dense_values(b)
     fa, fb = _paired_flat(a, b)
     if fa.numel() != fb.numel():
         raise ValueError(f"cannot compare {fa.numel()} elements with {fb.numel()}")

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from probe.errors import ProbeError
 from probe.hparams import flatten
 from probe.rundir.mode_files import ChecksumsReader
 from probe.rundir.records import StepChecksums, TensorChecksum
@@ -311,12 +312,18 @@ class _Steps:
     def __init__(self, run_a: Run, run_b: Run) -> None:
         self.runs = {"A": run_a, "B": run_b}
         self._read: dict[tuple[str, int, int], StepChecksums | None] = {}
+        self.unreadable: list[str] = []
+        """The steps whose checksums could not be read (a damaged step), in words."""
 
     def get(self, side: str, step: int, rank: int) -> StepChecksums | None:
         key = (side, step, rank)
         if key not in self._read:
             run = self.runs[side]
-            self._read[key] = _step_checksums(run, step, rank) if run.has_step(step, rank) else None
+            try:
+                self._read[key] = _step_checksums(run, step, rank) if run.has_step(step, rank) else None
+            except ProbeError:  # a damaged step (its ops "not compared"): it holds no checksums to go by
+                self._read[key] = None
+                self.unreadable.append(f"step {step} rank {rank} of run {side}")
         return self._read[key]
 
     def lacking(self, steps: dict[int, list[int]], part: str) -> str:
@@ -324,6 +331,8 @@ class _Steps:
         names = [side for side in ("A", "B")
                  if not any(getattr(self.get(side, s, r), part, None) is not None
                             for r, ss in steps.items() for s in ss)]
+        if self.unreadable:
+            return f"{_listed(self.unreadable)} could not be read"
         if not names:
             return "recorded at no common step"
         return f"run {' and '.join(names)} recorded none (record with probe.mode(..., model=model))"

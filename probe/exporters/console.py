@@ -271,7 +271,7 @@ def render_compare(console: Console, report: Report, out: str | None) -> None:
         console.print(f"not compared: step {unread.step} rank {unread.rank}, {unread.unreadable}",
                       style="yellow", markup=False, highlight=False)
     d = report.divergence
-    if d is None and counts[NOT_COMPARED]:
+    if d is None and (counts[NOT_COMPARED] or report.unreadable):
         console.print("first divergence: [yellow]none among the ops compared[/yellow]")
     elif d is None:
         console.print("first divergence: [green]none[/green]")

@@ -34,6 +34,7 @@ from rich.progress import Progress
 
 from probe.errors import ProbeError
 from probe.rundir.run import OpRecord, Run, TensorRecord
+from probe.rundir.tensor_layouts import dense_values
 
 _STAT_KEYS = (("Max", "max"), ("Min", "min"), ("Mean", "mean"), ("Norm", "norm"))
 
@@ -111,7 +112,8 @@ class _StepExport:
             dumped = self.dump.entries.get((op.index, io, position))
             if dumped is None or dumped.status is not None:
                 return None  # a tensor without data cannot be compared in msprobe's tensor task
-            tensor = self.dump.tensor(op.index, io, position)
+            # msprobe reads plain tensors: a sparse, nested or quantized one as the values it holds
+            tensor = dense_values(self.dump.tensor(op.index, io, position))
         if record.stats is not None:
             out.update({key: _number(record.stats[ours]) for key, ours in _STAT_KEYS})
         elif tensor is not None:

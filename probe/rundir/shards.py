@@ -35,6 +35,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import mmap
 import os
 import queue
@@ -242,7 +243,9 @@ def read_header(path: Path, run: Path | None = None) -> tuple[int, dict[str, dic
     the run directory ``run`` (see :mod:`probe.rundir.confined_files`).
 
     A damaged shard raises ValueError (or OSError): a header length past the end of
-    the file, or past safetensors' limit, is refused before anything that size is read.
+    the file, or past safetensors' limit, is refused before anything that size is read;
+    a header whose tensors do not tile the data section is refused as safetensors refuses it
+    (:func:`check_data_offsets`).
     """
     with open_in_run(path, run) as f:
         (header_len,) = struct.unpack("<Q", f.file.read(8))
@@ -250,9 +253,57 @@ def read_header(path: Path, run: Path | None = None) -> tuple[int, dict[str, dic
             raise ValueError(f"its header length {header_len} is past the end of the file ({f.size} bytes) "
                              f"or safetensors' limit ({MAX_HEADER} bytes)")
         header = parse_json(f.file.read(header_len), "its header")
+        size = f.size
     if not isinstance(header, dict):
         raise ValueError("its header is not a JSON object")
+    check_data_offsets(header, 8 + header_len, size)
     return 8 + header_len, header
+
+
+_SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2,
+                         "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "C64": 8, "F64": 8,
+                         "I64": 8, "U64": 8}
+
+
+def check_data_offsets(header: dict[str, Any], data_start: int, file_size: int) -> None:
+    """Refuse (ValueError) a header whose tensors do not tile the data section, the checks
+    safetensors makes before it reads a file: sorted by offset, each tensor starts where the one
+    before ends (no overlap, no gap, the first at 0), holds exactly its dtype and shape's bytes,
+    and the last ends at the end of the file. Tensors whose bytes overlap would read as aliases
+    of each other (two dumped tensors with one value); one past the end, as bytes not there.
+    """
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict):
+            raise ValueError(f"its header's entry for {name!r} is not an object")
+        offsets, shape, dtype = entry.get("data_offsets"), entry.get("shape"), entry.get("dtype")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise ValueError(f"tensor {name!r}: data_offsets {offsets!r} are not a range [begin, end]")
+        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)) \
+                or dtype not in _SAFETENSORS_ITEMSIZE:
+            raise ValueError(f"tensor {name!r}: shape {shape!r} / dtype {dtype!r} is not a safetensors "
+                             "tensor's")
+        if math.prod(shape) * _SAFETENSORS_ITEMSIZE[dtype] != offsets[1] - offsets[0]:
+            raise ValueError(f"tensor {name!r}: {dtype} {shape} does not fill its data_offsets {offsets}")
+        spans.append((offsets[0], offsets[1], name))
+    spans.sort()
+    reached, before = 0, None
+    for begin, end, name in spans:
+        if begin != reached:
+            how = f"overlaps tensor {before!r}" if begin < reached else \
+                f"leaves bytes {reached}-{begin} in no tensor"
+            raise ValueError(f"tensor {name!r} (data_offsets [{begin}, {end}]) {how}: safetensors refuses "
+                             "such a file")
+        reached, before = end, name
+    if data_start + reached > file_size:
+        raise ValueError(f"tensor {before!r} ends at byte {data_start + reached}, past the end of the file "
+                         f"({file_size} bytes)")
+    if data_start + reached < file_size:
+        raise ValueError(f"its tensors end at byte {data_start + reached}, before the end of the file "
+                         f"({file_size} bytes): safetensors refuses such a file")
 
 
 def map_blob(path: Path, data_start: int, entry: dict, run: Path | None = None) -> torch.Tensor:

@@ -12,8 +12,9 @@ import torch
 from probe.errors import ProbeError
 from probe.rundir import layout
 from probe.rundir.mode_files import ModeFiles
-from probe.rundir.records import DumpedTensor
+from probe.rundir.records import DumpedPart, DumpedTensor
 from probe.rundir.shards import map_blob, read_header
+from probe.rundir.tensor_layouts import STRIDED, join
 from probe.rundir.untrusted_reads import INDEX_LIMIT, expect, plain_name, read_json, read_jsonl, reading
 
 _DTYPES = {str(t).removeprefix("torch."): t for t in vars(torch).values() if isinstance(t, torch.dtype)}
@@ -27,20 +28,47 @@ def _entry(e: Any) -> DumpedTensor:
         return tuple(expect(v, int, f"an item of {key}") for v in expect(e[key], list, key))
 
     optional_int, optional_str = (int, type(None)), (str, type(None))
+    # A tensor stored in parts (``tensor_layouts``): its layout, parts and numbers; nothing to
+    # read for a strided one.
+    stored = () if "layout" not in e else (
+        expect(e["layout"], str, "layout"),
+        {expect(name, str, "a part name"): _part(part)
+         for name, part in expect(e["parts"], dict, "parts").items()},
+        expect(e.get("params", {}), dict, "params"))
+    # No strides: a tensor stored in parts, or one without data that has none (a sparse tensor's
+    # entry before parts were stored said [], which readers before this one refused).
+    has_strides = not stored and e["status"] is None
     entry = DumpedTensor(
         expect(e["op"], int, "op"), expect(e["io"], str, "io"), expect(e["position"], int, "position"),
-        expect(e["dtype"], str, "dtype"), ints("shape"), ints("stride"),
+        expect(e["dtype"], str, "dtype"), ints("shape"),
+        ints("stride") if has_strides or e["stride"] is not None else (),
         expect(e["blob"], optional_int, "blob"), expect(e["offset"], int, "offset"),
         expect(e["checksum"], (*optional_int, float), "checksum"),
         expect(e["status"], optional_str, "status"),
-        expect(e.get("conj", False), bool, "conj"), expect(e.get("neg", False), bool, "neg"),
+        expect(e.get("conj", False), bool, "conj"), expect(e.get("neg", False), bool, "neg"), *stored,
     )
     if entry.io not in ("input", "output") or entry.dtype not in _DTYPES:
         raise ValueError(f"tensor entry {e!r}: io must be input or output, dtype a torch dtype")
-    if len(entry.shape) != len(entry.stride) or min(
+    if (has_strides and len(entry.shape) != len(entry.stride)) or min(
             (entry.offset, entry.position, *entry.shape, *entry.stride), default=0) < 0:
         raise ValueError(f"tensor entry {e!r}: a negative or mismatched offset, position, shape or stride")
     return entry
+
+
+def _part(p: Any) -> DumpedPart:
+    """One checked part of an entry stored in parts (raises ValueError/KeyError on damage)."""
+    expect(p, dict, "a part")
+    part = DumpedPart(
+        expect(p["dtype"], str, "dtype"),
+        tuple(expect(v, int, "an item of shape") for v in expect(p["shape"], list, "shape")),
+        tuple(expect(v, int, "an item of stride") for v in expect(p["stride"], list, "stride")),
+        expect(p["blob"], (int, type(None)), "blob"), expect(p["offset"], int, "offset"),
+        expect(p.get("conj", False), bool, "conj"), expect(p.get("neg", False), bool, "neg"),
+    )
+    if part.dtype not in _DTYPES or len(part.shape) != len(part.stride) or min(
+            (part.offset, *part.shape, *part.stride), default=0) < 0:
+        raise ValueError(f"part {p!r}: an unknown dtype, or a negative or mismatched offset, shape or stride")
+    return part
 
 
 class DumpIndex(ModeFiles):
@@ -109,16 +137,30 @@ class DumpIndex(ModeFiles):
         entry = self.entries.get((op, io, position))
         if entry is None:
             raise ProbeError(f"{io} {position} of op #{op} was not dumped")
-        dtype = _DTYPES[entry.dtype]
         if entry.status is not None:
             raise ProbeError(f"{io} {position} of op #{op} has no data: {entry.status}")
         self._check_against_record(entry)
+        what = f"{io} {position} of op #{op}"
+        if entry.layout == STRIDED:
+            return self._view(entry, what)
+        parts = {name: self._view(part, f"{what}, its {name}") for name, part in entry.parts.items()}
+        with reading(self._index_path):
+            try:
+                return join(entry.layout, parts, entry.params, entry.shape, _DTYPES[entry.dtype])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{what}, stored as {entry.layout}: {e}") from None
+
+    def _view(self, entry: DumpedTensor | DumpedPart, what: str) -> torch.Tensor:
+        """The strided view an entry (or a part of one) describes, over its memory-mapped blob."""
+        dtype = _DTYPES[entry.dtype]
         if entry.blob is None:  # an empty tensor
+            if all(entry.shape):  # a damaged index: memory nothing wrote is no dumped value
+                raise ProbeError(f"{str(self._index_path)!r}: {what} has no blob, but {list(entry.shape)} "
+                                 "elements")
             return torch.empty_strided(entry.shape, entry.stride, dtype=dtype)
         blobs = self._index[1]
         if entry.blob not in blobs:
-            raise ProbeError(f"{io} {position} of op #{op}: blob {entry.blob} is in no shard of "
-                             f"{str(self._index_path)!r}")
+            raise ProbeError(f"{what}: blob {entry.blob} is in no shard of {str(self._index_path)!r}")
         shard, name = blobs[entry.blob]
         with reading(self._index_path):
             shard = plain_name(shard, f"the shard of blob {entry.blob}")
@@ -133,7 +175,7 @@ class DumpIndex(ModeFiles):
             extent = 1 + sum((n - 1) * s for n, s in zip(entry.shape, entry.stride, strict=True)) \
                 if all(entry.shape) else 0
             if entry.offset + extent * itemsize > raw.numel():
-                raise ValueError(f"{io} {position} of op #{op} reaches past the end of blob {name}")
+                raise ValueError(f"{what} reaches past the end of blob {name}")
         if entry.offset % itemsize:  # a view at an odd byte offset: realign by copying
             raw = raw[entry.offset :].clone()
             offset = 0

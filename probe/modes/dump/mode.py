@@ -22,10 +22,12 @@ copied again when the collective completes, and their entries point to the copy
 
 Conjugate and negative views (``x.conj()``, ``torch._neg_view``) share their
 base's bytes: the blob holds those bytes, and the index entry records the view's
-bit, so the tensor reads back as the values it held. Tensors the tracer cannot
-key (inference, sparse, nested, zero tensors: ``probe.tracer.value_ids.unkeyable``,
-the test behind ``OpCall.skipped``) and quantized ones are recorded with a
-``not dumpable: <reason>`` status and no bytes.
+bit, so the tensor reads back as the values it held. Sparse, nested, quantized and
+zero tensors have no single view of bytes: each is stored as its strided parts
+(``probe.rundir.tensor_layouts``), every part copied afresh. What has no bytes to
+copy (inference tensors: no version counter to tell a storage's values apart; meta
+tensors; wrappers without storage) or a layout the dump cannot store faithfully is
+recorded with a ``not dumpable: <reason>`` status and no bytes.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from probe.modes.registry import register_mode
 from probe.rundir import layout
 from probe.rundir.call_args import encode_args
 from probe.rundir.shards import ShardWriter, StepShards
+from probe.rundir.tensor_layouts import InParts, split
 from probe.rundir.writer import StepWriter
 from probe.tracer.dispatch_mode import dtype_name
 from probe.tracer.op_call import OpCall
@@ -77,8 +80,9 @@ def not_dumpable(t: torch.Tensor) -> str | None:
     return None if reason is None else f"not dumpable: {reason}"
 
 
-def _layout_of(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shape and stride where the tensor has them (nested and sparse tensors may not): else ``()``."""
+def _layout_of(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """Shape and stride where the tensor has them: else ``()`` (a nested tensor's ragged shape)
+    and None (no strides: sparse, nested, mkldnn tensors), written as null."""
     try:
         shape = tuple(t.shape)
     except RuntimeError:
@@ -86,8 +90,25 @@ def _layout_of(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     try:
         stride = tuple(t.stride())
     except RuntimeError:
-        stride = ()
+        stride = None
     return shape, stride
+
+
+def _in_parts(t: torch.Tensor) -> InParts | str | None:
+    """``t`` as the parts the dump stores (``tensor_layouts.split``), or why it cannot be; never raises
+    into training (a layout this torch builds otherwise is a reason, not an error)."""
+    if t.is_inference() or t.is_meta:  # no version counter / no bytes: nothing of it can be copied
+        return None
+    try:
+        stored = split(t)
+    except Exception as e:  # whatever it is, the tensor is recorded as not dumpable
+        return f"{t.layout}: {type(e).__name__}: {e}"
+    if isinstance(stored, InParts):
+        for name, part in stored.parts.items():
+            why = not_dumpable(part)
+            if why is not None:
+                return f"{stored.layout}: its {name} are {why.removeprefix('not dumpable: ')}"
+    return stored
 
 
 def byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -129,6 +150,20 @@ def _view_of(storage: torch.UntypedStorage, byte_offset: int, entry: tuple[Any, 
     if entry[10] & CONJ:
         view = view.conj()
     return torch._neg_view(view) if entry[10] & NEG else view
+
+
+def _bits(t: torch.Tensor) -> int:
+    return (CONJ if t.is_conj() else 0) | (NEG if t.is_neg() else 0)
+
+
+def _part_entry(blob: int, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...], bits: int
+                ) -> dict[str, Any]:
+    """A part's object in its tensor's index entry (``docs/format.md``)."""
+    entry = {"dtype": dtype, "shape": shape, "stride": stride, "blob": blob if blob >= 0 else None,
+             "offset": 0}
+    if bits:
+        entry["conj"], entry["neg"] = bool(bits & CONJ), bool(bits & NEG)
+    return entry
 
 
 @register_mode
@@ -187,7 +222,9 @@ class DumpMode(Mode):
         # returns, so blobs of a written value are valid at the version seen then and the next.
         self._blobs: dict[int, tuple[weakref.ref, int, bool, list[tuple[int, int, int]]]] = {}
         # (op index, INPUT/OUTPUT, position, blob id or -1, byte offset in blob, dtype, shape,
-        #  stride, checksum index or -1, status or None, CONJ/NEG bits)
+        #  stride, checksum index or -1, status or None, CONJ/NEG bits, parts or None); parts:
+        #  (layout, params, {name: (blob id or -1, dtype, shape, stride, CONJ/NEG bits)}), each
+        #  part the view of its blob's bytes from byte 0
         self._entries: list[tuple[Any, ...]] = []
         # blob id -> (storage address, lo, hi): the bytes it copied
         self._spans: dict[int, tuple[int, int, int]] = {}
@@ -245,7 +282,7 @@ class DumpMode(Mode):
                 self._blobs.pop(address, None)  # its blobs hold the bytes from before the result
             copy = replaced[entry[3]]
             if copy is None:
-                entry = (*entry[:3], -1, entry[4], *entry[5:9], "skipped: memory budget", entry[10])
+                entry = (*entry[:3], -1, entry[4], *entry[5:9], "skipped: memory budget", *entry[10:])
             else:
                 entry = (*entry[:3], copy, *entry[4:])
             if entry[8] >= 0:
@@ -260,11 +297,16 @@ class DumpMode(Mode):
         """
         why = not_dumpable(t)
         if why is not None:
-            return (-1, 0, dtype_name(t.dtype), *_layout_of(t), -1, why, 0)
+            stored = _in_parts(t)
+            if isinstance(stored, InParts):
+                return self._capture_parts(t, stored)
+            if stored is not None:
+                why = f"not dumpable: {stored}"
+            return (-1, 0, dtype_name(t.dtype), *_layout_of(t), -1, why, 0, None)
         meta = (dtype_name(t.dtype), tuple(t.shape), t.stride())
-        bits = (CONJ if t.is_conj() else 0) | (NEG if t.is_neg() else 0)
+        bits = _bits(t)
         if t.numel() == 0:
-            return (-1, 0, *meta, -1, None, bits)
+            return (-1, 0, *meta, -1, None, bits, None)
         check = -1
         if self.checksum:
             self._checksums.append(checksum(t))
@@ -285,15 +327,41 @@ class DumpMode(Mode):
         assert known is not None
         for blob_lo, blob_hi, blob_id in known[3]:
             if blob_lo <= lo and hi <= blob_hi:
-                return (blob_id, lo - blob_lo, *meta, check, None, bits)
+                return (blob_id, lo - blob_lo, *meta, check, None, bits, None)
         blob_lo, blob_hi = lo, hi
         if storage.nbytes() <= _WHOLE_STORAGE_FACTOR * (hi - lo):
             blob_lo, blob_hi = 0, storage.nbytes()
         blob_id = self._copy_out(t, storage, blob_lo, blob_hi)
         if blob_id is None:
-            return (-1, 0, *meta, check, "skipped: memory budget", bits)
+            return (-1, 0, *meta, check, "skipped: memory budget", bits, None)
         known[3].append((blob_lo, blob_hi, blob_id))
-        return (blob_id, lo - blob_lo, *meta, check, None, bits)
+        return (blob_id, lo - blob_lo, *meta, check, None, bits, None)
+
+    def _capture_parts(self, t: torch.Tensor, stored: InParts) -> tuple[Any, ...]:
+        """Copy each part of a tensor stored in parts (sparse, nested, quantized, zero); its entry fields.
+
+        Parts are copied afresh at every capture, never found among the step's blobs: some are
+        made for the dump (a nested tensor's buffer, a quantized tensor's integers) with a version
+        counter of their own that no write to the tensor bumps.
+        """
+        parts: dict[str, tuple[Any, ...]] = {}
+        status = None
+        for name, part in stored.parts.items():
+            blob: int | None = -1
+            if part.numel():  # the blob is the part's byte span: the part is the view at its byte 0
+                blob = self._copy_out(part, part.untyped_storage(), *byte_span(part))
+                if blob is None:
+                    status, blob = "skipped: memory budget", -1
+            parts[name] = (blob, dtype_name(part.dtype), tuple(part.shape), part.stride(), _bits(part))
+        check = -1
+        if self.checksum:  # of the parts in order, each weighted apart: equal parts, equal checksums
+            total = torch.zeros((), dtype=torch.int64, device=t.device)
+            for k, part in enumerate(stored.parts.values()):
+                total = total + checksum(part).to(t.device) * (2 * k + 1)
+            self._checksums.append(total)
+            check = len(self._checksums) - 1
+        return (-1, 0, dtype_name(t.dtype), _layout_of(t)[0], None, check, status, 0,
+                (stored.layout, stored.params, parts))
 
     def _copy_out(self, t: torch.Tensor, storage: torch.UntypedStorage, lo: int, hi: int) -> int | None:
         """Copy bytes ``[lo, hi)`` of ``t``'s storage as a new blob; its id, or None when skipped."""
@@ -349,9 +417,10 @@ class DumpStep:
         sums = torch.stack(self.checksums).cpu().tolist() if self.checksums else []
         tensors = []
         skipped = 0
-        for op, io, position, blob, offset, dtype, shape, stride, check, status, bits in self.entries:
-            if blob in written.lost:
-                status = f"lost: {written.lost[blob]}"
+        for op, io, position, blob, offset, dtype, shape, stride, check, status, bits, parts in self.entries:
+            for b in (blob, *(part[0] for part in parts[2].values())) if parts else (blob,):
+                if b in written.lost:
+                    status = f"lost: {written.lost[b]}"
             if status is not None and status.startswith("skipped"):
                 skipped += 1
             entry = {
@@ -363,6 +432,9 @@ class DumpStep:
             }
             if bits:  # present only on conjugate / negative views (older runs have neither)
                 entry["conj"], entry["neg"] = bool(bits & CONJ), bool(bits & NEG)
+            if parts is not None and status is None:  # stored in parts: absent on strided tensors
+                entry["layout"], entry["params"] = parts[0], parts[1]
+                entry["parts"] = {name: _part_entry(*part) for name, part in parts[2].items()}
             tensors.append(entry)
         complete = not written.lost
         writer.write_json(
