@@ -13,7 +13,9 @@ no guards at all, for kernels called once per tensor.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,6 +26,17 @@ from probe.tracer.compat import default_compile_stance
 COMPILABLE_DEVICES = ("cpu", "cuda")
 
 
+@contextmanager
+def _torch_warnings_ignored() -> Iterator[None]:
+    """torch's own warnings while it compiles a kernel of the probe's (a deprecation inside the
+    modules inductor imports): nothing the user can act on, and under a filter that makes
+    warnings errors (pytest's ``filterwarnings = error``) they failed the compile, so the probe
+    reduced eagerly for the rest of the process."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
 class CompiledKernel:
     """``fn`` compiled on first use; ``fallback`` (same signature) where that cannot work."""
 
@@ -32,6 +45,8 @@ class CompiledKernel:
         self._fallback = fallback or fn
         self._compiled: Callable[..., Any] | None = None
         self.failed_devices: set[str] = set()
+        self._compiled_on: set[str] = set()
+        """Device types it has run on compiled: their first compile is behind them."""
 
     def usable(self, device: torch.device) -> bool:
         return device.type in COMPILABLE_DEVICES and device.type not in self.failed_devices
@@ -51,7 +66,12 @@ class CompiledKernel:
             # Always without grad: grad mode is part of dynamo's guards, and the
             # kernels run in forward, backward and optimizer alike.
             with default_compile_stance(), torch.no_grad():
-                return self._compiled(*args)
+                if device.type in self._compiled_on:
+                    return self._compiled(*args)
+                with _torch_warnings_ignored():  # compiles: once per device type, mostly
+                    out = self._compiled(*args)
+                self._compiled_on.add(device.type)
+                return out
         except Exception as e:  # any compile failure means "use the fallback"
             self.failed_devices.add(device.type)
             warn_once(f"compile-{self._fn.__name__}-{device.type}",
@@ -100,7 +120,7 @@ class StandaloneCpuKernel:
 
             example = [torch.zeros(self.PARALLEL_EXAMPLE_NUMEL if parallel else 64, dtype=dtype)]
             options = {"cpp.min_chunk_size": self.PARALLEL_MIN_CHUNK} if parallel else {}
-            with torch.no_grad(), torch._inductor.config.patch(options):
+            with torch.no_grad(), torch._inductor.config.patch(options), _torch_warnings_ignored():
                 graph = make_fx(self._make(dtype), tracing_mode="symbolic")(*example)
                 kernel = _direct_call(torch._inductor.standalone_compile(graph, example), example[0])
         except Exception as e:  # any failure means the caller's eager reductions

@@ -21,6 +21,7 @@ from probe.tracer import mode_stack
 from probe.tracer.compat import compiled_regions_eager
 from probe.tracer.dispatch_mode import ProbeDispatchMode, Tracer
 from probe.tracer.frozen_heap import frozen_heap
+from probe.tracer.hook_notices import ignore_compiled_module_notice
 
 
 def build_modes(names: Iterable[str], options: Mapping[str, Any]) -> list[SessionPlugin]:
@@ -51,6 +52,7 @@ def traced(stack: ExitStack, tracer: Tracer, compiled: str,
     stack.enter_context(frozen_heap(gc_freeze))
     tracer.modules.install()
     stack.callback(tracer.modules.uninstall)
+    stack.callback(ignore_compiled_module_notice())  # torch's warning about those hooks
     stack.enter_context(compiled_regions_eager(compiled, on_eager))
     dispatch = ProbeDispatchMode(tracer)
     if under_others:

@@ -19,7 +19,9 @@ its largest binade, plus a ``zero`` and a ``nonfinite`` bin. The shares follow f
 so only the histogram is computed then.
 
 Everything is computed on the tensor's device at the time the tensor is recorded
-(its value then), with no host sync: a count row per tensor, stacked per device at the
+(its value then), a piece at a time where the counting would make something of the tensor's
+size (``statistics.pieces``: a widened or contiguous copy, masks, the histogram's index per
+element), with no host sync: a count row per tensor, stacked per device at the
 step's end, moved to the host by the writer thread with the step's other rows
 (:meth:`PendingDistribution.to_host`).
 """
@@ -36,6 +38,7 @@ import torch
 
 from probe.compiled import CompiledKernel, StandaloneCpuKernel
 from probe.devices import is_accelerator, record_event
+from probe.modes.statistics import pieces
 from probe.modes.statistics.reduce import accumulation_dtype, as_real, compact_view
 
 SHARE_NAMES = ("zeros", "underflow", "near_overflow")
@@ -157,6 +160,12 @@ def share_counts(x: torch.Tensor) -> torch.Tensor:
     cost ten times more on the CPU); small ones: a few eager reductions, read in place.
     Integer/bool: NaN for the last two."""
     acc = accumulation_dtype(x.device)
+    if pieces.too_large(x):
+        read_whole = x.is_floating_point() and x.is_contiguous()  # the compiled pass, in place
+        whole = _compiled_shares(x, dtype_range(x.dtype)) if read_whole else None
+        if whole is not None:
+            return whole.to(acc)
+        return pieces.sum_counts([share_counts(p) for p in pieces.split(x)])
     if not x.is_floating_point():
         zeros = torch.count_nonzero(x == 0).to(acc)
         nan = torch.full((), math.nan, dtype=acc, device=x.device)
@@ -212,6 +221,8 @@ def _compiled_bins(x: torch.Tensor, r: DtypeRange) -> torch.Tensor | None:
 def exponent_counts(x: torch.Tensor) -> torch.Tensor:
     """The log2-magnitude histogram of a non-empty floating-point tensor, on its device:
     int64 ``[2 + bins]``: zero, nonfinite, then exponents ``low .. high`` of its dtype."""
+    if pieces.too_large(x):  # every path makes an int64 bin index per element
+        return pieces.sum_counts([exponent_counts(p) for p in pieces.split(x)])
     r = dtype_range(x.dtype)
     index = _compiled_bins(x, r)
     if index is None:

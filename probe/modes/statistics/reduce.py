@@ -28,6 +28,11 @@ reference), each as fast as its place allows:
 
 ``zeros`` (``|x| < eps``, the monitor's) is counted where an ``eps`` is given, compared with
 ``eps`` as fp32 holds it (fp64 for fp64 tensors); the stats mode gives none (0).
+
+Every path that would make a temporary of its input's size (a widened or contiguous copy, a
+mask) reduces a tensor of more than ``pieces.PIECE_NUMEL`` elements piece by piece and
+combines the pieces' rows (:mod:`probe.modes.statistics.pieces`); the fused passes that read a
+contiguous floating-point tensor in place take it whole.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import numpy as np
 import torch
 
 from probe.compiled import CompiledKernel, StandaloneCpuKernel
+from probe.modes.statistics import pieces
 from probe.modes.statistics.columns import RAW_COLUMNS
 
 BACKENDS = ("auto", "compiled", "eager")
@@ -103,14 +109,18 @@ def _zeros(x: torch.Tensor, eps: float | None, acc: torch.dtype) -> torch.Tensor
     """``|x| < eps`` counted (0 without ``eps``), in ``acc``."""
     if eps is None:
         return torch.zeros((), dtype=acc, device=x.device)
+    if pieces.too_large(x):
+        return pieces.sum_counts([_zeros(p, eps, acc) for p in pieces.split(x)])
     wide = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
     return torch.count_nonzero(wide.abs() < zeros_threshold(x.dtype, eps)).to(acc)
 
 
 def eager_raw(x: torch.Tensor, acc: torch.dtype, eps: float | None = None) -> torch.Tensor:
-    """A handful of small kernels; reads strided tensors in place. Without autograd: the
-    row is read on the host (``numpy()``) and ``x`` may require grad."""
+    """A handful of small kernels over ``x`` widened to ``acc``, a piece at a time. Without
+    autograd: the row is read on the host (``numpy()``) and ``x`` may require grad."""
     with torch.no_grad():
+        if pieces.too_large(x):
+            return pieces.combine_raw([eager_raw(p, acc, eps) for p in pieces.split(x)])
         xa = x.to(acc)
         mn, mx = torch.aminmax(xa)
         if xa.is_contiguous():
@@ -176,12 +186,20 @@ class TensorStats:
             return False
         return self.backend == "compiled" or x.numel() >= COMPILED_MIN_NUMEL
 
+    def reads_in_place(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`row` reduces ``x`` in one fused pass over its memory, copying nothing."""
+        return self.uses_compiled(x) and x.is_contiguous() and x.dtype in _COMPILED_DTYPES
+
     def row(self, x: torch.Tensor, saturated: bool = False, eps: float | None = None) -> torch.Tensor:
         """The raw row of a non-empty compact tensor (see :func:`compact_view`), on its device.
 
         ``saturated``: overflow on this device writes +-max of the dtype instead of
         inf (Ascend NPU saturation mode), so values at +max count as +Inf, at -max as -Inf.
+        A tensor of more than one piece is reduced piece by piece, unless read in place.
         """
+        if pieces.too_large(x) and (saturated or not self.reads_in_place(x)):
+            with torch.no_grad():
+                return pieces.combine_raw([self.row(p, saturated, eps) for p in pieces.split(x)])
         acc = accumulation_dtype(x.device)
         if saturated and x.is_floating_point():
             row = eager_raw(x, acc, eps)
@@ -246,25 +264,47 @@ PARALLEL_MIN_NUMEL = 1 << 16
 starting the threads costs more than they save; measured, 2 threads: 131k fp32 elements 25
 against 39 us, 4M 0.50 against 0.97 ms)."""
 
-COPY_MAX_NUMEL = 1 << 24
-"""Slices with gaps up to this many elements are copied for the compiled pass; longer ones are
-read in place by the eager reductions (no copy of that size)."""
+def _as_bf16_pairs(flat: torch.Tensor) -> bool:
+    """Whether the compiled pass reads the contiguous ``flat`` as int32 pairs of bf16 values."""
+    return flat.dtype == torch.bfloat16 and flat.numel() % 2 == 0 and flat.data_ptr() % 4 == 0
+
+
+def _moments_read_in_place(x: torch.Tensor) -> bool:
+    """Whether the compiled pass reads ``x`` as it is (no copy, no widened copy)."""
+    return x.is_contiguous() and (x.dtype in (torch.float32, torch.float64) or _as_bf16_pairs(x))
 
 
 def _compiled_moments(x: torch.Tensor) -> torch.Tensor | None:
-    """The compiled pass over ``x``, or None where it cannot run."""
-    if x.numel() < 2 or (not x.is_contiguous() and x.numel() > COPY_MAX_NUMEL):
+    """The compiled pass over ``x`` (at most a piece, unless read in place), or None where it
+    cannot run."""
+    if x.numel() < 2:
         return None
     # A slice with gaps (rotate_half's halves, a split) is copied: the copy and the pass take a
     # third of the time of the eager reductions reading it in place (measured, 131k elements:
     # 53-71 us against 163-346).
     flat = x.contiguous().view(-1)
     parallel = flat.numel() >= PARALLEL_MIN_NUMEL and torch.get_num_threads() > 1
-    if flat.dtype == torch.bfloat16 and flat.numel() % 2 == 0 and flat.data_ptr() % 4 == 0:
+    if _as_bf16_pairs(flat):
         return _MOMENTS(flat.view(torch.int32), parallel)
     if flat.dtype not in (torch.float32, torch.float64):
         flat = flat.float()  # exact; faster than widening 16-bit values inside the loop
     return _MOMENTS(flat, parallel)
+
+
+def _moments_row(x: torch.Tensor, compiled: bool) -> torch.Tensor | None:
+    """``[min, max, sum, sumsq]`` of ``x`` in fp64, or None: left to the batched eager reductions.
+    A tensor of more than one piece is never left to them (their sums widen it whole)."""
+    if not pieces.too_large(x):
+        return _compiled_moments(x) if compiled else None
+    if compiled and _moments_read_in_place(x):
+        row = _compiled_moments(x)
+        if row is not None:
+            return row
+    parts = []
+    for p in pieces.split(x):
+        part = _compiled_moments(p) if compiled else None
+        parts.append(part if part is not None else _eager_moments([p])[0])
+    return pieces.combine_raw(parts)
 
 
 def cpu_rows(xs: list[torch.Tensor], compiled: bool = True, eps: float | None = None) -> np.ndarray:
@@ -272,9 +312,9 @@ def cpu_rows(xs: list[torch.Tensor], compiled: bool = True, eps: float | None = 
     ``compiled=False``: the eager reductions only. The tensors may require grad (an
     activation, a view of a parameter): nothing here is recorded by autograd."""
     with torch.no_grad():
-        rows = [_compiled_moments(x) if compiled else None for x in xs]
+        rows = [_moments_row(x, compiled) for x in xs]
         eager = [i for i, r in enumerate(rows) if r is None]
-        if eager:  # slices with gaps, or no compiler: read in place by the eager reductions
+        if eager:  # no compiler (or one element): read in place by the eager reductions
             for i, r in zip(eager, _eager_moments([xs[i] for i in eager]), strict=True):
                 rows[i] = r
         table = torch.stack([r.to(torch.float64) for r in rows])  # type: ignore[union-attr]
@@ -306,12 +346,14 @@ def device_rows(xs: list[torch.Tensor], eps: float | None = None, stats: TensorS
     of it, which on a GPU made a 7B-wide bf16 step 14x slower (H200: 335 of 359 ms).
     """
     stats = stats if stats is not None else TensorStats()
-    fused = [stats.uses_compiled(x) for x in xs]
-    if not any(fused):
+    # The foreach reductions make negated copies and masks of each tensor: one of more than a
+    # piece goes to ``stats.row``, which reduces it piece by piece.
+    alone = [stats.uses_compiled(x) or pieces.too_large(x) for x in xs]
+    if not any(alone):
         return _foreach_rows(xs, eps)
-    small = [x for x, f in zip(xs, fused, strict=True) if not f]
+    small = [x for x, a in zip(xs, alone, strict=True) if not a]
     rest = iter(_foreach_rows(small, eps).unbind(0) if small else ())
-    return torch.stack([stats.row(x, eps=eps) if f else next(rest) for x, f in zip(xs, fused, strict=True)])
+    return torch.stack([stats.row(x, eps=eps) if a else next(rest) for x, a in zip(xs, alone, strict=True)])
 
 
 def _foreach_rows(xs: list[torch.Tensor], eps: float | None) -> torch.Tensor:
@@ -390,4 +432,7 @@ def adam_update_row(m: torch.Tensor, v: torch.Tensor, lr: float, beta1: float, b
     flat_m, flat_v = m.detach().reshape(-1), v.detach().reshape(-1)
     if COMPILED_MIN_NUMEL <= m.numel() < COMPILED_MAX_NUMEL and _ADAM_UPDATE.usable(m.device):
         return _ADAM_UPDATE(flat_m, flat_v, coefficients, threshold).to(acc), m.numel()
-    return _adam_update_raw(flat_m, flat_v, coefficients, threshold).to(acc), m.numel()
+    # Eager, the update and its masks are made: a piece at a time.
+    parts = [_adam_update_raw(piece_m, piece_v, coefficients, threshold).to(acc)
+             for piece_m, piece_v in zip(pieces.split(flat_m), pieces.split(flat_v), strict=True)]
+    return (parts[0] if len(parts) == 1 else pieces.combine_raw(parts)), m.numel()
