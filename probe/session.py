@@ -15,6 +15,10 @@ Failures: an unwritable run directory is a ``ProbeError`` at the start; later, a
 step whose files cannot be written is given up and named in the run, with one
 warning, and training goes on. The user's own exception always wins over the
 probe's.
+
+A process forked while a session runs (``os.fork()``, a DataLoader worker) holds a detached
+copy of it: it traces and writes nothing, and its ``step()``/``stop()`` return at once (see
+:meth:`Session._detach_forked`).
 """
 
 from __future__ import annotations
@@ -115,6 +119,8 @@ class Session:
         self.step_kind: str | None = None
         """What the current step is, written to its manifest as ``"kind"`` (the integrations set
         ``"evaluation"``); None, a training step, writes no field. Reset when a step begins."""
+        self._forked_from: int | None = None
+        """In a process forked while the session ran: the parent's pid (the session is detached)."""
 
     # -- context ---------------------------------------------------------------
 
@@ -189,6 +195,9 @@ class Session:
         tb: TracebackType | None,
     ) -> None:
         global _active
+        if self._forked_from is not None:
+            self._stop_forked()
+            return
         tracer, stack = self._tracer, self._exit_stack
         assert tracer is not None and stack is not None
         try:
@@ -287,6 +296,9 @@ class Session:
         whether training ended normally, even when the loop runs inside someone's ``except:``)."""
         if self._tracer is None:
             return
+        if self._forked_from is not None:
+            self._stop_forked()
+            return
         self._held = None
         if error is None:
             self.__exit__(None, None, None)
@@ -295,8 +307,9 @@ class Session:
 
     @property
     def running(self) -> bool:
-        """Whether the session is between start (or ``with`` entry) and stop (or exit)."""
-        return self._tracer is not None
+        """Whether the session is between start (or ``with`` entry) and stop (or exit), in the
+        process that started it (a forked child's copy is detached: not running)."""
+        return self._tracer is not None and self._forked_from is None
 
     # -- pausing -----------------------------------------------------------------
 
@@ -305,7 +318,7 @@ class Session:
         from hooks (evaluation inside a training loop, a checkpoint save). The step stays open; a
         :meth:`step` while paused ends it and the next step starts paused. Pausing twice is once."""
         tracer = self._running_tracer("pause")
-        if self._held is not None:
+        if self._held is not None or self._forked_from is not None:
             return
         self._held = (tracer.recording, tracer.modules.enabled)
         tracer.recording = tracer.modules.enabled = False
@@ -316,7 +329,7 @@ class Session:
         """Record again after :meth:`pause` (from where the step was); no-op when not paused."""
         tracer = self._running_tracer("resume")
         held, self._held = self._held, None
-        if held is None:
+        if held is None or self._forked_from is not None:  # a forked child's copy records nothing
             return
         tracer.recording, tracer.modules.enabled = held
         for mode in self.modes:
@@ -354,6 +367,9 @@ class Session:
         if self._tracer is None:
             raise ProbeError("session.step() called outside the session (its with block, or between "
                              "start() and stop())")
+        if self._forked_from is not None:
+            self._say_forked()
+            return
         self._stopped_between_steps = False
         try:
             self._flush(complete=True, reason=None)
@@ -601,6 +617,66 @@ class Session:
             f"training goes on; the step is left unfinished ({first['directory']}) and every step given up "
             f"is listed in {layout.WRITE_FAILURES_FILE} there",
         )
+
+
+    # -- a forked child's copy ----------------------------------------------------
+
+    def _detach_forked(self, parent: int) -> None:
+        """In a process forked while this session ran (``os.fork()``; run by the at-fork hook):
+        the copy records nothing and writes nothing, for good.
+
+        Its run writer would write the parent's step numbers again into the parent's run
+        directory, and the threads that write (the step writer's, the dump's) were not forked:
+        fork copies the forking thread only, so waiting for them (the next ``step()``, the end of
+        the block, the exit) never ended. So the tracer and every mode stop collecting, as when
+        paused; the writer is dropped unused, and this process's copy of the rank lock's
+        descriptor is closed (an inherited descriptor would keep the parent's lock held after
+        the parent lets it go, as long as the child lives). Nothing here waits for a lock or a
+        thread. Said once, when the child first calls the session (:meth:`_say_forked`): a
+        DataLoader's workers are forked children that never do, and stay quiet."""
+        self._forked_from = parent
+        tracer = self._tracer
+        if tracer is not None:
+            tracer.recording = tracer.modules.enabled = False
+        self._held = None
+        for mode in self.modes:
+            mode.pause()
+        writer, self._writer = self._writer, None
+        self._background = None
+        if writer is not None:
+            writer.abandon_in_forked_child()
+
+    def _say_forked(self) -> None:
+        warn_once(
+            f"forked:{os.getpid()}:{self.out}",
+            f"this process (pid {os.getpid()}) was forked from pid {self._forked_from} while the session "
+            f"writing {str(self.out)!r} ran there: its copy of the session is detached (it traces and "
+            "writes nothing; step() and stop() return at once); the parent's run goes on",
+        )
+
+    def _stop_forked(self) -> None:
+        """stop() or the end of the block in a forked child: take the tracer's hooks and dispatch
+        mode out of this process; nothing is written or waited for (the step writer's close does
+        nothing outside the process that made it), and nothing is raised."""
+        self._say_forked()
+        stack, self._exit_stack = self._exit_stack, None
+        self._tracer = None
+        if stack is not None:
+            with contextlib.suppress(Exception):
+                stack.close()
+
+
+def _detach_in_forked_child() -> None:
+    """The at-fork hook, in the child: a running session there is the parent's (detached)."""
+    global _active
+    session, _active = _active, None  # the child may start a session of its own
+    if session is not None:
+        with contextlib.suppress(Exception):  # a failure here would be printed by the interpreter
+            session._detach_forked(os.getppid())
+
+
+if hasattr(os, "register_at_fork"):  # (no fork, no hook: Windows)
+    os.register_at_fork(after_in_child=_detach_in_forked_child)
 
 
 class _Once:

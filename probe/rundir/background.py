@@ -10,10 +10,16 @@ back this way is a deliberate stop (dump's ``on_error="raise"``) or a bug.
 A job handed to ``submit`` is always queued, even when waiting for a slot is
 interrupted (Ctrl-C): the step's records go to disk, then the interruption
 goes on.
+
+A process forked from the one that made the writer has no worker thread (fork copies
+the forking thread only): there every call returns at once and does nothing, as the
+jobs are the parent's. Before, the child's next ``submit`` or its ``close`` waited
+forever for a job no thread would run.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -25,8 +31,14 @@ class BackgroundWriter:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="probe-writer")
         self._slots = threading.BoundedSemaphore(max_pending)
         self._futures: deque[Future[None]] = deque()
+        self._pid = os.getpid()
+
+    def _in_forked_child(self) -> bool:
+        return os.getpid() != self._pid
 
     def submit(self, job: Callable[[], None]) -> None:
+        if self._in_forked_child():
+            return
         try:
             self._slots.acquire()
         except BaseException:
@@ -41,9 +53,13 @@ class BackgroundWriter:
 
     def drain(self) -> None:
         """Wait for every submitted job; re-raise the first failure."""
+        if self._in_forked_child():
+            return
         self._reap(block=True)
 
     def close(self) -> None:
+        if self._in_forked_child():
+            return
         try:
             self.drain()
         finally:

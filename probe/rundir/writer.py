@@ -244,6 +244,15 @@ class RunWriter:
             self._failures_reported = len(self._failures)
             return new
 
+    def abandon_in_forked_child(self) -> None:
+        """In a process forked from the one writing: write nothing, and close this process's copy
+        of the lock's descriptor. A ``flock`` belongs to the open file, which fork shares: the
+        parent's lock stays held, and is freed when the parent lets it go, not when the child
+        ends too. Takes no lock (another thread of the parent may have held one at the fork)."""
+        lock, self._lock = getattr(self, "_lock", None), None
+        if lock is not None:
+            lock.release()
+
     def close(self) -> None:
         """Write the failures a full disk held back, if it can now, and free the rank's lock."""
         lock = getattr(self, "_lock", None)
