@@ -173,3 +173,35 @@ def test_a_norm_casting_back_to_the_dtype_it_received_is_no_lowering(tmp_path, a
     assert faulty.divergence is not None
     assert (faulty.divergence.rule, faulty.divergence.op.module, faulty.divergence.step) == \
         ("lowered precision", "model.norm", 0)
+
+
+def _embedding_changed_run(out, autocast: bool, changed: bool):
+    """Two AdamW steps of the tiny Llama; ``changed``: one embedding element x1.5 between them,
+    written where nothing traces it (a silent corruption)."""
+    model = _llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    with probe.mode("stats", out=out, model=model) as session:
+        for step in range(2):
+            if changed and step == 1:
+                with session.paused(), torch.no_grad():
+                    model.model.embed_tokens.weight[3, 5] *= 1.5
+            ids = torch.randint(0, 128, (2, 16), generator=gen)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            session.step()
+    return out
+
+
+def test_a_weight_changed_between_steps_of_an_autocast_run_is_named_where_it_is_read(tmp_path):
+    # One element of a 128 x 64 embedding x1.5: far within the difference autocast's steps explain
+    # in the weights, so only the state itself tells (run B's step 0 never left this value).
+    reference = _embedding_changed_run(tmp_path / "a", autocast=False, changed=False)
+    report = probe.compare(reference, _embedding_changed_run(tmp_path / "b", autocast=True, changed=True))
+    d = report.divergence
+    assert d is not None, report.conclusion
+    assert (d.op.module, d.step, d.rule) == ("model.embed_tokens", 1, "outside input")
+    assert "changed between the steps" in d.comparison.message

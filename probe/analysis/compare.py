@@ -31,7 +31,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -1066,7 +1066,7 @@ def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
                 blamed.verdict, blamed.rule, blamed.enters = ERROR, RULE_UNMATCHED_PRODUCER, True
                 blamed.message = f"{message}; {blamed.message}" if blamed.message else message
                 tainted = True
-        regime = Carry(carry.before, identical, carry.explained, carry.bound)
+        regime = replace(carry, identical=identical)  # with the state the step before left
         _judge_op(side_a, side_b, c, by_index, lowerings, tainted, replay_limit, regime)
         if tainted or c.verdict == ERROR:
             reached_a.update([c.a.index] if c.a is not None else [])
