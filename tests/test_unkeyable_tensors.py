@@ -269,3 +269,22 @@ def test_free_benchmark_skips_outputs_defined_only_up_to_sign(tmp_path):
         assert "up to sign" in checks[(name, output)].reason
     assert checks[("aten._linalg_eigh.default", 0)].verdict != "skip"  # eigenvalues are checked
     assert checks[("aten._linalg_svd.default", 1)].verdict != "skip"
+
+
+def test_a_buffer_filled_slice_by_slice_is_unwritten_memory_until_full(tmp_path):
+    # DeepSeek-style attention: a new_empty buffer, one slice copied in, then a view of the other
+    # slice taken before it is filled. That view holds whatever the allocator left: its statistics
+    # differed between two identical runs (NaN in one), a false divergence. Once every element
+    # is written, the buffer is a value again.
+    a, b = torch.randn(2, 16), torch.randn(2, 8)
+    with probe.mode("stats", out=tmp_path):
+        buffer = a.new_empty(2, 24)
+        buffer[:, :16].copy_(a)
+        buffer[:, 16:].copy_(b)
+        (buffer * 2).sum()
+    ops = probe.load(tmp_path).ops(0)
+    slices = [op for op in ops if op.name == "aten.slice.Tensor"]
+    assert len(slices) == 2 and all(op.outputs[0].stats is None for op in slices), slices
+    doubled = next(op for op in ops if op.name == "aten.mul.Tensor")
+    expected = torch.cat([a, b], dim=1) * 2
+    assert doubled.outputs[0].stats["max"] == pytest.approx(float(expected.max()))

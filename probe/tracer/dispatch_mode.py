@@ -54,6 +54,14 @@ def _shape_of(t: torch.Tensor) -> tuple[int, ...]:
 
 
 
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    """``t``'s storage, as the buffers being filled are known by; None for a tensor without one."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
 class Tracer:
     """Routing and bookkeeping for one session; the dispatch mode calls :meth:`dispatch`."""
 
@@ -83,6 +91,11 @@ class Tracer:
         self.values = ValueIndex()
         self._unwritten: set[int] = set()
         """Indices of this step's ops whose outputs are memory nothing has written yet."""
+        self._partly_written: dict[int, list[int]] = {}
+        """Buffers nothing wrote before this step's ops began to fill them piece by piece (a
+        ``new_empty`` whose slices are copied into one by one), by storage: [elements written so
+        far, elements the buffer holds]. A view into one is memory nothing wrote yet, until the
+        writes add up to the whole buffer."""
         self._refilled: dict[int, weakref.ref[torch.Tensor]] = {}
         """Buffers an op with ``refills_buffers`` wrote, by ``id``: reallocated before each such
         op (outside any op), so a view of one taken before it holds garbage. Kept across steps."""
@@ -105,6 +118,7 @@ class Tracer:
         self.opened_regions = []
         self.values.clear()
         self._unwritten.clear()
+        self._partly_written.clear()
         self.modules.reset_step()
         active = step in self.options.steps and rank in self.options.ranks
         self.recording = self._step_recorded = active
@@ -268,6 +282,7 @@ class Tracer:
             uninitialized = info.uninitialized_output or bool(info.is_view and inputs and (
                 ((src := inputs[0][2]) is not None and src[0] in self._unwritten)
                 or (self._refilled and self._is_refilled(in_tensors[0]))
+                or (self._partly_written and _storage_key(in_tensors[0]) in self._partly_written)
             ))
             if uninitialized:
                 self._unwritten.add(index)
@@ -305,6 +320,8 @@ class Tracer:
                     moving = (call.versions_moving() if call is not None
                               else counted_writes(info, args, kwargs))
                     rewritten = [t for t in written if not any(t is m for m in moving)]
+            if written and (self._unwritten or self._partly_written):
+                self._note_filling(written, in_tensors, inputs)
             if info.refills_buffers:
                 for t in written:
                     base = t._base if t._base is not None else t
@@ -362,6 +379,28 @@ class Tracer:
         if records is self.records and len(records) > start:  # the same step, and it recorded ops
             self.layouts.label(records, start, self._classes[func].name, args, kwargs, out, dtensor)
         return out
+
+    def _note_filling(self, written: list[torch.Tensor], in_tensors: list[torch.Tensor],
+                      inputs: list[Any]) -> None:
+        """Counts what an op wrote into buffers nothing had written before (see
+        ``_partly_written``): a write into part of one leaves the rest unwritten, so a view taken
+        of the rest before it is filled holds garbage (that view's statistics differed between two
+        identical runs of DeepSeek-style attention, which fills a ``new_empty`` slice by slice)."""
+        for t in written:
+            position = next((i for i, x in enumerate(in_tensors) if x is t), None)
+            if position is None:
+                continue
+            key = _storage_key(t)
+            filling = self._partly_written.get(key) if key is not None else None
+            if filling is None:
+                source = inputs[position][2]
+                if key is None or source is None or source[0] not in self._unwritten:
+                    continue
+                size = t.untyped_storage().nbytes() // max(t.element_size(), 1)
+                filling = self._partly_written[key] = [0, size]
+            filling[0] += t.numel()
+            if filling[0] >= filling[1]:
+                del self._partly_written[key]
 
     def _is_refilled(self, t: torch.Tensor) -> bool:
         known = self._refilled.get(id(t))
