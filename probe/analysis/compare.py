@@ -692,7 +692,10 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
         floor = _held_apart(side_a, side_b, record, c.b.inputs[position])
         in_error = max(in_error, error, floor)
     out_error, out_dtypes = 0.0, (torch.float64, torch.float64)
+    primary = precision.primary_outputs(c.a)
     for t in c.outputs:
+        if t.position >= primary:
+            continue  # statistics the op keeps for its backward: its result and gradients tell
         error = _error_of(t, c.a.outputs[t.position], c.b.outputs[t.position])
         if t.kind == "data":  # measured as the inputs are (a sparse gradient's rms is no scale)
             data_a, _ = side_a.data(c.a, "output", t.position)

@@ -528,6 +528,26 @@ def condition(op: OpRecord) -> float:
     return 1.0
 
 
+_SAVED_FOR_BACKWARD = {
+    "native_layer_norm": 1, "native_group_norm": 1, "native_batch_norm": 1, "_native_batch_norm_legit": 1,
+    "_native_batch_norm_legit_no_training": 1, "_fused_rms_norm": 1, "nll_loss_forward": 1,
+    "nll_loss2d_forward": 1, "native_dropout": 1, "_scaled_dot_product_flash_attention_for_cpu": 1,
+    "_scaled_dot_product_flash_attention": 1, "_scaled_dot_product_efficient_attention": 1,
+    "_scaled_dot_product_cudnn_attention": 1, "_scaled_dot_product_fused_attention_overrideable": 1,
+}
+"""Ops whose results past the first few are what they keep for their backward (a layer norm's
+row means and inverse deviations, a loss's total weight, attention's log-sum-exp, dropout's
+mask): by op short name, how many results come before them."""
+
+
+def primary_outputs(op: OpRecord) -> int:
+    """How many of ``op``'s results are its result proper; the rest, statistics it keeps for its
+    backward, follow from its inputs and that result (a row mean near zero differs between runs
+    by a large relative amount where the normalised rows agree to rounding). A fault in them
+    shows in the result or in the gradients, where it is judged."""
+    return _SAVED_FOR_BACKWARD.get(short_name(op.name), len(op.outputs))
+
+
 _SELECTIONS = frozenset({"embedding", "index_select", "gather", "index", "take", "_embedding_bag",
                          "embedding_bag"})
 
