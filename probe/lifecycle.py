@@ -9,6 +9,7 @@ reverse, through the ``ExitStack`` :func:`traced` fills.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import ExitStack
 from pathlib import Path
@@ -60,6 +61,10 @@ def traced(stack: ExitStack, tracer: Tracer, compiled: str,
         stack.callback(_take_out, dispatch)
     else:
         stack.enter_context(dispatch)
+    # Module hooks on other threads are told apart from this one's: ops there go unseen.
+    thread = threading.get_ident()
+    tracer.modules.traced_threads.add(thread)
+    stack.callback(tracer.modules.traced_threads.discard, thread)
 
 
 def _take_out(dispatch: ProbeDispatchMode) -> None:

@@ -203,7 +203,8 @@ class Session:
         try:
             try:
                 raised_in_step = exc is not None and not self._stopped_between_steps
-                if tracer.records or raised_in_step or any(mode.has_pending() for mode in self.modes):
+                if (tracer.records or raised_in_step or tracer.modules.untraced_calls
+                        or any(mode.has_pending() for mode in self.modes)):
                     reason = None if exc is None else f"{type(exc).__name__}: {exc}"
                     # After a normal end, what the last step() left behind is a tail, not a step.
                     tail = exc is None and self.step_index > 0
@@ -354,6 +355,16 @@ class Session:
             if self._tracer is not None:  # the block may have stopped the session
                 self.resume()
 
+    def trace_thread(self) -> contextlib.AbstractContextManager[None]:
+        """``with session.trace_thread():`` traces the ops its block runs on the calling thread.
+
+        The session traces the thread that started it (a dispatch mode is per thread); on any
+        other thread (training in a ``threading.Thread``) ops go unseen, and the module calls
+        there are counted in the step's manifest (``untraced_threads``) with a warning. Run that
+        thread's work inside this block to trace it. One thread at a time may run the model's
+        ops: two at once would interleave their records."""
+        return self._running_tracer("trace_thread").trace_thread()
+
     def _running_tracer(self, method: str) -> Tracer:
         if self._tracer is None:
             raise ProbeError(f"session.{method}() called outside the session (its with block, or between "
@@ -479,7 +490,10 @@ class Session:
         # the session added on its own, the checksums of model=, only adds to steps written anyway).
         collected = any(result is not None for mode, result in ended
                         if mode.observer() is None and not mode.implicit)
-        if self._writer is None or not (records or collected or not complete):
+        # Ops that ran on a thread the dispatch mode does not see: said in the manifest, even
+        # of a step that recorded none (training in a threading.Thread).
+        untraced = dict(tracer.modules.untraced_calls)
+        if self._writer is None or not (records or collected or untraced or not complete):
             return None
         types = tracer.modules.names.types
         module_types = {fqn: types[fqn] for fqn in {r[RECORD_MODULE] for r in records} if fqn in types}
@@ -508,6 +522,8 @@ class Session:
             manifest["parallel"] = tracer.modules.names.parallel
         if self._compiled_eager:
             manifest[layout.COMPILED_EAGER_KEY] = self._compiled_eager
+        if untraced:
+            manifest[layout.UNTRACED_THREADS_KEY] = untraced
         if tracer.opened_regions:
             manifest[layout.COMPILED_OPENED_KEY] = {op_id: [start, end] for op_id, start, end
                                                     in tracer.opened_regions}

@@ -18,6 +18,7 @@ from probe.rundir import layout
 from probe.rundir.loss_scaler import ScalerStep, handled_by_scaler
 from probe.rundir.records import NonfiniteParameterRecord, TensorRecord, nonfinite_origins_in
 from probe.rundir.run import AnomalyRecord, CheckRecord, OpRecord, Run
+from probe.rundir.untrusted_reads import expect, reading
 
 MASK_FRACTION = 0.5
 """An output whose largest magnitude reaches this fraction of its dtype's largest finite value
@@ -57,6 +58,9 @@ class StepSummary:
     overflow_handled: bool = False
     """The step's non-finite values are a gradient overflow the loss scaler handled: it skipped
     the step (see :func:`probe.rundir.loss_scaler.handled_by_scaler`); no fault of the model."""
+    untraced_threads: dict[str, int] = field(default_factory=dict)
+    """Thread name -> module and optimizer calls that ran there unseen by the dispatch mode (it
+    is per thread): the step's records lack their ops (the manifest's ``untraced_threads``)."""
     unreadable: str | None = None
     """Why the step could not be read (a damaged file, named): it is reported and skipped, the
     other fields are empty. None for a step that was read."""
@@ -169,6 +173,7 @@ def summarize_step(run: Run, step: int, rank: int, top: int = 5) -> StepSummary:
         monitored=len(run.monitor(step, rank)),
         anomalies=run.anomalies_of(step, rank),
         unmeasured=_unmeasured(info.manifest),
+        untraced_threads=_untraced_threads(run, step, rank, info.manifest),
         loss_scaler=scaler,
         overflow_handled=handled,
     )
@@ -178,6 +183,16 @@ def _unmeasured(manifest: dict) -> int:
     stats = manifest.get("modes", {}).get("stats") if isinstance(manifest.get("modes"), dict) else None
     count = stats.get("unmeasured_tensors", 0) if isinstance(stats, dict) else 0
     return count if isinstance(count, int) else 0
+
+
+def _untraced_threads(run: Run, step: int, rank: int, manifest: dict) -> dict[str, int]:
+    """The manifest's ``untraced_threads``, checked: a damaged entry makes the step unreadable
+    rather than hide that ops went unseen."""
+    entry = manifest.get(layout.UNTRACED_THREADS_KEY, {})
+    with reading(layout.step_dir(run.path, rank, step) / layout.MANIFEST_FILE):
+        expect(entry, dict, layout.UNTRACED_THREADS_KEY)
+        return {expect(name, str, "a thread name"): expect(calls, int, f"the calls on thread {name!r}")
+                for name, calls in entry.items()}
 
 
 def summarize(run: Run, top: int = 5) -> Iterator[StepSummary]:

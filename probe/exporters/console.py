@@ -74,6 +74,9 @@ def render_step(console: Console, summary: StepSummary) -> None:
     counts.add_row(*(str(summary.phase_counts[p]) for p in phases), str(total))
     if total or not summary.monitored:
         console.print(counts)
+    untraced = _untraced_line(summary)
+    if untraced is not None:
+        console.print(untraced, style="red", markup=False, highlight=False)
     bad = summary.first_nonfinite
     if summary.monitored and not total:
         pass  # a monitor-only step: its own lines below say what it saw
@@ -161,12 +164,24 @@ def _ranges(values: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
+def _untraced_line(summary: StepSummary) -> str | None:
+    """What a step's records lack: the ops of threads the dispatch mode did not see."""
+    if not summary.untraced_threads:
+        return None
+    threads = ", ".join(f"{name!r} ({calls} module/optimizer calls)"
+                        for name, calls in sorted(summary.untraced_threads.items()))
+    return (f"NOT TRACED: ops on thread(s) {threads}: the probe's dispatch mode was not active there; "
+            "start the session on the thread that trains, or use session.trace_thread()")
+
+
 def _step_line(summary: StepSummary) -> str:
     if summary.unreadable is not None:
         return f"step {summary.step} rank {summary.rank}: UNREADABLE, skipped: {summary.unreadable}"
     parts = [f"step {summary.step} rank {summary.rank}: {sum(summary.phase_counts.values())} ops"]
     if not summary.complete:
         parts.append(f"INCOMPLETE ({summary.reason})")
+    if summary.untraced_threads:
+        parts.append(f"ops on thread(s) {', '.join(map(repr, sorted(summary.untraced_threads)))} NOT TRACED")
     if summary.first_nonfinite is not None:
         handled = f" ({HANDLED})" if summary.overflow_handled else ""
         parts.append(f"first non-finite {summary.first_nonfinite.id}{handled}")

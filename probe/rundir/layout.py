@@ -62,6 +62,10 @@ COMPILED_FILES_KEY = "compiled_region_files"
 """Step manifest entry (compiled="keep"): compiled region op id -> ``{"graph": name, "tensors":
 path or null}``, its graph's files in ``rank<r>/compiled/`` and its recorded inputs and compiled
 outputs (``probe.rundir.region_graphs``); absent when none was written."""
+UNTRACED_THREADS_KEY = "untraced_threads"
+"""Step manifest entry: thread name -> module and optimizer calls on that thread in the step,
+which the probe's dispatch mode did not see (a dispatch mode is per thread): their ops are not in
+the step's records. Absent when every call ran on a traced thread."""
 
 _RANK_RE = re.compile(r"rank(\d+)")
 _STEP_RE = re.compile(r"step(\d+)")

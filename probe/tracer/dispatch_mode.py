@@ -10,6 +10,7 @@ runs. Work done outside it (step flushes) runs under :meth:`Tracer.paused`.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,7 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
 
 from probe.errors import warn_once
 from probe.tracer.call_sites import CallSites
@@ -74,6 +80,7 @@ class Tracer:
         self._observed = bool(self._before_modes or self._after_modes or self._replacer)
         """Some mode sees the op calls (``structure`` overrides no hook: no OpCall to build)."""
         self.modules = ModuleTracker(options.model)
+        self.modules.traces_current_thread = self._traces_current_thread
         self.call_sites = CallSites() if options.stack else None
         self.rank = rank
         self.step = 0
@@ -108,6 +115,31 @@ class Tracer:
         """``(id(func), module, phase) -> selected``: the funcs stay alive in ``_classes``."""
         self._ops_re = options.ops.regex
         self._modules_re = options.modules.regex
+
+    # -- threads -------------------------------------------------------------------
+
+    def _traces_current_thread(self) -> bool:
+        """Whether the calling thread's dispatch stack holds a mode of this tracer."""
+        return any(isinstance(m, ProbeDispatchMode) and m.tracer is self
+                   for m in _get_current_dispatch_mode_stack())
+
+    @contextmanager
+    def trace_thread(self) -> Iterator[None]:
+        """Trace the calling thread's ops inside the block: the tracer's dispatch mode is entered
+        on this thread (dispatch modes are per thread) and taken off at the end. On a thread
+        that is traced already it does nothing. Records are appended in the order ops run: one
+        thread at a time may run the model's ops, as two at once would interleave their records
+        and module frames."""
+        ident = threading.get_ident()
+        if ident in self.modules.traced_threads or self._traces_current_thread():
+            yield
+            return
+        with ProbeDispatchMode(self):
+            self.modules.traced_threads.add(ident)
+            try:
+                yield
+            finally:
+                self.modules.traced_threads.discard(ident)
 
     # -- step lifecycle --------------------------------------------------------
 

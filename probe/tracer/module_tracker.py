@@ -7,11 +7,20 @@ op created, so ``seq -> frame`` is remembered in forward and looked up with
 ``_current_autograd_node()._sequence_nr()`` in backward. Gradient accumulation
 nodes carry no sequence number of their own; their ``.variable`` is the
 parameter, attributed to the module that owns it.
+
+Dispatch modes are per thread: the probe's sees the ops of the threads whose dispatch stack
+holds it (the one that entered the session, the autograd engine's threads working for it, and
+those inside ``session.trace_thread()``). Module and optimizer hooks are global and run on the
+calling thread, so a hook call on any other thread is the evidence that ops ran unseen there:
+it is counted per thread (:attr:`ModuleTracker.untraced_calls`, written to the step's manifest)
+and warned about once, and its frames are kept off the traced threads' stack.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from probe.errors import warn_once
 from probe.optimizer_steps import step_closure, with_closure
 from probe.tracer.frames import Frame
 
@@ -37,6 +47,9 @@ _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 _current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 _is_grad_enabled = torch.is_grad_enabled
 _top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_get_ident = threading.get_ident
+_trackers = itertools.count()
+"""Numbers the trackers, so that each session warns once of its own untraced threads."""
 
 
 def parallel_layout(root: nn.Module) -> str | None:
@@ -112,6 +125,13 @@ class ModuleTracker:
         self.names = ModuleNames(roots)
         self.enabled = False
         self._handles: list[Any] = []
+        self.traced_threads: set[int] = set()
+        """Idents of the threads whose dispatch stack holds the probe's mode (set by whoever
+        enters it there: ``probe.lifecycle.traced``, ``Tracer.trace_thread``)."""
+        self.traces_current_thread: Callable[[], bool] = lambda: False
+        """Whether the calling thread's dispatch stack holds the probe's mode (an autograd engine
+        thread inherits it from the thread that called ``backward()``); set by the tracer."""
+        self._number = next(_trackers)
         self.reset_step()
 
     # -- lifecycle -------------------------------------------------------------
@@ -152,6 +172,9 @@ class ModuleTracker:
         self._regions: list[Frame | None] = []
         self.region: Frame | None = None
         """The module frame an engine's ``record_function`` region speaks for, if any."""
+        self.untraced_calls: dict[str, int] = {}
+        """Thread name -> module and optimizer calls this step on that thread, which the dispatch
+        mode does not see: their ops are not recorded."""
 
     # -- hooks -----------------------------------------------------------------
 
@@ -160,8 +183,29 @@ class ModuleTracker:
         self._calls[name] = call + 1
         return call
 
+    def _on_untraced_thread(self, called: nn.Module | torch.optim.Optimizer) -> bool:
+        """Whether this hook call (of module or optimizer ``called``) runs on a thread the dispatch
+        mode does not see; if so it is counted and, the first time, warned about. Cheap on a
+        traced thread: one set lookup."""
+        if _get_ident() in self.traced_threads or self.traces_current_thread():
+            return False
+        name = threading.current_thread().name
+        kind = type(called).__name__
+        what = f"a call of module {kind}" if isinstance(called, nn.Module) else f"{kind}.step()"
+        self.untraced_calls[name] = self.untraced_calls.get(name, 0) + 1
+        warn_once(
+            f"untraced-thread:{self._number}",
+            f"{what} ran on thread {name!r}, where the probe's dispatch mode is not active (a "
+            "TorchDispatchMode sees the ops of the threads it was entered on): the ops there are not "
+            "traced, and each step's manifest counts the calls as untraced_threads. Start the session "
+            "on the thread that trains, or run that thread's work inside `with session.trace_thread():`",
+        )
+        return True
+
     def _enter_module(self, module: nn.Module, args: Any) -> None:
         if not self.enabled or _is_compiling():
+            return
+        if self._on_untraced_thread(module):
             return
         parent = self.stack[-1] if self.stack else self.outside
         fqn = self.names.name(module, parent if self.stack else None)
@@ -180,6 +224,8 @@ class ModuleTracker:
     def _exit_module(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self.enabled or not self.stack or _is_compiling():
             return None
+        if _get_ident() not in self.traced_threads and not self.traces_current_thread():
+            return None  # its entry was counted and left off the stack
         # Pop down to this module's frame: with always_call the exit hook also
         # runs when forward raised, possibly after inner frames were left open.
         for depth in range(len(self.stack) - 1, -1, -1):
@@ -214,7 +260,7 @@ class ModuleTracker:
     def _enter_optimizer(
         self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if not self.enabled:
+        if not self.enabled or self._on_untraced_thread(optimizer):
             return None
         self._optimizer_depth += 1
         if self._optimizer_depth == 1:
@@ -244,6 +290,8 @@ class ModuleTracker:
 
     def _exit_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self.enabled or self._optimizer_depth == 0:
+            return
+        if _get_ident() not in self.traced_threads and not self.traces_current_thread():
             return
         self._optimizer_depth -= 1
         if self._optimizer_depth == 0:
