@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import probe
 from probe import ProbeError
 from probe.analysis.replay_confinement import refusal
 from probe.cli import main
+from probe.rundir import streamed_json
 from probe.rundir.call_args import decode_args
 from probe.vocabulary.op_class import resolve_op
 
@@ -195,6 +197,7 @@ def test_ops_that_are_not_pure_tensor_computations_are_refused_from_their_schema
     "aten.mm.default", "aten.gelu.default", "aten.div.Tensor_mode", "aten.einsum.default",
     "aten.native_layer_norm.default", "aten._fused_adam_.default", "aten._foreach_add_.List",
     "aten.copy_.default", "aten.index_put_.default", "aten.new_empty.default", "aten.full.default",
+    "aten.__lshift__.Scalar",  # a dunder name, a real op
 ])
 def test_pure_tensor_computations_are_allowed(name):
     assert refusal(resolve_op(name)) is None
@@ -212,3 +215,59 @@ def test_pure_tensor_computations_are_allowed(name):
 def test_a_recorded_argument_that_no_probe_writes_is_refused_by_name(value, why):
     with pytest.raises(ProbeError, match=why):
         decode_args({"args": [value], "kwargs": {}}, [torch.zeros(1)].__getitem__)
+
+
+# -- a dump index of many small entries -------------------------------------------------
+
+INFLATED = 20_000
+"""Entries added to the dump index: ~2.8 MB of JSON, which json.loads held as ~6x that in objects."""
+
+
+def _inflate(run: Path, count: int) -> tuple[int, list[dict[str, Any]]]:
+    """Add ``count`` entries (copies of a real one, for ops the step does not have) and a second
+    entry for an existing key to ``run``'s dump index; its size and its entries, in file order."""
+    path = _step(run) / "tensors.json"
+    index = json.loads(path.read_text())
+    entries = index["tensors"]
+    template = next(e for e in entries if e["status"] is None and e["blob"] is not None)
+    first = max(e["op"] for e in entries) + 1
+    entries += [dict(template, op=first + i // 4, position=i % 4, offset=4 * i) for i in range(count)]
+    entries.append(dict(entries[0], status="skipped: é, written unescaped"))  # the same key again: it wins
+    path.write_text(json.dumps(index, separators=(",", ":"), ensure_ascii=False))
+    return path.stat().st_size, entries
+
+
+def test_a_dump_index_of_many_small_entries_is_read_whole_within_twice_its_size(run):
+    size, written = _inflate(run, INFLATED)
+    loaded = probe.load(run)
+    tracemalloc.start()
+    try:
+        entries = loaded.dump(0, 0).entries
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # Before: ~6x the file (a dict and two lists per entry, beside the text); now ~1x.
+    assert peak < 2 * size, f"reading a {size}-byte index peaked at {peak} bytes"
+    expected = {(e["op"], e["io"], e["position"]): e for e in written}  # a later entry wins
+    assert len(entries) == len(expected) == len(written) - 1 and set(entries) == set(expected)
+    for key, e in expected.items():
+        entry = entries[key]
+        assert (entry.dtype, entry.shape, entry.stride, entry.blob, entry.offset, entry.checksum,
+                entry.status) == (e["dtype"], tuple(e["shape"]), tuple(e["stride"]), e["blob"], e["offset"],
+                                  e["checksum"], e["status"]), key
+    assert entries.get((0, "output", 7)) is None and entries.get((10**30, "input", 0)) is None
+
+
+def test_a_dump_index_read_in_small_chunks_reads_the_same(run, monkeypatch):
+    _, written = _inflate(run, 2_000)
+    whole = dict(probe.load(run).dump(0, 0).entries)
+    monkeypatch.setattr(streamed_json, "CHUNK", 61)  # every number and string split somewhere
+    assert dict(probe.load(run).dump(0, 0).entries) == whole and len(whole) == len(written) - 1
+
+
+def test_a_dump_index_that_names_a_member_twice_is_refused_by_name(run):
+    # Before, the second "tensors" silently replaced the first (json.loads keeps the last key).
+    path = _step(run) / "tensors.json"
+    path.write_text(json.dumps(json.loads(path.read_text()), separators=(",", ":"))[:-1] + ',"tensors":[]}')
+    with pytest.raises(ProbeError, match=r"cannot read '.*tensors\.json': the key 'tensors' appears twice"):
+        probe.load(run).dump(0, 0)

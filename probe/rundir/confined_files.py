@@ -75,11 +75,16 @@ class RunFile:
         self.path, self.size = path, size
         self.file: BinaryIO = os.fdopen(fd, "rb")
 
-    def read(self, limit: int | None = None) -> bytes:
-        """The whole file (its size when opened), refused when larger than ``limit`` bytes."""
-        if limit is not None and self.size > limit:
+    def check_size(self, limit: int) -> None:
+        """Refuse the file, unread, when it holds more than ``limit`` bytes."""
+        if self.size > limit:
             raise _refuse(self.path, f"it holds {_size_text(self.size)}, more than the "
                           f"{_size_text(limit)} this file may hold")
+
+    def read(self, limit: int | None = None) -> bytes:
+        """The whole file (its size when opened), refused when larger than ``limit`` bytes."""
+        if limit is not None:
+            self.check_size(limit)
         return self.file.read(self.size)
 
     def lines(self, line_limit: int) -> Iterator[bytes]:

@@ -83,12 +83,13 @@ def parse_json(data: bytes | str, what: str = "the file") -> Any:
     opened = data.count(b"[" if isinstance(data, bytes) else "[") + \
         data.count(b"{" if isinstance(data, bytes) else "{")
     if opened >= MAX_JSON_DEPTH:  # fewer brackets cannot nest that deep: nothing to walk
-        _check_depth(value, what)
+        check_json_depth(value, what)
     return value
 
 
-def _check_depth(value: Any, what: str) -> None:
-    """Walk the containers of ``value`` without recursion (the walk itself must not overflow)."""
+def check_json_depth(value: Any, what: str) -> None:
+    """Refuse (ValueError) a decoded JSON ``value`` nested deeper than :data:`MAX_JSON_DEPTH`,
+    walking its containers without recursion (the walk itself must not overflow)."""
     pending = [(value, 1)]
     while pending:
         item, depth = pending.pop()

@@ -228,13 +228,14 @@ def resolve_op(name: str) -> torch._ops.OpOverload:
 
     ``name`` comes from a run, which may have been edited by anyone: it is resolved strictly,
     never by walking attributes of ``torch.ops``. It must be three identifiers
-    ``namespace.op.overload`` (no dunders), the dispatcher must hold that schema, and what
-    ``torch.ops`` gives for it must be an op namespace, an ``OpOverloadPacket`` and an
+    ``namespace.op.overload``, the dispatcher must hold that schema, and only then is it looked
+    up, where ``torch.ops`` must give an op namespace, an ``OpOverloadPacket`` and an
     ``OpOverload`` of that very schema (``load_library.__call__.__call__`` names a method of
-    ``torch.ops``, not an op). Anything else is a ``ProbeError`` naming it.
+    ``torch.ops``, not an op; ``aten.__lshift__.Scalar`` is an op). Anything else is a
+    ``ProbeError`` naming it.
     """
     parts = name.split(".") if isinstance(name, str) else []
-    if len(parts) != 3 or not all(_NAME_PART.fullmatch(p) and not p.startswith("__") for p in parts):
+    if len(parts) != 3 or not all(_NAME_PART.fullmatch(p) for p in parts):
         raise ProbeError(f"op name {name!r} is not of the form namespace.op.overload")
     namespace, packet_name, overload_name = parts
     qualified = f"{namespace}::{packet_name}"

@@ -3,6 +3,7 @@ calls that made them (the reader half of the mode; ``mode.py`` is the writer).""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -10,12 +11,14 @@ from typing import Any
 import torch
 
 from probe.errors import ProbeError
+from probe.modes.dump.index_tables import BlobTable, EntryTable
 from probe.rundir import layout
 from probe.rundir.mode_files import ModeFiles
 from probe.rundir.records import DumpedPart, DumpedTensor
 from probe.rundir.shards import map_blob, read_header
+from probe.rundir.streamed_json import read_object_streamed
 from probe.rundir.tensor_layouts import STRIDED, join
-from probe.rundir.untrusted_reads import INDEX_LIMIT, expect, plain_name, read_json, read_jsonl, reading
+from probe.rundir.untrusted_reads import INDEX_LIMIT, expect, plain_name, read_jsonl, reading
 
 _DTYPES = {str(t).removeprefix("torch."): t for t in vars(torch).values() if isinstance(t, torch.dtype)}
 
@@ -71,6 +74,13 @@ def _part(p: Any) -> DumpedPart:
     return part
 
 
+def _add_blob(blobs: BlobTable, pair: tuple[str, Any]) -> None:
+    """One item of ``blobs``: ``"id": [shard, name]``. The shard is checked when it is read, so
+    one bad name costs only its tensors."""
+    key, (shard, name, *_) = pair
+    blobs.add(int(key), shard, expect(name, str, "a blob name"))
+
+
 class DumpIndex(ModeFiles):
     """The dump of one (step, rank), as :class:`DumpStep` wrote it: ``tensors.json`` lists every
     dumped tensor with its blob, byte offset, dtype, shape and stride; blobs live in safetensors
@@ -90,7 +100,7 @@ class DumpIndex(ModeFiles):
         return self._index[0]
 
     @property
-    def entries(self) -> dict[tuple[int, str, int], DumpedTensor]:
+    def entries(self) -> Mapping[tuple[int, str, int], DumpedTensor]:
         """(op index, "input"/"output", position) -> its entry."""
         return self._index[2]
 
@@ -99,21 +109,23 @@ class DumpIndex(ModeFiles):
         return self.where.directory / layout.TENSOR_INDEX_FILE
 
     @cached_property
-    def _index(self) -> tuple[bool, dict[int, tuple[Any, str]], dict[tuple[int, str, int], DumpedTensor]]:
+    def _index(self) -> tuple[bool, BlobTable, EntryTable]:
         path = self._index_path
         if not path.exists():
             raise ProbeError(f"step {self.where.step} of rank {self.where.rank} has no dump "
                              f"({str(path)!r} is missing)")
-        index = read_json(path, run=self.where.run, limit=INDEX_LIMIT)
+        # Streamed into columns: the index of a step may list millions of tensors.
+        entries, blobs = EntryTable(), BlobTable()
+        index = read_object_streamed(path, {"tensors": (list, lambda e: entries.add(_entry(e))),
+                                            "blobs": (dict, lambda pair: _add_blob(blobs, pair))},
+                                     run=self.where.run, limit=INDEX_LIMIT)
         with reading(path):
+            missing = sorted({"complete", "blobs", "tensors"} - index.keys())
+            if missing:
+                raise KeyError(missing[0])
             complete = expect(index["complete"], bool, "complete")
-            # A blob's shard is checked when it is read, so one bad name costs only its tensors.
-            blobs = {int(k): (v[0], expect(v[1], str, "a blob name"))
-                     for k, v in expect(index["blobs"], dict, "blobs").items()}
-            entries: dict[tuple[int, str, int], DumpedTensor] = {}
-            for e in expect(index["tensors"], list, "tensors"):
-                entry = _entry(e)
-                entries[(entry.op, entry.io, entry.position)] = entry
+            entries.freeze()
+            blobs.freeze()
         return complete, blobs, entries
 
     @cached_property
