@@ -52,7 +52,16 @@ import torch
 from rich.console import Console
 
 from benchmarks.diagnosis import Pair, Planted, _machine, _table, _threads, judge
-from benchmarks.zoo_architectures import TASKS, Architecture, Built, NotBuilt, architectures, build, loss_of
+from benchmarks.zoo_architectures import (
+    TASKS,
+    Architecture,
+    Built,
+    NotBuilt,
+    architectures,
+    build,
+    first_line,
+    loss_of,
+)
 from benchmarks.zoo_faults import KINDS, Fault, FaultKind, Policy, choose, plant
 
 STEPS = 2
@@ -231,31 +240,28 @@ def run_case(case: Case, built: Built, root: Path, references: dict[Reference, P
             if isinstance(chosen, str):
                 return Outcome(case, True, skipped=chosen, seconds=time.perf_counter() - start)
             where, seed = chosen
+            site = where or "<outside modules>"
 
             def planting(model: torch.nn.Module) -> Fault:
                 return plant(kind, model, where, random.Random(seed), pair, case.steps)
         if ref not in references:
-            references[ref] = root / f"a{len(references)}"
-            train(built, PAIRS["fp32"], references[ref], case.steps, ref.attn, ref.clip, ref.scaler)
-        out_b = root / f"b{zlib.crc32(case.label.encode())}"
+            out_a = Path(tempfile.mkdtemp(prefix="a", dir=root))
+            train(built, PAIRS["fp32"], out_a, case.steps, ref.attn, ref.clip, ref.scaler)
+            references[ref] = out_a  # only once whole: a crash in run A is its cases' crash
+        out_b = Path(tempfile.mkdtemp(prefix="b", dir=root))
         fault = train(built, pair, out_b, case.steps, ref.attn, ref.clip, ref.scaler, planting)
         if fault is not None:
             planted = fault.planted
             site = f"step {planted.step} {fault.site or '<outside modules>'} {fault.detail}"
         report = probe.compare(references[ref], out_b)
     except Exception as e:  # a crash is an outcome of the benchmark, reported per case
-        return Outcome(case, False, site=site, error=_one_line(e), seconds=time.perf_counter() - start)
+        return Outcome(case, False, site=site, error=first_line(e), seconds=time.perf_counter() - start)
     answer = judge(report, planted)
     d = report.divergence
     ok = not answer.found if planted is None else answer.found
     return Outcome(case, ok, answer.answer, answer.expected, answer.conclusion, site,
                    rule=d.rule if d is not None else "", op=d.op.name if d is not None else "",
                    module=d.op.module if d is not None else "", seconds=time.perf_counter() - start)
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
 def cases_for(arch: Architecture, pairs: Iterable[str], faults: Iterable[str], steps: int) -> list[Case]:

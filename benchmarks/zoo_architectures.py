@@ -407,10 +407,11 @@ def build(arch: Architecture) -> Built | NotBuilt:
             attentions = (default,) if default == "eager" else (default, "eager")
             return Built(arch, config, params, attentions)
     except Exception as e:  # every failure is a row of the table, with its reason
-        return NotBuilt(arch, _first_line(e))
+        return NotBuilt(arch, first_line(e))
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """An exception in one line: its type and its message's first line."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:160] if text else ''}"
 
