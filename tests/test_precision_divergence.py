@@ -239,3 +239,14 @@ def test_a_layer_norms_row_means_are_not_its_result(tmp_path):
     a, b = _autocast_pair(tmp_path, build, vocab=512)
     report = probe.compare(a, b)
     assert report.first_divergence is None and report.ok, report.conclusion
+
+
+def test_a_cast_to_the_dtype_of_the_operand_it_meets_is_no_lowering(tmp_path):
+    # Mamba adds ``dt_proj.bias.to(dt.dtype)`` to dt, which autocast's projection made bf16: the
+    # cast matches the precision the other operand brought (as DeBERTa's scale.to(query.dtype)).
+    def build():
+        return transformers.MambaForCausalLM(transformers.MambaConfig(
+            vocab_size=128, hidden_size=64, num_hidden_layers=2, state_size=8, expand=2))
+    a, b = _autocast_pair(tmp_path, build)
+    report = probe.compare(a, b)
+    assert report.first_divergence is None and report.ok, report.conclusion

@@ -197,6 +197,8 @@ def lowered_precision(ops_a: list[OpRecord], ops_b: list[OpRecord],
         targets = _terminal_consumers(op, consumers)
         if not targets:
             continue  # nothing in the step computes on it
+        if all(_meets_its_dtype(t, op, out, ops_by_index) for t in targets):
+            continue  # ``x.to(y.dtype) + y``: matched to an operand that arrived in ``out``
         if all(short_name(t.name) in AUTOCAST_LOWERED or _in_sdpa_math(t, consumers) for t in targets):
             continue  # autocast's cast at the input of the ops it lowers
         scaler = _terminal_consumers(op, consumers, through_casts=True)
@@ -204,6 +206,35 @@ def lowered_precision(ops_a: list[OpRecord], ops_b: list[OpRecord],
             continue  # the loss scaler's own bookkeeping (its inverse scale in fp32)
         found[op.index] = Lowering(op, reference, out, partner is None)
     return found
+
+
+def _meets_its_dtype(consumer: OpRecord, cast: OpRecord, dtype: torch.dtype,
+                     ops: dict[int, OpRecord]) -> bool:
+    """Whether ``consumer`` computes ``cast``'s result together with another operand that is
+    already ``dtype`` and not made from ``cast`` (a bias cast to a projection's dtype before it is
+    added, ``scale.to(query.dtype)``): the cast matches the other operand's precision, which that
+    operand brought; it lowers nothing the computation still held."""
+    chain = {cast.index}
+    for t in consumer.inputs:
+        if t.source is None or t.source[0] in chain:
+            continue
+        producer = ops.get(t.source[0])
+        if _floating(t.dtype) == dtype and producer is not None and not _made_from(producer, cast.index, ops):
+            return True
+    return False
+
+
+def _made_from(op: OpRecord, index: int, ops: dict[int, OpRecord], limit: int = 16) -> bool:
+    """Whether ``op``'s result is ``index``'s, passed through views and casts (within ``limit`` ops)."""
+    for _ in range(limit):
+        if op.index == index:
+            return True
+        if short_name(op.name) not in _PASS_THROUGH | _CASTS or not op.inputs or op.inputs[0].source is None:
+            return False
+        op = ops.get(op.inputs[0].source[0])
+        if op is None:
+            return False
+    return False
 
 
 _RESTORE_WALK = 64
