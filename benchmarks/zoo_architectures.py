@@ -76,7 +76,8 @@ def architectures(task: str) -> list[Architecture]:
 _WIDTH = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "model_dim", "word_embed_proj_dim",
           "embedding_size", "hidden_dim", "projection_dim", "text_hidden_size", "vision_hidden_size",
           "attention_hidden_size", "output_hidden_size", "encoder_hidden_size", "pooler_hidden_size",
-          "classifier_proj_size", "conv_dim_out", "audio_hidden_size", "d_inner_hidden")
+          "classifier_proj_size", "conv_dim_out", "audio_hidden_size", "d_inner_hidden", "emb_dim",
+          "entity_emb_size", "d_latents")
 _DEPTH = ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers", "n_layers",
           "num_encoder_layers", "num_decoder_layers", "num_text_layers", "depth", "num_blocks")
 _HEADS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads", "decoder_attention_heads",
@@ -102,17 +103,19 @@ _SMALL = {
     "num_mel_bins": 16, "max_length": 32, "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 64,
     "num_labels": LABELS, "query_pre_attn_scalar": HEAD_DIM, "num_key_value_groups": 2,
     "relative_attention_num_buckets": 8, "relative_attention_max_distance": 32, "conv_kernel": 4,
+    "num_latents": 32,
 }
 """Other sizes, set where a default config has them (an int that is not None)."""
 _ZERO_FLOATS = ("dropout", "pdrop", "drop_path", "layerdrop", "_prob", "dropout_rate", "drop_rate",
                 "router_jitter_noise")
+"""Probabilities of dropping something, and SpecAugment's of masking audio frames and features
+(``mask_time_prob``): random in training, off in the zoo's healthy runs."""
 _TOKEN_ID = ("token_id", "token_index", "start_token", "end_token")
 
 
 def _is_zeroed(key: str, value: Any) -> bool:
-    """Dropout and the like: every float probability of dropping something is set to 0."""
-    return isinstance(value, float) and any(part in key for part in _ZERO_FLOATS) \
-        and "initializer" not in key and "mask_time" not in key and "mask_feature" not in key
+    """Dropout and the like: every float probability of dropping or masking something is set to 0."""
+    return isinstance(value, float) and any(part in key for part in _ZERO_FLOATS) and "initializer" not in key
 
 
 def _shrunk_list(key: str, value: list[Any], layers: int | None) -> list[Any]:
@@ -144,6 +147,12 @@ def shrink_config(values: dict[str, Any]) -> dict[str, Any]:
     vocab_before = values.get("vocab_size")
     out: dict[str, Any] = {}
     for key, value in values.items():
+        if key == "out_features":
+            out[key] = None  # a backbone's stages past the shrunk depth: its default, the last stage
+            continue
+        if key == "out_indices" and isinstance(value, list):
+            out[key] = [i for i in value if isinstance(i, int) and 0 <= i <= LAYERS] or [LAYERS]
+            continue
         if key == "per_layer_config" and isinstance(value, dict):
             out[key] = {k: v for k, v in value.items() if int(k) < LAYERS}
             continue
@@ -174,7 +183,7 @@ def shrink_config(values: dict[str, Any]) -> dict[str, Any]:
             out[key] = min(value, HEAD_DIM)
         elif key in _SMALL:
             out[key] = min(value, _SMALL[key]) if key != "num_labels" else _SMALL[key]
-        elif key in ("vocab_size", "text_vocab_size", "n_vocab"):
+        elif key in ("vocab_size", "text_vocab_size", "n_vocab", "decoder_vocab_size", "entity_vocab_size"):
             out[key] = min(value, VOCAB)
         elif key in ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length",
                      "max_sequence_length", "context_length", "block_size"):
@@ -371,6 +380,8 @@ def shrunk(arch: Architecture) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         values = shrink_config(config_cls().to_dict())
+        if arch.task == "seq2seq-lm" and values.get("decoder_start_token_id") is None:
+            values["decoder_start_token_id"] = values.get("pad_token_id") or 0  # T5's default has none
         if arch.task in ("image-classification", "audio-classification"):
             values["num_labels"] = LABELS
             values.pop("id2label", None)

@@ -58,7 +58,7 @@ def test_shrinking_keeps_one_layer_of_each_kind_of_a_hybrid():
     values = {"num_hidden_layers": 8, "hidden_size": 4096, "num_attention_heads": 32,
               "num_key_value_heads": 8,
               "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 4,
-              "vocab_size": 32000, "pad_token_id": 31999, "hidden_dropout": 0.1,
+              "vocab_size": 32000, "pad_token_id": 31999, "hidden_dropout": 0.1, "mask_time_prob": 0.05,
               "text_config": {"hidden_size": 2048, "num_hidden_layers": 30}}
     small = shrink_config(values)
     assert small["num_hidden_layers"] == LAYERS
@@ -66,7 +66,7 @@ def test_shrinking_keeps_one_layer_of_each_kind_of_a_hybrid():
     assert small["hidden_size"] == 64 and small["num_attention_heads"] == 4
     assert small["num_key_value_heads"] == 2
     assert small["pad_token_id"] < small["vocab_size"] == 512
-    assert small["hidden_dropout"] == 0.0
+    assert small["hidden_dropout"] == 0.0 and small["mask_time_prob"] == 0.0  # random in training: off
     assert small["text_config"]["num_hidden_layers"] == LAYERS
 
 
