@@ -381,6 +381,21 @@ def breakdown(results: list[ArchResult]) -> list[str]:
     return [*lines, ""]
 
 
+def by_kind(results: list[ArchResult]) -> list[str]:
+    """Each pair and fault kind over the architectures: how many right of how many that applied
+    (markdown lines)."""
+    counts: dict[str, list[int]] = {}
+    for o in (o for r in results for o in r.outcomes if o.skipped is None):
+        right = counts.setdefault(_column(o), [0, 0])
+        right[0] += o.ok and o.error is None
+        right[1] += 1
+    if not counts:
+        return []
+    lines = ["## By pair and fault", "", "| pair or fault@pair | right | of |", "|---|---|---|"]
+    lines += [f"| {name} | {right} | {n} |" for name, (right, n) in sorted(counts.items())]
+    return [*lines, ""]
+
+
 def _md(text: str) -> str:
     return text.replace("|", "/").replace("\n", " ")
 
@@ -436,7 +451,7 @@ def report(results: list[ArchResult], console: Console | None, markdown: Path | 
                  "- (not applicable: why under Every case).", "",
                  "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
-        lines += ["", *breakdown(results)]
+        lines += ["", *by_kind(results), *breakdown(results)]
         if misses:
             lines += [f"## Faults missed: {len(misses)}", "", "| case | planted | expected | answer |",
                       "|---|---|---|---|"]
