@@ -274,8 +274,7 @@ class _CountingRouter(torch.nn.Module):
 def test_tokens_counted_per_expert_under_autocast_are_no_divergence(tmp_path):
     # Under bf16 some tokens pick the other of two near-tied experts, and the counts per expert
     # and all computed from them differ. A choice made on values that differ may differ: no
-    # divergence. (Counts that are a permutation of each other, with equal statistics, are the
-    # zoo's glm4_moe_lite, exaone_moe and lara_mini cases: benchmarks/results/zoo-*.md.)
+    # divergence.
     runs = []
     for name, autocast in (("a", False), ("b", True)):
         torch.manual_seed(0)

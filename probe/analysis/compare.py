@@ -579,40 +579,6 @@ def _producer_error(by_index: dict[int, OpComparison], source: tuple[int, int]) 
     return None
 
 
-def _integral(record: TensorRecord) -> bool:
-    """Whether a tensor holds whole numbers as far as its record says: an integer or bool dtype, or
-    floating with whole extremes (``histc``'s counts, a 0/1 mask in float)."""
-    if not record.floating:
-        return True
-    stats = record.stats or {}
-    low, high = stats.get("min"), stats.get("max")
-    return isinstance(low, float) and isinstance(high, float) and math.isfinite(low) \
-        and math.isfinite(high) and low.is_integer() and high.is_integer()
-
-
-_DECISION_WALK = 16
-"""The most producers walked up from an integer value to find a difference it was decided from."""
-
-
-def _decided_from_differences(by_index: dict[int, OpComparison], source: tuple[int, int] | None) -> bool:
-    """Whether the value at ``source`` (computed in the step) comes, through ops both runs ran, from
-    one whose results differ between the runs: a choice (``topk``'s indices, a comparison) made on
-    values that differ may differ, whatever the statistics of what follows from it say."""
-    stack, seen = ([source[0]] if source is not None else []), set()
-    while stack and len(seen) < _DECISION_WALK:
-        index = stack.pop()
-        if index in seen:
-            continue
-        seen.add(index)
-        producer = by_index.get(index)
-        if producer is None or producer.a is None or producer.b is None:
-            continue
-        if producer.verdict in (WARNING, ERROR):
-            return True
-        stack += [t.source[0] for t in producer.a.inputs if t.source is not None]
-    return False
-
-
 def _passed_on(by_index: dict[int, OpComparison], source: tuple[int, int] | None) -> float:
     """How far the elements of a producer's output may be apart by what its inputs differ (0
     when its inputs were not judged).
@@ -713,11 +679,6 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
         if t.verdict == ERROR and t.rule in (RULE_SHAPE, RULE_NONFINITE):
             return None
         error = _input_error(side_a, side_b, c, position, t)
-        if error == 0 and t.kind != "data" and _integral(record) \
-                and _decided_from_differences(by_index, record.source):
-            # Counts of which expert each token chose: equal statistics of integers decided from
-            # values that differ may be a permutation (3, 5 against 5, 3), no evidence of equality.
-            error = math.inf
         if error is not None and t.kind != "data":
             error *= _concentration(side_a, side_b, c, position)
             if summed:
@@ -1189,9 +1150,7 @@ def _judge_op(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int,
         if judged is not None and skipped and _replayable(side_a, c.a) and _replayable(side_b, c.b):
             judged = (judged[0], f"{judged[1]} ({skipped})")
     if judged is None:  # an input unknown: the thresholds alone decide
-        # ...except for an op that only moves values (a view of a buffer filled slice by slice,
-        # whose whole no single record describes): it computes nothing a difference could enter at.
-        c.enters = magnitude == ERROR and not tainted and not precision.moves_values_only(c.a)
+        c.enters = magnitude == ERROR and not tainted
         return
     enters, note = judged
     if enters:

@@ -63,13 +63,6 @@ _PASS_THROUGH = frozenset({
     "chunk", "unbind", "as_strided", "lift_fresh", "dropout", "native_dropout", "expand_as", "view_as",
 })
 _CASTS = frozenset({"_to_copy", "to", "copy_", "_to_dtype", "type_as"})
-_MOVES_VALUES = _PASS_THROUGH - {"dropout", "native_dropout"}
-
-
-def moves_values_only(op: OpRecord) -> bool:
-    """Whether ``op`` hands on its input's values unchanged, only rearranged or shared (a view, a
-    copy): nothing it computes can be where a difference between two runs enters."""
-    return short_name(op.name) in _MOVES_VALUES
 
 
 def short_name(name: str) -> str:
