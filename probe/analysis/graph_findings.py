@@ -45,6 +45,29 @@ AGGREGATES: dict[str, Callable[[list[Any]], Any]] = {
 """Finding attribute -> how the values of several ops combine (None values are left out)."""
 
 
+def findings_by_op(
+    checks: Iterable[CheckRecord] = (),
+    comparisons: Mapping[str, Mapping[str, Any]] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Op id -> the finding attributes its node gets (see :func:`annotate`), for the ops with any."""
+    by_op: dict[str, list[CheckRecord]] = {}
+    for check in checks:
+        by_op.setdefault(check.op_id, []).append(check)
+    found: dict[str, dict[str, Any]] = {}
+    for op_id, op_checks in by_op.items():
+        excess = [c.ratio / c.threshold for c in op_checks if c.ratio is not None and c.threshold]
+        found[op_id] = {"check_verdict": AGGREGATES["check_verdict"]([c.verdict for c in op_checks]),
+                        "check_excess": max(excess) if excess else None,
+                        "check_perturb": op_checks[0].perturb}
+    for op_id, row in (comparisons or {}).items():
+        node = found.setdefault(op_id, {})
+        node["compare_verdict"] = row.get("verdict")
+        node["compare_message"] = row.get("message") or None
+        for metric in COMPARE_METRICS:
+            node[f"compare_{metric}"] = row.get(metric)
+    return found
+
+
 def annotate(
     graph: nx.DiGraph,
     checks: Iterable[CheckRecord] = (),
@@ -60,24 +83,9 @@ def annotate(
     of an output is missing or unreadable in either run), ``compare_message`` (why, for
     a verdict other than pass; else None) and ``compare_<metric>``.
     """
-    by_op: dict[str, list[CheckRecord]] = {}
-    for check in checks:
-        if check.op_id in graph:
-            by_op.setdefault(check.op_id, []).append(check)
-    for op_id, found in by_op.items():
-        node = graph.nodes[op_id]
-        node["check_verdict"] = AGGREGATES["check_verdict"]([c.verdict for c in found])
-        excess = [c.ratio / c.threshold for c in found if c.ratio is not None and c.threshold]
-        node["check_excess"] = max(excess) if excess else None
-        node["check_perturb"] = found[0].perturb
-    for op_id, row in (comparisons or {}).items():
-        if op_id not in graph:
-            continue
-        node = graph.nodes[op_id]
-        node["compare_verdict"] = row.get("verdict")
-        node["compare_message"] = row.get("message") or None
-        for metric in COMPARE_METRICS:
-            node[f"compare_{metric}"] = row.get(metric)
+    for op_id, found in findings_by_op(checks, comparisons).items():
+        if op_id in graph:
+            graph.nodes[op_id].update(found)
     return graph
 
 

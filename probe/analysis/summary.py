@@ -101,25 +101,29 @@ def _largest(run: Run, step: int, rank: int, op_of_row: np.ndarray, values: np.n
 
     Candidates are decoded a batch at a time in the order of their raw rows (an op's ranked
     value is at most its largest raw row), until no op left can beat the ``top`` found."""
-    known = np.isfinite(values)
+    known = np.flatnonzero(np.isfinite(values))
     ops, values = op_of_row[known], values[known]
-    order = np.argsort(-values, kind="stable")
-    best: dict[int, float] = {}
-    for op, value in zip(ops[order].tolist(), values[order].tolist(), strict=True):
-        best.setdefault(op, value)  # each op's largest raw value, in descending order
-    candidates = list(best.items())
+    # Each op's largest raw value and the first row holding it, then the ops by that value,
+    # descending (ties: the earlier row first): in numpy, as a step may hold 10^6 rows.
+    by_op = np.lexsort((-values, ops))
+    grouped = ops[by_op]
+    first = np.ones(len(by_op), dtype=bool)
+    first[1:] = grouped[1:] != grouped[:-1]
+    best = by_op[first]
+    order = best[np.lexsort((best, -values[best]))]
+    candidate_ops, candidate_values = ops[order], values[order]
     found: list[tuple[OpRecord, float]] = []
     batch = max(2 * top, 16)
-    for start in range(0, len(candidates), batch):
-        chunk = candidates[start:start + batch]
-        for record in run.ops_at([op for op, _ in chunk], step, rank):
+    for start in range(0, len(order), batch):
+        chunk = candidate_ops[start:start + batch].tolist()
+        for record in run.ops_at(chunk, step, rank):
             if scaler is not None and scaler.owns(record):
                 continue
             eligible = [v for t in record.outputs if ranked(t) and (v := value_of(t)) is not None]
             if eligible:
                 found.append((record, max(eligible)))
         found.sort(key=lambda item: -item[1])
-        following = candidates[start + batch][1] if start + batch < len(candidates) else -np.inf
+        following = float(candidate_values[start + batch]) if start + batch < len(order) else -np.inf
         if len(found) >= top and found[top - 1][1] >= following:
             break
     return found[:top]

@@ -11,15 +11,17 @@ The graphs come from the run (``Run.graph``), findings are attached once
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import networkx as nx
 
-from probe.analysis.graph_findings import annotate, load_comparisons
+from probe.analysis.graph_findings import annotate, findings_by_op, load_comparisons
 from probe.analysis.module_graph import build_module_graph
 from probe.errors import ProbeError
 from probe.exporters import graph_formats, model_explorer
+from probe.rundir.op_graph import GraphEdge, GraphNode, graph_elements
 from probe.rundir.run import Run, load
 from probe.vocabulary.option_values import PHASES
 
@@ -69,11 +71,33 @@ def export_graph(
     path = Path(path)
     if not path.parent.is_dir():
         raise ProbeError(f"cannot write {str(path)!r}: {str(path.parent)!r} is not a directory")
+    if format == "json" and level == "op":
+        return [_write_op_json(run, path, step, rank, phase or "forward", compare)]
     if format != "model-explorer":
         graph = step_graph(run, step, rank, phase or "forward", level, compare)
         return [_WRITERS[format](graph, path)]
     label, graphs = model_explorer_graphs(run, step, rank, phase, compare)
     return model_explorer.write_model_explorer(path, label, graphs)
+
+
+def _write_op_json(run: Run, path: Path, step: int, rank: int, phase: str, compare: Any) -> Path:
+    """The op graph :func:`step_graph` makes, written as node-link JSON as the step's records are
+    read (``Run.iter_ops``): the same file, in memory one batch of records and ~100 bytes an op,
+    where the graph of a step of 10^6 ops takes gigabytes."""
+    if phase != "all" and phase not in PHASES:
+        raise ProbeError(f"phase {phase!r} is not one of {[*PHASES, 'all']}")
+    comparisons = load_comparisons(compare, step, rank) if compare is not None else None
+    found = findings_by_op(run.checks(step, rank), comparisons)
+
+    def with_findings(elements: Iterable[tuple[GraphNode, list[GraphEdge]]]
+                      ) -> Iterator[tuple[GraphNode, list[GraphEdge]]]:
+        for (op_id, attrs), edges in elements:
+            attrs.update(found.get(op_id, ()))
+            yield (op_id, attrs), edges
+
+    elements = graph_elements(run.iter_ops(step, rank), None if phase == "all" else [phase])
+    attrs = {"level": "op", "run": str(run.path), "step": step, "rank": rank, "phase": phase}
+    return graph_formats.write_json_elements(path, attrs, with_findings(elements))
 
 
 def model_explorer_graphs(

@@ -15,14 +15,17 @@ thousand nodes; export the module level (``level="module"``) for a larger step.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import networkx as nx
 
 from probe.analysis.module_graph import module_namespace
 from probe.analysis.verdicts import ERROR, NOT_COMPARED, WARNING
+from probe.rundir.op_graph import GraphEdge, GraphNode
 
 _NATIVE = (str, int, float)
 JSON_NODE_KEYS, JSON_EDGE_KEYS = "probe_json_node_keys", "probe_json_edge_keys"
@@ -91,12 +94,62 @@ def read_graphml(path: str | Path) -> nx.DiGraph:
 # -- node-link JSON --------------------------------------------------------------
 
 
+_JSON = json.JSONEncoder()
+"""``json.dump``'s encoding (its separators; non-finite numbers as ``NaN``/``Infinity``), used one
+value at a time: a one-shot ``encode`` runs in C, where ``json.dump`` walks the whole document in
+Python."""
+
+
+class _ArrayWriter:
+    """The items of a JSON array, written to ``file`` comma separated, many to a write."""
+
+    BATCH = 1024
+
+    def __init__(self, file: IO[str]) -> None:
+        self.file, self.pending, self.started = file, [], False
+
+    def add(self, text: str) -> None:
+        self.pending.append(text)
+        if len(self.pending) >= self.BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            self.file.write((", " if self.started else "") + ", ".join(self.pending))
+            self.started, self.pending = True, []
+
+
+def write_json_elements(
+    path: str | Path, graph_attrs: Mapping[str, Any], elements: Iterable[tuple[GraphNode, list[GraphEdge]]],
+) -> Path:
+    """networkx node-link JSON (what :func:`read_json` reads) written as the graph's nodes come,
+    each with the edges into it (``probe.rundir.op_graph.graph_elements``): the graph is never
+    held whole, nor its text. Nodes are written as they come, edges to a temporary file beside
+    ``path`` and copied after them. Edges are in the order of the nodes they enter."""
+    path = Path(path)
+    encode = _JSON.encode
+    with open(path, "w") as out, tempfile.TemporaryFile("w+", dir=path.parent) as edges_file:
+        header = {"directed": True, "multigraph": False, "graph": dict(graph_attrs)}
+        out.write(encode(header)[:-1] + ', "nodes": [')
+        nodes, edges = _ArrayWriter(out), _ArrayWriter(edges_file)
+        for (node, attrs), into in elements:
+            nodes.add(encode({**attrs, "id": node}))
+            for a, b, data in into:
+                edges.add(encode({**data, "source": a, "target": b}))
+        nodes.flush()
+        edges.flush()
+        out.write('], "edges": [')
+        edges_file.seek(0)
+        shutil.copyfileobj(edges_file, out, 1 << 20)
+        out.write("]}")
+    return path
+
+
 def write_json(graph: nx.DiGraph, path: str | Path) -> Path:
     """networkx node-link JSON; non-finite statistics are written as ``NaN``/``Infinity``."""
-    path = Path(path)
-    with open(path, "w") as f:
-        json.dump(nx.node_link_data(graph, edges="edges"), f)
-    return path
+    elements = (((node, data), [(a, node, edge) for a, _, edge in graph.in_edges(node, data=True)])
+                for node, data in graph.nodes(data=True))
+    return write_json_elements(path, graph.graph, elements)
 
 
 def read_json(path: str | Path) -> nx.DiGraph:

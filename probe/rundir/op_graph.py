@@ -10,7 +10,8 @@ version, see ``probe.tracer.value_ids``).
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Iterator
+from typing import Any
 
 import networkx as nx
 
@@ -47,39 +48,67 @@ def _node_attrs(op: OpRecord) -> dict:
     }
 
 
-def build_graph(ops: Sequence[OpRecord], phases: Collection[str] | None = None) -> nx.DiGraph:
+GraphNode = tuple[str, dict[str, Any]]
+"""``(op id, attributes)``."""
+GraphEdge = tuple[str, str, dict[str, Any]]
+"""``(producer id, consumer id, attributes)``: ``dtype``, ``shape`` and ``output`` (position) of
+the value read, ``inputs`` (the consumer's input positions that read it)."""
+
+
+def _check_phases(phases: Collection[str] | None) -> None:
+    if phases is not None:
+        unknown = sorted(set(phases) - set(PHASES))
+        if unknown:
+            raise ProbeError(f"phase {unknown[0]!r} is not one of {list(PHASES)}")
+
+
+def graph_elements(ops: Iterable[OpRecord], phases: Collection[str] | None = None
+                   ) -> Iterator[tuple[GraphNode, list[GraphEdge]]]:
+    """The graph of ``ops`` (one step's records, in order: each op's producers before it), one op
+    at a time: its node and the edges into it, for ops of ``phases`` (all when None).
+
+    The records go by as they come (from ``Run.iter_ops``, a batch at a time); of each op only
+    what an edge out of it needs is kept (its id and its outputs' dtypes and shapes, shared
+    between ops with the same ones), so a step of any size costs ~100 bytes an op.
+    """
+    _check_phases(phases)
+    ids: list[str | None] = []  # op #i's id, None when it is not in the graph
+    outputs: list[tuple[tuple[str, tuple[int, ...]], ...]] = []  # op #i's outputs' (dtype, shape)
+    shared: dict[tuple[tuple[str, tuple[int, ...]], ...], tuple[tuple[str, tuple[int, ...]], ...]] = {}
+    for op in ops:
+        kinds = tuple((t.dtype, t.shape) for t in op.outputs)
+        outputs.append(shared.setdefault(kinds, kinds))
+        if phases is not None and op.phase not in phases:
+            ids.append(None)
+            continue
+        ids.append(op.id)
+        edges: dict[str, GraphEdge] = {}  # producer id -> the edge from it, its inputs gathered
+        for position, tensor in enumerate(op.inputs):
+            if tensor.source is None:
+                continue
+            producer, output = tensor.source
+            producer_id = ids[producer]
+            if producer_id is None:
+                continue
+            edge = edges.get(producer_id)
+            if edge is not None:
+                edge[2]["inputs"].append(position)
+                continue
+            dtype, shape = outputs[producer][output]
+            edges[producer_id] = (producer_id, op.id, {"dtype": dtype, "shape": list(shape), "output": output,
+                                                        "inputs": [position]})
+        yield (op.id, _node_attrs(op)), list(edges.values())
+
+
+def build_graph(ops: Iterable[OpRecord], phases: Collection[str] | None = None) -> nx.DiGraph:
     """The graph of ``ops`` (one step's records, in order), optionally of some phases only.
 
     With ``phases``, edges from ops outside them (the forward activations a backward
     op reads) are left out; the consumer's inputs still name their dtypes and shapes.
     """
-    if phases is not None:
-        unknown = sorted(set(phases) - set(PHASES))
-        if unknown:
-            raise ProbeError(f"phase {unknown[0]!r} is not one of {list(PHASES)}")
     graph = nx.DiGraph(level="op")
-    for op in ops:
-        if phases is None or op.phase in phases:
-            graph.add_node(op.id, **_node_attrs(op))
-    for op in ops:
-        if op.id not in graph:
-            continue
-        for position, tensor in enumerate(op.inputs):
-            if tensor.source is None:
-                continue
-            producer = ops[tensor.source[0]]
-            if producer.id not in graph:
-                continue
-            if graph.has_edge(producer.id, op.id):
-                graph.edges[producer.id, op.id]["inputs"].append(position)
-                continue
-            out = producer.outputs[tensor.source[1]]
-            graph.add_edge(
-                producer.id,
-                op.id,
-                dtype=out.dtype,
-                shape=list(out.shape),
-                output=tensor.source[1],
-                inputs=[position],
-            )
+    for (op_id, attrs), edges in graph_elements(ops, phases):
+        graph.add_node(op_id, **attrs)
+        for producer, consumer, data in edges:
+            graph.add_edge(producer, consumer, **data)
     return graph

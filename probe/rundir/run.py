@@ -21,8 +21,10 @@ run), and a rank directory that is a link leading outside the run is refused.
 
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Generic, NamedTuple, TypeVar, cast
@@ -33,6 +35,7 @@ import torch
 
 from probe.errors import ProbeError, warn_once
 from probe.rundir import layout
+from probe.rundir.call_site_table import CallSiteTable
 from probe.rundir.confined_files import check_directory
 from probe.rundir.loss_scaler import (
     SCALER_OP_PREFIX,
@@ -52,6 +55,7 @@ from probe.rundir.mode_files import (  # the modes sit above: their readers are 
     registered_mode_files,
 )
 from probe.rundir.op_graph import build_graph
+from probe.rundir.op_lines import OpLines
 from probe.rundir.op_record_json import decode as decode_op_record
 from probe.rundir.op_record_json import layout_record as encode_layout
 from probe.rundir.rank_origin import RankOrigin, rank_origin
@@ -67,13 +71,11 @@ from probe.rundir.records import (
     nonfinite_origins_in,
 )
 from probe.rundir.untrusted_reads import (
-    INDEX_LIMIT,
     OP_LINE_LIMIT,
     expect,
     parse_json,
     read_json,
     read_jsonl,
-    read_lines,
     reading,
     record_from_row,
 )
@@ -84,6 +86,8 @@ __all__ = ["AnomalyRecord", "CheckRecord", "DamagedStep", "MonitorRecord", "OpRe
 
 STEPS_KEPT = 8
 """How many (step, rank) entries of each per-step cache a Run keeps (least recently used goes)."""
+OPS_BATCH = 1 << 14
+"""How many op records :meth:`Run.iter_ops` decodes at a time."""
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -161,7 +165,8 @@ class Run:
             expect(self.info.get("modes", []), list, "modes")
         self._ops = _Recent[_Place, list[OpRecord]](self._load_ops)
         self._step_info = _Recent[_Place, StepInfo](self._load_step_info)
-        self._lines = _Recent[_Place, tuple[Path, list[str]]](self._read_op_lines)
+        self._lines = _Recent[_Place, OpLines](self._index_op_lines)
+        self._sites = _Recent[_Place, CallSiteTable | None](self._load_call_sites)
         # Per step: each mode's reader, made when first asked for (None: the step has no such files).
         self._files = _Recent[_Place, dict[str, ModeFiles | None]](lambda place: {})
         self._damage: dict[tuple[int, int], str | None] = {}
@@ -298,7 +303,7 @@ class Run:
             if summary is not None and files is not None:
                 where = StepFiles(self.path, place.rank, place.step, place.directory(self.path),
                                   summary if isinstance(summary, dict) else {},
-                                  lambda: len(self._lines(place)[1]),
+                                  lambda: len(self._lines(place)),
                                   lambda index: self.ops_at([index], place.step, place.rank)[0])
                 readers[mode] = files(where)
         return readers[mode]
@@ -308,6 +313,23 @@ class Run:
     def ops(self, step: int | None = None, rank: int | None = None) -> list[OpRecord]:
         """Op records of one step and rank in execution order (default: first step, rank 0)."""
         return self._ops(_Place(*self.resolve(step, rank)))
+
+    def iter_ops(self, step: int | None = None, rank: int | None = None) -> Iterator[OpRecord]:
+        """The records :meth:`ops` returns, one at a time, decoded :data:`OPS_BATCH` at a time and
+        not kept: reading a step of any size this way holds one batch of records (and the step's
+        line index, 16 bytes an op), where :meth:`ops` holds them all."""
+        place = _Place(*self.resolve(step, rank))
+        cached = self._ops.peek(place)
+        if cached is not None:
+            yield from cached
+            return
+        count = len(self._lines(place))
+        # A step of no records is decoded too: its modes' files are checked against it.
+        for start in range(0, count, OPS_BATCH) if count else [0]:
+            batch = range(start, min(count, start + OPS_BATCH))
+            records = self._decode_ops(place, batch)
+            for number in batch:
+                yield records[number]
 
     def tail(self, rank: int | None = None) -> list[OpRecord] | None:
         """The op records of the rank's tail (the ops after the last ``session.step()`` of a
@@ -351,7 +373,7 @@ class Run:
 
         ``phases`` (e.g. ``["forward"]``) keeps only the ops of those phases.
         """
-        return build_graph(self.ops(step, rank), phases)
+        return build_graph(self.iter_ops(step, rank), phases)
 
     def checks(self, step: int | None = None, rank: int | None = None) -> list[CheckRecord]:
         """Free-benchmark checks, in execution order (every step and rank when not given)."""
@@ -454,7 +476,7 @@ class Run:
             found = scaler_step_in(cached)
         else:
             # The scaler's few ops found by name in the raw records (op #i is line i), only those decoded.
-            candidates = [i for i, line in enumerate(self._lines(place)[1]) if SCALER_OP_PREFIX in line]
+            candidates = self._lines(place).numbers_holding(SCALER_OP_PREFIX)
             found = None if not candidates else scaler_step(
                 place.step, place.rank, self.ops_at(candidates, place.step, place.rank),
                 lambda i: self.ops_at([i], place.step, place.rank)[0])
@@ -535,28 +557,36 @@ class Run:
     def _load_ops(self, place: _Place) -> list[OpRecord]:
         return list(self._decode_ops(place, None).values())
 
-    def _read_op_lines(self, place: _Place) -> tuple[Path, list[str]]:
-        """``ops.jsonl`` of a step and its records' lines (op #i is line i, blank lines aside)."""
-        path = place.directory(self.path) / layout.OPS_FILE
-        return path, read_lines(path, run=self.path, line_limit=OP_LINE_LIMIT)
+    def _index_op_lines(self, place: _Place) -> OpLines:
+        """``ops.jsonl`` of a step, indexed by line (op #i is line i, blank lines aside)."""
+        return OpLines(place.directory(self.path) / layout.OPS_FILE, self.path, OP_LINE_LIMIT)
+
+    def _load_call_sites(self, place: _Place) -> CallSiteTable | None:
+        """A step's call sites, read once however many of its ops are decoded, and however often."""
+        path = place.directory(self.path) / layout.CALLSITES_FILE
+        return CallSiteTable(path, self.path) if path.exists() else None
 
     def _decode_ops(self, place: _Place, only: Collection[int] | None) -> dict[int, OpRecord]:
         """Op #i -> its record with what each mode knows of it attached (statistics): every op,
         or ``only`` these and the producers of their inputs (whose output statistics those
         inputs share)."""
+        with _collections_paused():
+            return self._decode_ops_now(place, only)
+
+    def _decode_ops_now(self, place: _Place, only: Collection[int] | None) -> dict[int, OpRecord]:
         info = self._step_info(place)  # a step is read only under a readable manifest (written last)
         step, rank = place.step, place.rank
-        sites_path = place.directory(self.path) / layout.CALLSITES_FILE
-        sites = read_json(sites_path, run=self.path, limit=INDEX_LIMIT) if sites_path.exists() else {}
-        ops_path, lines = self._lines(place)
+        lines = self._lines(place)
+        ops_path = lines.path
+        sites: CallSiteTable | None = None  # read when a record first names a call site
+        sites_read = False
         records: dict[int, OpRecord] = {}
         exact: dict[int, list[bool]] = {}  # per input: shares its producer's statistics row
 
-        def decode(number: int) -> OpRecord:
-            if not 0 <= number < len(lines):
-                raise ProbeError(f"{str(ops_path)!r} holds {len(lines)} op records: there is no op #{number}")
+        def decode(number: int, text: str) -> OpRecord:
+            nonlocal sites, sites_read
             with reading(f"{ops_path}, line {number + 1}"):
-                row = parse_json(lines[number], "the record")
+                row = parse_json(text, "the record")
             try:  # decode checks every field and names the one that is wrong
                 index, op_id, name, phase, module, call, stack, ins, outs, site, group, skipped, placed = \
                     decode_op_record(row)
@@ -564,6 +594,8 @@ class Run:
                 raise ProbeError(f"cannot read {str(ops_path)!r}, line {number + 1}: {e}") from None
             why = {(io, position): reason for io, position, reason in skipped}
             exact[number] = [bool(src and src[2]) for _, _, src in ins]
+            if site is not None and not sites_read:
+                sites, sites_read = self._sites(place), True
             return OpRecord(
                 index=index,
                 id=op_id,
@@ -581,18 +613,23 @@ class Run:
                 ],
                 outputs=[TensorRecord(d, s, mutated=m, skipped=why.get(("out", i)))
                          for i, (d, s, m) in enumerate(outs)],
-                stack=sites.get(str(site)) if site is not None else None,
+                stack=sites.get(site) if site is not None and sites is not None else None,
                 group=None if group is None else {"size": group[0], "name": group[1],
                                                   "ranks": list(group[2])},
                 layout=None if placed is None else encode_layout(placed),
             )
 
-        for number in range(len(lines)) if only is None else sorted(set(only)):
-            records[number] = decode(number)
+        wanted = range(len(lines)) if only is None else sorted(set(only))
+        if wanted and not (wanted[0] >= 0 and wanted[-1] < len(lines)):
+            missing = wanted[0] if wanted[0] < 0 else wanted[-1]
+            raise ProbeError(f"{str(ops_path)!r} holds {len(lines)} op records: there is no op #{missing}")
+        for number, text in lines.texts(wanted):
+            records[number] = decode(number, text)
         if only is not None:
             producers = {t.source[0] for r in list(records.values()) for t in r.inputs if t.source}
-            for number in sorted(p for p in producers - set(records) if 0 <= p < len(lines)):
-                records[number] = decode(number)
+            outside = sorted(p for p in producers - set(records) if 0 <= p < len(lines))
+            for number, text in lines.texts(outside):
+                records[number] = decode(number, text)
         with reading(ops_path):
             _check_references(records)
         for mode in info.manifest.get("modes", {}):
@@ -629,6 +666,23 @@ class Run:
         min, max and mean are NaN). None when the step has no statistics."""
         files = cast("StatsReader | None", self.mode_files("stats", step, rank))
         return None if files is None else files.output_stats()
+
+
+@contextmanager
+def _collections_paused() -> Iterator[None]:
+    """Python's cyclic collector off while a step's records are decoded. Decoding makes tens of
+    containers an op (records, tensor lists, statistics dicts), none in a cycle, all alive until
+    the batch is handed over: the collector walked them again and again as they were promoted,
+    a third of the time of a graph export. A program that turned the collector off keeps it off;
+    what others make meanwhile is collected once it is back on."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def load(path: str | Path) -> Run:

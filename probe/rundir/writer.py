@@ -33,6 +33,8 @@ from probe.rundir.lock import RankLock
 
 # One encoder for every row: json.dumps with options builds a new encoder per call.
 _COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
+_JSONL_BATCH = 1024
+"""Rows of a JSON-lines file encoded into one write."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -96,9 +98,20 @@ class StepWriter:
         _write_file(self.directory / name, _COMPACT_JSON.encode(obj).encode())
 
     def write_jsonl(self, name: str, rows: Iterable[Any]) -> None:
+        """One JSON line per row, encoded and written a batch of rows at a time: a step of 10^6
+        op records is never held whole as text (before: its lines, their join and its bytes)."""
         encode = _COMPACT_JSON.encode
-        lines = "".join([encode(row) + "\n" for row in rows])
-        _write_file(self.directory / name, lines.encode())
+        with open(self.directory / name, "wb") as f:
+            batch: list[str] = []
+            for row in rows:
+                batch.append(encode(row))
+                if len(batch) == _JSONL_BATCH:
+                    f.write(("\n".join(batch) + "\n").encode())
+                    batch = []
+            if batch:
+                f.write(("\n".join(batch) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
 
     def write_text(self, name: str, text: str) -> None:
         _write_file(self.directory / name, text.encode())

@@ -3,6 +3,8 @@ the step's op records (the reader half of the mode; ``mode.py`` is the writer)."
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import numpy as np
 
 import probe.modes.statistics.distribution as distribution_files
@@ -44,6 +46,9 @@ class StatsFiles(ModeFiles):
     INPUT/OUTPUT, position, stats row) of one step, read back and attached to its op records."""
 
     _arrays: tuple[np.ndarray, np.ndarray] | None = None
+    _by_op: np.ndarray | None = None
+    """The index's row positions sorted by op (stable), and the ops in that order."""
+    _sorted_ops: np.ndarray
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(stats rows, index rows), checked against each other and the step's op count."""
@@ -72,6 +77,21 @@ class StatsFiles(ModeFiles):
                                  f"{len(stats)} rows of {layout.STATS_FILE}")
         return stats, index
 
+    def _rows_of(self, ops: Collection[int]) -> np.ndarray:
+        """The positions in the index of the rows of ``ops``, in file order, found by binary
+        search: decoding a few ops at a time (``probe summary``'s largest values, ``Run.iter_ops``)
+        costs what those ops hold, not a pass over the step's index each time."""
+        _, index = self.arrays()
+        if self._by_op is None:
+            self._by_op = np.argsort(index[:, 0], kind="stable")
+            self._sorted_ops = index[self._by_op, 0]
+        wanted = np.fromiter(ops, dtype=np.int64, count=len(ops))
+        first = np.searchsorted(self._sorted_ops, wanted, "left")
+        counts = np.searchsorted(self._sorted_ops, wanted, "right") - first
+        # first[i], first[i] + 1, ... for counts[i] of each op, in one array
+        starts = np.repeat(first - np.cumsum(counts) + counts, counts)
+        return np.sort(self._by_op[starts + np.arange(int(counts.sum()))])
+
     def nonfinite_parameters(self) -> NonfiniteParameterRecord:
         """The parameters and gradients the step found holding NaN or Inf (from the manifest)."""
         with reading(self.where.directory / layout.MANIFEST_FILE):
@@ -96,7 +116,7 @@ class StatsFiles(ModeFiles):
     def attach(self, records: dict[int, OpRecord]) -> None:
         stats, index = self.arrays()
         if len(records) < self.where.op_count():
-            index = index[np.isin(index[:, 0], list(records))]
+            index = index[self._rows_of(records)]
         with reading(self.where.directory / layout.STATS_INDEX_FILE):
             rows: dict[int, dict[str, float | int | None]] = {}  # a row shared by tensors is one dict
             for op_index, io, position, row in index.tolist():

@@ -1,0 +1,164 @@
+"""How reading a run scales with the size of a step: ``probe summary``, ``probe compare`` and
+``probe graph --format json`` on one step of 10^4 and 10^5 ops (and 10^6 with ``--full``).
+
+Run from the repository root::
+
+    python -m benchmarks.read_scale [--full] [--sizes 10000,100000] [--markdown]
+
+For each size N: one step of N tiny ops (a loop of ``x * 1.0001`` and ``x + 0.0001`` on a
+4-element tensor, so the step is all bookkeeping and no arithmetic) is traced under
+``probe.mode("stats")``; a copy of the run is the second run of the compare; a second copy gets a
+synthetic ``callsites.json`` where every op has its own call site of ``--frames`` distinct frames
+(a ``stack=True`` run of a program with N call sites; ~70 MB by default, under the 256 MiB a
+call site table may hold), to time summary's reading of call sites.
+Each command then runs in a fresh process, which reports its wall time and its peak RSS; the RSS
+of a process that only imports the same modules is given too, so "MB over imports" is what the
+command itself held. The goal (issue 32): linear in what is read, a step of 10^6 ops to JSON in
+under a minute within 1 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.overhead import machine_line
+
+_TRACE = """
+import resource, sys, time, torch, probe
+from torch import nn
+n, out = int(sys.argv[1]), sys.argv[2]
+class Tiny(nn.Module):
+    def forward(self, x):
+        for _ in range(n // 2):
+            x = x * 1.0001
+            x = x + 0.0001
+        return x
+model = Tiny()
+start = time.perf_counter()
+with probe.mode("stats", out=out, model=model, async_flush=False) as session:
+    model(torch.ones(4))
+    session.step()
+print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+_COMMAND = """
+import contextlib, io, resource, sys, time
+from probe.cli import main
+start = time.perf_counter()
+with contextlib.redirect_stdout(io.StringIO()):
+    code = main(sys.argv[1:])
+print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, code)
+"""
+
+_IMPORTS = """
+import resource
+import probe.cli, probe.analysis.summary, probe.exporters.graph_export, probe.exporters.console
+print(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+
+def _child(code: str, *args: str) -> tuple[float, float]:
+    """(seconds, peak RSS in MB) that a fresh Python process running ``code`` reports."""
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"benchmark child failed ({args}):\n{done.stderr[-2000:]}")
+    seconds, peak = done.stdout.split()[:2]
+    return float(seconds), float(peak)
+
+
+def with_call_sites(run: Path, out: Path, frames: int) -> float:
+    """A copy of ``run`` whose every op has a call site of its own, ``frames`` frames deep; returns
+    the size of its ``callsites.json`` in MB."""
+    shutil.copytree(run, out)
+    step = out / "rank0" / "step0"
+    ops = step / "ops.jsonl"
+    count = 0
+    with open(ops) as source, open(step / "ops.tmp", "w") as target:
+        for number, line in enumerate(source):
+            count += 1
+            row = json.loads(line)
+            row["site"] = number
+            target.write(json.dumps(row, separators=(",", ":")) + "\n")
+    (step / "ops.tmp").replace(ops)
+    with open(step / "callsites.json", "w") as sites:
+        sites.write("{")
+        for number in range(count):
+            stack = [f"/home/user/project/training/part_{k}/layer_{(number * 7 + k) % 997}.py:"
+                     f"{(number + k) % 5000} in forward_{k}" for k in range(frames)]
+            sites.write(("," if number else "") + json.dumps(str(number)) + ":"
+                        + json.dumps(stack, separators=(",", ":")))
+        sites.write("}")
+    return (step / "callsites.json").stat().st_size / 1e6
+
+
+def _size(path: Path) -> float:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e6
+
+
+def measure(sizes: list[int], frames: int | None, workdir: Path
+            ) -> list[tuple[int, str, float, float, float]]:
+    """Rows of (ops, what, seconds, peak MB, MB read)."""
+    rows = []
+    for n in sizes:
+        run, twin, sites = workdir / f"run{n}", workdir / f"twin{n}", workdir / f"sites{n}"
+        seconds, peak = _child(_TRACE, str(n), str(run))
+        rows.append((n, "trace (stats)", seconds, peak, 0.0))
+        shutil.copytree(run, twin)
+        sites_mb = with_call_sites(run, sites, frames or min(64, max(1, 1_000_000 // n)))
+        measured = [
+            ("summary", ["summary", str(run)], _size(run)),
+            (f"summary, callsites.json {sites_mb:.0f} MB", ["summary", str(sites)], _size(sites)),
+            ("compare", ["compare", str(run), str(twin), "-o", str(workdir / f"cmp{n}")], 2 * _size(run)),
+            ("graph --format json", ["graph", str(run), "--format", "json", "-o",
+                                     str(workdir / f"graph{n}.json")], _size(run)),
+        ]
+        for what, argv, read in measured:
+            seconds, peak = _child(_COMMAND, *argv)
+            rows.append((n, what, seconds, peak, read))
+        for path in (twin, sites, workdir / f"cmp{n}", workdir / f"graph{n}.json"):
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        shutil.rmtree(run)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.read_scale", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help="add a step of 10^6 ops (~2 GB to trace)")
+    parser.add_argument("--sizes", help="comma-separated op counts (default 10000,100000)")
+    parser.add_argument("--frames", type=int, help="frames of each synthetic call site (default: a "
+                        "callsites.json of ~70 MB, at most 64 frames: 10 at 10^5 ops)")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else [10_000, 100_000]
+    if args.full:
+        sizes.append(1_000_000)
+    _, imports = _child(_IMPORTS)
+    with tempfile.TemporaryDirectory(prefix="probe-read-scale-") as tmp:
+        rows = measure(sizes, args.frames, Path(tmp))
+    print(f"reading a step of N ops  {machine_line()}")
+    print(f"a process that only imports the reader peaks at {imports:.0f} MB RSS\n")
+    header = ("ops", "what", "seconds", "peak MB", "MB over imports", "MB on disk")
+    lines = [(f"{n:,}", what, f"{seconds:.1f}", f"{peak:.0f}",
+              "" if what.startswith("trace") else f"{peak - imports:.0f}", f"{read:.0f}" if read else "")
+             for n, what, seconds, peak, read in rows]
+    if args.markdown:
+        print("| " + " | ".join(header) + " |")
+        print("| --- | --- | ---: | ---: | ---: | ---: |")
+        for line in lines:
+            print("| " + " | ".join(line) + " |")
+        return
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    for cells in (header, *lines):  # the "what" column left-aligned, the numbers right
+        print("  ".join(c.ljust(w) if i == 1 else c.rjust(w)
+                        for i, (c, w) in enumerate(zip(cells, widths, strict=True))))
+
+
+if __name__ == "__main__":
+    main()

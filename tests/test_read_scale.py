@@ -1,0 +1,161 @@
+"""Reading is linear and bounded: what reading a step holds grows with the step at a small,
+fixed cost an op, and what it reads it reads once.
+
+Measured, never timed: ``tracemalloc`` peaks of the pure-Python reading paths on two sizes of
+one step, and counts of the files opened. Before: a step's graph held its op records and a
+networkx graph of them (kilobytes an op) and ``json.dump`` its text; ``callsites.json`` was read
+and parsed whole again for every few ops decoded (each ``ops_at`` of ``probe summary``), at 4x
+its size; the op records' file was held as lines; a step's records were written as one string.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import probe
+import probe.rundir.run as run_module
+from probe.analysis.summary import summarize
+from probe.exporters.graph_export import export_graph, step_graph
+from probe.exporters.graph_formats import read_json
+from probe.rundir.writer import StepWriter
+from tests.conftest import SharedBlockNet, train_steps
+
+
+class Chain(nn.Module):
+    """``n`` tiny ops in a row: a step that is all records and no arithmetic."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.n // 2):
+            x = x * 1.0001
+            x = x + 0.0001
+        return x
+
+
+def _chain_run(path: Path, n: int, mode: str = "structure") -> probe.Run:
+    model = Chain(n)
+    with probe.mode(mode, out=path, model=model) as session:
+        model(torch.ones(4))
+        session.step()
+    return probe.load(path)
+
+
+def _peak(fn) -> int:
+    """Bytes ``fn()`` allocated at most, beyond what was allocated when it began."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        fn()
+        return tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+
+
+def test_graph_json_export_holds_a_bounded_amount_an_op(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_module, "OPS_BATCH", 500, raising=False)  # several batches a step
+    small, large = _chain_run(tmp_path / "small", 2_000), _chain_run(tmp_path / "large", 8_000)
+    peaks = {}
+    for name, run in (("small", small), ("large", large)):
+        target = tmp_path / f"{name}.json"
+        peaks[name] = _peak(lambda run=run, target=target: export_graph(run, target, "json", phase="all"))
+    # What the larger step costs over the smaller, per op it adds: its id and a reference to its
+    # outputs' shapes, and the text of the nodes and edges waiting to be written (~220 bytes).
+    # Before: ~5,000 bytes (records, networkx attributes, the node-link copy).
+    per_op = (peaks["large"] - peaks["small"]) / 6_000
+    assert per_op < 600, f"{per_op:.0f} bytes an op"
+    # And the file is the graph.
+    graph = read_json(tmp_path / "large.json")
+    ops = large.ops(0)
+    assert graph.number_of_nodes() == len(ops) > 8_000  # the chain and the ones it starts from
+    assert graph.number_of_edges() == sum(t.source is not None for op in ops for t in op.inputs)
+    assert graph.graph == {"level": "op", "run": str(large.path), "step": 0, "rank": 0, "phase": "all"}
+
+
+def test_batched_reading_gives_the_records_and_graph_of_a_whole_read(tmp_path, monkeypatch):
+    """A training step (backward ops read forward activations many batches back) read 7 ops at a
+    time: the same records, statistics and graph as read whole."""
+    torch.manual_seed(0)
+    model = SharedBlockNet()
+    with probe.mode(["stats", "free_benchmark"], out=tmp_path / "run", model=model, stack=True) as session:
+        train_steps(model, 2, session=session)
+    monkeypatch.setattr(run_module, "OPS_BATCH", 7, raising=False)
+    batched = list(probe.load(tmp_path / "run").iter_ops(1))
+    whole = probe.load(tmp_path / "run").ops(1)
+    assert len(whole) > 100 and batched == whole
+    assert any(t.stats is not None for op in batched for t in op.inputs)  # shared producer rows too
+    assert all(op.stack for op in batched)
+    run = probe.load(tmp_path / "run")
+    export_graph(run, tmp_path / "g.json", "json", step=1, phase="all")
+    got, want = read_json(tmp_path / "g.json"), step_graph(probe.load(tmp_path / "run"), 1, 0, "all")
+    assert list(got.nodes) == list(want.nodes) and set(got.edges) == set(want.edges)
+    assert json.dumps(dict(got.nodes(data=True)), sort_keys=True) == \
+        json.dumps(dict(want.nodes(data=True)), sort_keys=True)
+    assert all(got.edges[e] == want.edges[e] for e in want.edges)
+
+
+def _with_call_sites(run: probe.Run, sites: int) -> Path:
+    """Give every op of step 0 its own call site among ``sites`` stacks of 30 frames, 25 of them
+    the same outer frames (a training loop's), as ``stack=True`` writes them."""
+    step = run.path / "rank0" / "step0"
+    rows = [json.loads(line) for line in (step / "ops.jsonl").read_text().splitlines()]
+    for number, row in enumerate(rows):
+        row["site"] = number % sites
+    (step / "ops.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    outer = [f"/home/user/train/loop_{k}.py:{10 * k} in outer_{k}" for k in range(25)]
+    stacks = {str(i): outer + [f"/home/user/model/layer_{i}_{k}.py:{i} in inner_{k}" for k in range(5)]
+              for i in range(sites)}
+    path = step / "callsites.json"
+    path.write_text(json.dumps(stacks, separators=(",", ":")))
+    return path
+
+
+def test_call_sites_are_read_once_a_step_within_twice_their_size(tmp_path):
+    run = _chain_run(tmp_path / "run", 400, mode="stats")
+    sites = _with_call_sites(run, 4_000)
+    opened: list[str] = []
+
+    def audit(event: str, args: tuple) -> None:
+        if event == "open" and str(args[0]).endswith("callsites.json"):
+            opened.append(str(args[0]))
+
+    sys.addaudithook(audit)  # (hooks cannot be removed: it only counts this file's opens)
+    run = probe.load(run.path)
+    peak = _peak(lambda: list(summarize(run, top=5)))
+    # The summary decodes a few ops at a time (the largest values, batch by batch): before, each
+    # batch read and parsed the call sites again, whole.
+    assert len(opened) == 1
+    size = sites.stat().st_size
+    assert peak < 2.5 * size, f"peak {peak / size:.1f} times the file (before: 4.4)"
+    op = run.ops_at([3])[0]
+    assert op.stack is not None and len(op.stack) == 30 and op.stack[-1].endswith("in inner_4")
+    assert len(opened) == 1
+
+
+def test_a_damaged_call_site_table_is_refused_by_name(tmp_path):
+    run = _chain_run(tmp_path / "run", 10)
+    path = _with_call_sites(run, 5)
+    for damage in ('{"0": ["a", 7]}', '{"x": []}', '{"0": "a"}', '{"0": []} extra', '[1]',
+                   '{"0": ' + "[" * 100_000 + "]" * 100_000 + "}"):
+        path.write_text(damage)
+        with pytest.raises(probe.ProbeError, match=r"callsites\.json"):
+            probe.load(run.path).ops(0)
+
+
+def test_a_step_is_written_without_holding_its_text(tmp_path):
+    rows = ({"i": i, "id": f"forward:layers.{i % 32}.mlp:aten.mm.default:{i}",
+             "in": [["float32", [64, 64], None]]} for i in range(40_000))
+    writer = StepWriter(tmp_path, 0, 0)
+    peak = _peak(lambda: writer.write_jsonl("ops.jsonl", rows))
+    written = (writer.directory / "ops.jsonl").stat().st_size
+    assert written > 3_000_000
+    assert peak < written / 4, f"peak {peak} bytes for a file of {written}"  # before: ~3x the file
