@@ -494,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", default="all", help="healthy pairs, comma-separated, all or none")
     parser.add_argument("--faults", default="all", help="fault kinds, comma-separated, all or none")
     parser.add_argument("--archs", default=None, help="only these model types (comma-separated)")
+    parser.add_argument("--from", dest="start", default=None,
+                        help="start at this model type (in the listing's order): a slice, or a run resumed")
     parser.add_argument("--limit", type=int, default=None, help="only the first N architectures")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--jobs", type=int, default=1, help="architectures run in parallel processes")
@@ -514,6 +516,11 @@ def main(argv: list[str] | None = None) -> int:
             archs = [a for a in archs if a.name in wanted]
             if not archs:
                 parser.error(f"no architecture of {args.task} is named {args.archs}")
+        if args.start is not None:
+            names = [a.name for a in archs]
+            if args.start not in names:
+                parser.error(f"--from {args.start}: no such architecture of {args.task}")
+            archs = archs[names.index(args.start):]
         archs = archs[: args.limit] if args.limit is not None else archs
         plan = {a: cases_for(a, pairs, faults, args.steps) for a in archs}
     command = "python -m benchmarks.zoo " + " ".join(argv if argv is not None else sys.argv[1:])
