@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import random
 import re
@@ -44,7 +45,7 @@ import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -502,7 +503,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the fixed sample covering every pair and fault")
     parser.add_argument("--markdown", type=Path, default=None, help="write the tables there too")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the architectures in the --markdown table's .jsonl, run the rest")
     args = parser.parse_args(argv)
+    if args.resume and args.markdown is None:
+        parser.error("--resume continues the run of a --markdown table: name it")
     warnings.filterwarnings("ignore")
     if args.quick:
         plan = quick_cases(args.steps)
@@ -526,18 +531,29 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m benchmarks.zoo " + " ".join(argv if argv is not None else sys.argv[1:])
     console = Console()
     results: list[ArchResult] = []
+    planned = len(plan)
+    saved = args.markdown.with_suffix(".jsonl") if args.markdown is not None else None
+    if saved is not None and args.resume and saved.exists():
+        results = [r for r in load_results(saved) if r.arch in plan]
+        plan = {a: c for a, c in plan.items() if a not in {r.arch for r in results}}
+    elif saved is not None:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        saved.write_text("")
     start = time.perf_counter()
     from rich.progress import Progress
 
     def done(result: ArchResult) -> None:
         results.append(result)
+        if saved is not None:  # a run killed half way resumes from here (--resume)
+            with saved.open("a") as f:
+                f.write(json.dumps(result_record(result)) + "\n")
         for o in result.outcomes:
             if not o.ok:
                 console.print(f"[red]{_cell(o)}[/red] {o.case.label}: {o.site} expected {o.expected}, "
                               f"got {o.error or o.answer}")
         if args.markdown is not None:  # a long run leaves its part
             report(sorted(results, key=_order), None, args.markdown, command, time.perf_counter() - start,
-                   len(plan))
+                   planned)
 
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("architectures", total=len(plan))
@@ -557,6 +573,28 @@ def main(argv: list[str] | None = None) -> int:
     results.sort(key=_order)
     totals = report(results, console, args.markdown, command, time.perf_counter() - start)
     return 1 if args.check and not met(totals) else 0
+
+
+def result_record(result: ArchResult) -> dict[str, Any]:
+    """``result`` as JSON (a line of the table's ``.jsonl``)."""
+    record = asdict(result)
+    for outcome in record["outcomes"]:
+        del outcome["case"]["arch"]
+    return record
+
+
+def load_results(path: Path) -> list[ArchResult]:
+    """The architectures a run recorded in ``path`` (``result_record`` lines), in its order."""
+    results = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        arch = Architecture(**record.pop("arch"))
+        outcomes = []
+        for o in record.pop("outcomes"):
+            case = Case(arch, **o.pop("case"))
+            outcomes.append(Outcome(case, **o))
+        results.append(ArchResult(arch, outcomes=outcomes, **record))
+    return results
 
 
 def _order(result: ArchResult) -> tuple[str, str]:

@@ -91,3 +91,19 @@ def test_a_healthy_case_and_a_planted_fault_run_end_to_end(llama, tmp_path: Path
     assert fault.expected == f"step {step} {module}"
     assert fault.ok, (fault.site, fault.answer)
     assert fault.module == module or fault.module.startswith(module + ".")
+
+
+def test_a_slice_killed_half_way_resumes_from_its_records(tmp_path: Path):
+    from benchmarks.zoo import load_results, main
+
+    table = tmp_path / "zoo-cnn.md"
+    slice_ = ["--task", "cnn", "--pairs", "fp32", "--faults", "none", "--markdown", str(table)]
+    assert main(slice_) == 0
+    first = load_results(table.with_suffix(".jsonl"))
+    assert [r.arch.name for r in first] == ["cnn-batchnorm"]
+    assert [(o.case.pair, o.ok, o.answer) for o in first[0].outcomes] == [("fp32", True, "none")]
+    # Resumed, the architecture recorded is kept as it was (its seconds too), not run again.
+    assert main([*slice_, "--resume"]) == 0
+    assert load_results(table.with_suffix(".jsonl")) == first
+    seconds = first[0].outcomes[0].seconds
+    assert f"| cnn/cnn-batchnorm/fp32/healthy |  | none | {seconds:.1f} |" in table.read_text()
