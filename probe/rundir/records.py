@@ -458,10 +458,24 @@ def _constant_ops(ops: list[OpRecord]) -> set[int]:
     one that a reader passes on to a fault is still where that fault started."""
     constant: set[int] = set()
     for op in ops:
+        if _short_name(op) not in _MASK_BUILDERS:
+            continue  # arithmetic, a random draw: a value of the program, whatever it is made from
         if all(t.source is not None and t.source[0] in constant for t in op.inputs) \
-                or (op.inputs and _short_name(op) in _READS_SHAPE_ONLY):
+                or _short_name(op) in _READS_SHAPE_ONLY:
             constant.add(op.index)
     return constant
+
+
+_MASK_BUILDERS = frozenset({
+    "full", "full_like", "new_full", "fill", "scalar_tensor", "zeros", "zeros_like", "ones", "ones_like",
+    "new_zeros", "new_ones", "arange", "triu", "tril", "masked_fill", "where", "lt", "le", "gt", "ge", "eq",
+    "ne", "logical_not", "logical_and", "logical_or", "bitwise_not", "bitwise_and", "bitwise_or",
+    "view", "_unsafe_view", "reshape", "expand", "unsqueeze", "squeeze", "slice", "select", "transpose",
+    "permute", "t", "alias", "clone", "contiguous", "_to_copy", "to", "detach", "lift_fresh", "copy",
+})
+"""Ops masks are built with: fills of a scalar, positions, comparisons and selections of them, and
+ops that move or cast them. A value any other op computed (``x * x``, ``exp``, a random draw) is a
+value of the program even when made from constants alone."""
 
 
 def first_nonfinite_in(ops: list[OpRecord]) -> OpRecord | None:
