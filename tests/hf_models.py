@@ -6,6 +6,7 @@ caller seeds, or does not care).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,16 +35,21 @@ def tiny_gpt2(seed: int | None = 0, **config: Any) -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**sizes, **config}))
 
 
-def train_steps(model: torch.nn.Module, session: Any = None, steps: int = 2) -> list[torch.Tensor]:
+def train_steps(model: torch.nn.Module, session: Any = None, steps: int = 2, autocast: bool = False,
+                before_step: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     """AdamW steps on random token batches (seeded: the same batches every call), ending each
-    with ``session.step()`` when given; the detached losses."""
+    with ``session.step()`` when given; the detached losses. ``autocast``: the forward under bf16
+    autocast; ``before_step(k)`` runs before step k's batch (a fault switched on between steps)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
+        if before_step is not None:
+            before_step(step)
         ids = torch.randint(0, vocab, (2, 16), generator=gen)
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import tiny_gpt2, tiny_llama
+from hf_models import tiny_gpt2, tiny_llama, train_steps
 
 import probe
 
@@ -146,17 +146,8 @@ def _qk_norm_run(out, arch: str, autocast: bool, fault: bool = False):
     model = getattr(transformers, f"{arch}ForCausalLM")(config)
     if fault:
         _norm_in_bf16_without_eps(model.get_submodule("model.norm"))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(1)
     with probe.mode("stats", out=out, model=model) as session:
-        for _ in range(2):
-            ids = torch.randint(0, 128, (2, 16), generator=gen)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            session.step()
+        train_steps(model, session, autocast=autocast)
     return out
 
 
@@ -179,20 +170,12 @@ def _embedding_changed_run(out, autocast: bool, changed: bool):
     """Two AdamW steps of the tiny Llama; ``changed``: one embedding element x1.5 between them,
     written where nothing traces it (a silent corruption)."""
     model = _llama()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(1)
     with probe.mode("stats", out=out, model=model) as session:
-        for step in range(2):
+        def corrupt(step: int) -> None:
             if changed and step == 1:
                 with session.paused(), torch.no_grad():
                     model.model.embed_tokens.weight[3, 5] *= 1.5
-            ids = torch.randint(0, 128, (2, 16), generator=gen)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            session.step()
+        train_steps(model, session, autocast=autocast, before_step=corrupt)
     return out
 
 
@@ -207,23 +190,14 @@ def test_a_weight_changed_between_steps_of_an_autocast_run_is_named_where_it_is_
     assert "changed between the steps" in d.comparison.message
 
 
-def _autocast_pair(root, model_fn, vocab: int = 128):
+def _autocast_pair(root, model_fn):
     """Two AdamW steps of ``model_fn()`` in fp32 (run A) and under bf16 autocast (run B)."""
     runs = []
     for name, autocast in (("a", False), ("b", True)):
         torch.manual_seed(0)
         model = model_fn()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        gen = torch.Generator().manual_seed(1)
         with probe.mode("stats", out=root / name, model=model) as session:
-            for _ in range(2):
-                ids = torch.randint(0, vocab, (2, 16), generator=gen)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                    loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                session.step()
+            train_steps(model, session, autocast=autocast)
         runs.append(root / name)
     return runs
 
@@ -236,7 +210,7 @@ def test_a_layer_norms_row_means_are_not_its_result(tmp_path):
         return transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(
             vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
             attention_types=[[["global", "local"], 1]], max_position_embeddings=512))
-    a, b = _autocast_pair(tmp_path, build, vocab=512)
+    a, b = _autocast_pair(tmp_path, build)
     report = probe.compare(a, b)
     assert report.first_divergence is None and report.ok, report.conclusion
 
