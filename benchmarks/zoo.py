@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.zoo --task causal-lm --pairs autocast-bf16 --faults none \\
+    python -m benchmarks.zoo --task causal-lm --pairs bf16-autocast --faults none \\
         --markdown benchmarks/results/zoo-causal-lm-autocast-bf16.md [--archs llama,qwen3] [--limit N]
     python -m benchmarks.zoo --quick [--check]
 
@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from benchmarks import diagnosis
 from benchmarks.diagnosis import Pair, Planted, _machine, _table, _threads, judge
 from benchmarks.zoo_architectures import (
     TASKS,
@@ -68,18 +69,13 @@ from benchmarks.zoo_faults import KINDS, Fault, FaultKind, Policy, choose, plant
 STEPS = 2
 LR = 1e-3
 
-PAIRS = {p.name: p for p in [
-    Pair("fp32"),
-    Pair("autocast-bf16", autocast=torch.bfloat16),
-    Pair("autocast-fp16", autocast=torch.float16, scaler=True),
-    Pair("bf16-model", model_dtype=torch.bfloat16),
-    Pair("threads-1", threads=1),
+PAIRS = {**diagnosis.PAIRS, **{p.name: p for p in [  # the matrix's pairs, and those only the zoo runs
     Pair("eager-attention", attn="eager"),
     Pair("compiled", compiled=True),
     Pair("accumulate-2", accumulate=2),
-]}
+]}}
 """Run B's policies; run A is fp32, 2 threads, the architecture's default attention, eager."""
-MIXED = ("autocast-bf16", "autocast-fp16", "bf16-model")
+MIXED = ("bf16-autocast", "fp16-autocast", "bf16-model")
 """The mixed-precision pairs faults are planted on besides fp32 (one per architecture and
 fault, in rotation)."""
 
@@ -276,14 +272,14 @@ def cases_for(arch: Architecture, pairs: Iterable[str], faults: Iterable[str], s
 
 
 QUICK = [
-    ("causal-lm", "llama", ["fp32", "autocast-bf16", "autocast-fp16", "eager-attention"],
-     [("scale-output", "autocast-bf16"), ("cast-matmul", "fp32"), ("cast-softmax", "fp32"),
-      ("mask-shift", "fp32"), ("bitflip-exponent", "autocast-bf16")]),
+    ("causal-lm", "llama", ["fp32", "bf16-autocast", "fp16-autocast", "eager-attention"],
+     [("scale-output", "bf16-autocast"), ("cast-matmul", "fp32"), ("cast-softmax", "fp32"),
+      ("mask-shift", "fp32"), ("bitflip-exponent", "bf16-autocast")]),
     ("causal-lm", "gpt2", ["threads-1", "accumulate-2"],
-     [("bitflip-mantissa", "fp32"), ("eps", "fp32"), ("loss-bf16", "autocast-bf16")]),
-    ("masked-lm", "bert", ["bf16-model"], [("dropout", "fp32"), ("cast-norm", "autocast-bf16")]),
-    ("image-classification", "vit", ["autocast-bf16"], [("clip", "fp32")]),
-    ("cnn", "cnn-batchnorm", ["compiled", "autocast-bf16"], [("cast-norm", "fp32")]),
+     [("bitflip-mantissa", "fp32"), ("eps", "fp32"), ("loss-bf16", "bf16-autocast")]),
+    ("masked-lm", "bert", ["bf16-model"], [("dropout", "fp32"), ("cast-norm", "bf16-autocast")]),
+    ("image-classification", "vit", ["bf16-autocast"], [("clip", "fp32")]),
+    ("cnn", "cnn-batchnorm", ["compiled", "bf16-autocast"], [("cast-norm", "fp32")]),
 ]
 """The fixed sample ``--quick`` runs: every pair kind and every fault kind at least once, over
 the tasks, on architectures that build."""
