@@ -89,22 +89,12 @@ def _paired_flat(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
     job failed on some machines and passed on others).
     """
     a, b = _real(a), _real(b)
-    if a.shape == b.shape and a.dim() > 1 and not a.is_contiguous() and _dense(a):
+    if a.shape == b.shape and a.dim() > 1 and not a.is_contiguous():
         order = sorted(range(a.dim()), key=lambda d: (a.stride(d), a.shape[d]), reverse=True)
         pa, pb = a.permute(order), b.permute(order)
-        if pa.is_contiguous():
+        if pa.is_contiguous():  # dense in some order of its dims: that order is its storage's
             return pa.reshape(-1), pb.reshape(-1)
     return a.reshape(-1), b.reshape(-1)
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t`` covers its memory once, in some order of its dims (no gaps, no overlap)."""
-    expected = 1
-    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _pow2_floor(m: torch.Tensor) -> torch.Tensor:

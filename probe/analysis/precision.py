@@ -214,11 +214,8 @@ def _meets_its_dtype(consumer: OpRecord, cast: OpRecord, dtype: torch.dtype,
     already ``dtype`` and not made from ``cast`` (a bias cast to a projection's dtype before it is
     added, ``scale.to(query.dtype)``): the cast matches the other operand's precision, which that
     operand brought; it lowers nothing the computation still held."""
-    chain = {cast.index}
     for t in consumer.inputs:
-        if t.source is None or t.source[0] in chain:
-            continue
-        producer = ops.get(t.source[0])
+        producer = ops.get(t.source[0]) if t.source is not None else None
         if _floating(t.dtype) == dtype and producer is not None and not _made_from(producer, cast.index, ops):
             return True
     return False

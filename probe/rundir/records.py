@@ -458,10 +458,11 @@ def _constant_ops(ops: list[OpRecord]) -> set[int]:
     one that a reader passes on to a fault is still where that fault started."""
     constant: set[int] = set()
     for op in ops:
-        if _short_name(op) not in _MASK_BUILDERS:
+        short = _short_name(op)
+        if short.removesuffix("_") not in _MASK_BUILDERS:
             continue  # arithmetic, a random draw: a value of the program, whatever it is made from
-        if all(t.source is not None and t.source[0] in constant for t in op.inputs) \
-                or _short_name(op) in _READS_SHAPE_ONLY:
+        if short in _READS_SHAPE_ONLY or all(t.source is not None and t.source[0] in constant
+                                             for t in op.inputs):
             constant.add(op.index)
     return constant
 

@@ -422,11 +422,14 @@ class Tracer:
             position = next((i for i, x in enumerate(in_tensors) if x is t), None)
             if position is None:
                 continue
+            source = inputs[position][2]
+            fresh = source is not None and source[0] in self._unwritten
+            if not fresh and not self._partly_written:
+                continue  # the common case: no storage looked up
             key = _storage_key(t)
             filling = self._partly_written.get(key) if key is not None else None
             if filling is None:
-                source = inputs[position][2]
-                if key is None or source is None or source[0] not in self._unwritten:
+                if key is None or not fresh:
                     continue
                 size = t.untyped_storage().nbytes() // max(t.element_size(), 1)
                 filling = self._partly_written[key] = [0, size]
