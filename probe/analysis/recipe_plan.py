@@ -1,0 +1,152 @@
+"""A low-precision plan from one run's what-if statistics: every matmul (op id, forward and
+backward apart) ranked by the risk of computing it under a recipe, with the reason, and the
+riskiest kept in high precision (``probe plan RUN --recipe mxfp8``).
+
+The risk of a matmul is the signal its operands lose when quantized, summed over its operands:
+for each, the share of nonzero values that quantize to 0 or saturate (values lost whole) plus the
+relative squared error of quantize-dequantize (1/SNR, the energy lost by rounding). Statistics
+are pooled over the run's steps (counts and squared sums added) before the shares are taken.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from probe.errors import ProbeError
+from probe.modes.recipes.files import OperandWhatIf, WhatIfFiles
+from probe.modes.recipes.formats import Recipe
+from probe.modes.recipes.plan_file import Plan
+
+
+@dataclass
+class OperandRisk:
+    """One operand of one matmul, pooled over the steps."""
+
+    role: str
+    position: int
+    nonzero: int = 0
+    underflow: int = 0
+    saturated: int = 0
+    error_sq: float = 0.0
+    signal_sq: float = 0.0
+    block_range_log2: float = 0.0
+
+    def add(self, row: OperandWhatIf) -> None:
+        self.nonzero += row.nonzero
+        self.underflow += row.underflow
+        self.saturated += row.saturated
+        self.error_sq += row.error_sq
+        self.signal_sq += row.signal_sq
+        self.block_range_log2 = max(self.block_range_log2, row.block_range_log2)
+
+    @property
+    def underflow_share(self) -> float:
+        return self.underflow / self.nonzero if self.nonzero else 0.0
+
+    @property
+    def saturation_share(self) -> float:
+        return self.saturated / self.nonzero if self.nonzero else 0.0
+
+    @property
+    def relative_mse(self) -> float:
+        return self.error_sq / self.signal_sq if self.signal_sq else 0.0
+
+    @property
+    def risk(self) -> float:
+        """Values lost whole (underflow, saturation) plus the energy lost by rounding."""
+        risk = self.underflow_share + self.saturation_share + self.relative_mse
+        return risk if math.isfinite(risk) else math.inf  # a NaN or Inf operand: the worst
+
+
+@dataclass
+class MatmulRisk:
+    """One matmul op of the run and the risk of quantizing it."""
+
+    op: str
+    module: str
+    phase: str
+    name: str
+    operands: dict[int, OperandRisk] = field(default_factory=dict)
+
+    @property
+    def risk(self) -> float:
+        return sum(o.risk for o in self.operands.values())
+
+    def worst(self) -> OperandRisk:
+        return max(self.operands.values(), key=lambda o: o.risk)
+
+    def reason(self, recipe: str) -> str:
+        """One line saying why: the worst operand's losses under ``recipe``."""
+        o = self.worst()
+        snr = f"SNR {-10 * math.log10(o.relative_mse):.1f} dB" if o.relative_mse > 0 else "exact"
+        saturated = f", {100 * o.saturation_share:.2g}% saturate" if o.saturated else ""
+        where = self.module or "(no module)"
+        short = self.name.split(".")[1] if self.name.count(".") >= 2 else self.name
+        return (f"{where} {o.role} ({self.phase} {short}): {100 * o.underflow_share:.2g}% of values "
+                f"underflow {recipe}{saturated}, {snr}, max block dynamic range 2^{o.block_range_log2:.0f}")
+
+    def to_json(self, recipe: str) -> dict[str, Any]:
+        return {"op": self.op, "module": self.module, "phase": self.phase, "name": self.name,
+                "risk": self.risk, "reason": self.reason(recipe)}
+
+
+def rank_matmuls(run: Any, recipe: str, rank: int | None = None) -> list[MatmulRisk]:
+    """Every matmul the run's whatif mode measured, riskiest first under ``recipe`` (a recipe the
+    run recorded, by name)."""
+    rank = run.ranks[0] if rank is None else rank
+    found: dict[str, MatmulRisk] = {}
+    recorded: set[str] = set()
+    steps_with_data = 0
+    for step in run.steps_of(rank):
+        files = run.mode_files("whatif", step, rank)
+        if not isinstance(files, WhatIfFiles):
+            continue
+        steps_with_data += 1
+        recorded |= {r.name for r in files.recipes()}
+        rows = [row for row in files.operands() if row.recipe == recipe]
+        if not rows:
+            continue
+        ops = run.ops(step, rank)
+        for row in rows:
+            record = ops[row.op_index]
+            matmul = found.get(record.id)
+            if matmul is None:
+                matmul = found[record.id] = MatmulRisk(record.id, record.module, record.phase, record.name)
+            operand = matmul.operands.get(row.position)
+            if operand is None:
+                operand = matmul.operands[row.position] = OperandRisk(row.role, row.position)
+            operand.add(row)
+    if not steps_with_data:
+        raise ProbeError(f"{run.path} holds no what-if statistics: record the run with "
+                         "probe.mode('whatif', recipes=[...]) first")
+    if recipe not in recorded:
+        raise ProbeError(f"recipe {recipe!r} was not recorded in {run.path}; recorded: {sorted(recorded)}")
+    return sorted(found.values(), key=lambda m: (-m.risk, m.op))
+
+
+def plan(run: Any, recipe: str, keep_fraction: float = 0.1, rank: int | None = None) -> Plan:
+    """The plan for ``recipe``: the riskiest ``keep_fraction`` of the matmuls (rounded up; only
+    those at risk) keep high precision, the rest are quantized."""
+    if not 0.0 <= keep_fraction <= 1.0:
+        raise ProbeError(f"keep fraction {keep_fraction!r} is not between 0 and 1")
+    ranking = rank_matmuls(run, recipe, rank)
+    files = next(f for s in run.steps_of(run.ranks[0] if rank is None else rank)
+                 if isinstance(f := run.mode_files("whatif", s, rank), WhatIfFiles))
+    chosen: Recipe = next(r for r in files.recipes() if r.name == recipe)
+    keep_count = math.ceil(keep_fraction * len(ranking))
+    keep = [m.op for m in ranking[:keep_count] if m.risk > 0]
+    quantize = [m.op for m in ranking if m.op not in set(keep)]
+    return Plan(chosen, tuple(quantize), tuple(keep), tuple(m.to_json(recipe) for m in ranking))
+
+
+def write_plan(run_path: str | Path, recipe: str, out: str | Path | None = None, keep_fraction: float = 0.1,
+               rank: int | None = None) -> tuple[Plan, Path]:
+    """:func:`plan` of the run at ``run_path``, written to ``out`` (default ``RUN/plan.json``)."""
+    from probe.rundir.run import load
+
+    run = load(run_path)
+    made = plan(run, recipe, keep_fraction, rank)
+    return made, made.save(Path(out) if out is not None else Path(run_path) / "plan.json")
