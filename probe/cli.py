@@ -14,14 +14,16 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-
+# Only what --help needs is imported here: the commands import what they compute with (torch
+# among it, 1-2 s) when they run. tests/test_cli_help.py holds every --help to importing no torch.
 from probe.errors import ProbeError
-from probe.exporters.console import make_console, progress_bar
+from probe.vocabulary.option_values import PHASES
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from probe.rundir.run import Run
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE = 0, 1, 2
@@ -88,7 +90,7 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     import probe
     from probe.analysis.summary import summarize
     from probe.demo.train import DemoTraining, train
-    from probe.exporters.console import render_run
+    from probe.exporters.console import progress_bar, render_run
 
     if args.steps < 1:
         raise ProbeError(f"--steps must be at least 1, got {args.steps}")
@@ -207,7 +209,7 @@ def _module_map(text: str | None) -> dict[str, str] | None:
 def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     import probe
     from probe.analysis.compare_pieces import cluster_executor
-    from probe.exporters.console import render_compare
+    from probe.exporters.console import progress_bar, render_compare
 
     out = _output_dir(args.out, "-o") if args.out else None
     if args.processes is not None and args.processes < 1:
@@ -252,11 +254,13 @@ def _cmd_graph(args: argparse.Namespace, console: Console) -> int:
 def _cmd_view(args: argparse.Namespace, console: Console) -> int:
     import tempfile
 
+    from rich.console import Console
+
+    import probe
     from probe.exporters.graph_export import model_explorer_graphs
     from probe.exporters.model_explorer import serve, write_model_explorer
-    from probe.rundir.run import load
 
-    run = load(args.run)
+    run = probe.load(args.run)
     step, rank = run.resolve(_one_int(args.step), _one_int(args.rank))
     label, graphs = model_explorer_graphs(run, step, rank, args.phase, args.compare)
     kept = _output_dir(args.out, "--out") if args.out else None
@@ -278,7 +282,7 @@ def _cmd_replay(args: argparse.Namespace, console: Console) -> int:
     import torch
 
     import probe
-    from probe.exporters.console import render_replay
+    from probe.exporters.console import progress_bar, render_replay
 
     dtype = None
     if args.dtype is not None:
@@ -286,8 +290,13 @@ def _cmd_replay(args: argparse.Namespace, console: Console) -> int:
             raise ProbeError(f"--dtype {args.dtype!r} is not one of {sorted(_DTYPES)}")
         dtype = getattr(torch, _DTYPES[args.dtype])
     step, rank = _one_int(args.step), _one_int(args.rank)
+    run = probe.load(args.run)
+    step, rank = run.resolve(step, rank)
+    if not run.has_dump(step, rank):  # said before anything runs, not as a table of "no dump" rows
+        raise ProbeError(f"replay needs dumps: step {step} of rank {rank} of {args.run!r} holds none; "
+                         "record with probe.mode('dump', ...) or probe.mode(['stats', 'dump'], ...) "
+                         "(probe demo --mode stats,dump)")
     if args.op_id is None:
-        run = probe.load(args.run)
         total = len(run.ops(step, rank))
         with progress_bar(console, "replaying") as progress:
             task = progress.add_task("replay", total=total)
@@ -297,7 +306,7 @@ def _cmd_replay(args: argparse.Namespace, console: Console) -> int:
         ranked = [r for r in results if "skipped" not in r]
         render_replay(console, ranked[: args.top], skipped=[r for r in results if "skipped" in r])
         return EXIT_OK
-    result = probe.replay(args.run, args.op_id, device=args.device, dtype=dtype, step=step, rank=rank,
+    result = probe.replay(run, args.op_id, device=args.device, dtype=dtype, step=step, rank=rank,
                           memory_budget=args.memory_budget)
     render_replay(console, [result])
     return EXIT_OK
@@ -308,51 +317,101 @@ def _one_int(text: str | None) -> int | None:
     return None if values is None else values[0]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="probe", description="Precision debugging for PyTorch training.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+BUILTIN_MODES: dict[str, str] = {
+    "stats": "min, max, mean, L2 norm and NaN/Inf counts of every op's tensors (what compare reads)",
+    "dump": "the tensors themselves, with the calls that made them (what replay re-runs)",
+    "free_benchmark": "each op re-run on perturbed inputs: fragile ops, without a reference run",
+    "upcast": "low-precision modules computed in fp32 (changes training; the demo trains in bf16 for it)",
+    "monitor": "always-on series of chosen modules, parameters and gradients, with anomaly alerts",
+    "structure": "the op records and op graph alone (the cheapest trace)",
+    "checksums": "checksums of the parameters, inputs and RNG states at each step",
+    "whatif": "each matmul operand's losses under low-precision recipes (what probe plan ranks)",
+    "fake_quant": "the matmuls of a plan computed from quantized operands (changes training)",
+}
+"""The built-in modes and what each records, for ``--help`` without importing them (and torch):
+``tests/test_cli_help.py`` checks the names against the registry."""
 
-    demo = sub.add_parser("demo", help="train the built-in tiny LLaMA-style model under a mode")
+
+def _help_formatter(prog: str) -> argparse.HelpFormatter:
+    # The epilogs are examples laid out by hand: keep their lines.
+    return argparse.RawDescriptionHelpFormatter(prog, max_help_position=32)
+
+
+def _subcommand(sub: Any, name: str, summary: str, example: str, more: str = "") -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` ends with ``more`` (laid out by hand) and ``example``
+    (one or more command lines)."""
+    return sub.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".",
+                          epilog=more + "example:\n" + example + "\n", formatter_class=_help_formatter)
+
+
+def _run_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--step", help="step (default: the run's first)")
+    parser.add_argument("--rank", help="rank (default: the run's first)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="probe", description="Precision debugging for PyTorch training.",
+                     epilog="example:\n  probe demo --mode stats --out runs/a\n  probe summary runs/a\n\n"
+                            "`probe COMMAND --help` shows a command's options and an example\n",
+                     formatter_class=_help_formatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+
+    demo = _subcommand(sub, "demo", "train the built-in tiny LLaMA-style model under a mode",
+                       "  probe demo --mode stats,dump --steps 2 --out runs/demo\n"
+                       "  probe replay runs/demo",
+                       more="modes:\n" + "".join(f"  {name:<15}{what}\n"
+                                                  for name, what in BUILTIN_MODES.items()) + "\n")
     demo.add_argument("--out", help="run directory (default: probe_runs/demo-<time>)")
-    demo.add_argument("--mode", default="stats", help="mode name, or several joined by commas")
-    demo.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
-    demo.add_argument("--stack", action="store_true", help="record Python call sites")
-    demo.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
-    demo.add_argument("--top", type=int, default=5, help="rows in the largest-value tables")
+    demo.add_argument("--mode", default="stats", metavar="MODE[,MODE...]",
+                      help=f"the mode, or several joined by commas: {', '.join(BUILTIN_MODES)} "
+                           "(described below; default: stats)")
+    demo.add_argument("--steps", type=int, default=3, help="training steps (default: 3)")
+    demo.add_argument("--stack", action="store_true", help="record Python call sites (default: off)")
+    demo.add_argument("--overwrite", action="store_true",
+                      help="replace an existing run directory (default: refuse)")
+    demo.add_argument("--top", type=int, default=5, help="rows in the largest-value tables (default: 5)")
     demo.set_defaults(func=_cmd_demo)
 
-    summary = sub.add_parser("summary", help="per-step summary of a run directory")
+    summary = _subcommand(sub, "summary", "per-step summary of a run directory",
+                          "  probe summary runs/a --top 10\n"
+                          "  probe summary runs/a --plot modules.svg --step 2")
     summary.add_argument("run", help="run directory")
-    summary.add_argument("--top", type=int, default=5, help="rows in the largest-value tables")
+    summary.add_argument("--top", type=int, default=5, help="rows in the largest-value tables (default: 5)")
     summary.add_argument("--plot", metavar="FILE",
                          help="also write a chart of one step's largest |output| per module, .png or .svg "
-                              "(needs probe[plot])")
+                              "(needs probe[plot]; default: no chart)")
     summary.add_argument("--step", help="with --plot: the step to plot (default: the first)")
     summary.add_argument("--rank", help="with --plot: the rank to plot (default: the first)")
     summary.set_defaults(func=_cmd_summary)
 
-    export = sub.add_parser("export", help="write a run in another tool's format")
-    export_kind = export.add_subparsers(dest="format", required=True, parser_class=_Parser)
-    msprobe = export_kind.add_parser("msprobe", help="msprobe's dump layout (dump.json, .pt tensors)")
+    export = _subcommand(sub, "export", "write a run in another tool's format",
+                         "  probe export msprobe runs/a exports/a")
+    export_kind = export.add_subparsers(dest="format", required=True, parser_class=_Parser,
+                                        metavar="FORMAT")
+    msprobe = _subcommand(export_kind, "msprobe", "msprobe's dump layout (dump.json, .pt tensors)",
+                          "  probe export msprobe runs/a exports/a --steps 0,1\n"
+                          "  msprobe compare -tp exports/b/step0 -gp exports/a/step0 -o cmp")
     msprobe.add_argument("run", help="run directory")
     msprobe.add_argument("out", help="empty output directory")
     msprobe.add_argument("--steps", help="comma-separated steps (default: all)")
     msprobe.add_argument("--ranks", help="comma-separated ranks (default: all)")
     msprobe.set_defaults(func=_cmd_export)
 
-    compare = sub.add_parser("compare", help="compare run B against the reference run A")
+    compare = _subcommand(sub, "compare", "compare run B against the reference run A",
+                          "  probe compare runs/fp32 runs/bf16 -o cmp\n"
+                          "  probe compare runs/a runs/b --steps 0 --fail-on-divergence")
     compare.add_argument("run_a", help="reference run directory")
     compare.add_argument("run_b", help="run directory under test")
     compare.add_argument("-o", "--out", help="write report.csv, report.json, report.html, overlay.json, "
-                         "identity.csv here")
+                         "identity.csv here (default: print only)")
     compare.add_argument("--steps", help="comma-separated steps (default: all in common)")
     compare.add_argument("--ranks", help="comma-separated ranks (default: all in common)")
-    compare.add_argument("--module-map", help="rename run B's modules: b_name=a_name,...")
+    compare.add_argument("--module-map", help="rename run B's modules: b_name=a_name,... (default: none)")
     compare.add_argument("--partition", action="append", metavar="MODULE=colwise|rowwise|DIM",
                          help="tensor parallelism written by hand (no DTensor): the dim a module's "
                               "weight is sharded along (colwise: output features, rowwise: input "
                               "features), so that its shards fold into whole tensors; repeatable, "
-                              "MODULE may be a glob")
+                              "MODULE may be a glob (default: none)")
     compare.add_argument("--replay-limit", type=int, metavar="N",
                          help="replay an op in fp64 to judge it only when its inputs hold at most N "
                               "elements (default: probe.compare's, 4M; 0: never)")
@@ -362,65 +421,111 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--scheduler", metavar="ADDRESS",
                          help="compare the pieces on the Dask cluster whose scheduler is at ADDRESS "
                               "(tcp://host:8786; the cluster extra), whose workers read the runs "
-                              "under the same paths")
+                              "under the same paths (default: this machine)")
     compare.add_argument("--fail-on-divergence", action="store_true",
-                         help="exit 1 if a divergence is found or an op could not be compared")
+                         help="exit 1 if a divergence is found or an op could not be compared "
+                              "(default: exit 0 whatever was found)")
     compare.set_defaults(func=_cmd_compare)
 
-    consistency = sub.add_parser(
-        "consistency", help="check that ranks agree on replicated values (exit 1 if one differs)")
+    consistency = _subcommand(sub, "consistency",
+                              "check that ranks agree on replicated values (exit 1 if one differs)",
+                              "  probe consistency runs/ddp --steps 0,1 -o findings.json")
     consistency.add_argument("run", help="run directory of a multi-rank job (mode stats)")
     consistency.add_argument("--steps", help="comma-separated steps (default: all on two or more ranks)")
     consistency.add_argument("--tolerance", type=float, default=0.0,
-                             help="relative difference still taken as equal (default 0: bit-identical)")
-    consistency.add_argument("-o", "--out", help="write the findings as JSON to this file")
-    consistency.add_argument("--top", type=int, default=10, help="disagreements to print (default 10)")
+                             help="relative difference still taken as equal (default: 0, bit-identical)")
+    consistency.add_argument("-o", "--out",
+                             help="write the findings as JSON to this file (default: print only)")
+    consistency.add_argument("--top", type=int, default=10, help="disagreements to print (default: 10)")
     consistency.set_defaults(func=_cmd_consistency)
 
-    graph = sub.add_parser("graph", help="write a step's op graph (GraphML, DOT, JSON, Model Explorer)")
+    graph = _subcommand(sub, "graph", "write a step's op graph (GraphML, DOT, JSON, Model Explorer)",
+                        "  probe graph runs/a --format dot -o step0.dot --level module\n"
+                        "  probe graph runs/b --format graphml -o b.graphml --compare cmp")
     graph.add_argument("run", help="run directory")
-    graph.add_argument("--format", required=True, choices=["graphml", "dot", "json", "model-explorer"])
+    graph.add_argument("--format", required=True, choices=["graphml", "dot", "json", "model-explorer"],
+                       help="graphml (yEd, Gephi, networkx), dot (Graphviz), json (node-link), or "
+                            "model-explorer (Google's Model Explorer: every phase, op and module level, "
+                            "with overlays); required")
     graph.add_argument("-o", "--out", required=True, help="output file (overlays are written beside it)")
-    graph.add_argument("--step", help="step (default: the first)")
-    graph.add_argument("--rank", help="rank (default: the first)")
-    graph.add_argument("--phase", help="forward, backward, recompute, optimizer or all (default: forward; "
-                       "model-explorer: every phase)")
-    graph.add_argument("--level", default="op", choices=["op", "module"], help="op calls or module calls")
-    graph.add_argument("--compare", help="colour by a comparison: the directory `probe compare -o` wrote")
+    _run_options(graph)
+    graph.add_argument("--phase", help=f"the phase to draw: {', '.join(PHASES)} or all "
+                       "(default: forward; model-explorer: every phase)")
+    graph.add_argument("--level", default="op", choices=["op", "module"],
+                       help="op: a node per op call; module: a node per module call, ops folded in "
+                            "(default: op)")
+    graph.add_argument("--compare", help="colour by a comparison: the directory `probe compare -o` wrote "
+                       "(default: no colours)")
     graph.set_defaults(func=_cmd_graph)
 
-    view = sub.add_parser("view", help="open a step's graph in Model Explorer (needs probe[viewer])")
+    view = _subcommand(sub, "view", "open a step's graph in Model Explorer (needs probe[viewer])",
+                       "  probe view runs/b --compare cmp --no-browser --port 8081")
     view.add_argument("run", help="run directory")
-    view.add_argument("--step", help="step (default: the first)")
-    view.add_argument("--rank", help="rank (default: the first)")
-    view.add_argument("--phase", help="only this phase (default: every phase)")
-    view.add_argument("--compare", help="colour by a comparison: the directory `probe compare -o` wrote")
+    _run_options(view)
+    view.add_argument("--phase", help=f"only this phase: {', '.join(PHASES)} (default: every phase)")
+    view.add_argument("--compare", help="colour by a comparison: the directory `probe compare -o` wrote "
+                      "(default: no colours)")
     view.add_argument("--out", help="keep the exported files here (default: a temporary directory)")
-    view.add_argument("--host", default="localhost")
-    view.add_argument("--port", type=_port, default=8080)
-    view.add_argument("--no-browser", action="store_true", help="print the address, do not open a browser")
+    view.add_argument("--host", default="localhost",
+                      help="the address the viewer listens on; 0.0.0.0 for every interface "
+                           "(default: localhost)")
+    view.add_argument("--port", type=_port, default=8080, help="the port it listens on (default: 8080)")
+    view.add_argument("--no-browser", action="store_true",
+                      help="print the address, do not open a browser (default: open one)")
     view.set_defaults(func=_cmd_view)
 
-    replay = sub.add_parser("replay", help="re-run dumped ops from their dumped inputs and compare")
-    replay.add_argument("run", help="run directory (dump mode)")
+    replay = _subcommand(sub, "replay", "re-run dumped ops from their dumped inputs and compare",
+                         "  probe demo --mode dump --out runs/d\n"
+                         "  probe replay runs/d --dtype float64 --top 10\n"
+                         "  probe replay runs/d <op id from the table> --step 0")
+    replay.add_argument("run", help="run directory (recorded with the dump mode)")
     replay.add_argument("op_id", nargs="?", help="the op to replay (default: every dumped op of the step)")
-    replay.add_argument("--device", default="cpu", help="device to replay on (default cpu)")
-    replay.add_argument("--dtype", help="compute in this precision (float64, float32, bf16, fp16)")
-    replay.add_argument("--step", help="step (default: the first)")
-    replay.add_argument("--rank", help="rank (default: the first)")
-    replay.add_argument("--top", type=int, default=20, help="rows of the ranking (default 20)")
+    replay.add_argument("--device", default="cpu", help="device to replay on (default: cpu)")
+    replay.add_argument("--dtype", metavar="DTYPE",
+                        help="compute in this precision: float64, float32, bfloat16, float16 or their "
+                             "short names fp64, fp32, bf16, fp16 (default: the dumped inputs' own)")
+    _run_options(replay)
+    replay.add_argument("--top", type=int, default=20, help="rows of the ranking (default: 20)")
     replay.add_argument("--memory-budget", type=_byte_size, metavar="SIZE",
                         help="refuse, before anything is allocated, an op whose replay would take more "
                              "(e.g. 4GiB; default: a quarter of physical memory)")
     replay.set_defaults(func=_cmd_replay)
-    repro = sub.add_parser("repro", help="reduce a compiled region to a standalone script that "
-                           "fails compiled and passes eager")
+
+    plan = _subcommand(sub, "plan", "rank a run's matmuls by the risk of a low-precision recipe and write "
+                       "which keep high precision",
+                       "  probe plan runs/w --recipe mxfp8 --keep-fraction 0.1 -o plan.json")
+    plan.add_argument("run", help="run directory (recorded with the whatif mode)")
+    plan.add_argument("--recipe", required=True,
+                      help="a recipe the run recorded (fp8-e4m3, fp8-e5m2, fp8-e4m3-delayed, mxfp8, "
+                           "nvfp4, or one of its own)")
+    plan.add_argument("--keep-fraction", type=float, default=0.1,
+                      help="share of the matmuls, the riskiest, kept in high precision (default: 0.1)")
+    plan.add_argument("-o", "--output", default="plan.json", help="the plan file (default: plan.json)")
+    plan.add_argument("--rank", type=int, help="rank (default: the run's first)")
+    plan.add_argument("--top", type=int, default=10, help="rows of the ranking shown (default: 10)")
+    plan.set_defaults(func=_cmd_plan)
+
+    repro = _subcommand(sub, "repro", "reduce a compiled region to a standalone script that "
+                        "fails compiled and passes eager",
+                        "  probe repro runs/c compiled.forward -o repro.py && python repro.py")
     repro.add_argument("run", help="run directory (compiled='keep', compiled_inputs=True)")
     repro.add_argument("op_id", help="the compiled region op (compiled.<function>)")
     repro.add_argument("-o", "--output", required=True, help="the script to write (its inputs go beside it)")
     repro.add_argument("--step", type=int, help="step (default: the first that recorded the region's inputs)")
     repro.set_defaults(func=_cmd_repro)
     return parser
+
+
+def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    from probe.analysis.recipe_plan import write_plan
+
+    made, path = write_plan(args.run, args.recipe, args.output, args.keep_fraction, args.rank)
+    for entry in made.ranking[: args.top]:
+        kept = "keep" if entry["op"] in made.keep else "    "
+        console.print(f"{kept} {entry['risk']:.3g}  {entry['reason']}", highlight=False, markup=False)
+    console.print(f"{len(made.keep)} of {len(made.ranking)} matmuls keep high precision under "
+                  f"{made.recipe.name}; plan written to {path}", highlight=False, markup=False)
+    return EXIT_OK
 
 
 def _cmd_repro(args: argparse.Namespace, console: Console) -> int:
@@ -444,7 +549,9 @@ def _cmd_repro(args: argparse.Namespace, console: Console) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # --help and usage errors exit here, before torch
+    from probe.exporters.console import make_console
+
     console = make_console()
     try:
         return args.func(args, console)

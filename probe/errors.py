@@ -8,8 +8,6 @@ import os
 import sys
 import warnings
 
-import torch
-
 
 class ProbeError(Exception):
     """A bad option, unreadable input or unusable output location.
@@ -26,11 +24,12 @@ class ProbeWarning(UserWarning):
 _warned: set[str] = set()
 
 
-_OWN_DIRS = (
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
-    os.path.dirname(os.path.abspath(contextlib.__file__)) + os.sep,
-    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-)
+def _own_dirs() -> tuple[str, ...]:
+    """The directories of the frames :func:`warn_once` walks past: the probe's, contextlib's and
+    torch's (looked up when warning, so that importing this module imports no torch)."""
+    modules = [sys.modules[__name__], contextlib, sys.modules.get("torch")]
+    return tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                 for m in modules if m is not None and getattr(m, "__file__", None))
 
 
 log = logging.getLogger("probe")
@@ -51,7 +50,8 @@ def warn_once(key: str, message: str) -> None:
         return
     _warned.add(key)
     frame = sys._getframe(1)
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_OWN_DIRS):
+    own_dirs = _own_dirs()
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(own_dirs):
         frame = frame.f_back
     text = f"probe: {message}"
     try:

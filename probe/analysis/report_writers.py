@@ -2,17 +2,21 @@
 
 The analysis layer sits below the exporters (``tests/test_layers.py``): a report's ``to_csv`` or
 ``to_html`` finds its writer here, by name, and :mod:`probe.exporters.compare_report` registers
-its writers when imported (``import probe`` imports it, so the writers are there whenever a
-report exists).
+its writers when imported; :func:`write_report` imports it, by name, when no writer is
+registered yet (``import probe`` binds its names lazily).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from probe.errors import ProbeError
+
+BUILTIN_WRITERS = "probe.exporters.compare_report"
+"""The module whose import registers the built-in writers."""
 
 ReportWriter = Callable[[dict[str, Any], list[dict[str, Any]], Path], None]
 """``writer(summary, rows, path)``: one report's summary and rows written to ``path``."""
@@ -28,6 +32,8 @@ def register_report_writer(name: str, writer: ReportWriter) -> None:
 
 def write_report(name: str, summary: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
     """Write a report with the writer registered as ``name``."""
+    if name not in _WRITERS:
+        importlib.import_module(BUILTIN_WRITERS)
     writer = _WRITERS.get(name)
     if writer is None:
         raise ProbeError(f"no report writer {name!r} is registered (registered: {sorted(_WRITERS)}); "

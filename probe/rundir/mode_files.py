@@ -15,6 +15,8 @@ a ``ProbeError`` naming the file.
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,8 +80,18 @@ def register_mode_files(mode: str, files: type[ModeFiles] | None) -> None:
     _READERS[mode] = files
 
 
+BUILTIN_MODES = "probe.modes"
+"""The package whose import registers the built-in modes (and so their readers)."""
+
+
 def registered_mode_files() -> dict[str, type[ModeFiles] | None]:
-    """Mode name -> the reader of its files (None: it writes none), for every registered mode."""
+    """Mode name -> the reader of its files (None: it writes none), for every registered mode.
+
+    The built-in modes are imported, by name, on the first lookup: ``import probe`` binds its
+    names lazily, so a process that reads a run without touching them (a spawned compare
+    worker) would otherwise find no reader. The reader still names no mode's code."""
+    if BUILTIN_MODES not in sys.modules:
+        importlib.import_module(BUILTIN_MODES)
     return _READERS
 
 
