@@ -159,3 +159,31 @@ def test_a_step_is_written_without_holding_its_text(tmp_path):
     written = (writer.directory / "ops.jsonl").stat().st_size
     assert written > 3_000_000
     assert peak < written / 4, f"peak {peak} bytes for a file of {written}"  # before: ~3x the file
+
+
+def _decoded(monkeypatch) -> list[int]:
+    """Counts the op records decoded from here on (each call of the record decoder)."""
+    calls: list[int] = []
+    decode = run_module.decode_op_record
+
+    def counting(row):
+        calls.append(1)
+        return decode(row)
+
+    monkeypatch.setattr(run_module, "decode_op_record", counting)
+    return calls
+
+
+def test_an_op_is_found_by_id_without_decoding_the_step(tmp_path, monkeypatch):
+    """``Run.op`` (what ``probe replay`` and ``Run.tensor`` look ops up by) decodes the op and the
+    producers of its inputs, whatever the step's size: before, it decoded the whole step, so a
+    replay of each op of a step was quadratic in its ops."""
+    run = _chain_run(tmp_path / "run", 4_000)
+    ids = [op.id for op in run.ops(0)]
+    run = probe.load(run.path)
+    decoded = _decoded(monkeypatch)
+    for number in (3_999, 17, 2_500, 0):
+        assert run.op(ids[number]).index == number
+    assert len(decoded) <= 2 * 4  # each op and the producer of its input
+    with pytest.raises(probe.ProbeError, match=r"no op 'forward:nothing:aten\.mul\.Tensor:0' in step 0"):
+        run.op("forward:nothing:aten.mul.Tensor:0")

@@ -12,9 +12,12 @@ have the size it had when it was indexed: a file changed under the reader is ref
 
 from __future__ import annotations
 
+import json
 from array import array
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+import numpy as np
 
 from probe.errors import ProbeError
 from probe.rundir.confined_files import open_in_run
@@ -22,6 +25,8 @@ from probe.rundir.untrusted_reads import reading
 
 READ_CHUNK = 8 << 20
 """The most bytes read at once when consecutive lines are read together."""
+_ID_KEY = '"id":'
+_STRING = json.JSONDecoder()
 
 
 class OpLines:
@@ -38,6 +43,10 @@ class OpLines:
                     self._starts.append(offset)
                     self._ends.append(offset + len(line))
                 offset += len(line)
+        self._id_order: np.ndarray | None = None
+        """The line numbers sorted by the hash of their op id, and the hashes in that order."""
+        self._id_hashes: np.ndarray | None = None
+        self._unknown_ids: list[int] = []
 
     def __len__(self) -> int:
         return len(self._starts)
@@ -75,3 +84,38 @@ class OpLines:
             numbers = range(start, min(len(self), start + batch))
             found += [number for number, text in self.texts(numbers) if needle in text]
         return found
+
+    def numbers_of_id(self, op_id: str) -> list[int]:
+        """The numbers of the lines whose op id may be ``op_id`` (ascending; the caller decodes
+        them and checks): a lookup in an index of the ids' hashes, 16 bytes an op, made by one
+        pass over the file the first time. A line whose id cannot be found without decoding it
+        whole is always a candidate."""
+        if self._id_order is None or self._id_hashes is None:
+            self._index_ids()
+        assert self._id_order is not None and self._id_hashes is not None
+        hashes, key = self._id_hashes, hash(op_id)
+        found = self._id_order[np.searchsorted(hashes, key, "left"):np.searchsorted(hashes, key, "right")]
+        return sorted({*found.tolist(), *self._unknown_ids})
+
+    def _index_ids(self) -> None:
+        # Python's string hash: ids are looked up in the process that indexed them. A line whose
+        # "id" is not a plain string at the first '"id":' (a damaged record) is a candidate for
+        # every id: the decode that follows names what is wrong with it.
+        hashes = np.empty(len(self), dtype=np.int64)
+        unknown: list[int] = []
+        batch = 1 << 16
+        for start in range(0, len(self), batch):
+            for number, text in self.texts(range(start, min(len(self), start + batch))):
+                at = text.find(_ID_KEY)
+                try:
+                    op_id, _ = _STRING.raw_decode(text, at + len(_ID_KEY)) if at >= 0 else (None, 0)
+                except ValueError:
+                    op_id = None
+                if isinstance(op_id, str):
+                    hashes[number] = hash(op_id)
+                else:
+                    hashes[number] = 0
+                    unknown.append(number)
+        order = np.argsort(hashes, kind="stable")
+        self._id_order, self._id_hashes = order, hashes[order]
+        self._unknown_ids = unknown
