@@ -82,7 +82,7 @@ from probe.vocabulary.op_class import creates_uninitialized, draws_random
 from probe.vocabulary.rounding import reduction_length
 
 METRIC_KEYS = ("cosine", "max_abs_err", "max_rel_err", "one_thousandth_ratio",
-               "five_thousandth_ratio", "rmse", "max_ulp", "ref_rms")
+               "five_thousandth_ratio", "rmse", "max_ulp", "ref_rms", "max_ulp_at_scale")
 STATS_KEYS = ("max_rel", "min_rel", "mean_rel", "norm_rel", "nan_diff", "inf_diff")
 REPLAY_LIMIT = 4_000_000
 """Default ``replay_limit``: inputs (elements) up to which an op is replayed in fp64 to judge it."""

@@ -8,6 +8,20 @@ below 0.001 / 0.005). Added: RMSE, and the error in ULPs of the lower-precision
 dtype of the pair (``|a - b|`` over the spacing of that dtype at
 ``max(|a|, |b|)``), which makes thresholds dtype-aware.
 
+Element-wise ULP and relative error read elements near zero against their own tiny magnitude.
+An element of a sum of products (a matmul, a norm, a softmax's denominator) that cancels to
+near zero carries the round-off of its terms, ``~ eps * |terms|``, not ``eps * |element|``:
+a healthy fp32 ``lm_head`` mm replayed in fp64 read as 8.7e5 ULP and relative error 0.066 with
+a largest absolute error of 6.4e-7. So two measures at the tensor's scale are reported beside
+them (what people read; the verdicts keep their own rules):
+
+- ``max_ulp_at_scale``: ULPs at the spacing of ``max(|a|, |b|, rms(a))``: an element at or
+  above the reference's root mean square is counted in its own ULPs as before, one below it
+  in the ULPs of the rms (the magnitude the tensor's terms have, on the whole). Never more
+  than ``max_ulp``; a healthy fp32 op against fp64 reads a few units.
+- the largest error over the reference's rms (``max_abs_err / ref_rms``, :func:`scaled_error`):
+  a healthy fp32 op reads ``~1e-7``-``1e-6``, bf16 ``~1e-3``-``1e-2``.
+
 One fused pass computes every sum and maximum (a ``torch.compile``d kernel,
 see ``probe.compiled``; the eager fallback works over chunks so its
 temporaries stay bounded): values are compared in fp32 (fp64 when either side
@@ -59,9 +73,24 @@ class TensorMetrics:
     nonfinite_mismatch: int
     """Positions where one tensor holds NaN/Inf and the other does not (or another one)."""
     numel: int
+    max_ulp_at_scale: float = 0.0
+    """ULPs at the spacing of ``max(|a|, |b|, ref_rms)``: elements below the reference's rms
+    counted at its scale (see the module's docstring)."""
 
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)
+
+
+def scaled_error(max_abs_err: float | None, ref_rms: float | None) -> float | None:
+    """The largest error over the reference's rms: the error relative to the tensor's scale
+    (0 when nothing differs, inf when the reference is all zeros and something differs; None
+    when either is unknown)."""
+    if max_abs_err is None or ref_rms is None:
+        return None
+    if max_abs_err == 0:
+        return 0.0
+    value = max_abs_err / ref_rms if ref_rms > 0 else math.inf
+    return value if math.isfinite(value) else math.inf
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
@@ -108,13 +137,15 @@ def _pow2_floor(m: torch.Tensor) -> torch.Tensor:
     return (m.view(torch.int32) & 0x7F800000).view(torch.float32)
 
 
-def _metric_sums(x: torch.Tensor, y: torch.Tensor, step: torch.Tensor, tiny: torch.Tensor) -> torch.Tensor:
+def _metric_sums(x: torch.Tensor, y: torch.Tensor, step: torch.Tensor, tiny: torch.Tensor,
+                 scale: torch.Tensor) -> torch.Tensor:
     """One pass over two 1-D tensors once compiled; the sums and maxima the metrics need.
 
     ``[dot, |x|^2, |y|^2, sum (x-y)^2, max |x-y|, max rel, n rel < 1e-3, n rel < 5e-3,
-    max ULP, NaN/Inf mismatches, finite pairs]``. Values are compared in fp32 (fp64
-    when either side is fp64); sums accumulate in fp64. The ULP spacing at ``m`` is
-    ``2^floor(log2 m) * step`` (``step`` = 2^-(mantissa bits)), at least ``tiny``.
+    max ULP, NaN/Inf mismatches, finite pairs, max ULP at scale]``. Values are compared in
+    fp32 (fp64 when either side is fp64); sums accumulate in fp64. The ULP spacing at ``m`` is
+    ``2^floor(log2 m) * step`` (``step`` = 2^-(mantissa bits)), at least ``tiny``; at scale,
+    ``m`` is at least ``scale`` (the reference's rms).
     """
     work = torch.float64 if torch.float64 in (x.dtype, y.dtype) else torch.float32
     xf, yf = x.to(work), y.to(work)
@@ -128,14 +159,31 @@ def _metric_sums(x: torch.Tensor, y: torch.Tensor, step: torch.Tensor, tiny: tor
     diff = (zx - zy).abs()
     wdiff = diff.to(torch.float64)
     rel = diff / zx.abs().clamp(min=_REL_EPS)
-    spacing = torch.maximum(_pow2_floor(torch.maximum(zx.abs(), zy.abs())).to(torch.float64) * step, tiny)
+    magnitude = torch.maximum(zx.abs(), zy.abs())
+    spacing = torch.maximum(_pow2_floor(magnitude).to(torch.float64) * step, tiny)
+    at_scale = torch.maximum(_pow2_floor(torch.maximum(magnitude, scale.to(work))).to(torch.float64) * step,
+                             tiny)
     return torch.stack([
         (wx * wy).sum(), (wx * wx).sum(), (wy * wy).sum(), (wdiff * wdiff).sum(),
         wdiff.max(), rel.max().to(torch.float64),
         (both & (rel < 1e-3)).to(torch.int64).sum().to(torch.float64),
         (both & (rel < 5e-3)).to(torch.int64).sum().to(torch.float64),
         (wdiff / spacing).max(), mismatch.to(torch.float64), both.to(torch.int64).sum().to(torch.float64),
+        (wdiff / at_scale).max(),
     ])
+
+
+def _finite_rms(x: torch.Tensor) -> float:
+    """Root mean square of the finite elements of a 1-D tensor, chunk by chunk (0 if none)."""
+    total, count = 0.0, 0
+    for start in range(0, x.numel(), CHUNK):
+        chunk = x[start : start + CHUNK].to(torch.float64)
+        finite = chunk.isfinite()
+        if not bool(finite.all()):
+            chunk = chunk[finite]
+        total += float(chunk.square().sum())
+        count += chunk.numel()
+    return math.sqrt(total / count) if count else 0.0
 
 
 _FUSED = CompiledKernel(_metric_sums)
@@ -150,7 +198,7 @@ def tensor_metrics(a: torch.Tensor, b: torch.Tensor) -> TensorMetrics:
         raise ValueError(f"cannot compare {fa.numel()} elements with {fb.numel()}")
     n = fa.numel()
     if n == 0:
-        return TensorMetrics(1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0, 0)
+        return TensorMetrics(1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0, 0, 0.0)
     bits, tiny = _PRECISION.get(lower_precision(a.dtype, b.dtype), _PRECISION[torch.bfloat16])
     step_t = torch.tensor(2.0 ** (1 - bits), dtype=torch.float64, device=fa.device)
     tiny_t = torch.tensor(tiny, dtype=torch.float64, device=fa.device)
@@ -162,11 +210,13 @@ def tensor_metrics(a: torch.Tensor, b: torch.Tensor) -> TensorMetrics:
     )
     work = torch.float32 if exact_in_fp32 else torch.float64  # integers compare exactly in fp64
     fa, fb = fa.to(work), fb.to(work)
+    # The reference's scale, before the pass that measures against it (a read of ``a`` alone).
+    scale_t = torch.tensor(_finite_rms(fa), dtype=work, device=fa.device)
     parts = []
     for start in range(0, n, CHUNK):
         xa = _standalone(fa[start : start + CHUNK])
         xb = _standalone(fb[start : start + CHUNK])
-        parts.append(_FUSED(xa, xb, step_t, tiny_t).cpu())
+        parts.append(_FUSED(xa, xb, step_t, tiny_t, scale_t).cpu())
     sums = torch.stack(parts)
     dot, norm_a, norm_b, sq_err = (float(v) for v in sums[:, :4].sum(0))
     max_abs, max_rel = float(sums[:, 4].max()), float(sums[:, 5].max())
@@ -190,6 +240,7 @@ def tensor_metrics(a: torch.Tensor, b: torch.Tensor) -> TensorMetrics:
         ref_rms=math.sqrt(norm_a / counted) if finite else 0.0,
         nonfinite_mismatch=mismatch,
         numel=n,
+        max_ulp_at_scale=float(sums[:, 11].max()),
     )
 
 

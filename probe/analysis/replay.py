@@ -4,8 +4,9 @@ msprobe's API accuracy checker needs a GPU or NPU; this needs only the dump.
 ``replay`` runs one op again (the exact overload, with its recorded arguments)
 on another device and/or in another precision and compares the result with the
 dumped output, in the output dtype's ULPs; ``replay_step`` does it for every
-dumped op of a step and ranks the ops by error, so a faulty kernel stands out
-without a second training run.
+dumped op of a step and ranks the ops by error at the tensor's scale
+(``max_ulp_at_scale``, :mod:`probe.analysis.metrics`), so a faulty kernel stands out without a
+second training run, and a healthy op whose outputs cancel to near zero does not.
 
 A run is untrusted input, so a replay is untrusted execution: only pure tensor computations
 run, within a memory budget checked before anything is allocated
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from probe.analysis.metrics import tensor_metrics
+from probe.analysis.metrics import scaled_error, tensor_metrics
 from probe.analysis.replay_confinement import ReplayRefused, check_footprint, checked_budget, refusal
 from probe.devices import usable_device
 from probe.errors import ProbeError
@@ -39,6 +40,10 @@ class ReplayResult:
     max_rel_err: float
     cosine: float
     max_ulp: float
+    max_ulp_at_scale: float
+    """ULPs with elements below the output's rms counted at its scale: what ranks the ops."""
+    scaled_err: float
+    """The largest error over the output's rms (``max_abs_err / ref_rms``), worst output."""
     outputs: list[dict[str, Any]] = field(default_factory=list)
     """Per compared output: its position and metrics."""
 
@@ -125,8 +130,15 @@ def _replay(run: Run, op: OpRecord, device: torch.device, dtype: torch.dtype | N
         max_rel_err=max(c["max_rel_err"] for c in compared),
         cosine=min(c["cosine"] for c in compared),
         max_ulp=max(c["max_ulp"] for c in compared),
+        max_ulp_at_scale=max(c["max_ulp_at_scale"] for c in compared),
+        scaled_err=max(_scaled(c) for c in compared),
         outputs=compared,
     )
+
+
+def _scaled(compared: dict[str, Any]) -> float:
+    value = scaled_error(compared["max_abs_err"], compared["ref_rms"])
+    return math.inf if value is None else value
 
 
 def replay_step(
@@ -161,7 +173,8 @@ def replay_step(
             except _OP_FAILURES as e:
                 reason, detail = "failed", f"{type(e).__name__}: {e}"
         skipped.append({"op_id": op.id, "name": op.name, "reason": reason, "skipped": detail})
-    ranked.sort(key=lambda r: (-(r["max_ulp"] if math.isfinite(r["max_ulp"]) else math.inf), r["op_id"]))
+    ranked.sort(key=lambda r: (-(r["max_ulp_at_scale"] if math.isfinite(r["max_ulp_at_scale"]) else math.inf),
+                               r["op_id"]))
     return ranked + skipped
 
 

@@ -39,7 +39,8 @@ CSV_COLUMNS = (
     ("cosine", "Cosine"), ("max_abs_err", "MaxAbsErr"), ("max_rel_err", "MaxRelativeErr"),
     ("one_thousandth_ratio", "One Thousandth Err Ratio"),
     ("five_thousandth_ratio", "Five Thousandths Err Ratio"), ("rmse", "RMSE"), ("max_ulp", "Max ULP"),
-    ("max_rel", "MaxRelativeDiff"), ("min_rel", "MinRelativeDiff"), ("mean_rel", "MeanRelativeDiff"),
+    ("max_ulp_at_scale", "Max ULP At Scale"), ("max_rel", "MaxRelativeDiff"), ("min_rel", "MinRelativeDiff"),
+    ("mean_rel", "MeanRelativeDiff"),
     ("norm_rel", "NormRelativeDiff"), ("nan_diff", "NaN Count Diff"), ("inf_diff", "Inf Count Diff"),
     ("verdict", "Result"), ("rule", "Rule"), ("message", "Err_message"),
 )
@@ -74,9 +75,11 @@ CHART_LIMIT = 8
 """Charts drawn per page, one per (step, rank); the step of the first divergence comes first."""
 # The statistics the verdicts hold to a relative bound (a mean near zero has no useful relative error).
 _STATS_ERRORS = ("max_rel", "min_rel", "norm_rel")
-# Metric columns of the page (the CSV has them all), shown when some row has the value.
-_METRIC_COLUMNS = (("cosine", "Cosine"), ("max_abs_err", "MaxAbsErr"), ("max_rel_err", "MaxRelErr"),
-                   ("max_ulp", "Max ULP"), ("norm_rel", "NormRelDiff"))
+# Metric columns of the page (the CSV has them all), shown when some row has the value. Errors are
+# shown at the tensor's scale (the Error column, ULP at scale): element-wise relative error and
+# ULP read near-zero elements of a healthy op as alarms (probe.analysis.metrics).
+_METRIC_COLUMNS = (("cosine", "Cosine"), ("max_abs_err", "MaxAbsErr"), ("max_ulp_at_scale", "ULP at scale"),
+                   ("norm_rel", "NormRelDiff"))
 
 
 def row_error(row: dict[str, Any]) -> float | None:

@@ -342,12 +342,16 @@ def render_consistency(console: Console, report: ConsistencyReport, limit: int =
 def render_replay(console: Console, results: list[dict], skipped: list[dict] | None = None) -> None:
     """The replayed ops, worst first, then the ops that could not be replayed, counted by reason."""
     table = Table(title="replay (worst first)", title_justify="left", show_edge=False, pad_edge=False)
-    for column in ("op id", "max ULP", "max abs err", "max rel err", "cosine"):
+    for column in ("op id", "ULP at scale", "max err / rms", "max abs err", "cosine"):
         table.add_column(column, justify="left" if column == "op id" else "right", overflow="fold")
     for r in results:
-        table.add_row(r["op_id"], _fmt(r["max_ulp"]), _fmt(r["max_abs_err"]), _fmt(r["max_rel_err"]),
+        table.add_row(r["op_id"], _fmt(r["max_ulp_at_scale"]), _fmt(r["scaled_err"]), _fmt(r["max_abs_err"]),
                       _fmt(r["cosine"]))
     console.print(table)
+    if results:
+        console.print("[dim]ULP at scale: ULPs of the output's dtype, elements below the output's rms "
+                      "counted at the rms; max err / rms: the largest error against the output's rms "
+                      "(probe.replay() also returns the element-wise max_ulp and max_rel_err)[/dim]")
     if skipped:
         console.print(f"{len(skipped)} ops could not be replayed:")
         for reason, n in Counter(r["reason"] for r in skipped).most_common():
