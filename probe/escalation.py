@@ -45,12 +45,13 @@ from typing import Any
 from probe.errors import ProbeError, warn_once
 from probe.lifecycle import build_modes, start_modes, traced
 from probe.modes.base import OpObserver, SessionPlugin, TraceRequest
+from probe.modes.config import ModeConfig, configs_for
 from probe.modes.monitor.anomaly import Anomaly, anomaly_json
 from probe.modes.registry import MODES
 from probe.rundir import layout
 from probe.tracer.dispatch_mode import Tracer
 from probe.tracer.op_call import OpCall
-from probe.vocabulary.option_values import Options
+from probe.vocabulary.session_options import Options
 
 log = logging.getLogger("probe.monitor")
 
@@ -142,7 +143,8 @@ class Escalation:
         return cls(request, options)
 
     def _build(self) -> list[SessionPlugin]:
-        return build_modes(self.trace_modes, self.trace_options)
+        configs, _ = configs_for(self.trace_modes, self.trace_options)  # every option is some mode's
+        return build_modes(c for c in configs if isinstance(c, ModeConfig))
 
     # -- session ---------------------------------------------------------------------
 

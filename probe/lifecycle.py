@@ -10,13 +10,14 @@ reverse, through the ``ExitStack`` :func:`traced` fills.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from probe.errors import warn_once
 from probe.modes.base import SessionPlugin
+from probe.modes.config import ModeConfig
 from probe.modes.registry import MODES
 from probe.tracer import mode_stack
 from probe.tracer.compat import compiled_regions_eager
@@ -25,13 +26,9 @@ from probe.tracer.frozen_heap import frozen_heap
 from probe.tracer.hook_notices import ignore_compiled_module_notice
 
 
-def build_modes(names: Iterable[str], options: Mapping[str, Any]) -> list[SessionPlugin]:
-    """Each named mode, made with the options it takes (its ``option_names``) from ``options``."""
-    built = []
-    for name in names:
-        cls = MODES[name]
-        built.append(cls(**{k: v for k, v in options.items() if k in cls.option_names}))
-    return built
+def build_modes(configs: Iterable[ModeConfig]) -> list[SessionPlugin]:
+    """Each mode's plug-in, made from its config."""
+    return [MODES[config.mode](config) for config in configs]
 
 
 def start_modes(modes: Iterable[SessionPlugin], model: Any, out: Path, rank: int) -> None:

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from probe.errors import ProbeError, warn_once
-from probe.modes.free_benchmark.mode import HANDLERS
+from probe.modes.config import configs_for
+from probe.modes.free_benchmark.options import HANDLERS
 from probe.modes.free_benchmark.perturbations import PERTURBATIONS
-from probe.modes.mode_options import as_mode_objects
 from probe.vocabulary.option_values import IntSet, parse_bool, parse_choice, parse_int, show
 
 # msprobe task -> probe modes (and options the task implies)
@@ -147,9 +147,8 @@ def _selectors(key: str, entries: list[Any]) -> tuple[list[str], list[str]]:
 
 
 def from_msprobe(config: dict[str, Any]) -> dict[str, Any]:
-    """Our ``probe.mode`` options for an msprobe config: ``mode`` holds the modes as objects carrying
-    their own options (:class:`~probe.modes.mode_options.ModeOptions`), the other keys are the
-    session's common options."""
+    """Our ``probe.mode`` options for an msprobe config: ``mode`` holds the modes' configs
+    (:class:`~probe.modes.config.ModeConfig`), the other keys are the session's common options."""
     task = config.get("task", "statistics")
     if not isinstance(task, str):
         raise ProbeError(f"msprobe task {show(task)} is not a task name; accepted: {sorted(_TASKS)}")
@@ -188,8 +187,8 @@ def from_msprobe(config: dict[str, Any]) -> dict[str, Any]:
         else:
             raise ProbeError(f"msprobe config key {key!r} is unknown")
     modes = options.pop("mode")
-    objects, common = as_mode_objects(modes, {k: v for k, v in options.items() if v is not None})
-    return {"mode": objects, **common}
+    configs, common = configs_for(modes, {k: v for k, v in options.items() if v is not None})
+    return {"mode": configs, **common}
 
 
 def _task_block(task: str, block: dict[str, Any], options: dict[str, Any]) -> None:

@@ -12,168 +12,131 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from probe.errors import ProbeError
-from probe.hparams import parse_hparams
-from probe.modes.mode_options import ModeOptions, same_value
-from probe.modes.registry import MODES
+from probe.modes.config import CONFIGS, ModeConfig
 from probe.rundir import layout
 from probe.tracer.rank import current_rank, world_size
+from probe.vocabulary.option_fields import option_specs
 from probe.vocabulary.option_values import (  # noqa: F401  (re-exported: imported from here too)
     CHECKSUM_KINDS,
     COMPILED_POLICIES,
     DEFAULT_CHECKSUMS,
     PHASES,
     IntSet,
-    Options,
     Patterns,
-    _str_list,
-    host_memory_bytes,
-    parse_bool,
-    parse_checksums,
-    parse_choice,
-    parse_int,
-    parse_number,
+    same_value,
     show,
 )
+from probe.vocabulary.session_options import COMMON_OPTIONS, Options, option_path
 
-_COMMON_KEYS = {
-    "out", "overwrite", "model", "ops", "modules", "steps", "ranks", "phases", "stack", "compiled",
-    "async_flush", "hparams", "checksums", "compiled_inputs", "gc_freeze",
-}
+_COMMON_KEYS = COMMON_OPTIONS  # the name the option tests read
 CONFIG_MAX_BYTES = 16 << 20  # a config is a few keys; more is a wrong path (a checkpoint, a dataset)
 
 
-def parse_options(modes: Any, kwargs: dict[str, Any], mode_option_names: dict[str, set[str]]) -> Options:
-    """Validate ``probe.mode(modes, **kwargs)``.
+def parse_options(modes: Any, kwargs: dict[str, Any]) -> Options:
+    """Validate ``probe.mode(modes, **kwargs)``: the common options by their fields
+    (:class:`Options`), and each selected mode's config (:class:`~probe.modes.config.ModeConfig`).
 
-    ``mode_option_names`` maps each known mode name to the option names it accepts;
-    an option no selected mode accepts is an error. Options given directly win
-    over the same keys of ``config``.
+    ``modes`` is a mode name, ``"a+b"``, a list of names, or configs (``probe.Stats(...)``), mixed
+    freely; a flat keyword option goes to every selected mode that declares it, and one no selected
+    mode declares (and that is no common option) is an error. Options given directly win over the
+    same keys of ``config``; a config object's own option and a keyword with another value for it
+    are refused, naming both.
     """
     kwargs = dict(kwargs)
     config = kwargs.pop("config", None)
-    modes, kwargs = unfold(modes, kwargs)  # an object's options count as given directly
-    if config is not None:
-        from_config = _config_options(config)
-        # A config's mode objects (the msprobe adapters build them) unfold as the config's own keys.
-        config_modes, from_config = unfold(from_config.pop("mode", None), from_config)
-        if config_modes is not None:
-            from_config["mode"] = config_modes
-        for key, value in from_config.items():
-            kwargs.setdefault(key, value)
     if modes is None:
         modes = kwargs.pop("mode", None)
     kwargs.pop("mode", None)
+    from_config: dict[str, Any] = {}
+    config_objects: dict[str, ModeConfig] = {}
+    if config is not None:
+        from_config = _config_options(config)
+        config_modes = from_config.pop("mode", None)
+        if modes is None and config_modes is not None:  # its configs stay the config's: keywords win
+            modes = [m.mode if isinstance(m, ModeConfig) else m for m in _as_list(config_modes)]
+        # A config's mode objects (the msprobe adapters build them): the options of a mode that is
+        # also selected directly apply to it; the others count as the config's own keys.
+        for item in _as_list(config_modes):
+            if isinstance(item, ModeConfig):
+                config_objects[item.mode] = item
+    names, objects = _parse_modes(modes)
+    for name, item in config_objects.items():
+        if name not in names:
+            for key, value in item.options.items():
+                from_config.setdefault(key, value)
 
-    mode_names = _parse_modes(modes, mode_option_names)
-    opts = Options(modes=mode_names)
+    opts = Options(modes=names)
+    specs = option_specs(Options)
+    for key in specs:
+        if key in kwargs or key in from_config:
+            from_file = from_config.pop(key, None)
+            value = kwargs.pop(key) if key in kwargs else from_file  # given directly wins
+            setattr(opts, key, specs[key][1].check.parse(key, value))
 
-    for key in list(kwargs):
-        if key not in _COMMON_KEYS:
-            continue
-        value = kwargs.pop(key)
-        if key == "out":
-            opts.out = _parse_out(value)
-        elif key == "model":
-            opts.model = _parse_model(value)
-        elif key in ("ops", "modules"):
-            setattr(opts, key, Patterns.parse(key, value))
-        elif key in ("steps", "ranks"):
-            setattr(opts, key, IntSet.parse(key, value))
-        elif key == "phases":
-            opts.phases = _parse_phases(value)
-        elif key in ("overwrite", "stack", "async_flush", "compiled_inputs", "gc_freeze"):
-            setattr(opts, key, parse_bool(key, value))
-        elif key == "compiled":
-            opts.compiled = parse_choice(key, value, COMPILED_POLICIES)
-        elif key == "hparams":
-            opts.hparams = parse_hparams(value)
-        elif key == "checksums":
-            opts.checksums = parse_checksums(value)
-
-    for name in mode_names:  # what each mode makes of the common options (the monitor: targets)
-        implied = MODES[name].implied_options(opts, kwargs) if name in MODES else {}
-        for key, value in implied.items():
-            kwargs.setdefault(key, value)
-    accepted = set().union(*(mode_option_names[m] for m in mode_names))
-    for key in kwargs:
+    flat = {**from_config, **kwargs}  # what is left: the modes' options in the flat form
+    accepted = set().union(*(CONFIGS[name].option_names() for name in names))
+    for key in flat:
         if key not in accepted:
-            known = sorted(_COMMON_KEYS | {"config"} | accepted)
-            raise ProbeError(
-                f"unknown option {show(key)} for mode(s) {list(mode_names)}; accepted options: {known}"
-            )
-    opts.mode_options = kwargs
+            known = sorted(COMMON_OPTIONS | {"config"} | accepted)
+            raise ProbeError(f"unknown option {show(key)} for mode(s) {list(names)}; "
+                             f"accepted options: {known}")
+    configs = []
+    for name in names:
+        cls = CONFIGS[name]
+        given = {key: value for key, value in flat.items() if key in cls.option_names()}
+        if name in config_objects:
+            given = {**config_objects[name].options, **given}
+        own = objects.get(name)
+        if own is None:
+            made = cls(**given)
+        else:
+            for key, value in own.options.items():
+                if key in kwargs and not same_value(kwargs[key], value):
+                    raise ProbeError(f"option {key!r} given twice with different values: {show(kwargs[key])} "
+                                     f"by a keyword option and {show(value)} by {own!r}")
+            extra = {key: value for key, value in given.items() if key not in own.options}
+            made = own.with_options(**extra) if extra else own
+        configs.append(made.completed(opts))
+    opts.mode_configs = tuple(configs)
     rank = current_rank()
     if opts.out is not None and rank in opts.ranks:
         check_out_dir(opts.out, opts.overwrite, rank, world_size())
     return opts
 
 
-def _parse_modes(modes: Any, known: dict[str, set[str]]) -> tuple[str, ...]:
+def _as_list(modes: Any) -> list[Any]:
+    if isinstance(modes, (list, tuple)):
+        return list(modes)
+    return [] if modes is None else [modes]
+
+
+def _parse_modes(modes: Any) -> tuple[tuple[str, ...], dict[str, ModeConfig]]:
+    """The selected modes' names, and the configs given as objects by name. A name may be
+    ``"stats+dump"``: the modes it joins."""
+    known = sorted(CONFIGS)
     if modes is None:
-        raise ProbeError(f"no mode given; accepted modes: {sorted(known)}")
-    if isinstance(modes, str):
-        names = [modes]
-    elif isinstance(modes, (list, tuple)) and all(isinstance(name, str) for name in modes):
-        names = list(modes)
-    else:
-        raise ProbeError(f"modes: expected a mode name or a list of them from {sorted(known)}, "
-                         f"got {show(modes)}")
+        raise ProbeError(f"no mode given; accepted modes: {known}")
+    items = modes if isinstance(modes, (list, tuple)) else [modes]
+    names: list[str] = []
+    objects: dict[str, ModeConfig] = {}
+    for item in items:
+        if isinstance(item, ModeConfig):
+            names.append(item.mode)
+            objects.setdefault(item.mode, item)
+        elif isinstance(item, str):
+            names += item.split("+") if "+" in item else [item]
+        else:
+            raise ProbeError(f"modes: expected a mode name, a config such as probe.Stats(), or a list of "
+                             f"them from {known}, got {show(modes)}")
     if not names:
-        raise ProbeError(f"no mode given; accepted modes: {sorted(known)}")
+        raise ProbeError(f"no mode given; accepted modes: {known}")
     for name in names:
-        if name not in known:
-            raise ProbeError(f"unknown mode {show(name)}; accepted modes: {sorted(known)}")
+        if name not in CONFIGS:
+            raise ProbeError(f"unknown mode {show(name)}; accepted modes: {known}")
     if len(set(names)) != len(names):
         raise ProbeError(f"mode list {names!r} names a mode twice")
-    return tuple(names)
-
-
-def _path(option: str, value: Any) -> Path:
-    """A filesystem path given as a ``str`` or ``os.PathLike`` (bytes paths are refused)."""
-    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
-    if not isinstance(text, str):
-        raise ProbeError(f"option {option!r}: expected a path (str or pathlib.Path), got {show(value)}")
-    if not text or "\0" in text:
-        raise ProbeError(f"option {option!r}: {show(text)} is not a usable path")
-    return Path(text)
-
-
-def _parse_out(value: Any) -> Path | None:
-    if value is None:
-        return None
-    out = _path("out", value)
-    try:
-        dangling = out.is_symlink() and not out.exists()  # a name too long for the filesystem fails here
-    except OSError as e:
-        raise ProbeError(f"option 'out': {show(str(out))} is not a usable path: {e.strerror}") from None
-    if dangling:
-        raise ProbeError(f"option 'out': {show(str(out))} is a symbolic link to nothing "
-                         f"({show(os.readlink(out))}); remove it or point it at a directory")
-    return out
-
-
-def _parse_model(value: Any) -> Any:
-    if value is None or isinstance(value, torch.nn.Module):
-        return value
-    if isinstance(value, dict) and value and all(
-        isinstance(k, str) and isinstance(v, torch.nn.Module) for k, v in value.items()
-    ):
-        return value
-    raise ProbeError(
-        "option 'model': expected an nn.Module or a non-empty dict of name -> nn.Module, "
-        f"got {show(value)}"
-    )
-
-
-def _parse_phases(value: Any) -> frozenset[str]:
-    phases = frozenset(_str_list("phases", value, f"a phase from {list(PHASES)}"))
-    bad = sorted(p for p in phases if p not in PHASES)
-    if bad or not phases:
-        raise ProbeError(f"option 'phases': {bad or show(value)} not a non-empty subset of {list(PHASES)}")
-    return phases
+    return tuple(names), objects
 
 
 def _config_options(config: Any) -> dict[str, Any]:
@@ -204,7 +167,7 @@ def _read_config(config: Any) -> dict[str, Any]:
         return dict(config)
     if not isinstance(config, (str, os.PathLike)):
         raise ProbeError(f"option 'config': expected a path to a JSON file or a dict, got {show(config)}")
-    path = _path("config", config)
+    path = option_path("config", config)
     where = show(str(path))
     try:
         size = path.stat().st_size
@@ -254,28 +217,3 @@ def check_out_dir(out: Path, overwrite: bool, rank: int = 0, world: int = 1) -> 
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise ProbeError(f"option 'out': cannot create {str(out)!r}: {str(parent)!r} is not writable")
 
-
-def unfold(modes: Any, options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """``probe.mode``'s ``modes`` and keyword options with mode objects unfolded into names and
-    keyword options. An option given twice with different values (by two objects that share it,
-    such as ``distribution`` for stats and monitor, or by an object and a keyword) is refused,
-    naming both places: the session holds one value per option name."""
-    if isinstance(modes, ModeOptions):
-        modes = [modes]
-    if not isinstance(modes, (list, tuple)) or not any(isinstance(m, ModeOptions) for m in modes):
-        return modes, options
-    names: list[Any] = []
-    merged = dict(options)
-    given_by: dict[str, str] = {key: "a keyword option" for key in options}
-    for item in modes:
-        if not isinstance(item, ModeOptions):
-            names.append(item)  # a name (or a bad value: refused by the mode list's own check)
-            continue
-        names.append(item.mode)
-        for key, value in item.options.items():
-            if key in merged and not same_value(merged[key], value):
-                raise ProbeError(f"option {key!r} given twice with different values: {show(merged[key])} "
-                                 f"by {given_by[key]} and {show(value)} by {item!r}")
-            merged[key] = value
-            given_by.setdefault(key, repr(item))
-    return names, merged

@@ -42,7 +42,6 @@ from probe.escalation import Escalation
 from probe.lifecycle import build_modes, start_modes, traced
 from probe.modes.base import OpObserver, SessionPlugin, StepResult
 from probe.modes.checksums.mode import plugin_for as checksums_plugin_for
-from probe.modes.registry import mode_option_names
 from probe.npu import read_and_clear_overflow_flag
 from probe.options import Options, parse_options, show
 from probe.rundir import layout
@@ -66,7 +65,7 @@ def default_out_dir() -> Path:
 
 
 def _build_modes(options: Options) -> list[SessionPlugin]:
-    modes = build_modes(options.modes, options.mode_options)
+    modes = build_modes(options.mode_configs)
     # With model=: what each step started from (weights, inputs, RNG), for probe compare.
     implicit = checksums_plugin_for(options, modes)
     if implicit is not None:
@@ -92,6 +91,7 @@ def _options_summary(options: Options) -> dict[str, Any]:
         "async_flush": options.async_flush,
         "gc_freeze": options.gc_freeze,
         "mode_options": {k: show(v) for k, v in options.mode_options.items()},
+        "mode_configs": {c.mode: {k: show(v) for k, v in c.options.items()} for c in options.mode_configs},
     }
 
 
@@ -99,7 +99,7 @@ class Session:
     """Returned by :func:`probe.mode`; use it as a context manager and call :meth:`step`."""
 
     def __init__(self, modes: Any = None, **kwargs: Any) -> None:
-        self.options = parse_options(modes, kwargs, mode_option_names())
+        self.options = parse_options(modes, kwargs)
         self.modes = _build_modes(self.options)
         self._observers: list[OpObserver] = [o for m in self.modes if (o := m.observer()) is not None]
         # The monitor's on_anomaly="trace": per-op modes armed for a few steps after an anomaly.

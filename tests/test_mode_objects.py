@@ -81,9 +81,6 @@ def test_an_option_given_twice_with_different_values_is_refused_naming_both(tmp_
     given_twice = r"option 'inputs' given twice .*keyword.*Stats\(inputs=False\)"
     with pytest.raises(probe.ProbeError, match=given_twice):
         probe.mode([probe.Stats(inputs=False)], out=tmp_path / "a", inputs=True)
-    # distribution configures the stats mode and the monitor: one value per option name.
-    with pytest.raises(probe.ProbeError, match="option 'distribution' given twice"):
-        probe.mode([probe.Stats(distribution=True), probe.Monitor(distribution=False)], out=tmp_path / "b")
     # The same value twice is no conflict.
     session = probe.mode([probe.Stats(inputs=False)], out=tmp_path / "c", inputs=False)
     assert session.options.mode_options == {"inputs": False}

@@ -351,10 +351,10 @@ def _scan(values: list[float], nans: list[int] | None = None) -> list[int]:
     import numpy as np
 
     from probe.modes.monitor.anomaly import AnomalyDetector, Series
-    from probe.modes.monitor.config import parse_monitor_options
+    from probe.modes.monitor.options import Monitor
     from probe.modes.statistics.columns import MONITOR_COLUMNS as METRIC_COLUMNS
 
-    detector = AnomalyDetector(parse_monitor_options({"targets": ["x"]}))
+    detector = AnomalyDetector(Monitor(targets=["x"]))
     series = Series("activation", "x", "output")
     alerts = []
     for step, value in enumerate(values):

@@ -12,7 +12,7 @@ from torch import nn
 
 import probe
 from probe.modes.monitor.anomaly import AnomalyDetector, Series, incidents
-from probe.modes.monitor.config import parse_monitor_options
+from probe.modes.monitor.options import Monitor
 from probe.modes.statistics.columns import MONITOR_COLUMNS as METRIC_COLUMNS
 
 # -- non-finite alerts ----------------------------------------------------------------
@@ -30,7 +30,7 @@ def _row(nans: float, infs: float, norm: float = 1.0) -> np.ndarray:
 @pytest.mark.parametrize(("nans", "infs", "metric", "value"),
                          [(0, 1024, "output.inf", 1024), (3, 0, "output.nan", 3), (3, 5, "output.nan", 3)])
 def test_a_nonfinite_alert_names_the_count_it_found(nans, infs, metric, value):
-    detector = AnomalyDetector(parse_monitor_options({"targets": ["x"]}))
+    detector = AnomalyDetector(Monitor(targets=["x"]))
     (alert,) = detector.scan(0, 0, [Series("activation", "x", "output")], _row(nans, infs, np.inf))
     assert (alert.rule, alert.metric, alert.value) == ("nonfinite", metric, value)
     assert alert.reason == f"{nans} NaN, {infs} Inf"
@@ -107,7 +107,7 @@ class _PerSeries:
                     average["ema"] = (value if average["seen"] == 0
                                       else rule.decay * average["ema"] + (1 - rule.decay) * value)
                     average["seen"] += 1
-            for user_rule in self.config.user_rules:
+            for user_rule in self.config.anomaly_rules:
                 verdict = user_rule(Observation(step, rank, s, metrics))
                 if verdict:
                     found.append(Anomaly(step, rank, s.name, f"{s.label}.norm", metrics["norm"], None,
@@ -136,7 +136,7 @@ def _big_norm(observation):
     {"alert": {"rules": [{"rule_name": "AnomalyNan"}]}},
 ])
 def test_the_vectorized_scan_gives_the_per_series_alerts(options):
-    config = parse_monitor_options({"targets": ["x"], **options})
+    config = Monitor(targets=["x"], **options)
     rng = np.random.default_rng(7)
     pool = [Series(kind, f"m{i}", slot, call) for i in range(12)
             for kind, slot in (("activation", "output"), ("weight_grad", ""), ("exp_avg", ""))

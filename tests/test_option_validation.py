@@ -1,7 +1,7 @@
 """Hostile option values: each is refused with a ProbeError naming the option, or accepted and honoured.
 
-Every option of ``probe.mode`` (the common ones and each registered mode's
-``option_names``) is tried with wrong types, bools where ints are expected, extreme
+Every option of ``probe.mode`` (the common ones and each registered mode's config
+fields) is tried with wrong types, bools where ints are expected, extreme
 numbers, empty and nested containers, a recursive list, a generator and very long
 strings, directly and from JSON config files (ours, msprobe's and msprobe's monitor
 form). The tables below say, per option, which value classes are accepted: each of
@@ -106,10 +106,7 @@ ACCEPTED: dict[str, frozenset[str]] = {
     "upcast_dtype": frozenset(),
 }
 
-_MONITOR_FIELDS = {"xy_distribution": "xy", "wg_distribution": "wg", "mv_distribution": "mv",
-                   "param_distribution": "param", "ur_distribution": "ur", "alert": "turbulence",
-                   "anomaly_rules": "user_rules"}
-_MODE_KEEPS_NO_ATTRIBUTE = {"distribution", "histogram", "saturation"}  # the stats mode's: read as given
+_MONITOR_FIELDS = {"alert": "turbulence"}  # the rule the alert block leaves in force
 
 
 def _resolved(session: probe.Session, mode: str, key: str) -> Any:
@@ -120,11 +117,7 @@ def _resolved(session: probe.Session, mode: str, key: str) -> Any:
     if key == "config":
         return session.options.modes
     (built,) = [m for m in session.modes if m.name == mode]  # with model=, checksums is one too
-    if mode == "monitor":
-        return getattr(built.config, _MONITOR_FIELDS.get(key, key))
-    if key in _MODE_KEEPS_NO_ATTRIBUTE:
-        return session.options.mode_options[key]
-    return getattr(built, key)
+    return getattr(built.config, _MONITOR_FIELDS.get(key, key))
 
 
 def _expected(key: str, given: Any) -> Any:
@@ -326,7 +319,7 @@ MONITOR_FILE: dict[str, tuple[frozenset[str], Callable[[probe.Session], Any], Ca
     "start_step": (frozenset({"int", "huge"}), _monitor("start_step"), lambda v: v),
     "step_interval": (frozenset({"int", "huge"}), _monitor("step_interval"), lambda v: v),
     "alert": (frozenset({"empty_dict"}), _monitor("turbulence"), lambda v: None),
-    "xy_distribution": (_BOOL, _monitor("xy"), lambda v: v),
+    "xy_distribution": (_BOOL, _monitor("xy_distribution"), lambda v: v),
     "format": (frozenset(), lambda s: None, lambda v: None),  # ignored, but only one of msprobe's values
     # not implemented: accepted only disabled, changing nothing
     "cc_distribution": (frozenset({"none", "false", "empty_dict", "empty_list", "empty_str"}),

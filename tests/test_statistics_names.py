@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import probe
-from probe.modes.monitor.config import parse_monitor_options
+from probe.modes.monitor.options import Monitor
 from probe.modes.statistics.columns import MONITOR_COLUMNS, STATS_FILE_COLUMNS
 from tests.conftest import train_steps
 
@@ -72,7 +72,7 @@ def test_a_monitor_csv_with_the_old_names_still_reads(tmp_path):
 
 
 def test_the_old_metric_names_are_accepted_as_options_and_in_user_rules(tmp_path):
-    assert parse_monitor_options({"targets": ["x"], "metrics": ["norm", "nans"]}).metrics == ("norm", "nan")
+    assert Monitor(targets=["x"], metrics=["norm", "nans"]).metrics == ("norm", "nan")
     seen = []
 
     def rule(observation):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+from probe.modes.config import ModeConfig
 from probe.rundir.mode_files import ModeFiles
 from probe.rundir.writer import StepWriter
 from probe.tracer.observer import OpObserver
@@ -56,10 +57,14 @@ class TraceRequest:
 
 
 class SessionPlugin:
-    """A registered mode's session side; subclasses set ``name`` and ``option_names``."""
+    """A registered mode's session side; subclasses set ``name`` and ``config_class`` and are made
+    from a config of that class."""
 
     name: ClassVar[str]
+    config_class: ClassVar[type[ModeConfig]]
+    """The mode's config (``probe.Stats``, ...): its options, declared once as dataclass fields."""
     option_names: ClassVar[frozenset[str]] = frozenset()
+    """The config's option names (set by ``register_mode`` from :attr:`config_class`)."""
     files: ClassVar[type[ModeFiles] | None] = None
     """The reader of the files this mode writes in a step (beside its writer), for ``probe.load``;
     None when it writes none."""
@@ -67,12 +72,9 @@ class SessionPlugin:
     """Added by the session itself, not asked for (the checksums of ``model=``): it writes only
     into steps the other modes write, never a step of its own."""
 
-    @classmethod
-    def implied_options(cls, common: Any, given: dict[str, Any]) -> dict[str, Any]:
-        """Options of this mode that the session's common options imply when ``given`` (the
-        mode options the user gave) lacks them; ``common`` is the parsed
-        :class:`~probe.vocabulary.option_values.Options`. None by default."""
-        return {}
+    def __init__(self, config: ModeConfig) -> None:
+        self.config = config
+        """The validated options this plug-in was made with."""
 
     def trace_request(self) -> TraceRequest | None:
         """Per-op modes this plug-in asks the session to turn on after an incident it detects

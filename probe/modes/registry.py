@@ -1,10 +1,14 @@
-"""Mode names -> classes. A mode registers itself by name; the session looks it up, and the run
-reader finds the mode's file reader (registered with it into :mod:`probe.rundir.mode_files`)."""
+"""Mode names -> plug-in classes. A mode registers itself by name, with its config class; the
+session looks it up, and the run reader finds the mode's file reader (registered with it into
+:mod:`probe.rundir.mode_files`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from probe.errors import ProbeError
 from probe.modes.base import SessionPlugin
+from probe.modes.config import ModeConfig
 from probe.rundir.mode_files import register_mode_files
 
 MODES: dict[str, type[SessionPlugin]] = {}
@@ -26,10 +30,16 @@ def register_mode(cls: type[SessionPlugin]) -> type[SessionPlugin]:
             f"mode name {name!r} is taken by {taken.__module__}.{taken.__qualname__}; "
             f"register {cls.__module__}.{cls.__qualname__} under another name"
         )
+    config = getattr(cls, "config_class", None)
+    if config is None:  # a mode without options of its own: its config has no fields
+        config = dataclasses.make_dataclass(f"{cls.__name__}Config", [], bases=(ModeConfig,),
+                                            namespace={"mode": name}, frozen=True, kw_only=True, eq=False)
+        cls.config_class = config
+    if getattr(config, "mode", None) != name:
+        raise ProbeError(f"mode class {cls.__qualname__}: its config_class {config.__qualname__} is not the "
+                         f"config of mode {name!r} (a ModeConfig subclass with mode = {name!r})")
+    cls.option_names = config.option_names()  # declared once, by the config's fields
     MODES[name] = cls
     register_mode_files(name, cls.files)
     return cls
 
-
-def mode_option_names() -> dict[str, set[str]]:
-    return {name: set(cls.option_names) for name, cls in MODES.items()}

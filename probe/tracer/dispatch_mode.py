@@ -39,7 +39,7 @@ from probe.tracer.value_ids import DTYPE_NAMES, UNKEYABLE_ERRORS, ValueIndex, un
 from probe.tracer.value_ids import dtype_name as dtype_name  # where the modes import it from
 from probe.vocabulary.op_class import OpClass, OpClassCache
 from probe.vocabulary.op_tensors import counted_writes, tensors_in, tensors_out, written_tensors
-from probe.vocabulary.option_values import Options
+from probe.vocabulary.session_options import Options
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)
 _get_infra_mode = torch._C._get_dispatch_mode

@@ -1,10 +1,10 @@
-"""Option values every layer may read: the validators of ``probe.mode``'s options and the
-validated :class:`Options` record.
+"""Option values every layer may read: the validators of ``probe.mode``'s options.
 
 :mod:`probe.options` parses a call of ``probe.mode`` (and a ``config=`` file) with these; the
-tracer reads the record, and the modes and msprobe's config adapters validate their own options
-with the same functions, so every refusal reads alike: a :class:`ProbeError` naming the option,
-the value (shortened by :func:`show`) and what is accepted. Nothing here imports another layer.
+option fields (:mod:`probe.vocabulary.option_fields`) of the session's common options and of each
+mode's config name them as their checks, and msprobe's config adapters use the same functions, so
+every refusal reads alike: a :class:`ProbeError` naming the option, the value (shortened by
+:func:`show`) and what is accepted. Nothing here imports another layer.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import re
 import reprlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from probe.errors import ProbeError
@@ -236,28 +235,12 @@ def _parse_int_ranges(option: str, text: str) -> list[range]:
     return out
 
 
-@dataclass
-class Options:
-    """Validated session options; see API.md for their meaning."""
 
-    modes: tuple[str, ...]
-    out: Path | None = None
-    overwrite: bool = False
-    model: Any = None
-    ops: Patterns = field(default_factory=lambda: Patterns(None))
-    modules: Patterns = field(default_factory=lambda: Patterns(None))
-    steps: IntSet = field(default_factory=lambda: IntSet(None))
-    ranks: IntSet = field(default_factory=lambda: IntSet(None))
-    phases: frozenset[str] = frozenset(PHASES)
-    stack: bool = False
-    compiled: str = "eager"
-    compiled_inputs: bool = False
-    """With ``compiled="keep"``: write each opened region call's inputs and compiled outputs (as
-    the dump mode does), for judging the region against eager and fp64 and ``probe repro``."""
-    async_flush: bool = True
-    gc_freeze: bool = True
-    """Leave the program's objects out of garbage collections while tracing
-    (``probe.tracer.frozen_heap``: the records' promotions made full collections walk them)."""
-    hparams: dict[str, Any] | None = None
-    checksums: frozenset[str] = DEFAULT_CHECKSUMS
-    mode_options: dict[str, Any] = field(default_factory=dict)
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two option values are the same value (a tensor is only the same as itself)."""
+    if a is b:
+        return True
+    try:
+        return bool(type(a) is type(b) and a == b)
+    except Exception:  # a tensor, or a value whose == is not a truth value
+        return False

@@ -33,7 +33,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ from probe.modes.checksums.bit_checksum import (
     row_sums,
 )
 from probe.modes.checksums.files import ChecksumsFiles
+from probe.modes.checksums.options import Checksums
 from probe.modes.registry import register_mode
 from probe.rundir import layout
 from probe.rundir.writer import StepWriter
@@ -192,11 +193,12 @@ class ChecksumsMode(SessionPlugin):
     """Checksums of the parameters, the model's inputs and the RNG states (no per-op work)."""
 
     name = "checksums"
+    config_class = Checksums
     files = ChecksumsFiles
-    option_names: ClassVar[frozenset[str]] = frozenset()
 
-    def __init__(self, kinds: frozenset[str] = DEFAULT_CHECKSUMS, steps: IntSet | None = None,
-                 implicit: bool = False) -> None:
+    def __init__(self, config: Checksums | None = None, *, kinds: frozenset[str] = DEFAULT_CHECKSUMS,
+                 steps: IntSet | None = None, implicit: bool = False) -> None:
+        super().__init__(config if config is not None else Checksums())
         self.kinds = kinds
         self.steps = steps if steps is not None else IntSet(None)
         self.implicit = implicit
@@ -311,5 +313,5 @@ def plugin_for(options: Any, selected: list[SessionPlugin]) -> ChecksumsMode | N
             return None
     if options.model is None or not options.checksums:
         return None
-    return ChecksumsMode(options.checksums, options.steps, implicit=True)
+    return ChecksumsMode(kinds=options.checksums, steps=options.steps, implicit=True)
 

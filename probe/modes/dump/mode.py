@@ -41,6 +41,7 @@ import torch
 from probe.errors import ProbeError
 from probe.modes.base import Mode
 from probe.modes.dump.files import DumpIndex
+from probe.modes.dump.options import Dump
 from probe.modes.registry import register_mode
 from probe.rundir import layout
 from probe.rundir.call_args import encode_args
@@ -50,12 +51,8 @@ from probe.rundir.writer import StepWriter
 from probe.tracer.dispatch_mode import dtype_name
 from probe.tracer.op_call import OpCall
 from probe.tracer.value_ids import unkeyable
-from probe.vocabulary.option_values import host_memory_bytes, parse_bool, parse_choice, parse_int
 
 INPUT, OUTPUT = 0, 1
-TENSOR_CHOICES = ("all", "inputs", "outputs")
-BUDGET_POLICIES = ("wait", "skip")
-ERROR_POLICIES = ("warn", "raise")
 # Index entry bits of a view whose values are its bytes conjugated / negated.
 CONJ, NEG = 1, 2
 # A view's span is widened to its whole storage when that costs at most this
@@ -171,32 +168,19 @@ class DumpMode(Mode):
     """Tensors of the selected ops to sharded safetensors, with the calls that made them."""
 
     name = "dump"
+    config_class = Dump
     files = DumpIndex
-    option_names = frozenset(
-        {"tensors", "shard_size", "memory_budget", "on_budget", "on_error", "checksum"}
-    )
 
-    def __init__(
-        self,
-        tensors: str = "all",
-        shard_size: int = 1 << 30,
-        memory_budget: int = 2 << 30,
-        on_budget: str = "wait",
-        on_error: str = "warn",
-        checksum: bool = False,
-    ) -> None:
-        self.tensors = parse_choice("tensors", tensors, TENSOR_CHOICES)
-        self.shard_size = parse_int("shard_size", shard_size, 1)
-        self.memory_budget = parse_int("memory_budget", memory_budget, 1)
-        host = host_memory_bytes()
-        if host is not None and self.memory_budget > host:  # its buffers would fail to allocate mid-run
-            raise ProbeError(f"option 'memory_budget': {memory_budget} bytes is more than this machine's "
-                             f"memory ({host} bytes)")
-        self.on_budget = parse_choice("on_budget", on_budget, BUDGET_POLICIES)
-        self.on_error = parse_choice("on_error", on_error, ERROR_POLICIES)
-        self.checksum = parse_bool("checksum", checksum)
-        self._dump_inputs = tensors in ("all", "inputs")
-        self._dump_outputs = tensors in ("all", "outputs")
+    def __init__(self, config: Dump) -> None:
+        super().__init__(config)
+        self.tensors = config.tensors
+        self.shard_size = config.shard_size
+        self.memory_budget = config.memory_budget
+        self.on_budget = config.on_budget
+        self.on_error = config.on_error
+        self.checksum = config.checksum
+        self._dump_inputs = self.tensors in ("all", "inputs")
+        self._dump_outputs = self.tensors in ("all", "outputs")
         self._writer: ShardWriter | None = None
         self._next_blob = 0
         self._reset()

@@ -35,16 +35,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from probe.errors import ProbeError
 from probe.modes.base import Mode
 from probe.modes.free_benchmark.cpu_reference import cpu_reference
 from probe.modes.free_benchmark.deviation import DeviationQueue
 from probe.modes.free_benchmark.files import ChecksFiles
+from probe.modes.free_benchmark.options import FreeBenchmark
 from probe.modes.free_benchmark.perturbations import (
     BITS_BOUND,
     JUDGES_BITS,
     MIN_BITS,
-    PERTURBATIONS,
     Perturbation,
     bits_kept,
     higher_precision,
@@ -61,9 +60,7 @@ from probe.tracer.dispatch_mode import dtype_name
 from probe.tracer.op_call import OpCall
 from probe.vocabulary.op_class import OpClass
 from probe.vocabulary.op_tensors import map_arguments, results_of
-from probe.vocabulary.option_values import parse_bool, parse_choice, parse_int
 
-HANDLERS = ("check", "fix")
 PASS, FAIL, SKIP = "pass", "fail", "skip"
 # Ops whose outputs do not depend on their inputs' values (or copy them): re-running
 # them perturbed tells nothing.
@@ -97,38 +94,17 @@ class FreeBenchmarkMode(Mode):
     """Perturb-and-compare checks (and fixes) of selected ops."""
 
     name = "free_benchmark"
+    config_class = FreeBenchmark
     files = ChecksFiles
-    option_names = frozenset(
-        {"perturb", "handler", "preheat", "preheat_steps", "max_sample", "max_checks_per_op"}
-    )
 
-    def __init__(
-        self,
-        perturb: str = "improve_precision",
-        handler: str = "check",
-        preheat: bool = False,
-        preheat_steps: int = 15,
-        max_sample: int = 20,
-        max_checks_per_op: int | None = None,
-    ) -> None:
-        perturb = parse_choice("perturb", perturb, PERTURBATIONS)
-        handler = parse_choice("handler", handler, HANDLERS)
-        preheat = parse_bool("preheat", preheat)
-        if handler == "fix" and perturb not in ("improve_precision", "to_cpu"):
-            raise ProbeError(f"option 'handler': 'fix' needs perturb 'improve_precision' or 'to_cpu', "
-                             f"not {perturb!r}")
-        if handler == "fix" and preheat:
-            raise ProbeError("option 'preheat' works with handler 'check' only")
-        preheat_steps = parse_int("preheat_steps", preheat_steps, 1)
-        max_sample = parse_int("max_sample", max_sample, 1)
-        if max_checks_per_op is not None:
-            max_checks_per_op = parse_int("max_checks_per_op", max_checks_per_op, 1)
-        self.perturbation = Perturbation(perturb)
-        self.handler = handler
-        self.preheat = preheat
-        self.preheat_steps = preheat_steps
-        self.max_sample = max_sample
-        self.max_checks_per_op = max_checks_per_op
+    def __init__(self, config: FreeBenchmark) -> None:
+        super().__init__(config)
+        self.perturbation = Perturbation(config.perturb)
+        self.handler = config.handler
+        self.preheat = config.preheat
+        self.preheat_steps = config.preheat_steps
+        self.max_sample = config.max_sample
+        self.max_checks_per_op = config.max_checks_per_op
         self._step = 0
         # Preheat: per (rule, op name), the largest deviation seen (the writer thread keeps it).
         self._preheat_max: dict[tuple[str, str], float] = defaultdict(float)

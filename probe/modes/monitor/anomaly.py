@@ -42,7 +42,7 @@ from probe.rundir.records import AnomalyRecord as Anomaly  # what the monitor wr
 from probe.rundir.untrusted_reads import read_jsonl, reading, record_from_row
 
 if TYPE_CHECKING:
-    from probe.modes.monitor.config import MonitorConfig
+    from probe.modes.monitor.options import Monitor
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ class AnomalyDetector:
     take Python per series. The arithmetic is the per-series rule's, operation for operation, so
     the averages and alerts are the same bit for bit."""
 
-    def __init__(self, config: MonitorConfig) -> None:
+    def __init__(self, config: Monitor) -> None:
         self.config = config
         watched = config.turbulence.metrics if config.turbulence is not None else ()
         self._columns = [MONITOR_COLUMNS.index(metric) for metric in watched]
@@ -208,7 +208,7 @@ class AnomalyDetector:
         for positions in layout.groups:
             self._scan_rows(step, rank, positions, layout.rows[positions], values[positions], alerts,
                             None if handled is None else handled[positions])
-        if self.config.user_rules:
+        if self.config.anomaly_rules:
             self._user_rules(step, rank, series, values, alerts)
         alerts.sort(key=lambda entry: (entry[0], entry[1]))
         found = [alert for _, _, alert in alerts]
@@ -313,7 +313,7 @@ class AnomalyDetector:
         order = 1 + len(self._columns)
         for position, (s, row) in enumerate(zip(series, values.tolist(), strict=True)):
             metrics = Metrics(zip(MONITOR_COLUMNS, row, strict=True))
-            for user_rule in self.config.user_rules:
+            for user_rule in self.config.anomaly_rules:
                 verdict = user_rule(Observation(step, rank, s, metrics))
                 if verdict:
                     reason = verdict if isinstance(verdict, str) else ""

@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from probe.errors import ProbeError, warn_once
-from probe.modes.mode_options import as_mode_objects
+from probe.modes.config import CONFIGS, configs_for
 from probe.modes.statistics.columns import LEGACY_NAMES
 from probe.vocabulary.option_values import IntSet, parse_bool, parse_choice, parse_int, parse_number, show
 
@@ -83,12 +83,6 @@ _MSPROBE_MONITOR_MARKERS = frozenset({
 ALL_SLOTS_SPEC = {slot: "tuple[1]:0" for slot in SLOTS}
 """Every slot of every module: msprobe's full monitoring (element 0 of each tuple)."""
 
-MONITOR_KEYS = frozenset({
-    "targets", "module_ranks", "xy_distribution", "wg_distribution", "mv_distribution",
-    "param_distribution", "ur_distribution", "forward_only", "backward_only", "metrics", "eps",
-    "start_step", "step_interval", "alert", "on_anomaly", "anomaly_rules", "reduce_ranks", "tensorboard",
-    "trace_modes", "trace_options", "trace_steps", "trace_limit", "distribution", "histogram", "scaler",
-})
 
 
 def is_monitor_config(config: Mapping[str, Any]) -> bool:
@@ -114,7 +108,7 @@ def _msprobe_ops(value: Any) -> tuple[str, ...]:
                 raise ProbeError(f"msprobe monitor key 'ops': {name!r} cannot be honoured: "
                                  f"{_MSPROBE_OPS_NOT_RECORDED[name]} (the stats mode records shapes and "
                                  "dtypes per op); remove it")
-    return _metrics("ops", value)
+    return parse_metrics("ops", value)
 
 
 def _msprobe_targets(config: Mapping[str, Any]) -> Any:
@@ -136,8 +130,8 @@ def _names_slots(targets: Any) -> bool:
 
 
 def from_msprobe_monitor(config: Mapping[str, Any]) -> dict[str, Any]:
-    """Our ``probe.mode`` options for an msprobe monitor config: ``mode`` holds a ``Monitor`` object
-    carrying the monitor's options, the other keys are the session's common options."""
+    """Our ``probe.mode`` options for an msprobe monitor config: ``mode`` holds a ``probe.Monitor``
+    config, the other keys are the session's common options."""
     options: dict[str, Any] = {"mode": ["monitor"]}
     if "all_xy" in config:
         parse_bool("all_xy", config["all_xy"])
@@ -161,13 +155,13 @@ def from_msprobe_monitor(config: Mapping[str, Any]) -> dict[str, Any]:
             options["metrics"] = _msprobe_ops(value)
         elif key == "module_ranks":
             options["ranks"] = _ranks(value)
-        elif key in MONITOR_KEYS:
+        elif key in (monitor_keys := CONFIGS["monitor"].option_names()):
             options[key] = value
         else:
-            accepted = (MONITOR_KEYS - {"metrics"}) | {"ops", "all_xy"} | set(_IGNORED_KEYS)
+            accepted = (monitor_keys - {"metrics"}) | {"ops", "all_xy"} | set(_IGNORED_KEYS)
             raise ProbeError(f"msprobe monitor key {key!r} is unknown; accepted: {sorted(accepted)}")
-    objects, common = as_mode_objects(options.pop("mode"), options)
-    return {"mode": objects, **common}
+    configs, common = configs_for(options.pop("mode"), options)
+    return {"mode": configs, **common}
 
 
 def _ranks(value: Any) -> Any:
@@ -276,55 +270,14 @@ class TurbulenceRule:
     start; a fault in the gradients shows in ``weight_grad`` first."""
 
 
-@dataclass(frozen=True)
-class MonitorConfig:
-    targets: tuple[Target, ...]
-    xy: bool = True
-    wg: bool = False
-    mv: bool = False
-    param: bool = False
-    ur: bool = False
-    forward_only: bool = False
-    backward_only: bool = False
-    metrics: tuple[str, ...] = METRICS
-    eps: float = 1e-8
-    start_step: int = 0
-    step_interval: int = 1
-    turbulence: TurbulenceRule | None = field(default_factory=TurbulenceRule)
-    nonfinite: bool = True
-    user_rules: tuple[Callable[..., Any], ...] = ()
-    on_anomaly: str = "log"
-    trace_modes: tuple[str, ...] = ("stats",)
-    """With ``on_anomaly="trace"``: the per-op modes armed after an anomaly (probe.escalation)."""
-    trace_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    """Their options (``inputs``, ``tensors``, ...); checked by the modes when the session is built."""
-    trace_steps: int = 2
-    """How many steps they stay on."""
-    trace_limit: int | None = 5
-    """The most windows one session traces (None: no limit). Each costs its steps' per-op
-    tracing, and disk; an anomaly that keeps coming back is traced the first few times."""
-    reduce_ranks: bool = False
-    tensorboard: bool | None = None  # None: if the package is installed
-    distribution: bool = False
-    """Per series: shares of zeros, underflow and near-overflow of its dtype
-    (:mod:`probe.modes.statistics.distribution`)."""
-    histogram: bool = False
-    """Per series: a log2-magnitude histogram (and the shares), TensorBoard histograms too."""
-    scaler: Any = field(default=None, hash=False, compare=False)
-    """The ``torch.amp.GradScaler`` of the training loop: its scale in force each step is the
-    series ``loss_scale/scaler`` (None: no such series)."""
-
-    def collects(self, step: int) -> bool:
-        return step >= self.start_step and (step - self.start_step) % self.step_interval == 0
-
-
 ON_ANOMALY = ("log", "dump", "stop", "trace")
 TRACE_MODES = ("stats", "dump")
 """Per-op modes ``on_anomaly="trace"`` may arm: those that observe ops without replacing them."""
-_TRACE_KEYS = ("trace_modes", "trace_options", "trace_steps", "trace_limit")
+TRACE_KEYS = ("trace_modes", "trace_options", "trace_steps", "trace_limit")
+"""The options that arm per-op tracing after an anomaly: only with ``on_anomaly="trace"``."""
 
 
-def _trace_modes(value: Any) -> tuple[str, ...]:
+def parse_trace_modes(value: Any) -> tuple[str, ...]:
     names = [value] if isinstance(value, str) else value
     if isinstance(names, (list, tuple)) and names and all(isinstance(n, str) for n in names):
         unknown = [n for n in names if n not in TRACE_MODES]
@@ -336,33 +289,7 @@ def _trace_modes(value: Any) -> tuple[str, ...]:
                      f"got {show(value)}")
 
 
-def _trace_settings(options: Mapping[str, Any], on_anomaly: str) -> dict[str, Any]:
-    """The ``trace_*`` options: only with ``on_anomaly="trace"`` (given with another policy they
-    would silently do nothing)."""
-    given = [key for key in _TRACE_KEYS if key in options]
-    if not given:
-        return {}
-    if on_anomaly != "trace":
-        raise ProbeError(f"monitor option {given[0]!r} arms per-op tracing after an anomaly, which needs "
-                         f"on_anomaly='trace'; on_anomaly is {on_anomaly!r}")
-    kwargs: dict[str, Any] = {}
-    if "trace_modes" in options:
-        kwargs["trace_modes"] = _trace_modes(options["trace_modes"])
-    if "trace_options" in options:
-        value = options["trace_options"]
-        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-            raise ProbeError("monitor option 'trace_options': expected a dict of the trace modes' options "
-                             f"(e.g. {{'inputs': True}}), got {show(value)}")
-        kwargs["trace_options"] = dict(value)
-    if "trace_steps" in options:
-        kwargs["trace_steps"] = parse_int("trace_steps", options["trace_steps"], 1)
-    if "trace_limit" in options:
-        limit = options["trace_limit"]
-        kwargs["trace_limit"] = None if limit is None else parse_int("trace_limit", limit, 1)
-    return kwargs
-
-
-def _targets(value: Any) -> tuple[Target, ...]:
+def parse_targets(value: Any) -> tuple[Target, ...]:
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         value = {pattern: {slot: "tensor" for slot in ("output", "output_grad")} for pattern in value}
     if not isinstance(value, Mapping) or not value:
@@ -403,13 +330,13 @@ def _turbulence(args: Any) -> TurbulenceRule:
         if not kwargs["decay"] < 1:
             raise ProbeError(f"{where}: decay must be in [0, 1), got {show(args['decay'])}")
     if "metrics" in args:
-        kwargs["metrics"] = _metrics("alert metrics", args["metrics"], ALERT_METRICS)
+        kwargs["metrics"] = parse_metrics("alert metrics", args["metrics"], ALERT_METRICS)
     if "kinds" in args:
         kwargs["kinds"] = _kinds(args["kinds"])
     return TurbulenceRule(**kwargs)
 
 
-def _alert(value: Any) -> tuple[TurbulenceRule | None, bool]:
+def parse_alert(value: Any) -> tuple[TurbulenceRule | None, bool]:
     """msprobe's ``alert`` block: ``{"rules": [{"rule_name": ..., "args": {...}}], "dump": bool}``.
 
     ``dump`` (msprobe writes its alerts to a file) changes nothing: the run holds every anomaly.
@@ -445,7 +372,7 @@ def _kinds(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def _metrics(key: str, value: Any, accepted: tuple[str, ...] = METRICS) -> tuple[str, ...]:
+def parse_metrics(key: str, value: Any, accepted: tuple[str, ...] = METRICS) -> tuple[str, ...]:
     names = [value] if isinstance(value, str) else value
     if isinstance(names, (list, tuple)):  # msprobe's and earlier runs' "nans" is today's "nan"
         names = [LEGACY_NAMES.get(n, n) if isinstance(n, str) else n for n in names]
@@ -456,56 +383,10 @@ def _metrics(key: str, value: Any, accepted: tuple[str, ...] = METRICS) -> tuple
     return tuple(dict.fromkeys(names))
 
 
-_FLAGS = (("xy_distribution", "xy"), ("wg_distribution", "wg"), ("mv_distribution", "mv"),
-          ("param_distribution", "param"), ("ur_distribution", "ur"), ("forward_only", "forward_only"),
-          ("backward_only", "backward_only"), ("reduce_ranks", "reduce_ranks"),
-          ("tensorboard", "tensorboard"), ("distribution", "distribution"), ("histogram", "histogram"))
-
-
-def _scaler(value: Any) -> Any:
+def parse_scaler(value: Any) -> Any:
     """The ``scaler`` option: a ``torch.amp.GradScaler`` (``torch.cuda.amp``'s and FSDP's
     ``ShardedGradScaler`` are ones) or None."""
     if value is None or isinstance(value, torch.amp.GradScaler):
         return value
     raise ProbeError("monitor option 'scaler': expected the torch.amp.GradScaler the training loop uses "
                      f"(its scale becomes the series loss_scale/scaler), got {show(value)}")
-
-
-def parse_monitor_options(options: Mapping[str, Any]) -> MonitorConfig:
-    """The mode's keyword options (the msprobe keys, ``metrics`` for ``ops``) -> config."""
-    if "module_ranks" in options:
-        # Which ranks record is the session's choice, made before the mode exists.
-        raise ProbeError(f"monitor option 'module_ranks' ({show(options['module_ranks'])}) is the msprobe "
-                         "config-file key; given directly, use the session option ranks= (e.g. ranks=[0])")
-    if "targets" not in options:
-        raise ProbeError("the monitor mode needs option 'targets': {module glob: {slot: spec}} "
-                         "or a list of globs")
-    kwargs: dict[str, Any] = {"targets": _targets(options["targets"])}
-    for key, attr in _FLAGS:
-        if key in options:
-            kwargs[attr] = parse_bool(key, options[key])
-    if "metrics" in options:
-        kwargs["metrics"] = _metrics("metrics", options["metrics"])
-    if "eps" in options:
-        kwargs["eps"] = parse_number("eps", options["eps"], 0.0)
-    if "start_step" in options:
-        kwargs["start_step"] = parse_int("start_step", options["start_step"], 0)
-    if "step_interval" in options:
-        kwargs["step_interval"] = parse_int("step_interval", options["step_interval"], 1)
-    if "alert" in options:
-        kwargs["turbulence"], kwargs["nonfinite"] = _alert(options["alert"])
-    if "anomaly_rules" in options:
-        rules = options["anomaly_rules"]
-        rules = [rules] if callable(rules) else rules
-        if not isinstance(rules, (list, tuple)) or not all(callable(r) for r in rules):
-            raise ProbeError(f"monitor option 'anomaly_rules': expected callables, got {show(rules)}")
-        kwargs["user_rules"] = tuple(rules)
-    if "on_anomaly" in options:
-        kwargs["on_anomaly"] = parse_choice("on_anomaly", options["on_anomaly"], ON_ANOMALY)
-    if "scaler" in options:
-        kwargs["scaler"] = _scaler(options["scaler"])
-    kwargs.update(_trace_settings(options, kwargs.get("on_anomaly", "log")))
-    config = MonitorConfig(**kwargs)
-    if config.forward_only and config.backward_only:
-        raise ProbeError("monitor options 'forward_only' and 'backward_only' exclude each other")
-    return config

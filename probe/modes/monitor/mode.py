@@ -47,7 +47,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,14 +64,9 @@ from probe.modes.monitor.anomaly import (
     anomaly_json,
     incidents,
 )
-from probe.modes.monitor.config import (
-    MONITOR_KEYS,
-    MonitorConfig,
-    Target,
-    describe_value,
-    parse_monitor_options,
-)
+from probe.modes.monitor.config import Target, describe_value
 from probe.modes.monitor.files import MonitorFiles
+from probe.modes.monitor.options import Monitor
 from probe.modes.registry import register_mode
 from probe.modes.statistics.capture import PendingRows, StepRows
 from probe.modes.statistics.columns import MONITOR_COLUMNS, RAW_COLUMNS, REPEATS, combine_ops
@@ -310,15 +305,8 @@ class MonitorMode(SessionPlugin):
     """Training-state statistics from module and optimizer hooks, with anomaly alerts (no per-op work)."""
 
     name = "monitor"
+    config_class = Monitor
     files = MonitorFiles
-    option_names: ClassVar[frozenset[str]] = MONITOR_KEYS
-
-    @classmethod
-    def implied_options(cls, common: Any, given: dict[str, Any]) -> dict[str, Any]:
-        # API.md: modules= serves as the monitor's targets when targets is absent.
-        if "targets" not in given and common.modules.globs is not None:
-            return {"targets": list(common.modules.globs)}
-        return {}
 
     def trace_request(self) -> TraceRequest | None:
         """With ``on_anomaly="trace"``: the trace modes to turn on after each incident."""
@@ -333,8 +321,12 @@ class MonitorMode(SessionPlugin):
     def collective_each_step(self) -> bool:
         return self.config.reduce_ranks
 
-    def __init__(self, **options: Any) -> None:
-        self.config: MonitorConfig = parse_monitor_options(options)
+    def __init__(self, config: Monitor) -> None:
+        if config.targets is None:
+            raise ProbeError("the monitor mode needs option 'targets': {module glob: {slot: spec}} "
+                             "or a list of globs (or the session option modules=)")
+        super().__init__(config)
+        self.config: Monitor = config
         self.detector = AnomalyDetector(self.config)
         self._sink = _WriteSide(self.detector, self.config.metrics)
         self.rank = 0
@@ -384,7 +376,9 @@ class MonitorMode(SessionPlugin):
             names = [n for n, _ in _named_modules(model)][:12]
             raise ProbeError(f"monitor option 'targets': {patterns} match no module or parameter; "
                              f"modules are named like {names}")
-        if self.config.wg or self.config.param or self.config.mv or self.config.ur:
+        config = self.config
+        if (config.wg_distribution or config.param_distribution or config.mv_distribution
+                or config.ur_distribution):
             from torch.optim.optimizer import (
                 register_optimizer_step_post_hook,
                 register_optimizer_step_pre_hook,
@@ -583,7 +577,7 @@ class MonitorMode(SessionPlugin):
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         outermost = self._nesting.enter(optimizer)  # super().step() runs the hooks again
-        if not outermost or not self._collecting or not self.config.wg:
+        if not outermost or not self._collecting or not self.config.wg_distribution:
             return None
         closure = step_closure(args, kwargs)
         if closure is None:
@@ -622,19 +616,19 @@ class MonitorMode(SessionPlugin):
                 name = self._params.get(id(param))
                 if name is None:
                     continue
-                if config.param:
+                if config.param_distribution:
                     self._record("weight", name, "", 0, param)
                 state = optimizer.state.get(param, {})
-                if config.mv:
+                if config.mv_distribution:
                     for key in ("exp_avg", "exp_avg_sq"):
                         if isinstance(state.get(key), torch.Tensor):
                             self._record(key, name, "", 0, state[key])
-                if config.ur:
+                if config.ur_distribution:
                     if not self._record_adam_update(name, group, state):
                         warn_once("monitor-ur", "monitor: ur_distribution needs Adam-family optimizer state "
                                   f"(exp_avg, exp_avg_sq, step); {type(optimizer).__name__} has none")
                         continue
-                    if not config.param:  # the ratio's denominator
+                    if not config.param_distribution:  # the ratio's denominator
                         self._record("weight", name, "", 0, param)
         self._flush()
 
@@ -734,13 +728,13 @@ class _ModuleWatcher:
         return hook
 
     def before(self, module: nn.Module, args: tuple) -> None:
-        if not self.mode._collecting or not self.mode.config.xy or _in_backward():
+        if not self.mode._collecting or not self.mode.config.xy_distribution or _in_backward():
             return
         self._current = self._call_index()
         self._capture(args, "input")
 
     def after(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if not self.mode._collecting or not self.mode.config.xy or _in_backward():
+        if not self.mode._collecting or not self.mode.config.xy_distribution or _in_backward():
             return
         self._capture(output, "output")
 

@@ -23,18 +23,17 @@ import torch
 
 import probe.modes.statistics.distribution as distribution_files
 import probe.modes.stats.fp8_scales as fp8_files
-from probe.errors import ProbeError
 from probe.modes.base import Mode
 from probe.modes.registry import register_mode
 from probe.modes.statistics.capture import PendingRows, StepRows
 from probe.modes.statistics.finalize import finalize, whole
-from probe.modes.statistics.reduce import BACKENDS, TensorStats
+from probe.modes.statistics.reduce import TensorStats
 from probe.modes.stats.files import INPUT, OUTPUT, STAT_NAMES, StatsFiles
 from probe.modes.stats.nonfinite_params import NonfiniteParameters, NonfiniteParametersStep
+from probe.modes.stats.options import Stats
 from probe.rundir import layout
 from probe.rundir.writer import StepWriter
 from probe.tracer.op_call import OpCall
-from probe.vocabulary.option_values import parse_bool, parse_choice, show
 
 _OVERWRITING = frozenset({"copy_", "fill_", "zero_", "split_with_sizes_copy", "_foreach_copy_", "normal_",
                           "uniform_", "bernoulli_", "random_", "exponential_"})
@@ -80,34 +79,19 @@ class StatsMode(Mode):
     """Per-op tensor statistics, computed on device (sums in fp64), one transfer per step."""
 
     name = "stats"
-    option_names = frozenset({"inputs", "stats_backend", "saturation", "distribution", "histogram"})
+    config_class = Stats
     files = StatsFiles
 
-    def __init__(
-        self, inputs: bool | str = "external", stats_backend: str = "auto", saturation: bool | str = "auto",
-        distribution: bool = False, histogram: bool = False,
-    ) -> None:
-        """``inputs``: True records every tensor input; ``"external"`` (the default) the inputs
-        from outside the step (weights, optimizer state, data), which no recorded output
-        describes: what ``probe compare`` needs to tell a difference the runs carried into a
-        step from one that entered in it; False none.
-
-        ``saturation``: count values at +-max of their dtype as Inf ("auto": on devices whose
-        overflow saturates, i.e. an Ascend NPU without inf/nan support; True: everywhere)."""
-        if not (isinstance(inputs, bool) or inputs == "external"):
-            raise ProbeError(f"option 'inputs': expected True or False (or 'external'), got {show(inputs)}")
-        parse_bool("distribution", distribution)
-        parse_bool("histogram", histogram)
+    def __init__(self, config: Stats) -> None:
+        super().__init__(config)
         # Opt-in: a few more reductions per recorded tensor (docs/stats.md, "Distribution").
-        self._distribution = (distribution_files.DistributionRows(histogram)
-                              if distribution or histogram else None)
+        self._distribution = (distribution_files.DistributionRows(config.histogram)
+                              if config.distribution or config.histogram else None)
         self._fp8 = fp8_files.Fp8Scales()
-        parse_choice("stats_backend", stats_backend, BACKENDS)
-        if not (isinstance(saturation, bool) or (isinstance(saturation, str) and saturation == "auto")):
-            raise ProbeError(f"option 'saturation': expected True, False or 'auto', got {show(saturation)}")
-        self.inputs = inputs
+        self.inputs = config.inputs
         self._rows = StepRows(
-            TensorStats(stats_backend), stage=stats_backend == "auto", saturation=saturation
+            TensorStats(config.stats_backend), stage=config.stats_backend == "auto",
+            saturation=config.saturation,
         )
         self._parameters = NonfiniteParameters()
         self._reset()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from probe.modes.base import Mode
 from probe.modes.registry import register_mode
+from probe.modes.structure.options import Structure
 
 
 @register_mode
@@ -16,3 +17,4 @@ class StructureMode(Mode):
     """Records op calls without inspecting tensor values."""
 
     name = "structure"
+    config_class = Structure

@@ -22,17 +22,14 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from probe.errors import ProbeError
 from probe.modes.base import Mode
 from probe.modes.free_benchmark.mode import eligible
 from probe.modes.registry import register_mode
+from probe.modes.upcast.options import Upcast
 from probe.tracer.op_call import OpCall
 from probe.vocabulary.op_tensors import map_arguments, results_of
-from probe.vocabulary.option_values import show
 
 _LOW = (torch.float16, torch.bfloat16)
-_UPCAST_DTYPES = {torch.float32: torch.float32, torch.float64: torch.float64,
-                  "float32": torch.float32, "float64": torch.float64}
 
 
 @register_mode
@@ -40,16 +37,11 @@ class UpcastMode(Mode):
     """Higher precision inside a selected scope, carried across its ops by shadows."""
 
     name = "upcast"
-    option_names = frozenset({"upcast_dtype"})
+    config_class = Upcast
 
-    def __init__(self, upcast_dtype: torch.dtype | str = torch.float32) -> None:
-        """``upcast_dtype``: ``torch.float32`` or ``torch.float64`` (``"float32"``/``"float64"`` in a
-        JSON config, which cannot hold a dtype)."""
-        dtype = _UPCAST_DTYPES.get(upcast_dtype) if isinstance(upcast_dtype, (str, torch.dtype)) else None
-        if dtype is None:
-            raise ProbeError(f"option 'upcast_dtype': {show(upcast_dtype)} is not one of torch.float32, "
-                             "torch.float64, 'float32', 'float64'")
-        self.dtype = dtype
+    def __init__(self, config: Upcast) -> None:
+        super().__init__(config)
+        self.dtype = config.upcast_dtype
         # tensor -> (the version its shadow is valid at, the shadow)
         self._shadows: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._snapshots: dict[int, dict[int, torch.Tensor]] = {}
