@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from probe.analysis.bookkeeping import model_outputs
 from probe.errors import ProbeError
 from probe.rundir import layout
 from probe.rundir.loss_scaler import ScalerStep, handled_by_scaler
-from probe.rundir.records import NonfiniteParameterRecord, TensorRecord, nonfinite_origins_in
+from probe.rundir.records import MonitorRecord, NonfiniteParameterRecord, TensorRecord, nonfinite_origins_in
 from probe.rundir.run import AnomalyRecord, CheckRecord, OpRecord, Run
 from probe.rundir.untrusted_reads import expect, reading
 
@@ -50,6 +51,8 @@ class StepSummary:
     """Parameters non-finite at the step's start, gradients before its optimizer step (stats mode)."""
     monitored: int = 0
     """Series the monitor collected (0 without that mode)."""
+    series: dict[str, float] = field(default_factory=dict)
+    """Each monitored series (``"kind name slot"``) -> its norm at its last call in the step."""
     anomalies: list[AnomalyRecord] = field(default_factory=list)
     unmeasured: int = 0
     """Tensors recorded without statistics, their memory freed before it was read (stats mode)."""
@@ -97,7 +100,8 @@ def _largest(run: Run, step: int, rank: int, op_of_row: np.ndarray, values: np.n
              ) -> list[tuple[OpRecord, float]]:
     """The ``top`` ops with the largest ranked output value (:func:`ranked`), largest first,
     the loss scaler's own ops aside (``ScalerStep.owns``: a scale of 65536 and the loss times
-    it are no magnitudes of the model).
+    it are no magnitudes of the model), and bookkeeping outputs too (by-products, counters,
+    repeats of an input: :func:`probe.analysis.bookkeeping.model_outputs`).
 
     Candidates are decoded a batch at a time in the order of their raw rows (an op's ranked
     value is at most its largest raw row), until no op left can beat the ``top`` found."""
@@ -119,7 +123,7 @@ def _largest(run: Run, step: int, rank: int, op_of_row: np.ndarray, values: np.n
         for record in run.ops_at(chunk, step, rank):
             if scaler is not None and scaler.owns(record):
                 continue
-            eligible = [v for t in record.outputs if ranked(t) and (v := value_of(t)) is not None]
+            eligible = [v for t in model_outputs(record) if ranked(t) and (v := value_of(t)) is not None]
             if eligible:
                 found.append((record, max(eligible)))
         found.sort(key=lambda item: -item[1])
@@ -174,13 +178,24 @@ def summarize_step(run: Run, step: int, rank: int, top: int = 5) -> StepSummary:
         check_counts=dict(Counter(c.verdict for c in checks)),
         failed_checks=failed[:top],
         nonfinite_parameters=run.nonfinite_parameters(step, rank),
-        monitored=len(run.monitor(step, rank)),
+        monitored=len(monitor := run.monitor(step, rank)),
+        series=series_norms(monitor),
         anomalies=run.anomalies_of(step, rank),
         unmeasured=_unmeasured(info.manifest),
         untraced_threads=_untraced_threads(run, step, rank, info.manifest),
         loss_scaler=scaler,
         overflow_handled=handled,
     )
+
+
+def series_label(record: MonitorRecord) -> str:
+    """A monitored series' name: kind, module or parameter, and the activation's slot."""
+    return " ".join(part for part in (record.kind, record.name, record.slot) if part)
+
+
+def series_norms(records: list[MonitorRecord]) -> dict[str, float]:
+    """Each series of one step -> its norm at its last call in the step."""
+    return {series_label(r): r.norm for r in sorted(records, key=lambda r: r.call)}
 
 
 def _unmeasured(manifest: dict) -> int:

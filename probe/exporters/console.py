@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -209,7 +210,10 @@ def render_run(console: Console, run: Run, summaries: Iterable[StepSummary]) -> 
     detailed_nonfinite = False
     links = EscalationLinks(run)  # on_anomaly="trace": each incident -> what its traced steps found
     unreadable: list[StepSummary] = []
+    series: dict[tuple[int, str], dict[int, float]] = {}  # (rank, series) -> step -> norm
     for summary in _followed(links, summaries, unreadable):
+        for label, norm in summary.series.items():
+            series.setdefault((summary.rank, label), {})[summary.step] = norm
         if pairs <= DETAILED_STEPS:
             render_step(console, summary)
             continue
@@ -220,6 +224,8 @@ def render_run(console: Console, run: Run, summaries: Iterable[StepSummary]) -> 
             render_step(console, summary)
     for link in links.links():
         console.print(link.describe(), style="red" if link.recurred else None, markup=False, highlight=False)
+    if series:
+        render_series(console, series)
     for line in lost_steps(run):
         console.print(line, style="red", markup=False, highlight=False)
     if unreadable:
@@ -239,6 +245,51 @@ def render_run(console: Console, run: Run, summaries: Iterable[StepSummary]) -> 
             render_consistency(console, check_consistency(run), limit=3)
         except ProbeError as e:  # a damaged step: the steps above are what could be read
             console.print(f"across ranks: not checked ({e})", style="red", markup=False, highlight=False)
+
+
+SPARK = "▁▂▃▄▅▆▇█"
+"""The sparkline's levels, lowest first."""
+SERIES_ROWS = 60
+"""Monitored series shown in the run's table; the others are counted."""
+
+
+def sparkline(values: list[float]) -> str:
+    """One character per value, its height the value's place between the smallest and the
+    largest (a flat series is a flat line; NaN and Inf are ``!``)."""
+    finite = [v for v in values if math.isfinite(v)]
+    lo, hi = (min(finite), max(finite)) if finite else (0.0, 0.0)
+    top = len(SPARK) - 1
+
+    def level(v: float) -> str:
+        if not math.isfinite(v):
+            return "!"
+        return SPARK[round((v - lo) / (hi - lo) * top) if hi > lo else 0]
+
+    return "".join(level(v) for v in values)
+
+
+def _unicode(console: Console) -> bool:
+    return console.encoding.lower().replace("-", "").startswith("utf")
+
+
+def render_series(console: Console, series: dict[tuple[int, str], dict[int, float]]) -> None:
+    """The monitored series over the run: each one's norm at the last step, its range over the
+    steps, and (where the terminal shows unicode) a sparkline of it, step by step."""
+    ranks = {rank for rank, _ in series}
+    table = Table(title="monitored series (norm per step)", title_justify="left", show_edge=False,
+                  pad_edge=False)
+    columns = ["series", "last", "min", "max", *(["steps"] if _unicode(console) else [])]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("series", "steps") else "right",
+                         overflow="fold")
+    for (rank, label), by_step in list(series.items())[:SERIES_ROWS]:
+        values = [by_step[s] for s in sorted(by_step)]
+        name = label if len(ranks) == 1 else f"rank {rank}: {label}"
+        table.add_row(escape(name), _fmt(values[-1]), _fmt(min(values)), _fmt(max(values)),
+                      *([sparkline(values)] if _unicode(console) else []))
+    console.print(table)
+    if len(series) > SERIES_ROWS:
+        console.print(f"  ... {len(series) - SERIES_ROWS} more series (run.monitor() reads them all)")
 
 
 def _followed(links: EscalationLinks, summaries: Iterable[StepSummary],
