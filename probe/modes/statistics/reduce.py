@@ -58,10 +58,15 @@ QUEUED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.f
 """Dtypes whose tensors are queued; others (integers, bool, fp8) are reduced one by one."""
 
 
+FP64_DEVICES = ("cpu", "cuda")
+"""Device types that accumulate in fp64 (read at call time: the device cost model,
+``benchmarks.device_cost``, adds the device it simulates CUDA on)."""
+
+
 def accumulation_dtype(device: torch.device) -> torch.dtype:
     """fp64 where the device has fast fp64 (sums of fp32 squares cannot overflow it and counts
     stay exact, and on CPU the fused fp64 pass is as fast as fp32); fp32 elsewhere."""
-    return torch.float64 if device.type in ("cpu", "cuda") else torch.float32
+    return torch.float64 if device.type in FP64_DEVICES else torch.float32
 
 
 def zeros_threshold(dtype: torch.dtype, eps: float) -> float:
@@ -163,9 +168,21 @@ _COMPILED = CompiledKernel(_fused_raw)
 _COMPILED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
+_THRESHOLDS: dict[tuple[torch.device, torch.dtype, float], torch.Tensor] = {}
+
+
 def _threshold(x: torch.Tensor, eps: float | None) -> torch.Tensor:
+    """The zeros threshold as the compiled kernel takes it: a 0-d tensor on ``x``'s device, made
+    once per device, dtype and ``eps`` (made per call, its fill was a launch per tensor reduced:
+    one in two of the stats mode's launches on an accelerator, ``benchmarks.device_cost``)."""
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return torch.full((), 0.0 if eps is None else eps, dtype=dtype, device=x.device)
+    key = (x.device, dtype, 0.0 if eps is None else eps)
+    threshold = _THRESHOLDS.get(key)
+    if threshold is None:
+        threshold = torch.full((), key[2], dtype=dtype, device=x.device)
+        if type(threshold) is torch.Tensor:  # (not a fake or functional tensor of a tracing mode)
+            _THRESHOLDS[key] = threshold
+    return threshold
 
 
 class TensorStats:

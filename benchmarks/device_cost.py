@@ -1,0 +1,365 @@
+"""A device cost model that runs on the CPU: what the statistics engine issues on an accelerator.
+
+The engine (``probe.modes.statistics``) branches on the device: CPU tensors go through the
+generated host loops, accelerator tensors through ``device_rows``, ``TensorStats.row`` and the
+staging chunks. This model runs the accelerator branch for real on ``meta`` tensors (shapes,
+dtypes and strides, no memory and no values: any size fits), with ``meta`` given what the engine
+asks of CUDA (fp64 accumulation, ``reduce.FP64_DEVICES``; the compiled kernels,
+``compiled.COMPILABLE_DEVICES``), and counts every aten op the engine issues there:
+
+- **launches**: ops that run a kernel (views, ``empty`` and other metadata ops launch nothing);
+- **bytes read**: the bytes of every device tensor an op takes (a view counts its own elements);
+- **bytes written**: the bytes of every device tensor an op returns or writes;
+- **host syncs**: ops the host must wait for (``item``, a copy to the CPU, ``nonzero`` and the
+  other data-dependent shapes).
+
+The probe's compiled kernels (``probe.compiled.CompiledKernel``) cannot run on a simulated
+device: each call is counted as what Inductor makes of it, one fused pass that reads each input
+once and writes its outputs, and its outputs' shapes come from its eager form. Everything else
+is the engine's own code, unchanged.
+
+A workload is one training step of a model on ``meta`` (forward, backward, AdamW with torch's
+default for CUDA tensors, ``foreach=True``) whose tensors reach the engine as the stats mode
+hands them over: every op's non-view outputs, and each value from outside the step (weights,
+optimizer state, data) once, read at once where the op writes it (``StepRows.add(now=True)``);
+queued tensors are reduced before an op writes them (``before_write``), when the queue's budget
+is spent (``settle``) and at the step's end. The per-step totals are divided by the bytes and
+the number of the values reduced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._pytree import tree_flatten
+
+import probe.compiled
+from probe.compiled import CompiledKernel
+from probe.modes.statistics import reduce
+from probe.modes.statistics.capture import StepRows
+from probe.modes.statistics.reduce import TensorStats, as_real, compact_view
+
+DEVICE = torch.device("meta")
+"""Where the model runs the engine's accelerator branch."""
+
+# Ops that allocate or reinterpret memory without running a kernel.
+_NO_KERNEL = frozenset({
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "_unsafe_view",
+    "lift_fresh", "lift_fresh_copy", "detach", "alias", "set_", "resize_", "_reshape_alias",
+})
+# Ops whose result the host must read before it can go on.
+_HOST_SYNCS = frozenset({
+    "_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
+    "unique_consecutive", "is_nonzero", "equal", "repeat_interleave", "bincount", "histc",
+    "_assert_async", "allclose",
+})
+
+
+def _device_bytes(tensors: list[Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors
+               if isinstance(t, torch.Tensor) and t.device == DEVICE)
+
+
+def _is_view(func: torch._ops.OpOverload) -> bool:
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+@dataclass
+class OpCost:
+    """One op the engine issued on the device."""
+
+    name: str
+    read: int
+    written: int
+    launches: int
+    syncs: int
+
+
+@dataclass
+class Tally:
+    """The engine's device work over a step, and the values it reduced."""
+
+    ops: list[OpCost] = field(default_factory=list)
+    values: int = 0
+    """Tensors reduced (one raw row each)."""
+    value_bytes: int = 0
+    """Their bytes, as stored (a broadcast view's distinct elements once)."""
+
+    @property
+    def read(self) -> int:
+        return sum(op.read for op in self.ops)
+
+    @property
+    def written(self) -> int:
+        return sum(op.written for op in self.ops)
+
+    @property
+    def launches(self) -> int:
+        return sum(op.launches for op in self.ops)
+
+    @property
+    def syncs(self) -> int:
+        return sum(op.syncs for op in self.ops)
+
+    def by_op(self) -> dict[str, OpCost]:
+        """Totals per op name, largest bytes first."""
+        out: dict[str, OpCost] = {}
+        for op in self.ops:
+            total = out.setdefault(op.name, OpCost(op.name, 0, 0, 0, 0))
+            total.read += op.read
+            total.written += op.written
+            total.launches += op.launches
+            total.syncs += op.syncs
+        return dict(sorted(out.items(), key=lambda kv: -(kv[1].read + kv[1].written)))
+
+
+class DeviceCostMode(TorchDispatchMode):
+    """Sees every op; while :meth:`engine` is active, counts each in :attr:`tally`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tally = Tally()
+        self.counting = 0
+        self.silent = False
+        self._program_keys: tuple[Any, Any] | None = None
+        """The dispatch keys of code run under this mode (taken when it is first entered)."""
+        """Ops neither counted nor handed over (a modelled kernel's eager form)."""
+        self.on_op: Callable[[Any, tuple[Any, ...], dict[str, Any], Any], None] | None = None
+        """Called with each op of the program (not the engine's) after it ran: the workload's
+        hand-over to the engine."""
+        self.before_op: Callable[[Any, tuple[Any, ...], dict[str, Any]], None] | None = None
+
+    def __enter__(self) -> DeviceCostMode:
+        entered = super().__enter__()
+        if self._program_keys is None:
+            self._program_keys = (torch._C._dispatch_tls_local_include_set(),
+                                  torch._C._dispatch_tls_local_exclude_set())
+        return entered
+
+    @contextlib.contextmanager
+    def engine(self) -> Iterator[None]:
+        """The statistics engine runs: count its ops (with this mode entered again: a program's
+        op calls the engine from inside this mode's dispatch, where the mode is off)."""
+        self.counting += 1
+        entered = self in _get_current_dispatch_mode_stack()
+        try:
+            # Inside this mode's dispatch the dispatcher skips the keys above it (autograd's):
+            # composite ops such as ``Tensor.to`` would reach their kernels unseen. The engine
+            # runs with the dispatch keys of the program's own code.
+            with contextlib.nullcontext() if entered else self, \
+                    torch._C._ForceDispatchKeyGuard(*self._program_keys):
+                yield
+        finally:
+            self.counting -= 1
+
+    def count(self, name: str, inputs: list[Any], outputs: list[Any], launches: int = 1) -> None:
+        self.tally.ops.append(OpCost(name, _device_bytes(inputs), _device_bytes(outputs), launches, 0))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.silent:
+            return func(*args, **kwargs)
+        if self.counting == 0 and self.before_op is not None:
+            self.before_op(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if self.counting:
+            self._count(func, args, kwargs, out)
+        elif self.on_op is not None:
+            self.on_op(func, args, kwargs, out)
+        return out
+
+    def _count(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        name = func.overloadpacket.__name__
+        inputs, _ = tree_flatten((args, kwargs))
+        outputs, _ = tree_flatten(out)
+        if name in _HOST_SYNCS:
+            self.tally.ops.append(OpCost(name, _device_bytes(inputs), 0, 1, 1))
+            return
+        if name in _NO_KERNEL or _is_view(func):
+            return
+        if name in ("_to_copy", "copy_", "to") and any(isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                                                       for t in outputs):
+            if _device_bytes(inputs):  # to the host: a blocking transfer
+                self.tally.ops.append(OpCost(name + " (to host)", _device_bytes(inputs), 0, 1, 1))
+            return
+        written = _device_bytes(outputs)
+        if not written and not _device_bytes(inputs):
+            return  # host-only work
+        self.tally.ops.append(OpCost(name, _device_bytes(inputs), written, 1, 0))
+
+
+@contextlib.contextmanager
+def _accelerator_path(mode: DeviceCostMode) -> Iterator[None]:
+    """``meta`` taken for CUDA by the engine, and each compiled kernel call counted as one fused
+    pass (see the module docstring)."""
+    original = CompiledKernel.__call__
+    devices, fp64 = probe.compiled.COMPILABLE_DEVICES, reduce.FP64_DEVICES
+
+    def modelled(kernel: CompiledKernel, *args: torch.Tensor) -> Any:
+        silent, mode.silent = mode.silent, True
+        try:
+            with torch.no_grad():
+                out = kernel._fallback(*args)
+        finally:
+            mode.silent = silent
+        if mode.counting:
+            mode.count(f"compiled {kernel._fn.__name__}", list(args), tree_flatten(out)[0])
+        return out
+
+    CompiledKernel.__call__ = modelled  # type: ignore[method-assign]
+    probe.compiled.COMPILABLE_DEVICES = (*devices, DEVICE.type)
+    reduce.FP64_DEVICES = (*fp64, DEVICE.type)
+    try:
+        yield
+    finally:
+        CompiledKernel.__call__ = original  # type: ignore[method-assign]
+        probe.compiled.COMPILABLE_DEVICES, reduce.FP64_DEVICES = devices, fp64
+
+
+class StatsHandOver:
+    """Hands a program's tensors to a :class:`StepRows` as the stats mode does (see the module
+    docstring), with the engine's ops counted."""
+
+    def __init__(self, mode: DeviceCostMode, rows: StepRows) -> None:
+        self.mode, self.rows = mode, rows
+        self.produced: set[int] = set()
+        """Storages an op of the step wrote: their values are some op's output."""
+        self.external: set[tuple[int, int, int, int]] = set()
+        self.storages: dict[int, torch.UntypedStorage] = {}  # keeps their ids unique
+
+    def add(self, t: torch.Tensor, **options: Any) -> None:
+        x, _ = compact_view(as_real(t))
+        with self.mode.engine():
+            row = self.rows.add(t, **options)
+        if row is not None and x.numel():
+            self.mode.tally.values += 1
+            self.mode.tally.value_bytes += x.numel() * x.element_size()
+
+    def before_op(self, func: Any, args: Any, kwargs: Any) -> None:
+        with self.mode.engine():
+            if self.rows.due:
+                self.rows.settle()
+        schema = func._schema
+        written = []
+        for argument, value in zip(schema.arguments, [*args, *[kwargs.get(a.name) for a in
+                                                            schema.arguments[len(args):]]], strict=False):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                written.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+        if written:
+            with self.mode.engine():
+                self.rows.before_write(written)
+        writes = {t.untyped_storage()._cdata for t in written}
+        overwrites = func.overloadpacket.__name__ in ("copy_", "fill_", "zero_", "_foreach_copy_")
+        for t in tree_flatten((args, kwargs))[0]:
+            if not isinstance(t, torch.Tensor) or t.device != DEVICE or not t.numel():
+                continue
+            storage = t.untyped_storage()
+            if storage._cdata in self.produced or (overwrites and storage._cdata in writes):
+                continue
+            key = (storage._cdata, t.storage_offset(), t._version, t.numel())  # a weight and its .t() alike
+            if key in self.external:
+                continue
+            self.external.add(key)
+            self.storages[storage._cdata] = storage
+            self.add(t, now=storage._cdata in writes)
+
+    def after_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        if _is_view(func) or func.overloadpacket.__name__ in _NO_KERNEL:
+            return
+        mutated = func._schema.is_mutable
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device == DEVICE and t.numel():
+                storage = t.untyped_storage()
+                self.produced.add(storage._cdata)
+                self.storages[storage._cdata] = storage
+                self.add(t, version_moves=mutated)
+
+
+def stats_step_cost(model: torch.nn.Module, batch: Callable[[], Any],
+                    loss: Callable[[torch.nn.Module, Any], torch.Tensor], stage: bool = True,
+                    eps: float | None = None) -> Tally:
+    """The engine's device work over one training step of ``model`` (on ``meta``) on the batch
+    ``batch()`` makes (called with ``meta`` as the
+    default), with AdamW (``foreach=True``, CUDA's default), as the stats mode would hand its
+    tensors over. ``stage=False``: small tensors queued with the others (the monitor across
+    ranks, a ``stats_backend`` other than "auto"); ``eps``: count zeros (the monitor's)."""
+    mode = DeviceCostMode()
+    rows = StepRows(TensorStats("auto"), stage=stage, saturation="auto", eps=eps)
+    hand_over = StatsHandOver(mode, rows)
+    with mode, torch.device(DEVICE), _accelerator_path(mode):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        inputs = batch()
+        mode.before_op, mode.on_op = hand_over.before_op, hand_over.after_op
+        loss(model, inputs).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mode.before_op = mode.on_op = None
+        with mode.engine():
+            rows.end_step()
+    return mode.tally
+
+
+def hf_llama(shape: tuple[str, int, int, int, int, int, int, int, str], dtype: torch.dtype
+             ) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
+    """``benchmarks.workloads``' HF Llama of ``shape`` in ``dtype`` on ``meta`` (no initialisation
+    work), and its batch of tokens."""
+    import transformers
+
+    _, hidden, inter, layers, heads, vocab, batch, seq, attention = shape
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=seq,
+        attn_implementation=attention)
+    with torch.device(DEVICE):
+        model = transformers.LlamaForCausalLM(config).to(dtype)
+    return model, lambda: torch.zeros((batch, seq + 1), dtype=torch.long)
+
+
+def lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss
+
+
+# -- the budget (issue 35) -------------------------------------------------------------------
+
+READ_BUDGET = 1.1
+"""Bytes read by the engine per byte of the values it reduces."""
+WRITTEN_BUDGET = 0.01
+"""Bytes written per byte reduced."""
+VALUES_PER_LAUNCH = 32
+BYTES_PER_LAUNCH = 64 << 20
+"""Launches: one per 32 values reduced, plus one per 64 MiB of them (a large tensor's pass)."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A tally against the budget: each figure, its limit, and whether it is met."""
+
+    name: str
+    value: float
+    limit: float
+
+    @property
+    def met(self) -> bool:
+        return self.value <= self.limit
+
+
+def launch_budget(tally: Tally) -> float:
+    """The launches the budget allows for the values of ``tally``."""
+    return tally.values / VALUES_PER_LAUNCH + tally.value_bytes / BYTES_PER_LAUNCH
+
+
+def budgets(tally: Tally) -> list[Budget]:
+    """The issue's four budgets for one step's tally."""
+    launches = launch_budget(tally)
+    return [
+        Budget("bytes read / bytes reduced", tally.read / tally.value_bytes, READ_BUDGET),
+        Budget("bytes written / bytes reduced", tally.written / tally.value_bytes, WRITTEN_BUDGET),
+        Budget("launches / budgeted launches", tally.launches / launches, 1.0),
+        Budget("host syncs", tally.syncs, 0),
+    ]
