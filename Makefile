@@ -53,6 +53,7 @@ bench-quick: $(STAMP)
 	$(PY) -m benchmarks.free_benchmark --quick
 	$(PY) -m benchmarks.graph_export --quick
 	$(PY) -m benchmarks.monitor --quick
+	$(PY) -m benchmarks.cost_model --quick
 	$(PY) -m benchmarks.report --quick
 	$(PY) -m benchmarks.diagnosis --quick --check
 	# The zoo (issue 33) runs without --check until the compare rules meet its targets.
