@@ -522,7 +522,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     made, path = write_plan(args.run, args.recipe, args.output, args.keep_fraction, args.rank)
     for entry in made.ranking[: args.top]:
         kept = "keep" if entry["op"] in made.keep else "    "
-        console.print(f"{kept} {entry['risk']:.3g}  {entry['reason']}", highlight=False, markup=False)
+        console.print(f"{kept}  {entry['reason']}", highlight=False, markup=False)
     console.print(f"{len(made.keep)} of {len(made.ranking)} matmuls keep high precision under "
                   f"{made.recipe.name}; plan written to {path}", highlight=False, markup=False)
     return EXIT_OK

@@ -2,10 +2,15 @@
 backward apart) ranked by the risk of computing it under a recipe, with the reason, and the
 riskiest kept in high precision (``probe plan RUN --recipe mxfp8``).
 
-The risk of a matmul is the signal its operands lose when quantized, summed over its operands:
-for each, the share of nonzero values that quantize to 0 or saturate (values lost whole) plus the
-relative squared error of quantize-dequantize (1/SNR, the energy lost by rounding). Statistics
-are pooled over the run's steps (counts and squared sums added) before the shares are taken.
+Two measures order the matmuls. Values lost whole come first: a matmul one of whose operands
+has more than :data:`UNDERFLOW_LIMIT` of its nonzero values quantized to 0 is flagged
+(TransformerEngine's ``AutoswitchGemm`` moves a GEMM to high precision at the same 5%), since
+values lost whole bias what the matmul computes in a way one step's error does not show (the MX
+spikes of arXiv 2506.20752 come from such bias). Within each group, matmuls go by their
+predicted relative output error, sqrt(sum over operands of the relative squared error of
+quantize-dequantize): independent rounding errors of the operands add in the product's square
+(benchmarks/recipes.py measures how well it orders the real output errors). Statistics are
+pooled over the run's steps (counts and squared sums added) before shares are taken.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from probe.errors import ProbeError
 from probe.modes.recipes.files import OperandWhatIf, WhatIfFiles
 from probe.modes.recipes.formats import Recipe
 from probe.modes.recipes.plan_file import Plan
+
+UNDERFLOW_LIMIT = 0.05
+"""The share of an operand's nonzero values quantized to 0 above which its matmul is flagged."""
 
 
 @dataclass
@@ -55,10 +63,9 @@ class OperandRisk:
         return self.error_sq / self.signal_sq if self.signal_sq else 0.0
 
     @property
-    def risk(self) -> float:
-        """Values lost whole (underflow, saturation) plus the energy lost by rounding."""
-        risk = self.underflow_share + self.saturation_share + self.relative_mse
-        return risk if math.isfinite(risk) else math.inf  # a NaN or Inf operand: the worst
+    def rounding_loss(self) -> float:
+        """The relative squared error of quantize-dequantize; a NaN or Inf operand: the worst."""
+        return self.relative_mse if math.isfinite(self.relative_mse) else math.inf
 
 
 @dataclass
@@ -72,11 +79,28 @@ class MatmulRisk:
     operands: dict[int, OperandRisk] = field(default_factory=dict)
 
     @property
-    def risk(self) -> float:
-        return sum(o.risk for o in self.operands.values())
+    def predicted_error(self) -> float:
+        """The predicted relative L2 error of the output: sqrt(sum of the operands' relative
+        squared errors)."""
+        return math.sqrt(sum(o.rounding_loss for o in self.operands.values()))
+
+    @property
+    def underflow_share(self) -> float:
+        """The largest underflow share of its operands."""
+        return max(o.underflow_share for o in self.operands.values())
+
+    @property
+    def flagged(self) -> bool:
+        return self.underflow_share > UNDERFLOW_LIMIT
+
+    def sort_key(self) -> tuple[bool, float, str]:
+        return (not self.flagged, -self.predicted_error, self.op)
 
     def worst(self) -> OperandRisk:
-        return max(self.operands.values(), key=lambda o: o.risk)
+        """The operand that says why: the one losing most values when flagged, else most energy."""
+        if self.flagged:
+            return max(self.operands.values(), key=lambda o: o.underflow_share)
+        return max(self.operands.values(), key=lambda o: o.rounding_loss)
 
     def reason(self, recipe: str) -> str:
         """One line saying why: the worst operand's losses under ``recipe``."""
@@ -86,11 +110,13 @@ class MatmulRisk:
         where = self.module or "(no module)"
         short = self.name.split(".")[1] if self.name.count(".") >= 2 else self.name
         return (f"{where} {o.role} ({self.phase} {short}): {100 * o.underflow_share:.2g}% of values "
-                f"underflow {recipe}{saturated}, {snr}, max block dynamic range 2^{o.block_range_log2:.0f}")
+                f"underflow {recipe}{saturated}, {snr}, max block dynamic range "
+                f"2^{o.block_range_log2:.0f}; predicted output error {100 * self.predicted_error:.2g}%")
 
     def to_json(self, recipe: str) -> dict[str, Any]:
         return {"op": self.op, "module": self.module, "phase": self.phase, "name": self.name,
-                "risk": self.risk, "reason": self.reason(recipe)}
+                "flagged": self.flagged, "underflow": self.underflow_share,
+                "predicted_error": self.predicted_error, "reason": self.reason(recipe)}
 
 
 def rank_matmuls(run: Any, recipe: str, rank: int | None = None) -> list[MatmulRisk]:
@@ -124,12 +150,12 @@ def rank_matmuls(run: Any, recipe: str, rank: int | None = None) -> list[MatmulR
                          "probe.mode('whatif', recipes=[...]) first")
     if recipe not in recorded:
         raise ProbeError(f"recipe {recipe!r} was not recorded in {run.path}; recorded: {sorted(recorded)}")
-    return sorted(found.values(), key=lambda m: (-m.risk, m.op))
+    return sorted(found.values(), key=MatmulRisk.sort_key)
 
 
 def plan(run: Any, recipe: str, keep_fraction: float = 0.1, rank: int | None = None) -> Plan:
-    """The plan for ``recipe``: the riskiest ``keep_fraction`` of the matmuls (rounded up; only
-    those at risk) keep high precision, the rest are quantized."""
+    """The plan for ``recipe``: the riskiest ``keep_fraction`` of the matmuls (rounded up) keep
+    high precision, the rest are quantized."""
     if not 0.0 <= keep_fraction <= 1.0:
         raise ProbeError(f"keep fraction {keep_fraction!r} is not between 0 and 1")
     ranking = rank_matmuls(run, recipe, rank)
@@ -137,7 +163,7 @@ def plan(run: Any, recipe: str, keep_fraction: float = 0.1, rank: int | None = N
                  if isinstance(f := run.mode_files("whatif", s, rank), WhatIfFiles))
     chosen: Recipe = next(r for r in files.recipes() if r.name == recipe)
     keep_count = math.ceil(keep_fraction * len(ranking))
-    keep = [m.op for m in ranking[:keep_count] if m.risk > 0]
+    keep = [m.op for m in ranking[:keep_count]]
     quantize = [m.op for m in ranking if m.op not in set(keep)]
     return Plan(chosen, tuple(quantize), tuple(keep), tuple(m.to_json(recipe) for m in ranking))
 

@@ -16,6 +16,7 @@ from probe.modes import (  # noqa: F401  (register them)
     dump,
     free_benchmark,
     monitor,
+    recipes,
     stats,
     structure,
     upcast,
