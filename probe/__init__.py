@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from probe.modes.mode_options import ModeOptions
     from probe.modes.monitor import Monitor
     from probe.modes.monitor.mode import AnomalyStop
+    from probe.modes.recipes import FakeQuant, WhatIf
     from probe.modes.stats import Stats
     from probe.modes.structure import Structure
     from probe.modes.upcast import Upcast
@@ -58,6 +59,7 @@ _PUBLIC: dict[str, str] = {
     "register_cpu_reference": "probe.modes.free_benchmark.cpu_reference",
     "ModeOptions": "probe.modes.mode_options", "Monitor": "probe.modes.monitor",
     "AnomalyStop": "probe.modes.monitor.mode", "Stats": "probe.modes.stats",
+    "FakeQuant": "probe.modes.recipes", "WhatIf": "probe.modes.recipes",
     "Structure": "probe.modes.structure", "Upcast": "probe.modes.upcast",
     "OpRecord": "probe.rundir.run", "Run": "probe.rundir.run", "TensorRecord": "probe.rundir.run",
     "load": "probe.rundir.run", "seed_all": "probe.seeding",
@@ -69,10 +71,11 @@ _PUBLIC: dict[str, str] = {
 _REGISTERING = ("probe.modes", "probe.exporters.compare_report")
 
 __all__ = [
-    "AnomalyStop", "ConsistencyReport", "Dump", "FreeBenchmark", "ModeOptions", "Monitor", "OpRecord",
-    "ProbeError", "ProbeWarning", "Report", "Run", "Session", "Stats", "Structure", "TensorRecord",
-    "Upcast", "__version__", "active_session", "check_consistency", "compare", "export_graph", "load",
-    "mode", "register_cpu_reference", "replay", "replay_step", "seed_all", "warn_once",
+    "AnomalyStop", "ConsistencyReport", "Dump", "FakeQuant", "FreeBenchmark", "ModeOptions", "Monitor",
+    "OpRecord", "ProbeError", "ProbeWarning", "Report", "Run", "Session", "Stats", "Structure",
+    "TensorRecord", "Upcast", "WhatIf", "__version__", "active_session", "check_consistency", "compare",
+    "export_graph", "load", "mode", "register_cpu_reference", "replay", "replay_step", "seed_all",
+    "warn_once",
 ]
 
 _loading = False
