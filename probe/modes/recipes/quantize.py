@@ -18,6 +18,7 @@ Casts round to nearest, ties to even (torch's float8 casts; e2m1 by table).
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Hashable
 
@@ -78,7 +79,7 @@ def blocks_of(x: torch.Tensor, block: int) -> torch.Tensor:
 def e8m0_exponent(amax: torch.Tensor, element_max: float) -> torch.Tensor:
     """The shared exponent of blocks of amax ``amax`` (fp32): floor(log2(amax)) - emax_elem, read
     from the exponent bits as torchao does, clamped to e8m0's range [-127, 128]."""
-    emax_elem = int(torch.tensor(element_max).log2().floor())
+    emax_elem = math.floor(math.log2(element_max))
     exponent = ((amax.view(torch.int32) >> 23) & 0xFF) - 127
     return (exponent - emax_elem).clamp(-127, 128)
 
