@@ -52,7 +52,13 @@ from probe.seeding import seeded
 from probe.tracer.compat import check_dispatch_features
 from probe.tracer.dispatch_mode import Tracer
 from probe.tracer.mode_stack import untraced
-from probe.tracer.op_call import RECORD_CALLSITE, RECORD_MODULE, RECORD_PHASE, OpRecordTuple
+from probe.tracer.op_call import (
+    RECORD_AUTOCAST,
+    RECORD_CALLSITE,
+    RECORD_MODULE,
+    RECORD_PHASE,
+    OpRecordTuple,
+)
 from probe.tracer.rank import current_rank, process_info
 from probe.tracer.region_files import RegionFiles
 from probe.version import __version__
@@ -524,6 +530,8 @@ class Session:
             manifest[layout.COMPILED_EAGER_KEY] = self._compiled_eager
         if untraced:
             manifest[layout.UNTRACED_THREADS_KEY] = untraced
+        used_policies = {r[RECORD_AUTOCAST] for r in records}
+        manifest[layout.AUTOCAST_KEY] = tracer.modules.policies.manifest(used_policies)
         if tracer.opened_regions:
             manifest[layout.COMPILED_OPENED_KEY] = {op_id: [start, end] for op_id, start, end
                                                     in tracer.opened_regions}

@@ -56,6 +56,15 @@ AUTOCAST_LOWERED = frozenset({
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
     "_native_multi_head_attention", "_weight_norm",
 })
+# Ops autocast keeps in float32 whatever their inputs' dtype (torch's CUDA "fp32" list, short
+# names: softmax, log_softmax, losses, norms): one computed lower inside an autocast region was
+# lowered by something else than autocast. CPU autocast itself keeps only losses in float32; a CPU
+# run is held to the accelerators' list all the same, so that it says what a GPU run would do.
+AUTOCAST_KEPT_FP32 = frozenset({
+    "_softmax", "softmax", "_log_softmax", "log_softmax", "native_layer_norm", "layer_norm",
+    "native_group_norm", "group_norm", "nll_loss_forward", "nll_loss", "nll_loss2d_forward",
+    "binary_cross_entropy_with_logits", "mse_loss", "l1_loss", "smooth_l1_loss", "kl_div",
+})
 # Ops that move values without computing on them: a cast's consumers are looked for past them.
 _PASS_THROUGH = frozenset({
     "t", "view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "permute", "expand", "contiguous",
@@ -113,6 +122,18 @@ def _dtype_word(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def autocast_enabled(op: OpRecord) -> bool | None:
+    """Whether autocast was enabled when run B's ``op`` ran, as the tracer recorded it; None where
+    it is not known (ops other than forward ones, runs written before it): the dtypes decide."""
+    return None if op.autocast is None else bool(op.autocast)
+
+
+def kept_fp32(op: OpRecord) -> bool:
+    """Whether autocast, enabled for ``op`` by its recorded policy, computes it in float32 whatever
+    its inputs' dtype (``AUTOCAST_KEPT_FP32``)."""
+    return bool(op.autocast) and short_name(op.name) in AUTOCAST_KEPT_FP32
+
+
 @dataclass
 class Lowering:
     """An op of run B that computes at a lower precision than run A, unexplained by B's policy."""
@@ -127,8 +148,14 @@ class Lowering:
         how = "by an explicit cast" if short_name(self.op.name) in _CASTS else f"by {self.op.name}"
         where = self.op.module or "<outside modules>"
         extra = " (an op of run B only)" if self.only_in_b else ""
+        if self.op.autocast is not None and not self.op.autocast:
+            why = "outside any autocast region (recorded), and run B's model dtype does not explain it"
+        elif self.op.autocast and kept_fp32(self.op):
+            why = "inside an autocast region, which keeps this op in float32"
+        else:
+            why = "which neither autocast nor run B's model dtype explains"
         return (f"precision lowered in {where}: {_dtype_word(self.before)} -> {_dtype_word(self.after)} "
-                f"{how}{extra}, which neither autocast nor run B's model dtype explains")
+                f"{how}{extra}, {why}")
 
 
 def _terminal_consumers(op: OpRecord, consumers: dict[int, list[OpRecord]],
@@ -184,13 +211,21 @@ def lowered_precision(ops_a: list[OpRecord], ops_b: list[OpRecord],
     found: dict[int, Lowering] = {}
     for op in ops_b:
         out, inp = output_precision(op), input_precision(op)
-        if out is None or inp is None or not _lower(out, inp) or op.phase != "forward":
-            continue  # not a new lowering: created in its dtype, inherited, or a gradient's
+        if out is None or inp is None or op.phase != "forward":
+            continue
         partner = partner_of_b.get(op.index)
+        if not _lower(out, inp):
+            # Not a new lowering (created in its dtype, or inherited), unless autocast keeps the
+            # op in float32 and run A computed it higher: then something else lowered it.
+            reference = output_precision(partner) if partner is not None else None
+            if op.autocast and kept_fp32(op) and reference is not None and _lower(out, reference):
+                found[op.index] = Lowering(op, reference, out, False)
+            continue
         reference = output_precision(partner) if partner is not None else inp
         if reference is None or not _lower(out, reference):
             continue  # run A lowers here too
-        if short_name(op.name) in AUTOCAST_LOWERED or (model_lowered and out == dtype_b):
+        autocast = autocast_enabled(op) is not False  # recorded on, or not recorded
+        if (autocast and short_name(op.name) in AUTOCAST_LOWERED) or (model_lowered and out == dtype_b):
             continue
         if _restores_arrival_dtype(op, out, ops_by_index):
             continue  # the model's own cast back to the dtype its value arrived in (a norm's output)
@@ -199,8 +234,9 @@ def lowered_precision(ops_a: list[OpRecord], ops_b: list[OpRecord],
             continue  # nothing in the step computes on it
         if all(_meets_its_dtype(t, op, out, ops_by_index) for t in targets):
             continue  # ``x.to(y.dtype) + y``: matched to an operand that arrived in ``out``
-        if all(short_name(t.name) in AUTOCAST_LOWERED or _in_sdpa_math(t, consumers) for t in targets):
-            continue  # autocast's cast at the input of the ops it lowers
+        if autocast and short_name(op.name) in _CASTS and all(
+                short_name(t.name) in AUTOCAST_LOWERED or _in_sdpa_math(t, consumers) for t in targets):
+            continue  # autocast's cast at the input of the ops it lowers (autocast makes casts only)
         scaler = _terminal_consumers(op, consumers, through_casts=True)
         if scaler and all(is_scaler_op(t) for t in scaler):
             continue  # the loss scaler's own bookkeeping (its inverse scale in fp32)
@@ -216,8 +252,26 @@ def _meets_its_dtype(consumer: OpRecord, cast: OpRecord, dtype: torch.dtype,
     operand brought; it lowers nothing the computation still held."""
     for t in consumer.inputs:
         producer = ops.get(t.source[0]) if t.source is not None else None
-        if _floating(t.dtype) == dtype and producer is not None and not _made_from(producer, cast.index, ops):
+        if _floating(t.dtype) == dtype and producer is not None and not _made_from(producer, cast.index, ops) \
+                and not _lowered_by_cast(producer, ops):
             return True
+    return False
+
+
+def _lowered_by_cast(op: OpRecord, ops: dict[int, OpRecord], limit: int = 16) -> bool:
+    """Whether ``op``'s result is, through views, a cast's that lowered its value: an operand cast
+    down beside another (``F.linear(x.to(bf16), w.to(bf16))``) brought no precision of its own."""
+    for _ in range(limit):
+        short = short_name(op.name)
+        if short in _CASTS:
+            out, inp = output_precision(op), input_precision(op)
+            return out is not None and inp is not None and _lower(out, inp)
+        if short not in _PASS_THROUGH or not op.inputs or op.inputs[0].source is None:
+            return False
+        producer = ops.get(op.inputs[0].source[0])
+        if producer is None:
+            return False
+        op = producer
     return False
 
 

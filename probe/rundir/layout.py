@@ -62,6 +62,11 @@ COMPILED_FILES_KEY = "compiled_region_files"
 """Step manifest entry (compiled="keep"): compiled region op id -> ``{"graph": name, "tensors":
 path or null}``, its graph's files in ``rank<r>/compiled/`` and its recorded inputs and compiled
 outputs (``probe.rundir.region_graphs``); absent when none was written."""
+AUTOCAST_KEY = "autocast"
+"""Step manifest entry: the autocast policies the step's forward ops ran under, by the id their
+records hold (``amp``): each ``{device type: dtype}`` autocast was enabled for, ``{}`` when it was
+off (``probe.tracer.autocast_policy``). Absent in runs written before it: their ops' policy is not
+known."""
 UNTRACED_THREADS_KEY = "untraced_threads"
 """Step manifest entry: thread name -> module and optimizer calls on that thread in the step,
 which the probe's dispatch mode did not see (a dispatch mode is per thread): their ops are not in

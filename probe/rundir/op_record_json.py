@@ -8,7 +8,8 @@ source is ``[producer index, output position, exact]`` or null; an output is
 ``site`` (call site id), ``group`` (a collective's ``{"size", "name", "ranks"}``)
 ``skip`` (``[io, position, reason]`` of tensors the tracer could not key) and ``layout`` (a
 local op that ran for a DTensor op: ``{"of", "role", "mesh": {"shape", "names", "ranks"},
-"in", "out"}``, placements one string per mesh dim, null for a plain tensor).
+"in", "out"}``, placements one string per mesh dim, null for a plain tensor) and ``amp`` (a
+forward op's autocast policy id into the manifest's ``autocast`` table; absent: 0, off).
 """
 
 from __future__ import annotations

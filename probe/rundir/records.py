@@ -130,6 +130,11 @@ class OpRecord:
     "redistribute", "mesh": {"shape", "names", "ranks"}, "in": [placements or None per tensor
     input], "out": [... per result]}``; placements are one string per mesh dim (``"S(0)"``,
     ``"R"``, ``"P(sum)"``). None for an op on plain tensors (and in runs written before it)."""
+    autocast: dict[str, str] | None = None
+    """The autocast policy a forward (or recompute) op ran under, as the tracer read it at module
+    calls (``probe.tracer.autocast_policy``): ``{device type: dtype}`` for each device type autocast
+    was enabled for (``{"cpu": "bfloat16"}``), ``{}`` when it was off. None where it is not known:
+    ops of other phases, and runs written before it was recorded."""
     fp8_scales: dict[str, dict[str, Any]] | None = None
     """fp8 ops (stats mode): the scales they were given, ``{argument: {"shape", "values", "min",
     "max"}}`` (``scale_a``, ``scale_b``, ``scale_result``, a float8 subclass input's ``_scale``)."""

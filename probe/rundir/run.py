@@ -136,6 +136,22 @@ def _check_version(path: Path, version: Any) -> None:
                          f"1 to {layout.FORMAT_VERSION}{hint}")
 
 
+_POLICY_PHASES = frozenset({"forward", "recompute"})
+"""The phases whose ops carry the autocast policy they ran under (``probe.tracer.autocast_policy``)."""
+
+
+def _autocast_policies(manifest: dict[str, Any], path: Path) -> list[dict[str, str]] | None:
+    """A step's autocast policies by id (``layout.AUTOCAST_KEY``); None in runs written before it."""
+    table = manifest.get(layout.AUTOCAST_KEY)
+    if table is None:
+        return None
+    with reading(path):
+        for policy in expect(table, list, layout.AUTOCAST_KEY):
+            for device, dtype in expect(policy, dict, "an autocast policy").items():
+                expect(dtype, str, f"autocast's dtype for {device!r}")
+    return table
+
+
 class DamagedStep(NamedTuple):
     """A flushed step that cannot be read: which, and why (the :class:`ProbeError`'s message,
     naming the file)."""
@@ -585,14 +601,21 @@ class Run:
         sites_read = False
         records: dict[int, OpRecord] = {}
         exact: dict[int, list[bool]] = {}  # per input: shares its producer's statistics row
+        policies = _autocast_policies(info.manifest, place.directory(self.path) / layout.MANIFEST_FILE)
 
         def decode(number: int, text: str) -> OpRecord:
             nonlocal sites, sites_read
             with reading(f"{ops_path}, line {number + 1}"):
                 row = parse_json(text, "the record")
             try:  # decode checks every field and names the one that is wrong
-                index, op_id, name, phase, module, call, stack, ins, outs, site, group, skipped, placed = \
-                    decode_op_record(row)
+                (index, op_id, name, phase, module, call, stack, ins, outs, site, group, skipped, placed,
+                 amp) = decode_op_record(row)
+                autocast = None
+                if policies is not None and phase in _POLICY_PHASES:
+                    if not 0 <= amp < len(policies):
+                        raise ProbeError(f"op record field 'amp': {amp} is not in the manifest's autocast "
+                                         f"table of {len(policies)}")
+                    autocast = policies[amp]
             except ProbeError as e:
                 raise ProbeError(f"cannot read {str(ops_path)!r}, line {number + 1}: {e}") from None
             why = {(io, position): reason for io, position, reason in skipped}
@@ -620,6 +643,7 @@ class Run:
                 group=None if group is None else {"size": group[0], "name": group[1],
                                                   "ranks": list(group[2])},
                 layout=None if placed is None else encode_layout(placed),
+                autocast=autocast,
             )
 
         wanted = range(len(lines)) if only is None else sorted(set(only))

@@ -383,7 +383,8 @@ class Tracer:
             # In the order of OP_RECORD_FIELDS.
             self.records.append(
                 (index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack(),
-                 tuple(inputs), tuple(outputs), callsite, group, skipped, None)
+                 tuple(inputs), tuple(outputs), callsite, group, skipped, None,
+                 self.modules.autocast if phase in _NODE_CREATING_PHASES else 0)
             )
             return out
         except BaseException:
@@ -392,7 +393,8 @@ class Tracer:
             # step's files would point past its records, and the next op would reuse the index.
             if len(self.records) == index:
                 self.records.append((index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack(),
-                                     tuple(inputs), tuple(outputs), callsite, None, skipped, None))
+                                     tuple(inputs), tuple(outputs), callsite, None, skipped, None,
+                                     self.modules.autocast if phase in _NODE_CREATING_PHASES else 0))
             raise
 
     def run_dtensor_op(self, mode: TorchDispatchMode, func: Any, args: tuple, kwargs: dict,

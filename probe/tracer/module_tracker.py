@@ -31,6 +31,7 @@ from torch import nn
 
 from probe.errors import warn_once
 from probe.optimizer_steps import step_closure, with_closure
+from probe.tracer.autocast_policy import AutocastPolicies
 from probe.tracer.frames import Frame
 
 _ACCUMULATE_GRAD_SEQ = 2**64 - 1
@@ -132,6 +133,7 @@ class ModuleTracker:
         """Whether the calling thread's dispatch stack holds the probe's mode (an autograd engine
         thread inherits it from the thread that called ``backward()``); set by the tracer."""
         self._number = next(_trackers)
+        self.policies = AutocastPolicies()
         self.reset_step()
 
     # -- lifecycle -------------------------------------------------------------
@@ -175,6 +177,9 @@ class ModuleTracker:
         self.untraced_calls: dict[str, int] = {}
         """Thread name -> module and optimizer calls this step on that thread, which the dispatch
         mode does not see: their ops are not recorded."""
+        self.autocast = self.policies.current()
+        """The id of autocast's state as last read (at the step's start, then at each module call's
+        entry and exit: ``probe.tracer.autocast_policy``)."""
 
     # -- hooks -----------------------------------------------------------------
 
@@ -220,6 +225,7 @@ class ModuleTracker:
         frame_module = weakref.ref(module)
         self.stack.append(frame)
         self._frame_modules.append(frame_module)
+        self.autocast = self.policies.current()
 
     def _exit_module(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self.enabled or not self.stack or _is_compiling():
@@ -233,6 +239,7 @@ class ModuleTracker:
                 del self.stack[depth:]
                 del self._frame_modules[depth:]
                 break
+        self.autocast = self.policies.current()
         return None
 
     def _recompute_frame(self, fqn: str, parent: Frame) -> Frame:

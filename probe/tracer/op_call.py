@@ -88,6 +88,7 @@ OP_RECORD_FIELDS: tuple[RecordField, ...] = (
     RecordField("group", "group", "group", default=None),
     RecordField("skipped", "skip", "skipped", default=()),
     RecordField("layout", "layout", "layout", default=None),
+    RecordField("autocast", "amp", "int", default=0),
 )
 """The op record's fields in tuple order. Adding one: append it here (optional, so older
 runs still load), build it in ``Tracer._record`` in the same position."""
@@ -98,10 +99,11 @@ RECORD_MODULE = RECORD_FIELD_INDEX["module"]
 RECORD_CALLSITE = RECORD_FIELD_INDEX["callsite"]
 RECORD_SKIPPED = RECORD_FIELD_INDEX["skipped"]
 RECORD_LAYOUT = RECORD_FIELD_INDEX["layout"]
+RECORD_AUTOCAST = RECORD_FIELD_INDEX["autocast"]
 
 OpRecordTuple = tuple[
     int, str, str, str, str, int, tuple[str, ...], tuple[InputMeta, ...], tuple[OutputMeta, ...],
-    int | None, GroupMeta | None, tuple[Skipped, ...], LayoutMeta | None,
+    int | None, GroupMeta | None, tuple[Skipped, ...], LayoutMeta | None, int,
 ]
 """What the tracer keeps of an op until the step is written, fields as in
 :data:`OP_RECORD_FIELDS`. Only strings, numbers and tuples of them: the garbage

@@ -1,0 +1,129 @@
+"""Autocast's policy is recorded with each forward op, and compare judges casts by it: a cast
+autocast did not make is never excused as autocast's, an op autocast keeps in float32 computed
+lower inside an autocast region is lowered precision, and a model's own cast back to the dtype
+autocast gave its value is no finding."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import probe
+
+HIDDEN, VOCAB = 16, 32
+
+
+class _RMSNorm(nn.Module):
+    """HF-style: computes in float32, returns ``.to(input_dtype)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(HIDDEN))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(dtype)
+
+
+class _Attention(nn.Module):
+    def __init__(self, fault: str | None) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(HIDDEN, HIDDEN) for _ in range(4))
+        self.q_norm, self.k_norm = _RMSNorm(), _RMSNorm()
+        self.fault = fault
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q_norm(self.q(x)), self.k_norm(self.k(x)), self.v(x)
+        scores = (q @ k.transpose(-1, -2)).float() / HIDDEN**0.5  # the model's own upcast
+        if self.fault == "softmax":  # rounds the logits to bf16 before the exp
+            probs = torch.softmax(scores, -1, dtype=torch.bfloat16)
+        else:
+            probs = torch.softmax(scores, -1).to(v.dtype)
+        return self.o(probs @ v)
+
+
+class _Mlp(nn.Module):
+    def __init__(self, fault: str | None) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(HIDDEN, 4 * HIDDEN), nn.Linear(4 * HIDDEN, HIDDEN)
+        self.fault = fault
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fault == "matmul":  # an explicit bf16 matmul, in a run without autocast
+            w, b = self.up.weight, self.up.bias
+            h = F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16), b.to(torch.bfloat16)).float()
+        else:
+            h = self.up(x)
+        return self.down(F.gelu(h))
+
+
+class _Model(nn.Module):
+    def __init__(self, fault: str | None = None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.attn, self.mlp = _Attention(fault), _Mlp(fault)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        x = x + self.attn(x)
+        x = x + self.mlp(x)
+        return self.head(x)
+
+
+def _run(out, autocast: bool, fault: str | None = None):
+    """Two AdamW steps of the tiny model (seeded alike in every run)."""
+    torch.manual_seed(0)
+    model = _Model(fault)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    with probe.mode("stats", out=out, model=model) as session:
+        for _ in range(2):
+            ids = torch.randint(0, VOCAB, (2, 12), generator=gen)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = F.cross_entropy(model(ids).float().flatten(0, 1), ids.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            session.step()
+    return out
+
+
+def test_each_forward_op_carries_the_autocast_policy_it_ran_under(tmp_path):
+    run = probe.load(_run(tmp_path / "b", autocast=True))
+    assert run.step_info(0).manifest["autocast"] == [{}, {"cpu": "bfloat16"}]
+    ops = run.ops(0)
+    assert {op.autocast["cpu"] for op in ops if op.phase == "forward" and op.module} == {"bfloat16"}
+    assert all(op.autocast is None for op in ops if op.phase in ("backward", "optimizer"))
+    plain = probe.load(_run(tmp_path / "a", autocast=False))
+    assert plain.step_info(0).manifest["autocast"] == [{}]
+    assert {str(op.autocast) for op in plain.ops(0) if op.phase == "forward"} == {"{}"}
+
+
+def test_an_explicit_bf16_matmul_in_an_fp32_pair_is_lowered_precision(tmp_path):
+    # Neither run uses autocast: the casts feeding the matmul are the model's, never autocast's.
+    report = probe.compare(_run(tmp_path / "a", False), _run(tmp_path / "b", False, fault="matmul"))
+    d = report.divergence
+    assert d is not None, report.conclusion
+    assert (d.rule, d.op.module, d.step) == ("lowered precision", "mlp", 0)
+    assert "outside any autocast region" in d.comparison.message
+
+
+def test_a_softmax_computed_in_bf16_inside_an_autocast_region_is_lowered_precision(tmp_path):
+    # softmax(scores, dtype=bf16) rounds the float32 logits to bf16 before the exp; the cast is the
+    # model's own back to the dtype its matmul gave (no finding), the softmax autocast keeps in fp32.
+    report = probe.compare(_run(tmp_path / "a", False), _run(tmp_path / "b", True, fault="softmax"))
+    d = report.divergence
+    assert d is not None, report.conclusion
+    assert (d.rule, d.op.module, d.step) == ("lowered precision", "attn", 0)
+    assert d.op.name == "aten._softmax.default"
+    assert "keeps this op in float32" in d.comparison.message
+
+
+def test_a_qk_norm_casting_back_under_autocast_is_no_divergence(tmp_path):
+    report = probe.compare(_run(tmp_path / "a", False), _run(tmp_path / "b", True))
+    assert report.first_divergence is None and report.ok, report.conclusion
+    assert report.conclusion == "no divergence: differences consistent with bf16 autocast"
