@@ -11,15 +11,13 @@ table. Keys of blocks that belong to other tasks are ignored, as msprobe does.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from probe.errors import ProbeError, warn_once
-from probe.modes.config import configs_for
-from probe.modes.free_benchmark.options import HANDLERS
-from probe.modes.free_benchmark.perturbations import PERTURBATIONS
-from probe.vocabulary.option_values import IntSet, parse_bool, parse_choice, parse_int, show
+from probe.modes.config import CONFIGS, configs_for
+from probe.vocabulary.option_fields import option_specs
+from probe.vocabulary.option_values import IntSet, parse_bool, show
 
 # msprobe task -> probe modes (and options the task implies)
 _TASKS: dict[str, tuple[list[str], dict[str, Any]]] = {
@@ -33,14 +31,14 @@ _FREE_BENCHMARK_KEYS = {
     "pert_mode": "perturb", "handler_type": "handler", "if_preheat": "preheat",
     "preheat_step": "preheat_steps", "max_sample": "max_sample",
 }
-# Each checked here, under the key the user wrote (the mode would name its own option instead).
-_FREE_BENCHMARK_VALUES: dict[str, Callable[[str, Any], Any]] = {
-    "pert_mode": lambda key, value: parse_choice(key, value, PERTURBATIONS),
-    "handler_type": lambda key, value: parse_choice(key, value, HANDLERS),
-    "if_preheat": parse_bool,
-    "preheat_step": lambda key, value: parse_int(key, value, 1),
-    "max_sample": lambda key, value: parse_int(key, value, 1),
-}
+
+
+def _free_benchmark_value(key: str, value: Any) -> Any:
+    """A free_benchmark block's value, checked by its option's own check (the mode's config field)
+    under the key the user wrote (``free_benchmark.pert_mode``, not ``perturb``)."""
+    (_, spec) = option_specs(CONFIGS["free_benchmark"])[_FREE_BENCHMARK_KEYS[key]]
+    return spec.check.parse(f"free_benchmark.{key}", value)
+
 _UNSUPPORTED_TASKS = {
     "overflow_check": "use task 'statistics' and run.first_nonfinite() instead",
     "run_ut": "single-op replay is a separate command (probe replay)",
@@ -197,8 +195,7 @@ def _task_block(task: str, block: dict[str, Any], options: dict[str, Any]) -> No
     for key, value in block.items():
         if task == "free_benchmark" and key in _FREE_BENCHMARK_KEYS:
             if value is not None:  # null: the default, as in msprobe
-                check = _FREE_BENCHMARK_VALUES[key]
-                options[_FREE_BENCHMARK_KEYS[key]] = check(f"free_benchmark.{key}", value)
+                options[_FREE_BENCHMARK_KEYS[key]] = _free_benchmark_value(key, value)
         elif task == "free_benchmark" and key == "fuzz_stage":
             if value not in ("forward", "backward"):
                 raise ProbeError(f"msprobe fuzz_stage {show(value)} is not 'forward' or 'backward'")

@@ -186,3 +186,24 @@ def test_the_reading_sees_function_level_and_type_checking_imports(tmp_path: Pat
     ]
     assert cycles(graph) == [["probe.modes.b", "probe.modes.c"]]
 
+
+
+# The pieces of probe/modes/ every mode may read; any other subpackage is a mode of its own.
+SHARED_BY_MODES = ("probe.modes.base", "probe.modes.config", "probe.modes.registry",
+                   "probe.modes.mode_options", "probe.modes.statistics", "probe.modes.rerunnable")
+
+
+def _mode_of(module: str) -> str | None:
+    """The mode package ``module`` belongs to (``probe.modes.stats``), or None for a shared piece."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[:2] != ["probe", "modes"] or any(_within(module, s) for s in SHARED_BY_MODES):
+        return None
+    return ".".join(parts[:3])
+
+
+def test_modes_never_import_each_other() -> None:
+    # Issue 34: what two modes share moves down to a shared piece (upcast's "may this op be re-run").
+    found = [f"{module} -> {target} (line {line})" for module, imported in sorted(import_graph().items())
+             for target, line in sorted(imported.items())
+             if _mode_of(module) and _mode_of(target) and _mode_of(module) != _mode_of(target)]
+    assert found == []

@@ -54,21 +54,14 @@ from probe.modes.free_benchmark.perturbations import (
     threshold,
 )
 from probe.modes.registry import register_mode
+from probe.modes.rerunnable import eligible
 from probe.rundir import layout
 from probe.rundir.writer import StepWriter
 from probe.tracer.dispatch_mode import dtype_name
 from probe.tracer.op_call import OpCall
-from probe.vocabulary.op_class import OpClass
 from probe.vocabulary.op_tensors import map_arguments, results_of
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
-# Ops whose outputs do not depend on their inputs' values (or copy them): re-running
-# them perturbed tells nothing.
-_DATA_MOVEMENT = frozenset({
-    "clone", "_to_copy", "copy_", "copy", "contiguous", "detach", "lift_fresh", "alias", "_unsafe_view",
-    "fill_", "zero_", "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros", "new_ones",
-    "new_full", "new_empty", "new_empty_strided", "_local_scalar_dense", "set_", "resize_",
-})
 
 
 # Outputs defined only up to sign or phase (eigenvectors, singular vectors, QR factors): a
@@ -79,14 +72,6 @@ _UP_TO_SIGN: dict[str, tuple[int, ...]] = {
     "linalg_svd": (0, 2), "_linalg_svd": (0, 2), "svd": (0, 2),
     "linalg_qr": (0, 1), "qr": (0, 1), "geqrf": (0, 1),
 }
-
-
-def eligible(info: OpClass) -> bool:
-    return not (
-        info.passthrough or info.is_view or info.is_factory or info.is_random or info.is_collective
-        or info.is_host_sync or info.uninitialized_output or info.compiled_region
-        or info.short in _DATA_MOVEMENT
-    )
 
 
 @register_mode

@@ -23,8 +23,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from probe.modes.base import Mode
-from probe.modes.free_benchmark.mode import eligible
 from probe.modes.registry import register_mode
+from probe.modes.rerunnable import eligible
 from probe.modes.upcast.options import Upcast
 from probe.tracer.op_call import OpCall
 from probe.vocabulary.op_tensors import map_arguments, results_of
