@@ -17,6 +17,7 @@ from probe.modes.base import Mode
 from probe.modes.recipes.formats import Recipe
 from probe.modes.recipes.operands import MATMUL_OPERANDS, matmul_operands
 from probe.modes.recipes.options import FakeQuant
+from probe.modes.recipes.plan_file import Plan
 from probe.modes.recipes.quantize import AmaxHistory, fake_quantize
 from probe.modes.registry import register_mode
 from probe.tracer.op_call import OpCall
@@ -32,9 +33,11 @@ class FakeQuantMode(Mode):
 
     def __init__(self, config: FakeQuant) -> None:
         super().__init__(config)
-        plan = config.plan
-        self.recipe: Recipe = config.recipe if config.recipe is not None else plan.recipe  # type: ignore[union-attr]
-        self._quantize: frozenset[str] | None = None if plan == "all" else frozenset(plan.quantize)  # type: ignore[union-attr]
+        plan = config.plan if isinstance(config.plan, Plan) else None  # None: "all" (the config checked it)
+        recipe = config.recipe if config.recipe is not None else plan.recipe if plan is not None else None
+        assert recipe is not None  # FakeQuant.validate: "all" comes with a recipe
+        self.recipe: Recipe = recipe
+        self._quantize: frozenset[str] | None = None if plan is None else frozenset(plan.quantize)
         self._history = AmaxHistory()
 
     def after(self, call: OpCall) -> None:
