@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from probe.errors import ProbeError
-from probe.modes.recipes.files import OperandWhatIf, WhatIfFiles
+from probe.modes.recipes.files import OperandWhatIf, QuantizationLosses, WhatIfFiles
 from probe.modes.recipes.formats import Recipe
 from probe.modes.recipes.plan_file import Plan
 
@@ -30,7 +30,7 @@ UNDERFLOW_LIMIT = 0.05
 
 
 @dataclass
-class OperandRisk:
+class OperandRisk(QuantizationLosses):
     """One operand of one matmul, pooled over the steps."""
 
     role: str
@@ -49,18 +49,6 @@ class OperandRisk:
         self.error_sq += row.error_sq
         self.signal_sq += row.signal_sq
         self.block_range_log2 = max(self.block_range_log2, row.block_range_log2)
-
-    @property
-    def underflow_share(self) -> float:
-        return self.underflow / self.nonzero if self.nonzero else 0.0
-
-    @property
-    def saturation_share(self) -> float:
-        return self.saturated / self.nonzero if self.nonzero else 0.0
-
-    @property
-    def relative_mse(self) -> float:
-        return self.error_sq / self.signal_sq if self.signal_sq else 0.0
 
     @property
     def rounding_loss(self) -> float:

@@ -18,22 +18,15 @@ STATS_FILE = "whatif.npy"
 INDEX_FILE = "whatif_index.npy"
 
 
-@dataclass(frozen=True)
-class OperandWhatIf:
-    """One matmul operand of one step under one recipe."""
+class QuantizationLosses:
+    """The shares and ratios of the counts and sums of
+    :data:`~probe.modes.recipes.quantize.STAT_COLUMNS`, for the classes that hold them."""
 
-    op_index: int
-    position: int
-    """The operand's argument position in the op."""
-    role: str
-    """``"input"``, ``"weight"`` or ``"grad_output"``."""
-    recipe: str
     nonzero: int
     underflow: int
     saturated: int
     error_sq: float
     signal_sq: float
-    block_range_log2: float
 
     @property
     def underflow_share(self) -> float:
@@ -52,6 +45,24 @@ class OperandWhatIf:
     @property
     def snr_db(self) -> float:
         return float(-10 * np.log10(self.relative_mse)) if self.relative_mse > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class OperandWhatIf(QuantizationLosses):
+    """One matmul operand of one step under one recipe."""
+
+    op_index: int
+    position: int
+    """The operand's argument position in the op."""
+    role: str
+    """``"input"``, ``"weight"`` or ``"grad_output"``."""
+    recipe: str
+    nonzero: int
+    underflow: int
+    saturated: int
+    error_sq: float
+    signal_sq: float
+    block_range_log2: float
 
 
 class WhatIfFiles(ModeFiles):
