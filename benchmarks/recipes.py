@@ -10,11 +10,12 @@ models, fp32, random weights), one layer's MLP input gets an outlier channel: th
 norm that feeds the MLP of block ``LAYER`` has channel 0 multiplied by 1000 (SwiGLU-style models
 carry such channels, arXiv 2409.12517). One training step is recorded under the whatif mode, and
 ``probe.analysis.recipe_plan.rank_matmuls`` ranks the matmuls; the planted layer should come first.
-Then each matmul is fake-quantized alone (the fake_quant mode with a plan naming that op) for the
-same step, and its measured error is the relative L2 error of all parameter gradients against
-the unquantized step. The table gives, per family and recipe, whether the top-ranked matmul lies
-in the planted block, and the Spearman rank correlation of predicted risk vs measured error over
-the model's matmuls (target >= 0.7).
+Then each matmul's measured error: its output's relative L2 error with its operands alone
+quantized-dequantized (every matmul of the step, in one pass), and with ``--gradient-families``
+the relative L2 error of all parameter gradients when the fake_quant mode quantizes that matmul
+alone (one rerun per matmul: minutes). The table gives, per family and recipe, whether the
+top-ranked matmul lies in the planted block, and the Spearman rank correlations of the predicted
+output error, and of the plan's order, with the measured errors (target >= 0.7).
 """
 
 from __future__ import annotations
@@ -203,9 +204,13 @@ def report(rows: list[dict[str, Any]], seconds: float, markdown: Path | None) ->
     if markdown is not None:
         markdown.write_text(
             "# Recipe lab: planted outlier channel and risk vs measured error\n\n"
-            "`python -m benchmarks.recipes --markdown benchmarks/results/recipes.md` (see the module "
-            "docstring). Outlier: channel 0 of block 1's MLP input x1000. Measured error: relative L2 error "
-            "of all parameter gradients of one step with that matmul alone fake-quantized.\n\n" + text)
+            "`python -m benchmarks.recipes --gradient-families llama "
+            "--markdown benchmarks/results/recipes.md` "
+            "(see the module docstring). Outlier: channel 0 of block 1's MLP input x1000. Output error: the "
+            "relative L2 error of a matmul's output with its operands alone quantized-dequantized; gradient "
+            "error: of all parameter gradients of the step with that matmul alone fake-quantized. Ranking "
+            "order: the plan's order (flagged first), predicted: its predicted output error alone."
+            "\n\n" + text)
     return text
 
 
