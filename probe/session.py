@@ -404,6 +404,26 @@ class Session:
             self._stopped_between_steps = True  # the next step has not run: nothing to write
             raise
 
+    def step_fn(self, fn: Callable[[Any], Any], batch: Any, **state: Any) -> Any:
+        """Run one training step ``fn(batch)`` (forward, backward, optimizer step; returns the loss)
+        from a kept start, then end the step as :meth:`step` does; a non-finite loss or parameter, or a
+        monitor alert about the step, rewinds it (docs/rewind.md). ``optimizer=``, ``scaler=``: what the
+        step updates besides ``model=``. Returns what ``fn`` returned."""
+        from probe.rewind import rewinder_of  # the rewind builds sessions of its own: imported late
+
+        return rewinder_of(self).step_fn(fn, batch, **state)
+
+    def rewind(self) -> Any:
+        """Re-run the step :meth:`step_fn` ran last, classify it, and return its ``Verdict``."""
+        from probe.rewind import rewinder_of
+
+        return rewinder_of(self).rewind()
+
+    def _wait_for_writer(self) -> None:
+        """Until every ended step is on disk."""
+        if self._background is not None:
+            self._background.drain()
+
     def _next_step(self) -> None:
         self.step_index += 1
         self._begin_step(current_rank())

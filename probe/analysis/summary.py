@@ -15,6 +15,7 @@ import torch
 
 from probe.analysis.bookkeeping import model_outputs
 from probe.errors import ProbeError
+from probe.rewind.verdict import read_verdicts
 from probe.rundir import layout
 from probe.rundir.loss_scaler import ScalerStep, handled_by_scaler
 from probe.rundir.records import MonitorRecord, NonfiniteParameterRecord, TensorRecord, nonfinite_origins_in
@@ -281,3 +282,8 @@ def tails(run: Run) -> list[str]:
             lines.append(f"rank {rank}: a tail of {len(tail)} ops recorded after the last session.step() "
                          f"({directory}; run.tail({rank}))")
     return lines
+
+
+def rewinds(run: Run) -> list[str]:
+    """One line per rewound step (``session.step_fn``/``session.rewind()``): the verdict and what it named."""
+    return [verdict.line() for verdict in read_verdicts(run.path)]

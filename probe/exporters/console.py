@@ -17,7 +17,7 @@ from probe.analysis.compiled_regions import not_observed_note
 from probe.analysis.consistency import ConsistencyReport, check_consistency
 from probe.analysis.escalations import EscalationLinks
 from probe.analysis.run_identity import Identity
-from probe.analysis.summary import Extreme, StepSummary, lost_steps, tails
+from probe.analysis.summary import Extreme, StepSummary, lost_steps, rewinds, tails
 from probe.analysis.verdicts import NOT_COMPARED, VERDICTS
 from probe.errors import ProbeError
 from probe.modes.monitor.anomaly import incidents
@@ -234,6 +234,8 @@ def render_run(console: Console, run: Run, summaries: Iterable[StepSummary]) -> 
                       style="red", markup=False, highlight=False)
     for line in tails(run):
         console.print(line, markup=False, highlight=False)
+    for line in rewinds(run):
+        console.print(line, style="red", markup=False, highlight=False)
     compiled = not_observed_note(run, "this run")
     if compiled is not None:  # "no non-finite value" must not stand for code that was not observed
         console.print(compiled, style="yellow", markup=False, highlight=False)

@@ -1,0 +1,65 @@
+"""The whole step in float64: what the rewind's precision rerun runs in.
+
+Parameters, buffers, gradients and the optimizer's per-parameter state are upcast in place (the same
+Parameter objects, so the optimizer and the user's closure keep working), the batch's floating
+tensors too, and ``torch.autocast`` blocks entered inside the step are turned off. The probe's upcast
+mode is not enough here: it computes each op wide but rounds its result back to the op's dtype, so
+an fp16 overflow stays an overflow. The rewind puts the kept start back afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from probe.rewind.start import Batch, leaves, rebuild
+
+WIDE = torch.float64
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t.to(WIDE) if t.is_floating_point() else t
+
+
+@contextmanager
+def autocast_off() -> Iterator[None]:
+    """``torch.autocast(...)`` blocks entered meanwhile run with ``enabled=False``."""
+    autocast = torch.amp.autocast_mode.autocast
+    original = autocast.__init__
+
+    def disabled(self: Any, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
+                 cache_enabled: bool | None = None) -> None:
+        original(self, device_type, dtype=dtype, enabled=False, cache_enabled=cache_enabled)
+
+    autocast.__init__ = disabled  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        autocast.__init__ = original  # type: ignore[method-assign]
+
+
+@contextmanager
+def float64_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: Batch) -> Iterator[Batch]:
+    """Upcast ``model`` (and ``optimizer``'s state) in place and give the batch in float64, with
+    autocast off, for the block."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = _wide(param.data)
+            if param.grad is not None:
+                param.grad = _wide(param.grad)
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = _wide(buffer)
+        if optimizer is not None:
+            for param, state in optimizer.state.items():
+                for key, value in state.items():
+                    # The moments have the parameter's shape; counters ("step") keep their dtype.
+                    if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                        state[key] = _wide(value)
+    with autocast_off():
+        yield rebuild(batch, iter([_wide(t) for t in leaves(batch)]))

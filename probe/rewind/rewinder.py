@@ -1,0 +1,375 @@
+"""Rewind a bad step: put its start back, run it again under full tracing, and name the cause.
+
+``session.step_fn(fn, batch)`` keeps each step's start (:class:`~probe.rewind.start.StepStart`),
+runs ``fn(batch)`` and ends the step. A non-finite loss or parameter after the step, a monitor
+anomaly of the step, or ``session.rewind()`` rewinds it, in this order (Megatron's rerun state
+machine, extended past "persistent"):
+
+1. the same step again, traced by the stats mode: when it ends differently from the original bit for
+   bit (loss, parameters, buffers, optimizer state) the fault did not recur: **transient** (a hardware
+   fault or non-determinism), the first op whose recorded values differ named when the original step
+   was traced too;
+2. it recurred: the whole step in float64 (parameters, buffers, optimizer state and batch upcast,
+   autocast off); the anomaly vanishes: **precision**, named by the first non-finite op of rerun 1;
+3. it recurs in float64: the step on the batch before; it vanishes: **data**, the samples named by
+   their losses alone; else **code**, named by the first non-finite op of rerun 1.
+
+Afterwards the state the original step ended with (kept when the rewind began, RNG included) is put
+back, so training goes on bit-identical to training without the rewind. A rerun's failure is a
+verdict ("not classified"), never the user's exception.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import queue
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from probe.errors import ProbeError, warn_once
+from probe.rewind.precision import float64_step
+from probe.rewind.start import Batch, StepStart, leaves, rebuild, same_bits
+from probe.rewind.verdict import Rerun, Verdict, rewind_dir
+from probe.tracer.mode_stack import untraced
+
+if TYPE_CHECKING:
+    from probe.rundir.records import OpRecord
+    from probe.session import Session
+
+MAX_SAMPLES = 64
+"""Samples of a data verdict's batch whose losses are measured one by one (each is a step's rerun)."""
+OUTLIER_MADS = 6.0
+"""A finite sample loss this many scaled median absolute deviations above the median is named."""
+
+
+@dataclass
+class _Original:
+    step: int
+    fn: Callable[[Batch], Any]
+    loss: torch.Tensor | None
+    nonfinite: str | None
+
+
+def nonfinite_after_step(loss: Any, params: list[torch.Tensor]) -> str | None:
+    """Why a step's result is anomalous (a non-finite loss, or non-finite parameters after the
+    optimizer took a non-finite gradient), or None. One host sync."""
+    with torch.no_grad():
+        checks = []
+        if isinstance(loss, torch.Tensor):
+            checks.append(torch.isfinite(loss.detach()).all().to("cpu", torch.float32).reshape(1))
+        floating = [p.detach() for p in params if p.is_floating_point()]
+        if floating:
+            norms = torch._foreach_norm(floating, 2, dtype=torch.float64)
+            checks.append(torch.isfinite(torch.stack([n.to("cpu") for n in norms]).sum()).to(torch.float32)
+                          .reshape(1))
+        if not checks:
+            return None
+        finite = torch.cat(checks).tolist()
+    if isinstance(loss, torch.Tensor) and not finite[0]:
+        return "non-finite loss"
+    if not finite[-1]:
+        return "non-finite parameter after the step"
+    return None
+
+
+class Rewinder:
+    """A session's rewind: the kept start, the step last run, the verdicts (one per session)."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = weakref.ref(session)
+        self.start: StepStart | None = None
+        self.last: _Original | None = None
+        self.verdicts: list[Verdict] = []
+        self._heard: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._listening = False
+
+    @property
+    def session(self) -> Session:
+        session = self._session()
+        assert session is not None
+        return session
+
+    def _model(self) -> torch.nn.Module:
+        model = self.session.options.model
+        if isinstance(model, dict) and len(model) == 1:
+            model = next(iter(model.values()))
+        if not isinstance(model, torch.nn.Module):
+            raise ProbeError("session.step_fn() keeps the model's start and needs it: pass model=<the root "
+                             "module> to probe.mode(...)")
+        return model
+
+    # -- each step ------------------------------------------------------------------
+
+    def step_fn(self, fn: Callable[[Batch], Any], batch: Batch,
+                optimizer: torch.optim.Optimizer | None = None, scaler: Any = None) -> Any:
+        session = self.session
+        session._running_tracer("step_fn")
+        model = self._model()
+        start = self.start
+        if start is None or (start.model, start.optimizer, start.scaler) != (model, optimizer, scaler):
+            start = self.start = StepStart(model, optimizer, scaler)
+        self._listen()
+        self._rewind_heard()
+        step = session.step_index
+        with untraced():  # the probe's own copies are no ops of the step
+            start.keep(step, batch)
+        loss = fn(batch)
+        with untraced():
+            nonfinite = nonfinite_after_step(loss, list(model.parameters()))
+            kept = loss.detach().clone() if isinstance(loss, torch.Tensor) else None
+        began_here = nonfinite is not None and (self.last is None or self.last.nonfinite is None)
+        self.last = _Original(step, fn, kept, nonfinite)
+        session.step()
+        if began_here:  # the steps after a bad one inherit its values: only the first is rewound
+            self.rewind(nonfinite)
+        return loss
+
+    def _listen(self) -> None:
+        """Hear the monitor's alerts (on the writer thread), to rewind the step they are about."""
+        if self._listening:
+            return
+        self._listening = True
+        for mode in self.session.modes:
+            detector = getattr(mode, "detector", None)
+            if detector is not None and hasattr(detector, "listeners"):
+                detector.listeners.append(self._heard.put)
+
+    def _rewind_heard(self) -> None:
+        """A monitor alert about the step run last: rewind it before its start is overwritten. The
+        monitor's rules run when the step is on disk, so the step's write is waited for here."""
+        last = self.last
+        if last is None or last.nonfinite is not None or not any(
+                getattr(mode, "detector", None) is not None for mode in self.session.modes):
+            return
+        self.session._wait_for_writer()
+        alerts = []
+        while not self._heard.empty():
+            alerts.extend(a for a in self._heard.get() if a.step == last.step)
+        if alerts:
+            first = alerts[0]
+            self.rewind(f"monitor {first.rule}: {first.module} {first.metric}")
+
+    # -- the rewind -------------------------------------------------------------------
+
+    def rewind(self, trigger: str = "requested") -> Verdict | None:
+        """Rewind the step :meth:`step_fn` ran last; returns its verdict (None when it could not be
+        written: said in a warning). Training state afterwards: the original step's end, bit for bit."""
+        session = self.session
+        session._running_tracer("rewind")
+        last, start = self.last, self.start
+        if last is None or start is None or start.step != last.step:
+            raise ProbeError("session.rewind() re-runs the step session.step_fn(fn, batch) ran last; no step "
+                             "ran through step_fn in this session")
+        began = time.perf_counter()
+        session._wait_for_writer()  # the original step's records are on disk, to compare with
+        end = StepStart(start.model, start.optimizer, start.scaler)
+        with untraced():
+            end.keep(last.step)
+        rank = session._tracer.rank if session._tracer is not None else 0
+        try:
+            with beside(session):  # nothing of the rewind is an op of the step the session is in
+                verdict = _Classification(self, last, start, end, rank, trigger).run()
+        except Exception as e:  # the probe never raises into training: the failure is the verdict
+            verdict = Verdict(last.step, rank, trigger, "not classified", f"{type(e).__name__}: {e}")
+        finally:
+            with untraced():
+                end.restore()
+        verdict.seconds = round(time.perf_counter() - began, 3)
+        self.verdicts.append(verdict)
+        try:
+            verdict.write(session.out)
+        except OSError as e:
+            warn_once(f"rewind-write:{session.out}", f"cannot write the rewind verdict of step {last.step} "
+                      f"({e}); it is in session.rewind()'s return value only")
+        return verdict
+
+
+@contextlib.contextmanager
+def beside(session: Session) -> Iterator[None]:
+    """The running session paused and set aside, so a rerun's own session can run."""
+    import probe.session as session_module
+
+    with session.paused():
+        held, session_module._active = session_module._active, None
+        try:
+            yield
+        finally:
+            session_module._active = held
+
+
+class _Classification:
+    """The reruns of one rewind and the verdict they lead to."""
+
+    def __init__(self, rewinder: Rewinder, original: _Original, start: StepStart, end: StepStart,
+                 rank: int, trigger: str) -> None:
+        self.rewinder, self.original, self.start, self.end = rewinder, original, start, end
+        self.rank, self.trigger = rank, trigger
+        self.out = Path(rewinder.session.out)
+        self.reruns: list[Rerun] = []
+
+    def verdict(self, kind: str, why: str, located: dict[str, Any] | None = None) -> Verdict:
+        return Verdict(self.original.step, self.rank, self.trigger, kind, why, located, reruns=self.reruns)
+
+    def run(self) -> Verdict:
+        same = self.rerun("same", self.start.batch.get())
+        if same.error is not None:
+            return self.verdict("not classified", f"the rerun raised {same.error}")
+        if not same.bitwise_equal:
+            located = self.first_difference(same)
+            return self.verdict("transient", "the same step from the same start ended differently bit for "
+                                "bit (a hardware fault or non-determinism)" + ("" if located else
+                                "; no op named: the original step was not traced"), located)
+        if self.original.nonfinite is None:
+            return self.verdict("reproducible", "the rerun equals the original bit for bit and nothing in it "
+                                "is non-finite: no cause to look for")
+        located = self.first_nonfinite(same)
+        wide = self.rerun("float64", self.start.batch.get(), float64=True)
+        if wide.error is not None:
+            return self.verdict("not classified", f"the float64 rerun raised {wide.error}", located)
+        if wide.nonfinite is None:
+            return self.verdict("precision", "recurs in the original precision, vanishes in float64", located)
+        if self.start.previous_step is not None:
+            before = self.rerun("previous_batch", self.start.previous_batch.get())
+            if before.error is None and before.nonfinite is None:
+                return self.data_verdict("recurs in float64, vanishes on the batch before")
+            if before.error is None:
+                return self.verdict("code", "recurs in float64 and on the batch before", located)
+        samples = self.sample_losses()  # no batch before (the first step): the samples alone decide
+        if any(loss is not None and math.isfinite(loss) for loss in samples) and any(
+                loss is None or not math.isfinite(loss) for loss in samples):
+            return self.data_verdict("recurs in float64; some samples alone are finite, others not")
+        return self.verdict("code", "recurs in float64 and in every sample alone", located)
+
+    # -- reruns ---------------------------------------------------------------------------
+
+    def rerun(self, kind: str, batch: Batch, float64: bool = False, traced: bool = True) -> Rerun:
+        """The step again from its start, on ``batch``, traced by the stats mode into its own run."""
+        import probe
+
+        session, start = self.rewinder.session, self.start
+        directory = rewind_dir(self.out, self.rank, self.original.step) / kind.replace(" ", "")
+        result = Rerun(kind, None, None, run=str(directory.relative_to(self.out)) if traced else None)
+        self.reruns.append(result)
+        with beside(session), contextlib.ExitStack() as stack:
+            with untraced():
+                start.restore()
+            try:
+                if float64:
+                    batch = stack.enter_context(float64_step(start.model, start.optimizer, batch))
+                if traced:
+                    stack.enter_context(probe.mode("stats", out=directory, model=start.model, overwrite=True))
+                loss = self.original.fn(batch)
+            except Exception as e:
+                result.error = f"{type(e).__name__}: {e}"
+                return result
+            with untraced():
+                result.nonfinite = nonfinite_after_step(loss, list(start.model.parameters()))
+                same = kind == "same" and self.same_as_original(loss)
+        if isinstance(loss, torch.Tensor):
+            result.loss = float(loss.detach().double().mean())
+        if kind == "same":
+            result.bitwise_equal = same
+        return result
+
+    def same_as_original(self, loss: Any) -> bool:
+        """Whether a rerun's loss and end state equal the original's bit for bit."""
+        original = self.original.loss
+        if original is None or not isinstance(loss, torch.Tensor):
+            return original is None and not isinstance(loss, torch.Tensor) and self.end.equals_live()
+        return same_bits(original, loss) and self.end.equals_live()
+
+    def sample_losses(self) -> list[float | None]:
+        """Each sample's loss alone (the step re-run on it from its start, untraced)."""
+        batch = self.start.batch.get()
+        size = _batch_size(batch)
+        losses: list[float | None] = []
+        for index in range(min(size, MAX_SAMPLES)):
+            rerun = self.rerun(f"sample {index}", _sample(batch, index, size), traced=False)
+            self.reruns.pop()
+            losses.append(rerun.loss)
+        return losses
+
+    def data_verdict(self, why: str) -> Verdict:
+        losses = self.sample_losses()
+        bad = [i for i, loss in enumerate(losses) if loss is None or not math.isfinite(loss)]
+        if not bad:
+            finite = sorted(x for x in losses if x is not None)
+            if finite:
+                median = finite[len(finite) // 2]
+                spread = 1.4826 * sorted(abs(x - median) for x in finite)[len(finite) // 2]
+                bad = [i for i, loss in enumerate(losses)
+                       if loss is not None and spread > 0 and loss > median + OUTLIER_MADS * spread]
+        verdict = self.verdict("data", why)
+        verdict.samples = bad
+        verdict.sample_losses = [None if x is None or not math.isfinite(x) else x for x in losses]
+        return verdict
+
+    # -- naming the op ----------------------------------------------------------------------
+
+    def first_nonfinite(self, rerun: Rerun) -> dict[str, Any] | None:
+        import probe
+
+        if rerun.run is None:
+            return None
+        bad = probe.load(self.out / rerun.run).first_nonfinite()
+        return None if bad is None else _located(bad, "the first non-finite op of the rerun")
+
+    def first_difference(self, rerun: Rerun) -> dict[str, Any] | None:
+        """The first op of the original step whose recorded values the rerun does not reproduce;
+        None when the original step recorded no ops (not traced: not compared)."""
+        import probe
+
+        try:
+            original = probe.load(self.out).ops(step=self.original.step, rank=self.rank)
+        except (ProbeError, OSError, KeyError, ValueError):
+            return None
+        if not original or rerun.run is None:
+            return None
+        again = {op.id: op for op in probe.load(self.out / rerun.run).ops(step=0, rank=self.rank)}
+        for op in original:
+            other = again.get(op.id)
+            if other is None:
+                return _located(op, "ran in the original step only")
+            if _values(op.outputs) != _values(other.outputs):
+                inputs_differ = _values(op.inputs) != _values(other.inputs)
+                how = "inputs and outputs differ" if inputs_differ else "outputs differ"
+                return _located(op, f"the first op whose recorded values differ ({how})")
+        return None
+
+
+def _values(tensors: list[Any]) -> list[tuple[tuple[str, str], ...]]:
+    """Recorded statistics as comparable text (NaN equals NaN; a skipped tensor compares as itself)."""
+    return [tuple(sorted((k, repr(v)) for k, v in (t.stats or {}).items())) for t in tensors]
+
+
+def _located(op: OpRecord, how: str) -> dict[str, Any]:
+    return {"op": op.id, "name": op.name, "module": op.module, "how": how}
+
+
+def _batch_size(batch: Batch) -> int:
+    sizes = [t.shape[0] for t in leaves(batch) if t.dim() > 0]
+    return max(sizes) if sizes else 0
+
+
+def _sample(batch: Batch, index: int, size: int) -> Batch:
+    """Sample ``index`` of ``batch``: every tensor with ``size`` rows sliced to that row."""
+    return rebuild(batch, iter([t[index:index + 1] if t.dim() > 0 and t.shape[0] == size else t
+                                for t in leaves(batch)]))
+
+
+_REWINDERS: weakref.WeakKeyDictionary[Session, Rewinder] = weakref.WeakKeyDictionary()
+
+
+def rewinder_of(session: Session) -> Rewinder:
+    """The session's rewinder, made on first use."""
+    rewinder = _REWINDERS.get(session)
+    if rewinder is None:
+        rewinder = _REWINDERS[session] = Rewinder(session)
+    return rewinder

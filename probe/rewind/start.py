@@ -1,0 +1,295 @@
+"""The restorable start of a training step: what the step reads and changes, kept so the step can
+be run again from where it began.
+
+Kept: parameters, buffers, gradients held at the start, optimizer state and its groups'
+hyper-parameters, the GradScaler's state, the RNG states (torch CPU and accelerator, Python
+``random``, NumPy) and the batch. Each tensor is copied into a host buffer allocated once and
+reused every step (one ``torch._foreach_copy_`` per device and dtype group); parameters on an
+accelerator go into pinned memory with non-blocking copies, queued on the stream ahead of the
+step's own kernels, so the copy reads the values the step starts from without a host sync.
+Host memory: one copy of parameters, buffers and optimizer state, plus two batches (the step's
+and the one before, which the rewind's data rerun reads).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+Batch = Any
+"""A tensor, or lists, tuples and dicts of them (other leaves are kept as they are)."""
+
+
+@dataclass
+class RngStates:
+    torch_cpu: torch.Tensor
+    accelerator: list[torch.Tensor] | None
+    python: Any
+    numpy: Any
+
+    @classmethod
+    def now(cls) -> RngStates:
+        accelerator = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        return cls(torch.get_rng_state(), accelerator, random.getstate(), np.random.get_state())
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch_cpu)
+        if self.accelerator is not None:
+            torch.cuda.set_rng_state_all(self.accelerator)
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+
+
+class HostCopies:
+    """Host copies of a list of tensors, in buffers reused while shapes and dtypes stay the same."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+
+    def take(self, tensors: list[torch.Tensor]) -> None:
+        if len(self.buffers) != len(tensors) or any(
+                b.shape != t.shape or b.dtype != t.dtype for b, t in zip(self.buffers, tensors, strict=True)):
+            self.buffers = [torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                                        pin_memory=t.device.type != "cpu" and torch.cuda.is_available())
+                            for t in tensors]
+        by_device: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for buffer, tensor in zip(self.buffers, tensors, strict=True):
+            sources, targets = by_device.setdefault((tensor.device, tensor.dtype), ([], []))
+            sources.append(tensor.detach())
+            targets.append(buffer)
+        for (device, _), (sources, targets) in by_device.items():
+            if device.type == "cpu":
+                torch._foreach_copy_(targets, sources)
+            else:  # stream-ordered before the step's kernels: no sync, the start's values are read
+                for target, source in zip(targets, sources, strict=True):
+                    target.copy_(source, non_blocking=True)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+
+def leaves(batch: Batch) -> Iterator[torch.Tensor]:
+    """The tensors of a batch, in a fixed order."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, (list, tuple)):
+        for item in batch:
+            yield from leaves(item)
+    elif isinstance(batch, dict):
+        for item in batch.values():
+            yield from leaves(item)
+
+
+def rebuild(batch: Batch, tensors: Iterator[torch.Tensor]) -> Batch:
+    """``batch`` with its tensors replaced, in order, by ``tensors``."""
+    if isinstance(batch, torch.Tensor):
+        return next(tensors)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(rebuild(item, tensors) for item in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(rebuild(item, tensors) for item in batch)
+    if isinstance(batch, dict):
+        return type(batch)((key, rebuild(item, tensors)) for key, item in batch.items())
+    return batch
+
+
+class KeptBatch:
+    """A batch's host copy; :meth:`get` gives a fresh batch on the original devices."""
+
+    def __init__(self) -> None:
+        self.copies = HostCopies()
+        self.structure: Batch = None
+        self.devices: list[torch.device] = []
+
+    def keep(self, batch: Batch) -> None:
+        tensors = list(leaves(batch))
+        self.copies.take(tensors)
+        self.structure = batch
+        self.devices = [t.device for t in tensors]
+
+    def get(self) -> Batch:
+        fresh = (b.to(device, copy=True) for b, device in zip(self.copies.buffers, self.devices, strict=True))
+        return rebuild(self.structure, fresh)
+
+
+class StepStart:
+    """What one step starts from, kept every step in reused host buffers and put back on demand.
+
+    ``model``'s parameters and buffers, ``optimizer``'s state (optional), ``scaler``'s state
+    (a ``torch.amp.GradScaler``, optional)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 scaler: Any = None) -> None:
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.step: int | None = None
+        self._params = HostCopies()
+        self._optimizer_tensors = HostCopies()
+        self._optimizer_layout: list[tuple[int, str]] = []
+        """(parameter index, state key) of each tensor of the optimizer's state, in order."""
+        self._optimizer_other: list[tuple[int, str, Any]] = []
+        """Non-tensor entries of the optimizer's state."""
+        self._groups: list[dict[str, Any]] = []
+        self._grads = HostCopies()
+        self._had_grad: list[bool] = []
+        self._scaler_state: dict[str, Any] | None = None
+        self._rng: RngStates | None = None
+        self.batch = KeptBatch()
+        self.previous_batch = KeptBatch()
+        """The batch of the step before, for the rewind's rerun with another batch."""
+        self.previous_step: int | None = None
+
+    # -- what is kept -------------------------------------------------------------
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        return [*self.model.parameters(), *self.model.buffers()]
+
+    def _optimizer_params(self) -> list[torch.Tensor]:
+        if self.optimizer is None:
+            return []
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def keep(self, step: int, batch: Batch = None) -> None:
+        """Take the start of ``step`` (the batch it runs on, when given)."""
+        with torch.no_grad():
+            self._params.take(self._state_tensors())
+            params = list(self.model.parameters())
+            self._had_grad = [p.grad is not None for p in params]
+            self._grads.take([p.grad for p in params if p.grad is not None])
+            self._keep_optimizer()
+            self._scaler_state = copy.deepcopy(self.scaler.state_dict()) if self.scaler is not None else None
+            self._rng = RngStates.now()
+            if batch is not None:
+                # Double-buffered: the kept batch becomes the previous one, its buffers reused.
+                self.batch, self.previous_batch = self.previous_batch, self.batch
+                self.previous_step = self.step
+                self.batch.keep(batch)
+        self.step = step
+
+    def _keep_optimizer(self) -> None:
+        if self.optimizer is None:
+            return
+        layout, tensors, other = [], [], []
+        for index, param in enumerate(self._optimizer_params()):
+            for key, value in self.optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor):
+                    layout.append((index, key))
+                    tensors.append(value)
+                else:
+                    other.append((index, key, copy.deepcopy(value)))
+        self._optimizer_layout, self._optimizer_other = layout, other
+        self._optimizer_tensors.take(tensors)
+        self._groups = [{k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+                        for group in self.optimizer.param_groups]
+
+    def nbytes(self) -> int:
+        """Host bytes held (parameters, buffers, gradients, optimizer state, both batches)."""
+        return (self._params.nbytes() + self._grads.nbytes() + self._optimizer_tensors.nbytes()
+                + self.batch.copies.nbytes() + self.previous_batch.copies.nbytes())
+
+    def equals_live(self) -> bool:
+        """Whether the live parameters, buffers, gradients, optimizer state and RNG states equal the
+        kept ones bit for bit (the batch aside)."""
+        params = list(self.model.parameters())
+        live = [*self._state_tensors(), *(p.grad for p in params if p.grad is not None)]
+        kept = [*self._params.buffers, *self._grads.buffers]
+        if [p.grad is not None for p in params] != self._had_grad or len(live) != len(kept):
+            return False
+        if self.optimizer is not None:
+            opt_params = self._optimizer_params()
+            layout = [(i, k) for i, p in enumerate(opt_params)
+                      for k, v in self.optimizer.state.get(p, {}).items() if isinstance(v, torch.Tensor)]
+            if layout != self._optimizer_layout:
+                return False
+            live += [self.optimizer.state[opt_params[i]][k] for i, k in layout]
+            kept += self._optimizer_tensors.buffers
+        if not all(same_bits(a, b) for a, b in zip(live, kept, strict=True)):
+            return False
+        assert self._rng is not None
+        return same_bits(torch.get_rng_state(), self._rng.torch_cpu)
+
+    # -- putting it back ------------------------------------------------------------
+
+    def restore(self) -> None:
+        """Put the kept start back: every value the step may have changed, bit for bit."""
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the non-blocking copies have landed
+        with torch.no_grad():
+            modules = list(self.model.modules())
+            buffers = self._params.buffers
+            params = list(self.model.parameters())
+            for param, kept in zip(params, buffers, strict=False):
+                _put(param, kept)
+            named_buffers = [(m, name) for m in modules for name, b in m._buffers.items() if b is not None]
+            seen: set[int] = set()
+            unique = []
+            for module, name in named_buffers:  # model.buffers() yields a shared buffer once
+                if id(module._buffers[name]) not in seen:
+                    seen.add(id(module._buffers[name]))
+                    unique.append((module, name))
+            for (module, name), kept in zip(unique, buffers[len(params):], strict=True):
+                live = module._buffers[name]
+                if live.dtype == kept.dtype and live.shape == kept.shape:
+                    live.copy_(kept)
+                else:
+                    module._buffers[name] = kept.to(live.device, copy=True)
+            grads = iter(self._grads.buffers)
+            for param, had in zip(params, self._had_grad, strict=True):
+                if had:
+                    kept = next(grads)
+                    if param.grad is not None and param.grad.dtype == kept.dtype:
+                        param.grad.copy_(kept)
+                    else:
+                        param.grad = kept.to(param.device, copy=True)
+                else:
+                    param.grad = None
+            self._restore_optimizer()
+        if self.scaler is not None and self._scaler_state is not None:
+            self.scaler.load_state_dict(copy.deepcopy(self._scaler_state))
+        assert self._rng is not None
+        self._rng.restore()
+
+    def _restore_optimizer(self) -> None:
+        if self.optimizer is None:
+            return
+        params = self._optimizer_params()
+        live = self.optimizer.state
+        fresh: dict[torch.Tensor, dict[str, Any]] = {}
+        for (index, key), kept in zip(self._optimizer_layout, self._optimizer_tensors.buffers, strict=True):
+            param = params[index]
+            old = live.get(param, {}).get(key)
+            if isinstance(old, torch.Tensor) and old.dtype == kept.dtype and old.shape == kept.shape:
+                old.copy_(kept)  # the same tensor object: fused and foreach optimizers may hold it
+                fresh.setdefault(param, {})[key] = old
+            else:
+                fresh.setdefault(param, {})[key] = kept.to(old.device if isinstance(old, torch.Tensor)
+                                                           else param.device, copy=True)
+        for index, key, value in self._optimizer_other:
+            fresh.setdefault(params[index], {})[key] = copy.deepcopy(value)
+        live.clear()  # state a step created (the first step's moments) is dropped, as at the start
+        live.update(fresh)
+        for group, kept_group in zip(self.optimizer.param_groups, self._groups, strict=True):
+            group.update(copy.deepcopy(kept_group))
+
+
+def _put(param: torch.Tensor, kept: torch.Tensor) -> None:
+    if param.dtype == kept.dtype and param.shape == kept.shape:
+        param.copy_(kept)
+    else:  # a rerun changed its dtype (the upcast rerun): the original tensor is put back
+        param.data = kept.to(param.device, copy=True)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shape, dtype and bytes (a NaN equals the same NaN; -0.0 differs from 0.0)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().cpu().reshape(-1).view(torch.uint8)
+
+    return torch.equal(raw(a), raw(b))

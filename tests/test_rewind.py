@@ -1,0 +1,177 @@
+"""Rewind: one planted fault per verdict, and training going on bit-identical after a rewind."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import probe
+from probe.cli import main
+from probe.rewind import read_verdicts
+from probe.tracer.mode_stack import untraced
+
+BAD_STEP = 2
+
+
+def _mlp(dtype: torch.dtype = torch.float32) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)).to(dtype)
+
+
+def _batches(dtype: torch.dtype = torch.float32, n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(6, 4, generator=generator).to(dtype),
+             torch.randn(6, 1, generator=generator).to(dtype)) for _ in range(n)]
+
+
+def _train(model: nn.Module, batches: list, out: Path, rewind_after: int | None = None) -> list:
+    # eps 1e-4: AdamW's 1e-8 is 0 in fp16, which the fp16 case would find at step 0 (rightly: precision).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+
+    def fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        optimizer.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    verdicts = []
+    with probe.mode("stats", out=out, model=model) as session:
+        for step, batch in enumerate(batches):
+            session.step_fn(fn, batch, optimizer=optimizer)
+            if step == rewind_after:
+                verdicts.append(session.rewind())
+    return verdicts + read_verdicts(out)
+
+
+def test_bit_flip_once_is_transient_and_the_op_it_reached_is_named(tmp_path: Path) -> None:
+    model = _mlp()
+    calls = []
+
+    def flip_once(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        calls.append(1)
+        if len(calls) == BAD_STEP + 1:  # the forward of step 2, once: the reruns do not see it
+            with untraced():  # a hardware fault: no op of the program made it
+                output.detach().view(-1).view(torch.int32)[0] ^= 1 << 30
+
+    model[0].register_forward_hook(flip_once)
+    verdicts = _train(model, _batches(), tmp_path / "run")
+    [verdict] = verdicts
+    assert (verdict.step, verdict.verdict, verdict.trigger) == (BAD_STEP, "transient", "non-finite loss")
+    # The flip happened after linear 0's addmm was recorded: the first values that differ are the ReLU's.
+    assert verdict.located is not None
+    assert (verdict.located["module"], verdict.located["name"]) == ("1", "aten.relu.default")
+    assert verdict.reruns[0].bitwise_equal is False and verdict.reruns[0].nonfinite is None
+
+
+def test_fp16_overflow_float64_avoids_is_precision_named_at_the_op_that_overflowed(tmp_path: Path) -> None:
+    model = _mlp(torch.float16)
+    batches = _batches(torch.float16)
+    x, y = batches[BAD_STEP]
+    batches[BAD_STEP] = (x * 3000, y)  # the squared error passes fp16's 65504; float64 holds it
+    [verdict] = _train(model, batches, tmp_path / "run")
+    assert verdict.verdict == "precision", verdict.why
+    assert verdict.located is not None
+    assert (verdict.located["name"], verdict.located["module"]) == ("aten.pow.Tensor_Scalar", "")
+    assert [r.kind for r in verdict.reruns] == ["same", "float64"]
+    assert verdict.reruns[1].nonfinite is None and verdict.reruns[0].nonfinite is not None
+
+
+def test_poisoned_sample_is_data_and_named(tmp_path: Path) -> None:
+    batches = _batches()
+    x, y = batches[BAD_STEP]
+    x = x.clone()
+    x[3, 1] = float("inf")  # one sample poisoned: no precision holds it
+    batches[BAD_STEP] = (x, y)
+    [verdict] = _train(_mlp(), batches, tmp_path / "run")
+    assert verdict.verdict == "data", verdict.why
+    assert verdict.samples == [3]
+    assert [r.kind for r in verdict.reruns] == ["same", "float64", "previous_batch"]
+    assert verdict.sample_losses[3] is None and all(v is not None for i, v in enumerate(verdict.sample_losses)
+                                                     if i != 3)
+
+
+class _WarmupThatRunsOut(nn.Module):
+    """Scales its output by sqrt(warmup - calls): the code, not the data, goes negative at step 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _mlp()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.sqrt(1.5 - self.calls)
+        with torch.no_grad():
+            self.calls += 1
+        return self.body(x) * scale
+
+
+def test_nan_made_by_a_condition_of_the_code_is_code_named_at_its_op(tmp_path: Path) -> None:
+    [verdict] = _train(_WarmupThatRunsOut(), _batches(), tmp_path / "run")
+    assert verdict.verdict == "code", verdict.why
+    assert verdict.located is not None
+    assert (verdict.located["name"], verdict.located["module"]) == ("aten.sqrt.default", "")
+    assert [r.kind for r in verdict.reruns] == ["same", "float64", "previous_batch"]
+    assert all(r.nonfinite is not None for r in verdict.reruns)
+
+
+def _state(model: nn.Module, optimizer_state: dict) -> list[torch.Tensor]:
+    tensors = [p.detach().clone() for p in model.parameters()]
+    for state in optimizer_state.values():
+        tensors += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def test_training_after_a_rewind_is_bit_identical_to_training_without_it(tmp_path: Path) -> None:
+    def run(out: Path, rewind_after: int | None) -> tuple[list[torch.Tensor], torch.Tensor, Any, Any, list]:
+        torch.manual_seed(0)
+        random.seed(0)
+        np.random.seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 1))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            x, y = batch
+            optimizer.zero_grad()
+            noise = random.random() + float(np.random.rand())  # every RNG the step reads
+            loss = ((model(x) - y) ** 2).mean() * (1 + noise)
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        verdicts = []
+        with probe.mode("stats", out=out, model=model) as session:
+            for step, batch in enumerate(_batches(n=4)):  # step 1 rewound, then steps 2 and 3
+                session.step_fn(fn, batch, optimizer=optimizer)
+                if step == rewind_after:
+                    verdicts.append(session.rewind())
+        return (_state(model, optimizer.state), torch.get_rng_state(), random.getstate(),
+                np.random.get_state()[1].copy(), verdicts)
+
+    plain = run(tmp_path / "plain", None)
+    rewound = run(tmp_path / "rewound", 1)
+    [verdict] = rewound[4]
+    assert verdict.verdict == "reproducible" and verdict.reruns[0].bitwise_equal
+    assert len(plain[0]) == len(rewound[0]) > 4
+    for a, b in zip(plain[0], rewound[0], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(plain[1], rewound[1])
+    assert plain[2] == rewound[2]
+    assert np.array_equal(plain[3], rewound[3])
+
+
+def test_probe_summary_prints_the_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    batches = _batches()
+    x, y = batches[BAD_STEP]
+    batches[BAD_STEP] = (x.clone().index_fill_(0, torch.tensor([3]), float("nan")), y)
+    _train(_mlp(), batches, tmp_path / "run")
+    assert main(["summary", str(tmp_path / "run")]) == 0
+    printed = capsys.readouterr().out
+    assert "step 2 rank 0: rewound (non-finite loss): data: sample(s) 3 of the batch" in printed
