@@ -165,3 +165,24 @@ def test_fake_quant_with_an_empty_plan_is_bit_identical_and_a_full_one_is_not(tm
                     recipe="mxfp8") as session:
         quantized = train_steps(quantized_model, session, steps=2)
     assert not torch.equal(torch.stack(plain), torch.stack(quantized))
+
+
+def test_convolutions_are_measured_and_fake_quantized_forward_and_backward(tmp_path):
+    def conv_step(out, modes, **options):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3))
+        x = torch.randn(2, 3, 8, 8)
+        with probe.mode(modes, out=str(tmp_path / out), model=model, **options) as session:
+            model(x).square().mean().backward()
+            session.step()
+        return model[0].weight.grad.clone()
+
+    conv_step("whatif", "whatif", recipes=["mxfp8"])
+    ranking = rank_matmuls(probe.load(tmp_path / "whatif"), "mxfp8")
+    assert {(m.phase, m.name) for m in ranking} == {("forward", "aten.convolution.default"),
+                                                    ("backward", "aten.convolution_backward.default")}
+    backward = [m for m in ranking if m.phase == "backward"]
+    assert {o.role for m in backward for o in m.operands.values()} == {"grad_output", "input", "weight"}
+    plain = conv_step("plain", "structure")
+    assert torch.equal(conv_step("empty", "fake_quant", plan=Plan(RECIPES["mxfp8"])), plain)
+    assert not torch.equal(conv_step("all", "fake_quant", plan="all", recipe="mxfp8"), plain)
