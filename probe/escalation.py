@@ -44,9 +44,8 @@ from typing import Any
 
 from probe.errors import ProbeError, warn_once
 from probe.lifecycle import build_modes, start_modes, traced
-from probe.modes.base import OpObserver, SessionPlugin, TraceRequest
+from probe.modes.base import Incident, OpObserver, SessionPlugin, TraceRequest
 from probe.modes.config import ModeConfig, configs_for
-from probe.modes.monitor.anomaly import Anomaly, anomaly_json
 from probe.modes.registry import MODES
 from probe.rundir import layout
 from probe.tracer.dispatch_mode import Tracer
@@ -106,7 +105,6 @@ class Escalation:
         self._refused: dict[int, list[dict[str, Any]]] = {}
         """Step -> incidents learned at its start and not traced (the limit), for its manifest."""
         self._limit_told = False
-        self._threshold = request.threshold
         accepted = set().union(*(MODES[name].option_names for name in self.trace_modes))
         unknown = sorted(key for key in self.trace_options if key not in accepted)
         if unknown:
@@ -114,7 +112,7 @@ class Escalation:
                              f"{list(self.trace_modes)}; accepted: {sorted(accepted)}")
         self._spare: list[SessionPlugin] | None = self._build()  # checks the values now, before any step
         self.observer = _Armed()
-        self._heard: queue.SimpleQueue[Anomaly] = queue.SimpleQueue()
+        self._heard: queue.SimpleQueue[Incident] = queue.SimpleQueue()
         self._tracer: Tracer | None = None
         self._out: Path | None = None
         self._rank = 0
@@ -153,11 +151,9 @@ class Escalation:
         self._tracer, self._out, self._rank = tracer, out, rank
         self.request.listeners.append(self._hear)
 
-    def _hear(self, found: list[Anomaly]) -> None:
-        """The monitor's scan found alerts (on the writer thread): keep the root of a new incident."""
-        root = found[0]
-        if root.incident == root.step:  # alerts joining an incident going on arm nothing new
-            self._heard.put(root)
+    def _hear(self, incident: Incident) -> None:
+        """The monitor reported a new incident (on the writer thread)."""
+        self._heard.put(incident)
 
     def begin_step(self, step: int) -> None:
         """A step starts: close what is on disk, learn new incidents, arm or disarm for ``step``."""
@@ -178,9 +174,9 @@ class Escalation:
                 mode.begin_step(step)
             self._armed_step = step
 
-    def _learn(self, root: Anomaly, step: int) -> None:
-        incident = {**anomaly_json(root), "threshold": self._threshold if root.rule == "turbulence" else None}
-        if any(w.first <= root.step <= w.last for w in self._windows):
+    def _learn(self, heard: Incident, step: int) -> None:
+        incident = heard.record
+        if any(w.first <= heard.step <= w.last for w in self._windows):
             return  # it began at a traced step: its ops are recorded there
         window = self.window
         if window is not None and window.last >= step:
@@ -190,7 +186,7 @@ class Escalation:
             if not self._limit_told:
                 self._limit_told = True
                 log.warning("probe monitor: not tracing after the incident at step %d: this session traced "
-                            "%d window(s), its trace_limit", root.step, self._opened)
+                            "%d window(s), its trace_limit", heard.step, self._opened)
             self._refused.setdefault(step, []).append(incident)
             return
         self._opened += 1

@@ -39,6 +39,17 @@ class StepResult(Protocol):
 
 
 @dataclass(frozen=True)
+class Incident:
+    """The start of an incident a plug-in detected, as the escalation learns of it."""
+
+    step: int
+    """The step it began at."""
+    record: dict[str, Any]
+    """What the traced steps' manifests list for it (JSON: the monitor's root alert, as in
+    ``anomalies.jsonl``, with the threshold in force)."""
+
+
+@dataclass(frozen=True)
 class TraceRequest:
     """What a plug-in asks of the session's escalation (``probe/escalation.py``): turn the per-op
     ``modes`` on for ``steps`` steps after each incident the plug-in reports to ``listeners``."""
@@ -49,11 +60,9 @@ class TraceRequest:
     steps: int
     limit: int | None
     """The most windows one session opens (None: no limit)."""
-    threshold: float | None
-    """The threshold in force when an incident is reported (written beside it in the manifest)."""
-    listeners: list[Callable[[list[Any]], None]]
-    """Where the escalation adds its callback: called with the alerts of each scan that found some
-    (the first one the incident's root), on the writer thread."""
+    listeners: list[Callable[[Incident], None]]
+    """Where the escalation adds its callback: called with the start of each new incident (not
+    with alerts that join an incident going on), on the writer thread."""
 
 
 class SessionPlugin:

@@ -56,7 +56,7 @@ from torch import nn
 import probe.modes.monitor.distribution as monitor_distribution
 from probe.errors import ProbeError, warn_once
 from probe.local_part import local_part, replicas
-from probe.modes.base import SessionPlugin, TraceRequest
+from probe.modes.base import Incident, SessionPlugin, TraceRequest
 from probe.modes.monitor.anomaly import (
     Anomaly,
     AnomalyDetector,
@@ -314,8 +314,19 @@ class MonitorMode(SessionPlugin):
         if config.on_anomaly != "trace":
             return None
         threshold = None if config.turbulence is None else config.turbulence.threshold
+        listeners: list[Callable[[Incident], None]] = []
+
+        def report(found: list[Anomaly]) -> None:  # a scan's alerts, the first the incident's root
+            root = found[0]
+            if root.incident != root.step:
+                return  # alerts joining an incident going on arm nothing new
+            record = {**anomaly_json(root), "threshold": threshold if root.rule == "turbulence" else None}
+            for listener in listeners:
+                listener(Incident(root.step, record))
+
+        self.detector.listeners.append(report)
         return TraceRequest(config.trace_modes, dict(config.trace_options), config.trace_steps,
-                            config.trace_limit, threshold, self.detector.listeners)
+                            config.trace_limit, listeners)
 
     @property
     def collective_each_step(self) -> bool:
