@@ -85,6 +85,13 @@ class SessionPlugin:
         self.config = config
         """The validated options this plug-in was made with."""
 
+    @classmethod
+    def added_by_session(cls, options: Any, selected: list[SessionPlugin]) -> SessionPlugin | None:
+        """A plug-in of this mode the session adds itself, not selected (``implicit``), given the
+        validated :class:`~probe.vocabulary.session_options.Options` and the ``selected`` plug-ins;
+        None by default (the checksums: one for ``model=``)."""
+        return None
+
     def trace_request(self) -> TraceRequest | None:
         """Per-op modes this plug-in asks the session to turn on after an incident it detects
         (the monitor's ``on_anomaly="trace"``); None by default."""

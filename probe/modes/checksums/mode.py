@@ -196,6 +196,10 @@ class ChecksumsMode(SessionPlugin):
     config_class = Checksums
     files = ChecksumsFiles
 
+    @classmethod
+    def added_by_session(cls, options: Any, selected: list[SessionPlugin]) -> ChecksumsMode | None:
+        return plugin_for(options, selected)
+
     def __init__(self, config: Checksums | None = None, *, kinds: frozenset[str] = DEFAULT_CHECKSUMS,
                  steps: IntSet | None = None, implicit: bool = False) -> None:
         super().__init__(config if config is not None else Checksums())
