@@ -41,7 +41,7 @@ from probe.errors import ProbeError, warn_once
 from probe.escalation import Escalation
 from probe.lifecycle import build_modes, start_modes, traced
 from probe.modes.base import OpObserver, SessionPlugin, StepResult
-from probe.modes.checksums.mode import plugin_for as checksums_plugin_for
+from probe.modes.registry import MODES
 from probe.npu import read_and_clear_overflow_flag
 from probe.options import Options, parse_options, show
 from probe.rundir import layout
@@ -72,10 +72,11 @@ def default_out_dir() -> Path:
 
 def _build_modes(options: Options) -> list[SessionPlugin]:
     modes = build_modes(options.mode_configs)
-    # With model=: what each step started from (weights, inputs, RNG), for probe compare.
-    implicit = checksums_plugin_for(options, modes)
-    if implicit is not None:
-        modes.append(implicit)
+    # Plug-ins the session adds itself (with model=, the checksums: what each step started from).
+    for cls in list(MODES.values()):
+        added = cls.added_by_session(options, modes)
+        if added is not None:
+            modes.append(added)
     replacing = [m.name for m in modes if (o := m.observer()) is not None and o.replaces_execution]
     if len(replacing) > 1:
         raise ProbeError(f"modes {replacing} each replace op execution; combine at most one of them")
