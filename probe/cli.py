@@ -87,6 +87,8 @@ def _output_file(text: str, option: str) -> Path:
 
 
 def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
+    import torch
+
     import probe
     from probe.analysis.summary import summarize
     from probe.demo.train import DemoTraining, train
@@ -98,7 +100,9 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     modes = [m.strip() for m in args.mode.split(",") if m.strip()]
     # The demo model has no compiled regions: the notice that they would run eagerly is noise here.
     warnings.filterwarnings("ignore", message="probe: compiled regions run eagerly")
-    training = DemoTraining()
+    # Upcast computes low-precision ops in fp32: on the fp32 model it would have nothing to do.
+    dtype = torch.bfloat16 if "upcast" in modes else torch.float32
+    training = DemoTraining(dtype=dtype)
     # The monitor watches what it is told to: in the demo, every decoder layer and the weight gradients.
     layer = {"input": "tuple[1]:0", "output": "tensor", "input_grad": "tuple[1]:0", "output_grad": "tensor"}
     demo_monitor = probe.Monitor(targets={"layers.?": layer}, wg_distribution=True)
@@ -106,7 +110,9 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
         [demo_monitor if name == demo_monitor.mode else name for name in modes], out=out,
         overwrite=args.overwrite, stack=args.stack, model=training.model,
     )
-    console.print(f"training the built-in tiny LLaMA for {args.steps} steps under {modes} -> {out}")
+    precision = str(dtype).removeprefix("torch.")
+    console.print(f"training the built-in tiny LLaMA ({precision}) for {args.steps} steps under {modes} "
+                  f"-> {out}")
     with progress_bar(console, "[progress.description]{task.description}") as progress:
         task = progress.add_task("steps", total=args.steps)
 
@@ -115,9 +121,31 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
 
         losses = train(training, args.steps, session=session, on_step=on_step)
     console.print("losses: " + ", ".join(f"{loss:.4f}" for loss in losses))
+    if "upcast" in modes:
+        _show_upcast(console, args.steps, losses)
     run = probe.load(out)
     render_run(console, run, summarize(run, top=args.top))
     return EXIT_OK
+
+
+def _show_upcast(console: Console, steps: int, upcast: list[float]) -> None:
+    """What upcast did on the demo: its losses beside the same training, unprobed, in bf16 and
+    in fp32 (what upcasting every module approaches)."""
+    import torch
+
+    from probe.demo.train import DemoTraining, train
+
+    plain = {dtype: train(DemoTraining(dtype=dtype), steps) for dtype in (torch.bfloat16, torch.float32)}
+
+    def gap(losses: list[float]) -> float:
+        return max(abs(a - b) for a, b in zip(losses, plain[torch.float32], strict=True))
+
+    console.print("upcast computed the bf16 model's ops in float32, carrying float32 from op to op "
+                  "(the program sees bf16):")
+    for label, losses in (("bf16, no probe", plain[torch.bfloat16]), ("bf16 + upcast", upcast),
+                          ("fp32, no probe", plain[torch.float32])):
+        console.print(f"  {label:<15} losses {', '.join(f'{v:.4f}' for v in losses)}  "
+                      f"(largest difference from fp32 {gap(losses):.2g})")
 
 
 def _cmd_summary(args: argparse.Namespace, console: Console) -> int:
@@ -297,7 +325,7 @@ def _cmd_replay(args: argparse.Namespace, console: Console) -> int:
                          "record with probe.mode('dump', ...) or probe.mode(['stats', 'dump'], ...) "
                          "(probe demo --mode stats,dump)")
     if args.op_id is None:
-        total = len(run.ops(step, rank))
+        total = run.op_count(step, rank)
         with progress_bar(console, "replaying") as progress:
             task = progress.add_task("replay", total=total)
             results = probe.replay_step(run, step, rank, device=args.device, dtype=dtype,

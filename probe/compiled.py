@@ -38,11 +38,19 @@ def _torch_warnings_ignored() -> Iterator[None]:
 
 
 class CompiledKernel:
-    """``fn`` compiled on first use; ``fallback`` (same signature) where that cannot work."""
+    """``fn`` compiled on first use; ``fallback`` (same signature) where that cannot work.
 
-    def __init__(self, fn: Callable[..., Any], fallback: Callable[..., Any] | None = None) -> None:
+    ``compile_after``: elements (of the first argument, summed over calls) to run through the
+    eager form before compiling. A compile costs seconds once per process (on a 2-core CPU with a
+    cold inductor cache, 20-30 s a kernel); a kernel whose calls in a process are few and small
+    (a short run, a small model) never earns that back, and one that passes billions of
+    elements does within its first calls. 0: compile at the first call."""
+
+    def __init__(self, fn: Callable[..., Any], fallback: Callable[..., Any] | None = None,
+                 compile_after: int = 0) -> None:
         self._fn = fn
         self._fallback = fallback or fn
+        self._eager_left = compile_after
         self._compiled: Callable[..., Any] | None = None
         self.failed_devices: set[str] = set()
         self._compiled_on: set[str] = set()
@@ -53,7 +61,8 @@ class CompiledKernel:
 
     def __call__(self, *args: torch.Tensor) -> Any:
         device = args[0].device
-        if not self.usable(device):
+        if self._eager_left > 0 or not self.usable(device):
+            self._eager_left -= args[0].numel()
             with torch.no_grad():
                 return self._fallback(*args)
         if self._compiled is None:

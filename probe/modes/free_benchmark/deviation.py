@@ -94,8 +94,14 @@ def _segmented_deviation(o: torch.Tensor, p: torch.Tensor, segment: torch.Tensor
     return torch.stack([largest.clamp(max=RATIO_CAP), mismatches, flips], dim=1)
 
 
-_DEVIATION = CompiledKernel(_deviation)
-_SEGMENTED = CompiledKernel(_segmented_deviation)
+# Compiled once the process has reduced this many elements eagerly: the eager forms make ~30
+# passes over fp64 values (~20 ns an element more than the fused kernel on a CPU core), so
+# 2^29 elements cost about the ~10 s a compile does; a short run (the demo: ~5e7 elements in
+# 3 steps, where the compiles were 60-110 of its 150 s) never compiles, a large model does in
+# its first step.
+EAGER_ELEMENTS = 1 << 29
+_DEVIATION = CompiledKernel(_deviation, compile_after=EAGER_ELEMENTS)
+_SEGMENTED = CompiledKernel(_segmented_deviation, compile_after=EAGER_ELEMENTS)
 
 
 def deviation(reference: torch.Tensor, other: torch.Tensor, tiny: float, floor: torch.Tensor | None,

@@ -139,9 +139,13 @@ def _one_ulp_moved_to_fp64(t: torch.Tensor) -> torch.Tensor:
 # One fused pass instead of five over large inputs (4x faster on a 45M-element
 # weight on CPU); small ones stay eager, where a compiled call costs more than it saves.
 # improve_precision's nudged run moves and upcasts an input in the same pass.
-_COMPILED = {"add_noise": CompiledKernel(_one_ulp_moved), "bit_noise": CompiledKernel(_flip_low_bit),
-             ("add_noise", torch.float32): CompiledKernel(_one_ulp_moved_to_fp32),
-             ("add_noise", torch.float64): CompiledKernel(_one_ulp_moved_to_fp64)}
+# Each compiled once the process has moved this many elements eagerly (five passes instead of one:
+# ~4 ns an element more on a CPU core), about the cost of its compile (see CompiledKernel).
+EAGER_ELEMENTS = 1 << 31
+_COMPILED = {key: CompiledKernel(fn, compile_after=EAGER_ELEMENTS) for key, fn in (
+    ("add_noise", _one_ulp_moved), ("bit_noise", _flip_low_bit),
+    (("add_noise", torch.float32), _one_ulp_moved_to_fp32),
+    (("add_noise", torch.float64), _one_ulp_moved_to_fp64))}
 _EAGER = {"add_noise": _one_ulp_moved, "bit_noise": _flip_low_bit}
 # Below this many elements the eager passes cost less than a compiled call: dynamo's guard
 # evaluation alone takes tens of microseconds, which a CPU spends on a few 10^4 elements
