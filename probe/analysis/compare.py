@@ -395,20 +395,29 @@ def _inputs_agree(op: OpComparison, by_index: dict[int, OpComparison]) -> tuple[
     return True, assumed
 
 
-def _chain(run: Run, step: int, rank: int, start: OpRecord, by_index: dict[int, OpComparison],
-           limit: int = 100) -> list[str]:
-    graph = run.graph(step, rank)
-    index_of = {node: data["index"] for node, data in graph.nodes(data=True)}
-    seen, queue, chain = {start.id}, deque([start.id]), []
+def _chain(start: OpRecord, by_index: dict[int, OpComparison], limit: int = 100) -> list[str]:
+    """The ids of the ops of run A a divergence at ``start`` reaches through consumers that
+    diverge too (breadth first, consumers in execution order), in execution order. The consumers
+    are found from the compared records' input sources: the step's graph is not built (at a
+    kilobyte an op, it was the largest thing a compare of a long step held)."""
+    consumers: dict[int, list[int]] = {}
+    for index, c in by_index.items():
+        assert c.a is not None
+        for tensor in c.a.inputs:
+            if tensor.source is not None:
+                readers = consumers.setdefault(tensor.source[0], [])
+                if not readers or readers[-1] != index:
+                    readers.append(index)
+    seen, queue, chain = {start.index}, deque([start.index]), []
     while queue and len(chain) < limit:
-        node = queue.popleft()
-        chain.append(node)
-        for successor in graph.successors(node):
-            comparison = by_index.get(index_of[successor])
-            if successor not in seen and comparison is not None and comparison.verdict in (ERROR, WARNING):
+        index = queue.popleft()
+        chain.append(index)
+        for successor in consumers.get(index, []):
+            comparison = by_index[successor]
+            if successor not in seen and comparison.verdict in (ERROR, WARNING):
                 seen.add(successor)
                 queue.append(successor)
-    return sorted(chain, key=index_of.__getitem__)
+    return [start.id if i == start.index else by_index[i].a.id for i in sorted(chain)]  # type: ignore[union-attr]
 
 
 def _tainted(op: OpComparison, by_index: dict[int, OpComparison]) -> bool:
@@ -1226,7 +1235,7 @@ def _divergence(run_a: Run, step: int, rank: int, comparisons: list[OpComparison
         if start is None:  # entered through ops of run B only: follow run A from the next error
             start = next((later.a for later in comparisons[position + 1:]
                           if later.a is not None and later.verdict == ERROR), None)
-        chain = _chain(run_a, step, rank, start, by_index) if start is not None else []
+        chain = _chain(start, by_index) if start is not None else []
         if c.a is None and c.b is not None:
             chain = [c.b.id, *chain]
         return Divergence(step, rank, c.a, c.b, c, assumed, chain)
@@ -1491,9 +1500,14 @@ class Report:
         write_report("compare_csv", self.summary, self.rows, Path(path))
 
     def to_json(self, path: str | Path) -> None:
-        """The summary and the rows as JSON."""
-        Path(path).write_text(json.dumps({**self.summary, "rows": self.rows}, indent=1,
-                                         default=_json_default))
+        """The summary and the rows as JSON, a row a line: written as the rows are made, so that
+        neither the rows nor the text are held whole (they were twice what the compare held)."""
+        summary = json.dumps(self.summary, indent=1, default=_json_default)
+        with open(path, "w") as out:
+            out.write(summary[:-2] + ',\n "rows": [')  # the summary's text without its "\n}"
+            for number, c in enumerate(self.comparisons):
+                out.write(("," if number else "") + "\n  " + json.dumps(c.row(), default=_json_default))
+            out.write("\n ]\n}\n")
 
     def to_html(self, path: str | Path) -> None:
         """A self-contained HTML page: the summary, the first divergence and a sortable table."""

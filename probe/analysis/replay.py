@@ -157,10 +157,10 @@ def replay_step(
     checked = usable_device(device)
     budget = checked_budget(memory_budget)
     run = run if isinstance(run, Run) else Run(run)
-    ops = run.ops(step, rank)
-    dump = run.dump(ops[0].step, ops[0].rank) if ops and run.has_dump(ops[0].step, ops[0].rank) else None
+    step, rank = run.resolve(step, rank)
+    dump = run.dump(step, rank) if run.has_dump(step, rank) else None
     ranked, skipped = [], []
-    for op in ops:
+    for op in run.iter_ops(step, rank):  # a batch of records at a time, not the step's
         if progress is not None:
             progress()
         reason, detail = _why_not_replayable(dump, op)

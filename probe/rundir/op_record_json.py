@@ -14,6 +14,7 @@ forward op's autocast policy id into the manifest's ``autocast`` table; absent: 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,15 @@ from probe.errors import ProbeError
 from probe.tracer.op_call import OP_RECORD_FIELDS, SKIP_REASONS, OpRecordTuple
 
 _MISSING = object()
+_REPEATED = frozenset({"name", "phase", "module"})
+"""String fields that repeat from op to op: decoded as one shared string each (``sys.intern``), as
+are dtypes and module stacks' names. ``json.loads`` makes a new string for every value of every
+line, and a step's records (which ``probe compare`` holds whole, two runs at once) spent a fifth
+of their memory on copies of a few dozen words."""
+_SHAPES_KEPT = 1 << 12
+_shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+"""Shapes decoded recently, each kept once (the same few shapes recur through a step's records);
+emptied when it holds :data:`_SHAPES_KEPT`, so that a run of distinct shapes costs no more."""
 
 
 class _BadValue(Exception):
@@ -42,19 +52,27 @@ def _str(value: Any) -> str:
 def _strs(value: Any) -> tuple[str, ...]:
     if type(value) is not list or not all(type(v) is str for v in value):
         raise _BadValue("a list of strings")
-    return tuple(value)
+    return tuple(map(sys.intern, value))
 
 
 def _shape(value: Any) -> tuple[int, ...]:
     if type(value) is not list or not all(type(v) is int for v in value):
         raise _BadValue("tensors as [dtype, shape, ...] with a shape of integers")
-    return tuple(value)
+    shape = tuple(value)
+    if len(shape) > 8:  # the cache holds short shapes only: a hostile record's cannot fill it
+        return shape
+    known = _shapes.get(shape)
+    if known is None:
+        if len(_shapes) >= _SHAPES_KEPT:
+            _shapes.clear()
+        known = _shapes[shape] = shape
+    return known
 
 
 def _tensor(value: Any) -> tuple[str, tuple[int, ...], Any]:
     if type(value) is not list or len(value) != 3 or type(value[0]) is not str:
         raise _BadValue("tensors as [dtype, shape, source or mutated]")
-    return value[0], _shape(value[1]), value[2]
+    return sys.intern(value[0]), _shape(value[1]), value[2]
 
 
 def _inputs(value: Any) -> tuple[Any, ...]:
@@ -192,7 +210,7 @@ def decode(row: Any) -> OpRecordTuple:
             values.append(default)
             continue
         try:
-            values.append(decode_value(value))
+            values.append(sys.intern(decode_value(value)) if key in _REPEATED else decode_value(value))
         except _BadValue as e:
             shown = repr(value)
             shown = shown if len(shown) <= 80 else shown[:77] + "..."

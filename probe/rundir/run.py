@@ -347,6 +347,10 @@ class Run:
             for number in batch:
                 yield records[number]
 
+    def op_count(self, step: int | None = None, rank: int | None = None) -> int:
+        """How many op records one step holds, counted without decoding them (its line index)."""
+        return len(self._lines(_Place(*self.resolve(step, rank))))
+
     def tail(self, rank: int | None = None) -> list[OpRecord] | None:
         """The op records of the rank's tail (the ops after the last ``session.step()`` of a
         session that ended normally, ``rankR/tailN/``; numbered as step N, which is not among
