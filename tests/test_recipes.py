@@ -186,3 +186,15 @@ def test_convolutions_are_measured_and_fake_quantized_forward_and_backward(tmp_p
     plain = conv_step("plain", "structure")
     assert torch.equal(conv_step("empty", "fake_quant", plan=Plan(RECIPES["mxfp8"])), plain)
     assert not torch.equal(conv_step("all", "fake_quant", plan="all", recipe="mxfp8"), plain)
+
+
+def test_sparse_operands_are_left_alone(tmp_path):
+    # A sparse matmul operand has no blocks to quantize: measured and fake-quantized without it.
+    sparse, dense = torch.randn(4, 32).to_sparse(), torch.randn(32, 4)
+    modes = (("whatif", {"recipes": ["mxfp8"]}), ("fake_quant", {"plan": "all", "recipe": "mxfp8"}))
+    for name, options in modes:
+        with probe.mode(name, out=str(tmp_path / name), **options) as session:
+            product = torch.mm(sparse, dense)
+            session.step()
+        assert product.shape == (4, 4)
+    assert [m.name for m in rank_matmuls(probe.load(tmp_path / "whatif"), "mxfp8")] == ["aten.mm.default"]

@@ -62,11 +62,13 @@ INPUT, WEIGHT, GRAD_OUTPUT = range(3)
 
 
 def matmul_operands(short: str, args: tuple[Any, ...]) -> Iterator[tuple[int, torch.Tensor, Layout]]:
-    """(argument position, tensor, layout) of each floating-point operand of a matmul op."""
+    """(argument position, tensor, layout) of each dense floating-point operand of a matmul op
+    (sparse, meta and empty operands hold no values to quantize)."""
     for position, layout in MATMUL_OPERANDS.get(short, ()):
         if position < len(args):
             value = args[position]
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+            if (isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel()
+                    and value.layout == torch.strided and not value.is_meta):
                 yield position, value, layout
 
 
