@@ -61,7 +61,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -1002,6 +1002,8 @@ class LogicalRun:
         self.lead = run.ranks[0]
         self.partitions = normalize_partitions(partitions)
         self._steps: dict[int, LogicalStep] = {}
+        self._by_id: dict[int, dict[str, OpRecord]] = {}
+        """Per folded step, its logical ops by id (the first op of an id when several share it)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.run, name)
@@ -1030,6 +1032,15 @@ class LogicalRun:
         step = self.steps[0] if step is None else step
         return self.logical_step(step).ops
 
+    def iter_ops(self, step: int | None = None, rank: int | None = None) -> Iterator[OpRecord]:
+        """The logical ops of ``step``, as :meth:`ops` (the fold holds them; the run's own
+        ``iter_ops`` would give the lead rank's local ops)."""
+        return iter(self.ops(step, rank))
+
+    def op_count(self, step: int | None = None, rank: int | None = None) -> int:
+        """How many logical ops ``step`` holds."""
+        return len(self.ops(step, rank))
+
     def graph(self, step: int | None = None, rank: int | None = None,
               phases: Collection[str] | None = None) -> nx.DiGraph:
         """The logical ops' graph (the run's own is of the lead rank's local ops, whose indices
@@ -1037,8 +1048,12 @@ class LogicalRun:
         return build_graph(self.ops(step, rank), phases)
 
     def op(self, op_id: str, step: int | None = None, rank: int | None = None) -> OpRecord:
-        """The logical op ``op_id`` of ``step`` (default: the first)."""
-        found = next((op for op in self.ops(step) if op.id == op_id), None)
+        """The logical op ``op_id`` of ``step`` (default: the first), looked up by id: replaying
+        each op of a step is linear, not a pass over the step per op."""
+        step = self.steps[0] if step is None else step
+        if step not in self._by_id:
+            self._by_id[step] = {op.id: op for op in reversed(self.ops(step))}
+        found = self._by_id[step].get(op_id)
         if found is None:
             raise ProbeError(f"no logical op {op_id!r} in step {self.steps[0] if step is None else step} "
                              f"of {str(self.path)!r}")
