@@ -39,7 +39,7 @@ class WhatIf(ModeConfig):
     recipes: tuple[Recipe, ...] = option(
         (RECIPES["fp8-e4m3"], RECIPES["mxfp8"], RECIPES["nvfp4"]),
         check=Check(_recipes, f"recipe names ({_RECIPE_NAMES}), `probe.modes.recipes.Recipe` objects"),
-        doc="the recipes each matmul operand is measured under")
+        doc="the recipes each matmul operand is measured under (default: fp8-e4m3, mxfp8, nvfp4)")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
