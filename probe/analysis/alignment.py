@@ -30,6 +30,15 @@ GroupKey = tuple[str, str, int]
 _MOVES_VALUES = frozenset({"_to_copy", "to", "_to_dtype", "type_as", "clone", "detach", "alias",
                            "contiguous", "lift_fresh"})
 """Ops that hand on their one input's value (in another dtype at most), shape unchanged."""
+_REARRANGES = frozenset({
+    "t", "view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "permute", "expand", "expand_as",
+    "view_as", "unsqueeze", "squeeze", "clone", "contiguous", "detach", "alias", "_to_copy", "to",
+    "repeat", "repeat_interleave", "lift_fresh",
+})
+"""Ops that reshape, repeat or copy their one input's elements without computing on them: two
+decompositions that reshape a value their own way (a repeat_kv's expand and reshape against a
+repeat_interleave) still read the same value. Not ``roll`` or ``flip``: they move elements to
+other indices, which an elementwise consumer reads against another operand."""
 _WALKED = 64
 """How many ops of one run only are walked up from a value to the op it was made from."""
 _OUTSIDE_HOPS = 8
@@ -63,19 +72,40 @@ class _Side:
         return None
 
     def made_from(self, source: tuple[int, int], index: int) -> bool:
-        """Whether unpaired ops made ``source`` from an output of op ``index`` (walking at most
-        :data:`_WALKED` of them)."""
-        stack, seen = [source[0]], set()
-        while stack and len(seen) < _WALKED:
+        """Whether unpaired ops made ``source`` from an output of op ``index`` alone (walking at
+        most :data:`_WALKED` of them): ops one run inserted on that value (a scaling, a
+        re-implementation of one function of it). An op on the way that also reads a value of a
+        paired op other than ``index`` combines two values: no insertion (a sum autograd
+        accumulates in another order)."""
+        stack, seen, reached = [source[0]], set(), False
+        while stack:
             current = stack.pop()
             if current == index:
-                return True
-            op = self.by_index.get(current)
-            if current in seen or op is None or current in self.partner:
+                reached = True
                 continue
+            if current in seen:
+                continue
+            op = self.by_index.get(current)
+            if op is None or current in self.partner or len(seen) == _WALKED:
+                return False
             seen.add(current)
             stack += [t.source[0] for t in op.inputs if t.source is not None]
-        return False
+        return reached
+
+    def rearranged_from(self, source: tuple[int, int]) -> tuple[int, int] | None:
+        """The output of a paired op that unpaired ops only rearranged into ``source`` (at
+        most :data:`_OUTSIDE_HOPS` of them), or None."""
+        for _ in range(_OUTSIDE_HOPS):
+            op = self.by_index.get(source[0])
+            if op is None:
+                return None
+            if op.index in self.partner:
+                return source
+            made = [t.source for t in op.inputs if t.source is not None]
+            if short_name(op.name) not in _REARRANGES or len(made) != 1:
+                return None
+            source = made[0]
+        return None
 
     def from_outside(self, source: tuple[int, int] | None) -> bool:
         """Whether ``source`` is a value from outside the step, or made of one by ops of one
@@ -118,6 +148,9 @@ def _input_agrees(a: OpRecord, b: OpRecord, position: int, side_a: _Side, side_b
         return same_shape and side_b.made_from(src_b, side_a.partner[src_a[0]])
     if src_b[0] in side_b.partner:
         return same_shape and side_a.made_from(src_a, side_b.partner[src_b[0]])
+    moved_a, moved_b = side_a.rearranged_from(src_a), side_b.rearranged_from(src_b)
+    if moved_a is not None and moved_b is not None:  # one value, rearranged each its own way
+        return same_shape and side_a.partner.get(moved_a[0]) == moved_b[0] and moved_a[1] == moved_b[1]
     # Both made by unpaired ops: a boundary value of one module call read from outside it,
     # the same in both runs (where two decompositions of that call part). The call's backward
     # is inside it: what its forward saved for it is no boundary value.
