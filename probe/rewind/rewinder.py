@@ -59,20 +59,21 @@ class _Original:
 
 def nonfinite_after_step(loss: Any, params: list[torch.Tensor]) -> str | None:
     """Why a step's result is anomalous (a non-finite loss, or non-finite parameters after the
-    optimizer took a non-finite gradient), or None. One host sync."""
+    optimizer took a non-finite gradient), or None. One host sync: the checks are gathered on one
+    device and read together."""
     with torch.no_grad():
-        checks = []
-        if isinstance(loss, torch.Tensor):
-            checks.append(torch.isfinite(loss.detach()).all().to("cpu", torch.float32).reshape(1))
         floating = [p.detach() for p in params if p.is_floating_point()]
-        if floating:
-            norms = torch._foreach_norm(floating, 2, dtype=torch.float64)
-            checks.append(torch.isfinite(torch.stack([n.to("cpu") for n in norms]).sum()).to(torch.float32)
-                          .reshape(1))
-        if not checks:
+        is_loss = isinstance(loss, torch.Tensor)
+        device = loss.device if is_loss else floating[0].device if floating else None
+        if device is None:
             return None
+        checks = [torch.isfinite(loss.detach()).all().reshape(1)] if is_loss else []
+        if floating:
+            # fp64 norms: an fp16 parameter's fp16 norm overflows on finite values.
+            norms = torch._foreach_norm(floating, 2, dtype=torch.float64)
+            checks.append(torch.isfinite(torch.stack([n.to(device) for n in norms]).sum()).reshape(1))
         finite = torch.cat(checks).tolist()
-    if isinstance(loss, torch.Tensor) and not finite[0]:
+    if is_loss and not finite[0]:
         return "non-finite loss"
     if not finite[-1]:
         return "non-finite parameter after the step"

@@ -1,0 +1,267 @@
+"""Rewind: the cost of keeping each step's start, and the right-label rate over planted faults.
+
+Run from the repository root::
+
+    python -m benchmarks.rewind [--seeds 5] [--steps 30] [--markdown benchmarks/results/rewind.md]
+
+**Cost.** The demo model (``probe.demo``) at two sizes trains with and without what
+``session.step_fn`` adds to a step (``StepStart.keep``: the host copy of parameters, buffers,
+gradients, optimizer state, RNGs and batch; then the one-sync finiteness check of the loss and
+parameters), steps alternating so both see the same machine; the median wall and process-CPU
+time per step, and the host bytes kept against one copy of parameters + buffers + optimizer state
+(+ the two batches kept).
+
+**Labels.** Per seed and kind, the demo model (a wrapper adding the planted fault) trains until two
+steps after the bad step ``k = 1 + seed % 3`` under ``probe.mode("monitor")`` with
+``session.step_fn``; the non-finite step is rewound on its own. Kinds: *transient*, bit 30 of one
+element of ``layers.<l>.mlp.up_proj``'s output (one in [1, 2), which the flip makes inf) flipped
+once at step k by a forward hook, out of sight of the probe (no op made it); *precision*, the fp16
+model (AdamW eps 1e-4, fp16's smallest normal being above 1e-8) whose ``layers.<l>.mlp.up_proj``
+weight was scaled x1e5 before step k, its activations past fp16's 65504; *data*, sample j's loss
+weight set to inf in batch k; *code*, the loss scaled by ``sqrt(k - 0.5 - calls)`` with ``calls`` a
+buffer the wrapper counts forwards in. A case counts as right when the verdict is the kind and it
+names the right place: the transient's first differing op in ``layers.<l>`` (this needs the original
+traced: the session is ``probe.mode("stats")`` for that kind), the precision's first non-finite op
+in ``layers.<l>.mlp``, the data's sample j, the code's ``aten.sqrt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import probe
+from benchmarks.overhead import machine_line
+from probe.demo.model import LlamaConfig, TinyLlama, synthetic_batch
+from probe.rewind import StepStart, nonfinite_after_step
+
+KINDS = ("transient", "precision", "data", "code")
+SIZES = {
+    "demo (hidden 64, 2 layers, batch 4x32)": (LlamaConfig(), 4, 32),
+    "hidden 256, 4 layers, batch 4x128": (LlamaConfig(hidden_size=256, intermediate_size=688, num_layers=4,
+                                                      max_seq_len=128), 4, 128),
+}
+
+
+class Planted(nn.Module):
+    """The demo model with a per-sample loss weight and a forward counter (the code fault's clock)."""
+
+    def __init__(self, config: LlamaConfig, code_fault_at: int | None = None) -> None:
+        super().__init__()
+        self.model = TinyLlama(config)
+        self.code_fault_at = code_fault_at
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        logits = self.model(tokens[:, :-1]).float()
+        per_token = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")
+        loss = (per_token.mean(1) * weights.float()).mean()
+        if self.code_fault_at is not None:  # a schedule whose square root goes negative at step k
+            loss = loss * torch.sqrt(self.code_fault_at - 0.5 - self.calls)
+        with torch.no_grad():
+            self.calls += 1
+        return loss
+
+
+def _batches(config: LlamaConfig, batch: int, seq: int, steps: int,
+             seed: int) -> list[tuple[torch.Tensor, ...]]:
+    generator = torch.Generator().manual_seed(seed + 1)
+    return [(synthetic_batch(config, batch, seq, generator), torch.ones(batch)) for _ in range(steps)]
+
+
+# -- cost -------------------------------------------------------------------------------
+
+
+def measure_cost(config: LlamaConfig, batch: int, seq: int, steps: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = Planted(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = _batches(config, batch, seq, 2 * steps + 4, 0)
+
+    def fn(b: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(*b)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    start = StepStart(model, optimizer)
+    times: dict[str, list[tuple[float, float]]] = {"plain": [], "kept": []}
+    for index, b in enumerate(data):
+        kept = index % 2 == 1
+        wall, cpu = time.perf_counter(), time.process_time()
+        if kept:
+            start.keep(index, b)
+        loss = fn(b)
+        if kept:
+            nonfinite_after_step(loss, list(model.parameters()))
+        else:
+            loss.item()  # the plain loop reads its loss too (a logged loss): the same one sync
+        if index >= 4:  # warm-up
+            times["kept" if kept else "plain"].append((time.perf_counter() - wall, time.process_time() - cpu))
+    state = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    state += sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor))
+    batch_bytes = sum(t.numel() * t.element_size() for t in data[0])
+
+    def median(kind: str, column: int) -> float:
+        return statistics.median(t[column] for t in times[kind])
+
+    return {
+        "plain_ms": 1e3 * median("plain", 0), "kept_ms": 1e3 * median("kept", 0),
+        "plain_cpu_ms": 1e3 * median("plain", 1), "kept_cpu_ms": 1e3 * median("kept", 1),
+        "kept_mb": start.nbytes() / 2**20, "state_mb": state / 2**20, "batch_kb": batch_bytes / 2**10,
+    }
+
+
+# -- labels -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Case:
+    kind: str
+    seed: int
+    verdict: str
+    named: str
+    right: bool
+    seconds: float
+
+
+def run_case(kind: str, seed: int, out: Path) -> Case:
+    config, batch, seq = LlamaConfig(), 4, 32
+    bad = 1 + seed % 3
+    layer = seed % config.num_layers
+    sample = seed % batch
+    torch.manual_seed(seed)
+    model = Planted(config, code_fault_at=bad if kind == "code" else None)
+    dtype = torch.float16 if kind == "precision" else torch.float32
+    model.to(dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4 if dtype == torch.float16 else 1e-8)
+    data = _batches(config, batch, seq, bad + 2, seed)
+    if kind == "data":
+        data[bad][1][sample] = float("inf")
+    calls = []
+    if kind == "transient":
+        def flip_once(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+            calls.append(1)
+            if len(calls) == bad + 1:
+                from probe.tracer.mode_stack import untraced
+
+                with untraced():  # out of sight: no op of the program made it
+                    flat = output.detach().reshape(-1)
+                    # Bit 30 of a value in [1, 2) is the exponent's top bit: the flip makes it inf. A
+                    # flip that leaves a finite value may never show (see docs/rewind.md): not planted.
+                    candidates = ((flat.abs() >= 1) & (flat.abs() < 2)).nonzero().reshape(-1)
+                    index = (int(candidates[seed % len(candidates)]) if len(candidates)
+                             else int(flat.abs().argmax()))
+                    flat.view(torch.int32)[index] ^= 1 << 30
+
+        model.model.layers[layer].mlp.up_proj.register_forward_hook(flip_once)
+
+    def fn(b: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(*b)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    began = time.perf_counter()
+    modes: dict[str, Any] = ({"modes": "stats"} if kind == "transient" else
+                             {"modes": "monitor", "targets": ["model.layers.?"]})
+    with probe.mode(**modes, out=out, model=model) as session:
+        for step, b in enumerate(data):
+            if kind == "precision" and step == bad:
+                with torch.no_grad():
+                    model.model.layers[layer].mlp.up_proj.weight.mul_(1e5)
+            session.step_fn(fn, b, optimizer=optimizer)
+    verdicts = probe.rewind.read_verdicts(out)
+    seconds = time.perf_counter() - began
+    if not verdicts:
+        return Case(kind, seed, "no rewind", "-", False, seconds)
+    verdict = verdicts[0]
+    located = verdict.located or {}
+    named = (f"samples {verdict.samples}" if kind == "data" else
+             f"{located.get('name', '-')} in {located.get('module', '-')}")
+    place = {
+        "transient": f"model.layers.{layer}" in located.get("module", ""),
+        "precision": f"model.layers.{layer}.mlp" in located.get("module", ""),
+        "data": verdict.samples == [sample],
+        "code": located.get("name") == "aten.sqrt.default",
+    }[kind]
+    return Case(kind, seed, verdict.verdict, named, verdict.verdict == kind and verdict.step == bad and place,
+                seconds)
+
+
+# -- report -------------------------------------------------------------------------------
+
+
+def report(costs: dict[str, dict[str, float]], cases: list[Case]) -> str:
+    lines = ["# Rewind: cost of keeping the start, right-label rate", "",
+             f"`python -m benchmarks.rewind` ({machine_line()}; load average {_load()} on a machine shared "
+             "with other jobs: the process-CPU column is the steadier one).", "",
+             "## Keeping each step's start (CPU)", "",
+             "| model | step ms plain | step ms kept | wall ratio | CPU ms plain | CPU ms kept | CPU ratio "
+             "| kept MB | params+buffers+optimizer MB | batch KB |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, c in costs.items():
+        lines.append(f"| {name} | {c['plain_ms']:.2f} | {c['kept_ms']:.2f} "
+                     f"| {c['kept_ms'] / c['plain_ms']:.3f} | {c['plain_cpu_ms']:.2f} "
+                     f"| {c['kept_cpu_ms']:.2f} "
+                     f"| {c['kept_cpu_ms'] / c['plain_cpu_ms']:.3f} | {c['kept_mb']:.2f} "
+                     f"| {c['state_mb']:.2f} | {c['batch_kb']:.1f} |")
+    lines += ["", "## Right label over planted faults (demo model, CPU)", "",
+              "| kind | right | verdicts | named (seed 0) | seconds per case (median) |",
+              "| --- | ---: | --- | --- | ---: |"]
+    for kind in KINDS:
+        mine = [c for c in cases if c.kind == kind]
+        verdicts = ", ".join(sorted({c.verdict for c in mine}))
+        lines.append(f"| {kind} | {sum(c.right for c in mine)}/{len(mine)} | {verdicts} | {mine[0].named} "
+                     f"| {statistics.median(c.seconds for c in mine):.1f} |")
+    wrong = [c for c in cases if not c.right]
+    listed = "; ".join(f"{c.kind} seed {c.seed}: {c.verdict} ({c.named})" for c in wrong)
+    lines += ["", "Wrong: " + (listed or "none"), ""]
+    return "\n".join(lines)
+
+
+def _load() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per side of the cost table")
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args(argv)
+    warnings.simplefilter("ignore")
+    costs = {name: measure_cost(config, batch, seq, args.steps)
+             for name, (config, batch, seq) in SIZES.items()}
+    cases = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in KINDS:
+            for seed in range(args.seeds):
+                cases.append(run_case(kind, seed, Path(tmp) / f"{kind}-{seed}"))
+                print(cases[-1], file=sys.stderr)
+    text = report(costs, cases)
+    print(text)
+    if args.markdown is not None:
+        args.markdown.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
