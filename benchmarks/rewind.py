@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,19 @@ def _batches(config: LlamaConfig, batch: int, seq: int, steps: int,
     return [(synthetic_batch(config, batch, seq, generator), torch.ones(batch)) for _ in range(steps)]
 
 
+def training_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[tuple], torch.Tensor]:
+    """The ``fn`` of ``session.step_fn``: forward, backward, update; returns the loss."""
+
+    def fn(batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(*batch)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return fn
+
+
 # -- cost -------------------------------------------------------------------------------
 
 
@@ -89,13 +103,7 @@ def measure_cost(config: LlamaConfig, batch: int, seq: int, steps: int) -> dict[
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = _batches(config, batch, seq, 2 * steps + 4, 0)
 
-    def fn(b: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(*b)
-        loss.backward()
-        optimizer.step()
-        return loss
-
+    fn = training_step(model, optimizer)
     start = StepStart(model, optimizer)
     times: dict[str, list[tuple[float, float]]] = {"plain": [], "kept": []}
     for index, b in enumerate(data):
@@ -169,13 +177,7 @@ def run_case(kind: str, seed: int, out: Path) -> Case:
 
         model.model.layers[layer].mlp.up_proj.register_forward_hook(flip_once)
 
-    def fn(b: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(*b)
-        loss.backward()
-        optimizer.step()
-        return loss
-
+    fn = training_step(model, optimizer)
     began = time.perf_counter()
     modes: dict[str, Any] = ({"modes": "stats"} if kind == "transient" else
                              {"modes": "monitor", "targets": ["model.layers.?"]})

@@ -136,24 +136,26 @@ def test_training_after_a_rewind_is_bit_identical_to_training_without_it(tmp_pat
         np.random.seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 1))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1)  # grows every step
 
         def fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
             x, y = batch
             optimizer.zero_grad()
             noise = random.random() + float(np.random.rand())  # every RNG the step reads
             loss = ((model(x) - y) ** 2).mean() * (1 + noise)
-            loss.backward()
-            optimizer.step()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
             return loss
 
         verdicts = []
         with probe.mode("stats", out=out, model=model) as session:
             for step, batch in enumerate(_batches(n=4)):  # step 1 rewound, then steps 2 and 3
-                session.step_fn(fn, batch, optimizer=optimizer)
+                session.step_fn(fn, batch, optimizer=optimizer, scaler=scaler)
                 if step == rewind_after:
                     verdicts.append(session.rewind())
-        return (_state(model, optimizer.state), torch.get_rng_state(), random.getstate(),
-                np.random.get_state()[1].copy(), verdicts)
+        return (_state(model, optimizer.state) + [scaler.get_scale() * torch.ones(())], torch.get_rng_state(),
+                random.getstate(), np.random.get_state()[1].copy(), verdicts)
 
     plain = run(tmp_path / "plain", None)
     rewound = run(tmp_path / "rewound", 1)

@@ -194,8 +194,8 @@ class StepStart:
                 + self.batch.copies.nbytes() + self.previous_batch.copies.nbytes())
 
     def equals_live(self) -> bool:
-        """Whether the live parameters, buffers, gradients, optimizer state and RNG states equal the
-        kept ones bit for bit (the batch aside)."""
+        """Whether the live parameters, buffers, gradients, optimizer state, the scaler's state and the
+        RNG states equal the kept ones bit for bit (the batch aside)."""
         params = list(self.model.parameters())
         live = [*self._state_tensors(), *(p.grad for p in params if p.grad is not None)]
         kept = [*self._params.buffers, *self._grads.buffers]
@@ -210,6 +210,8 @@ class StepStart:
             live += [self.optimizer.state[opt_params[i]][k] for i, k in layout]
             kept += self._optimizer_tensors.buffers
         if not all(same_bits(a, b) for a, b in zip(live, kept, strict=True)):
+            return False
+        if self.scaler is not None and self.scaler.state_dict() != self._scaler_state:
             return False
         assert self._rng is not None
         return same_bits(torch.get_rng_state(), self._rng.torch_cpu)
