@@ -154,7 +154,7 @@ def test_training_after_a_rewind_is_bit_identical_to_training_without_it(tmp_pat
                 session.step_fn(fn, batch, optimizer=optimizer, scaler=scaler)
                 if step == rewind_after:
                     verdicts.append(session.rewind())
-        return (_state(model, optimizer.state) + [scaler.get_scale() * torch.ones(())], torch.get_rng_state(),
+        return ([*_state(model, optimizer.state), scaler.get_scale() * torch.ones(())], torch.get_rng_state(),
                 random.getstate(), np.random.get_state()[1].copy(), verdicts)
 
     plain = run(tmp_path / "plain", None)
