@@ -551,6 +551,8 @@ class Session:
             manifest[layout.COMPILED_EAGER_KEY] = self._compiled_eager
         if untraced:
             manifest[layout.UNTRACED_THREADS_KEY] = untraced
+        if tracer.mode_failures:
+            manifest[layout.MODE_FAILURES_KEY] = dict(tracer.mode_failures)
         used_policies = {r[RECORD_AUTOCAST] for r in records}
         manifest[layout.AUTOCAST_KEY] = tracer.modules.policies.manifest(used_policies)
         if tracer.opened_regions:

@@ -345,3 +345,73 @@ def test_a_compiled_model_trains_under_stats_with_warnings_as_errors(tmp_path, w
             compiled(torch.randn(4, 8))
     finally:
         handle.remove()
+
+
+def _train_mlp(session_factory: Callable[[], object] | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [torch.randn(4, 8) for _ in range(3)]
+    losses = []
+    session = session_factory(model) if session_factory is not None else None
+    if session is not None:
+        session.start()
+    for batch in data:
+        loss = model(batch).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if session is not None:
+            session.step()
+    if session is not None:
+        session.stop()
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_mode_whose_per_op_work_raises_is_detached_and_training_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A fault planted in the stats mode's per-op work (its ``after`` raising at the second
+    addmm of step 1): training finishes bit-identical to a run without the probe, the mode is
+    detached with one warning, the manifests of step 1 on say so, and the ops it no longer
+    measured hold no statistics (never a value carried over)."""
+    from probe.modes.stats.mode import StatsMode
+
+    original = StatsMode.after
+    seen = {"addmm": 0}
+
+    def failing_after(self: StatsMode, call: object) -> None:
+        if call.op_id.endswith("aten.addmm.default:0") and call.phase == "forward":  # type: ignore[attr-defined]
+            seen["addmm"] += 1
+            if seen["addmm"] == 4:  # step 1's second Linear
+                raise ValueError("planted failure in the mode")
+        original(self, call)
+
+    monkeypatch.setattr(StatsMode, "after", failing_after)
+    bare_losses, bare_state = _train_mlp(None)
+    out = tmp_path / "run"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, state = _train_mlp(lambda model: probe.mode("stats", out=str(out), model=model))
+    assert losses == bare_losses
+    for name, value in bare_state.items():
+        assert torch.equal(state[name], value), name
+    said = [str(w.message) for w in caught if "mode failed" in str(w.message)]
+    assert len(said) == 1 and "planted failure" in said[0], said
+
+    run = probe.load(str(out))
+    manifests = {s: json.loads((out / "rank0" / f"step{s}" / "manifest.json").read_text()) for s in run.steps}
+    assert "mode_failures" not in manifests[0]
+    for step in (1, 2):
+        reason = manifests[step]["mode_failures"]["stats"]
+        assert reason.startswith("ValueError at forward:2[0]:aten.addmm.default:0"), reason
+    failed_at = next(op for op in run.ops(step=1) if op.id == "forward:2[0]:aten.addmm.default:0")
+    assert all(t.stats is None for t in failed_at.outputs)
+    assert all(t.stats is None for op in run.ops(step=2) for t in op.outputs)
+    measured = [t.stats for op in run.ops(step=0) for t in op.outputs if t.dtype.startswith("float")]
+    assert measured and all(stats is not None for stats in measured)
+
+    summary = subprocess.run([sys.executable, "-m", "probe.cli", "summary", str(out)],
+                             capture_output=True, text=True, timeout=300)
+    assert summary.returncode == 0, summary.stderr
+    assert "MODE FAILED: stats (ValueError at forward:2[0]:aten.addmm.default:0" in summary.stdout

@@ -65,6 +65,10 @@ class StepSummary:
     untraced_threads: dict[str, int] = field(default_factory=dict)
     """Thread name -> module and optimizer calls that ran there unseen by the dispatch mode (it
     is per thread): the step's records lack their ops (the manifest's ``untraced_threads``)."""
+    mode_failures: dict[str, str] = field(default_factory=dict)
+    """Mode name -> where its per-op work raised and what: the probe detached it there so that
+    training went on, and the step holds none of its data from that op on (the manifest's
+    ``mode_failures``)."""
     unreadable: str | None = None
     """Why the step could not be read (a damaged file, named): it is reported and skipped, the
     other fields are empty. None for a step that was read."""
@@ -184,6 +188,7 @@ def summarize_step(run: Run, step: int, rank: int, top: int = 5) -> StepSummary:
         anomalies=run.anomalies_of(step, rank),
         unmeasured=_unmeasured(info.manifest),
         untraced_threads=_untraced_threads(run, step, rank, info.manifest),
+        mode_failures=_mode_failures(run, step, rank, info.manifest),
         loss_scaler=scaler,
         overflow_handled=handled,
     )
@@ -213,6 +218,15 @@ def _untraced_threads(run: Run, step: int, rank: int, manifest: dict) -> dict[st
         expect(entry, dict, layout.UNTRACED_THREADS_KEY)
         return {expect(name, str, "a thread name"): expect(calls, int, f"the calls on thread {name!r}")
                 for name, calls in entry.items()}
+
+
+def _mode_failures(run: Run, step: int, rank: int, manifest: dict) -> dict[str, str]:
+    """The manifest's ``mode_failures``, checked as ``untraced_threads`` is."""
+    entry = manifest.get(layout.MODE_FAILURES_KEY, {})
+    with reading(layout.step_dir(run.path, rank, step) / layout.MANIFEST_FILE):
+        expect(entry, dict, layout.MODE_FAILURES_KEY)
+        return {expect(name, str, "a mode name"): expect(reason, str, f"why mode {name!r} failed")
+                for name, reason in entry.items()}
 
 
 def summarize(run: Run, top: int = 5) -> Iterator[StepSummary]:

@@ -78,6 +78,9 @@ def render_step(console: Console, summary: StepSummary) -> None:
     untraced = _untraced_line(summary)
     if untraced is not None:
         console.print(untraced, style="red", markup=False, highlight=False)
+    for name, reason in sorted(summary.mode_failures.items()):
+        console.print(f"MODE FAILED: {name} ({reason}); detached so that training went on: "
+                      "its data is missing from there on", style="red", markup=False, highlight=False)
     bad = summary.first_nonfinite
     if summary.monitored and not total:
         pass  # a monitor-only step: its own lines below say what it saw
@@ -181,6 +184,8 @@ def _step_line(summary: StepSummary) -> str:
     parts = [f"step {summary.step} rank {summary.rank}: {sum(summary.phase_counts.values())} ops"]
     if not summary.complete:
         parts.append(f"INCOMPLETE ({summary.reason})")
+    if summary.mode_failures:
+        parts.append(f"mode(s) {', '.join(sorted(summary.mode_failures))} FAILED, detached")
     if summary.untraced_threads:
         parts.append(f"ops on thread(s) {', '.join(map(repr, sorted(summary.untraced_threads)))} NOT TRACED")
     if summary.first_nonfinite is not None:

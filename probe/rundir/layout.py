@@ -67,6 +67,11 @@ AUTOCAST_KEY = "autocast"
 records hold (``amp``): each ``{device type: dtype}`` autocast was enabled for, ``{}`` when it was
 off (``probe.tracer.autocast_policy``). Absent in runs written before it: their ops' policy is not
 known."""
+MODE_FAILURES_KEY = "mode_failures"
+"""Step manifest entry: mode name -> where its per-op work first raised and what (``"ValueError at
+forward:fc[0]:aten.mm.default:0: ..."``). The mode was detached there so that training went on;
+from that op on the step holds none of its data (its ops read as not measured, never as a pass).
+Absent when every mode ran to the end."""
 UNTRACED_THREADS_KEY = "untraced_threads"
 """Step manifest entry: thread name -> module and optimizer calls on that thread in the step,
 which the probe's dispatch mode did not see (a dispatch mode is per thread): their ops are not in

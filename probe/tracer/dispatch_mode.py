@@ -79,6 +79,9 @@ class Tracer:
         self._after_modes = [o for o in observers if type(o).after is not OpObserver.after]
         self._observed = bool(self._before_modes or self._after_modes or self._replacer)
         """Some mode sees the op calls (``structure`` overrides no hook: no OpCall to build)."""
+        self.mode_failures: dict[str, str] = {}
+        """Observing modes whose per-op work raised, by name: where and what (see
+        :meth:`_detach_failed`). Kept for the session; each later step's manifest lists them."""
         self.modules = ModuleTracker(options.model)
         self.modules.traces_current_thread = self._traces_current_thread
         self.call_sites = CallSites() if options.stack else None
@@ -322,7 +325,10 @@ class Tracer:
                 call.skipped = skipped
                 call.uninitialized = uninitialized
                 for mode in self._before_modes:
-                    mode.before(call)
+                    try:
+                        mode.before(call)
+                    except Exception as failure:
+                        self._detach_failed(mode, op_id, failure)
             if self._replacer is not None and call is not None:
                 out = self._replacer.run(call, func, args, kwargs)
             else:
@@ -487,8 +493,27 @@ class Tracer:
     def _finish(self, call: OpCall) -> None:
         """The op's results are final: the modes see them, then the call lets go of its tensors."""
         for mode in self._after_modes:
-            mode.after(call)
+            try:
+                mode.after(call)
+            except Exception as failure:
+                self._detach_failed(mode, call.op_id, failure)
         call.release()
+
+    def _detach_failed(self, mode: OpObserver, op_id: str, failure: Exception) -> None:
+        """A passive mode's per-op work raised: the user's op is not at fault, so training must
+        not see it. The mode sees no more ops in this session (its state after a failure in the
+        middle of its work is not to be trusted); what it did not record is missing, never a
+        guess (a reader finds those ops without its data), and every later step's manifest says
+        why (``mode_failures``). ``KeyboardInterrupt`` and other ``BaseException``s still pass."""
+        name = getattr(mode, "name", type(mode).__name__)
+        reason = f"{type(failure).__name__} at {op_id}: {failure}"[:500]
+        self.mode_failures.setdefault(name, reason)
+        self._before_modes = [m for m in self._before_modes if m is not mode]
+        self._after_modes = [m for m in self._after_modes if m is not mode]
+        self._observed = bool(self._before_modes or self._after_modes or self._replacer)
+        warn_once(f"mode-failed:{name}", f"the {name} mode failed ({reason}); it records nothing more "
+                  "in this session and training goes on; each later step's manifest lists it under "
+                  "'mode_failures'")
 
 
 class ProbeDispatchMode(TorchDispatchMode):
