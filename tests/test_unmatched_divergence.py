@@ -121,3 +121,49 @@ def test_cli_replay_limit(references, tmp_path, capsys):
     assert code == 1
     summary = (out / "report.json").read_text()
     assert '"rule": "unmatched producer"' in summary and ACT in summary
+
+
+MLP = "model.layers.1.mlp"
+
+
+def _scaled_output_run(out, autocast: bool, factor: float | None):
+    """Two AdamW steps of a tiny Llama (stats); from step 1 on, ``MLP``'s output times ``factor``:
+    a ``mul`` that exists in this run only, between two ops both runs have."""
+    from hf_models import tiny_llama, train_steps
+
+    model = tiny_llama(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_key_value_heads=4)
+    mlp, on = model.get_submodule(MLP), [False]
+    forward = mlp.forward
+    if factor is not None:
+        mlp.forward = lambda x: forward(x) * factor if on[0] else forward(x)
+    with probe.mode("stats", out=out, model=model) as session:
+        train_steps(model, session, autocast=autocast, before_step=lambda step: on.__setitem__(0, step >= 1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp32_reference(tmp_path_factory):
+    return _scaled_output_run(tmp_path_factory.mktemp("fp32") / "a", autocast=False, factor=None)
+
+
+def test_an_output_scaled_by_5_percent_under_autocast_is_found_at_its_module_and_step(fp32_reference,
+                                                                                     tmp_path):
+    # The residual add after the scaled output was judged "32 x the inputs' 0.048 + rounding":
+    # the scaled value itself counted as the difference upstream. The add's input is the matched
+    # down_proj's output passed through one multiplication by a number: its difference there is
+    # down_proj's (0.007 under bf16 autocast) plus one bf16 rounding, with margin 2, far below 0.048.
+    report = probe.compare(fp32_reference, _scaled_output_run(tmp_path / "b", autocast=True, factor=1.05))
+    d = report.divergence
+    assert d is not None, report.conclusion
+    assert (d.step, d.op.module, d.rule) == (1, MLP, "unmatched producer"), (d.op.id, d.comparison.message)
+    assert d.op_a is None and d.op_b.name == "aten.mul.Tensor"
+    assert "beyond 2 x the" in d.comparison.message and "exist in run B only" in d.comparison.message
+    assert report.conclusion == f"first divergence at {d.op_b.id} in {MLP} (rule: unmatched producer)"
+
+
+def test_the_same_autocast_run_unscaled_is_no_divergence(fp32_reference, tmp_path):
+    # The bound the scaled output exceeds keeps autocast's own casts (ops of run B only before
+    # every matmul, the same kind of path) below it.
+    report = probe.compare(fp32_reference, _scaled_output_run(tmp_path / "b", autocast=True, factor=None))
+    assert report.divergence is None and report.ok, report.conclusion
+    assert report.conclusion == "no divergence: differences consistent with bf16 autocast"

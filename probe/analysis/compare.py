@@ -588,6 +588,18 @@ def _producer_error(by_index: dict[int, OpComparison], source: tuple[int, int]) 
     return None
 
 
+def _measured_error(by_index: dict[int, OpComparison], source: tuple[int, int]) -> float | None:
+    """The difference of a producer's output as its records measure it (None when unknown)."""
+    producer = by_index.get(source[0])
+    if producer is None or producer.a is None or producer.b is None or source[1] >= len(producer.b.outputs) \
+            or source[1] >= len(producer.a.outputs):
+        return None
+    for t in producer.outputs:
+        if t.position == source[1]:
+            return _error_of(t, producer.a.outputs[source[1]], producer.b.outputs[source[1]])
+    return None
+
+
 def _passed_on(by_index: dict[int, OpComparison], source: tuple[int, int] | None) -> float:
     """How far the elements of a producer's output may be apart by what its inputs differ (0
     when its inputs were not judged).
@@ -924,10 +936,15 @@ class _RunView:
 
 
 def _upstream_error(view: _RunView, boundary: list[tuple[int, int]]) -> float | None:
-    """The largest difference of the matched outputs at ``boundary`` (None: one is unknown)."""
+    """The largest difference of the matched outputs at ``boundary`` (None: one is unknown).
+
+    An output within the thresholds is measured too: its difference is the one the ops of one
+    run carry on, and a bound needs its size, not only that it is small."""
     upstream = 0.0
     for source in boundary:
         error = _producer_error(view.comparisons, source)
+        if error is None:
+            error = _measured_error(view.comparisons, source)
         if error is None:
             return None
         upstream = max(upstream, error)
@@ -977,7 +994,16 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
             worst_upstream = max(worst_upstream, carry.bound)  # state earlier steps explain
         if worst_upstream >= WHOLLY:
             continue  # the values upstream differ as much as they are large: nothing to bound
-        bound = precision.CONDITION * worst_upstream + rounding
+        # On statistics only: dumped values are measured element by element (differing_error),
+        # which a whole tensor's difference upstream does not bound.
+        faithful = None if on_data else _faithful_rounding(ops, position, walks, views)
+        if faithful is not None:
+            # Views, casts and scalings by a number carry a difference unamplified: what they
+            # add is one rounding each, so the bound is that model's, with margin.
+            factor, rounding = FAITHFUL_MARGIN, FAITHFUL_MARGIN * faithful
+        else:
+            factor = precision.CONDITION
+        bound = factor * worst_upstream + rounding
         if difference <= bound:
             continue
         k = 1 if walks[1] and walks[1][0] else 0  # run B's re-implementation when both runs have some
@@ -986,11 +1012,52 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
         blamed = next((p for p in producers if p.module == module), producers[0])
         names = ", ".join(sorted({p.name for p in producers}))
         message = (f"input {position} of {c.a.id} differs by {difference:.3g} (relative), beyond "
-                   f"{precision.CONDITION:g} x the {worst_upstream:.3g} of the matched ops upstream + "
+                   f"{factor:g} x the {worst_upstream:.3g} of the matched ops upstream + "
                    f"rounding {rounding:.3g} = {bound:.3g}: it was produced by ops that exist in run "
                    f"{'AB'[k]} only ({len(producers)} op(s): {names}, in {module or '<outside modules>'})")
         return views[k].comparisons[blamed.index], message
     return None
+
+
+FAITHFUL_MARGIN = 2.0
+"""How far beyond its error model a difference carried through views, casts and scalings may go
+before it entered there: the model (the difference upstream plus one unit roundoff per rounding)
+is a worst case, so healthy pairs sit at or below half the bound."""
+
+
+def _faithful_rounding(ops: tuple[OpRecord, OpRecord], position: int,
+                       walks: list[tuple[list[OpRecord], list[tuple[int, int]]] | None],
+                       views: tuple[_RunView, _RunView]) -> float | None:
+    """The rounding the one-run-only ops before input ``position`` add, when one run's are a
+    path of :func:`precision.faithful_rounding` ops (views, casts, scalings by a number) from the
+    very value the other run reads there: the matched op's output both runs start from, or the
+    same tensor from outside the step. None otherwise (the general bound judges).
+
+    Such a path changes nothing a correct program relies on but rounding (autocast's cast of an
+    activation): a difference beyond it was made there, by a cast that lowers more than the
+    other run's precision explains, or by a scaling the other run does not have."""
+    sides = [k for k, walk in enumerate(walks) if walk is not None and walk[0]]
+    if len(sides) != 1:
+        return None  # both runs re-implement here: their ops are not one path of the other's value
+    k = sides[0]
+    producers = walks[k][0]  # type: ignore[index]
+    other = ops[1 - k].inputs[position].source
+    total, expected = 0.0, ops[k].inputs[position].source
+    for op in reversed(producers):  # from the input back to the path's start
+        if expected is None or op.index != expected[0]:
+            return None  # a branch: not one path
+        rounding = precision.faithful_rounding(op)
+        if rounding is None:
+            return None
+        total += rounding
+        expected = op.inputs[0].source
+    if expected is None:  # the path starts at a tensor from outside the step
+        return total if other is None else None
+    matched = views[k].comparisons.get(expected[0])
+    partner = (matched.a if k == 1 else matched.b) if matched is not None else None
+    if partner is None or other is None or (partner.index, expected[1]) != tuple(other[:2]):
+        return None
+    return total
 
 
 def _changed_between_steps(ops: tuple[OpRecord, OpRecord], position: int,

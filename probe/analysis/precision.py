@@ -652,6 +652,43 @@ def selection_gain(op: OpRecord) -> float:
     return max(ratio, 1.0) if math.isfinite(ratio) else 1.0
 
 
+_WHOLE_VIEWS = frozenset({
+    "t", "view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "permute", "expand", "expand_as",
+    "contiguous", "clone", "detach", "alias", "unsqueeze", "squeeze", "lift_fresh", "view_as",
+})
+"""Ops whose result holds every element of their one input, unchanged (repeated at most): the
+statistics of a difference pass through them as they are."""
+_VALUE_CASTS = frozenset({"_to_copy", "to", "_to_dtype"})
+_SCALINGS = frozenset({"mul", "div", "neg", "mul_", "div_", "neg_"})
+
+
+def faithful_rounding(op: OpRecord) -> float | None:
+    """The most ``op`` can move the statistics of its one tensor input, relative, when it keeps
+    every element's value up to one rounding: 0 for a view of the whole tensor, the unit
+    roundoff of its result's dtype (half its eps) for a cast down or a scaling by a number
+    (``x * 1.05``, ``x.to(bfloat16)``). None for any other op (one that selects part of its
+    input, combines tensors, or computes a function of them): the general condition bound is
+    its error model.
+
+    Each element rounded once is off by at most the unit roundoff relative to itself, so its
+    extremes and norm are, and its mean relative to the tensor's rms: a difference of two runs
+    measured before such an op is carried through it unamplified, plus that rounding."""
+    tensors = [t for t in op.inputs if _floating(t.dtype) is not None]
+    if len(op.inputs) != 1 or len(tensors) != 1 or len(op.outputs) != 1:
+        return None
+    out, inp = _floating(op.outputs[0].dtype), _floating(tensors[0].dtype)
+    if out is None or inp is None:
+        return None
+    short = short_name(op.name)
+    if short in _WHOLE_VIEWS:
+        return 0.0 if out == inp else None
+    if short in _VALUE_CASTS:
+        return eps(out) / 2 if _lower(out, inp) else 0.0  # a widening is exact
+    if short in _SCALINGS:
+        return eps(lower_of(out, inp)) / 2
+    return None
+
+
 def held_precision(ops: list[OpRecord]) -> dict[tuple[int, int], torch.dtype]:
     """For each floating output ``(op index, position)``, the lowest precision its value passed
     through on its way from the step's inputs: a value computed from a bf16 matmul's result
