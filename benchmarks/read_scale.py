@@ -1,5 +1,6 @@
-"""How reading a run scales with the size of a step: ``probe summary``, ``probe compare`` and
-``probe graph --format json`` on one step of 10^4 and 10^5 ops (and 10^6 with ``--full``).
+"""How reading a run scales with the size of a step: ``probe summary``, ``probe compare`` (with its
+reports written), ``probe replay`` (every op of the step) and ``probe graph --format json`` on one
+step of 10^4 and 10^5 ops (and 10^6 with ``--full``).
 
 Run from the repository root::
 
@@ -10,7 +11,10 @@ For each size N: one step of N tiny ops (a loop of ``x * 1.0001`` and ``x + 0.00
 ``probe.mode("stats")``; a copy of the run is the second run of the compare; a second copy gets a
 synthetic ``callsites.json`` where every op has its own call site of ``--frames`` distinct frames
 (a ``stack=True`` run of a program with N call sites; ~70 MB by default, under the 256 MiB a
-call site table may hold), to time summary's reading of call sites.
+call site table may hold), to time summary's reading of call sites. The replay reads the same
+program traced under ``probe.mode(["stats", "dump"])``, at its own sizes (``--replay-sizes``, default
+1,000 and 4,000 ops): replaying an op costs tens of milliseconds of arithmetic and metrics, so
+a step of 10^5 ops takes hours whatever the reading costs.
 Each command then runs in a fresh process, which reports its wall time and its peak RSS; the RSS
 of a process that only imports the same modules is given too, so "MB over imports" is what the
 command itself held. The goal (issue 32): linear in what is read, a step of 10^6 ops to JSON in
@@ -32,7 +36,7 @@ from benchmarks.overhead import machine_line
 _TRACE = """
 import resource, sys, time, torch, probe
 from torch import nn
-n, out = int(sys.argv[1]), sys.argv[2]
+n, out, modes = int(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
 class Tiny(nn.Module):
     def forward(self, x):
         for _ in range(n // 2):
@@ -41,7 +45,7 @@ class Tiny(nn.Module):
         return x
 model = Tiny()
 start = time.perf_counter()
-with probe.mode("stats", out=out, model=model, async_flush=False) as session:
+with probe.mode(modes, out=out, model=model, async_flush=False) as session:
     model(torch.ones(4))
     session.step()
 print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
@@ -101,13 +105,20 @@ def _size(path: Path) -> float:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e6
 
 
-def measure(sizes: list[int], frames: int | None, workdir: Path
+def measure(sizes: list[int], replay_sizes: list[int], frames: int | None, workdir: Path
             ) -> list[tuple[int, str, float, float, float]]:
     """Rows of (ops, what, seconds, peak MB, MB read)."""
     rows = []
+    for n in replay_sizes:
+        dumped = workdir / f"dumped{n}"
+        seconds, peak = _child(_TRACE, str(n), str(dumped), "stats,dump")
+        rows.append((n, "trace (stats, dump)", seconds, peak, 0.0))
+        seconds, peak = _child(_COMMAND, "replay", str(dumped), "--top", "5")
+        rows.append((n, "replay (every op)", seconds, peak, _size(dumped)))
+        shutil.rmtree(dumped)
     for n in sizes:
         run, twin, sites = workdir / f"run{n}", workdir / f"twin{n}", workdir / f"sites{n}"
-        seconds, peak = _child(_TRACE, str(n), str(run))
+        seconds, peak = _child(_TRACE, str(n), str(run), "stats")
         rows.append((n, "trace (stats)", seconds, peak, 0.0))
         shutil.copytree(run, twin)
         sites_mb = with_call_sites(run, sites, frames or min(64, max(1, 1_000_000 // n)))
@@ -132,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help="add a step of 10^6 ops (~2 GB to trace)")
     parser.add_argument("--sizes", help="comma-separated op counts (default 10000,100000)")
+    parser.add_argument("--replay-sizes", help="comma-separated op counts of the replay (default 1000,4000)")
     parser.add_argument("--frames", type=int, help="frames of each synthetic call site (default: a "
                         "callsites.json of ~70 MB, at most 64 frames: 10 at 10^5 ops)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
@@ -141,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         sizes.append(1_000_000)
     _, imports = _child(_IMPORTS)
     with tempfile.TemporaryDirectory(prefix="probe-read-scale-") as tmp:
-        rows = measure(sizes, args.frames, Path(tmp))
+        replay_sizes = [int(s) for s in (args.replay_sizes or "1000,4000").split(",")]
+        rows = measure(sizes, replay_sizes, args.frames, Path(tmp))
     print(f"reading a step of N ops  {machine_line()}")
     print(f"a process that only imports the reader peaks at {imports:.0f} MB RSS\n")
     header = ("ops", "what", "seconds", "peak MB", "MB over imports", "MB on disk")
