@@ -9,7 +9,7 @@ For each family of the diagnosis benchmark (``benchmarks/diagnosis.py``'s tiny t
 models, fp32, random weights), one layer's MLP input gets an outlier channel: the output of the
 norm that feeds the MLP of block ``LAYER`` has channel 0 multiplied by 1000 (SwiGLU-style models
 carry such channels, arXiv 2409.12517). One training step is recorded under the whatif mode, and
-``probe.analysis.recipe_plan.rank_matmuls`` ranks the matmuls; the planted layer should come first.
+``probe.modes.recipes.ranking.rank_matmuls`` ranks the matmuls; the planted layer should come first.
 Then each matmul's measured error: its output's relative L2 error with its operands alone
 quantized-dequantized (every matmul of the step, in one pass), and with ``--gradient-families``
 the relative L2 error of all parameter gradients when the fake_quant mode quantizes that matmul
@@ -145,9 +145,9 @@ def measure(family: Family, recipes: list[str], root: Path, gradient_error: bool
             progress: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
     """The rows of one family: per recipe, the top-ranked matmul and the rank correlations."""
     import probe
-    from probe.analysis.recipe_plan import rank_matmuls
     from probe.modes.recipes import RECIPES, Plan
     from probe.modes.recipes.operands import MATMUL_OPERANDS
+    from probe.modes.recipes.ranking import rank_matmuls
 
     block = f"{family.layers}.{LAYER}"
     _one_step(family, root / "whatif", "whatif", recipes=recipes)

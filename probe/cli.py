@@ -545,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
-    from probe.analysis.recipe_plan import write_plan
+    from probe.modes.recipes.ranking import write_plan
 
     made, path = write_plan(args.run, args.recipe, args.output, args.keep_fraction, args.rank)
     for entry in made.ranking[: args.top]:

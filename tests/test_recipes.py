@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import probe
-from probe.analysis.recipe_plan import plan, rank_matmuls
 from probe.cli import main
 from probe.modes.recipes import RECIPES, Plan, Recipe
 from probe.modes.recipes.quantize import e2m1_codes, e2m1_values, e8m0_exponent, fake_quantize, what_if
+from probe.modes.recipes.ranking import plan, rank_matmuls
 from tests.hf_models import assert_trained_alike, tiny_llama, train_steps
 
 OUTLIER_LAYER, OUTLIER_CHANNEL = 1, 5

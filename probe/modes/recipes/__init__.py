@@ -2,7 +2,7 @@
 its statistics (``quantize``), the matmul operands they apply to (``operands``), the passive
 ``whatif`` mode that measures every matmul operand under each recipe (``whatif``, read back by
 ``files``), the plan file (``plan_file``; ``probe plan`` ranks and writes it, see
-``probe.analysis.recipe_plan``) and the active ``fake_quant`` mode that checks a plan
+``probe.modes.recipes.ranking``) and the active ``fake_quant`` mode that checks a plan
 (``fake_quant``). ``options`` holds their options objects."""
 
 from __future__ import annotations
