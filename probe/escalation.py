@@ -174,6 +174,19 @@ class Escalation:
                 mode.begin_step(step)
             self._armed_step = step
 
+    def _announce(self, step: int) -> None:
+        """Say that ``step`` was traced, as it is written: a window announced whole when it opened
+        named steps the run never reached (it ended inside the window)."""
+        window = self.window
+        assert window is not None
+        began = [i["step"] for i in window.incidents]
+        causes = ", ".join(f"step {s}" for s in began)
+        place = f"step {step} ({step - window.first + 1} of {window.last - window.first + 1})"
+        late = ("; the incident reached the session at that step's start (the monitor's writer reports "
+                "a step or two late)") if step == window.first and step > min(began) + 1 else ""
+        log.warning("probe monitor: traced %s with %s after the incident at %s%s", place,
+                    list(self.trace_modes), causes, late)
+
     def _learn(self, heard: Incident, step: int) -> None:
         incident = heard.record
         if any(w.first <= heard.step <= w.last for w in self._windows):
@@ -217,10 +230,6 @@ class Escalation:
             return
         self._armed, self._modes = armed, modes
         self.observer.set([o for m in modes if (o := m.observer()) is not None])
-        causes = ", ".join(f"step {i['step']}" for i in window.incidents)
-        steps = f"step {step}" if window.first == window.last else f"steps {window.first}-{window.last}"
-        log.warning("probe monitor: tracing %s with %s after the incident at %s", steps,
-                    list(self.trace_modes), causes)
 
     def _disarm(self, step: int) -> None:
         """Take the tracer off; the window's modes are closed once its last step is on disk."""
@@ -253,6 +262,7 @@ class Escalation:
         entries: dict[str, Any] = {}
         window = self.window
         if self._armed_step == step and window is not None:
+            self._announce(step)
             entries[MANIFEST_KEY] = {"window": [window.first, window.last],
                                      "trace_modes": list(self.trace_modes),
                                      "incidents": [dict(i) for i in window.incidents]}

@@ -109,7 +109,8 @@ def test_an_inf_at_step_3_traces_the_next_n_steps_and_only_those(tmp_path, caplo
     assert [i["step"] for i in marker["incidents"]] == [3] and marker["incidents"][0]["rule"] == "nonfinite"
     bad = run.first_nonfinite(step=4, rank=0)
     assert bad is not None and bad.module.startswith("model.layers.1.mlp")
-    assert "tracing steps 4-5 with ['stats'] after the incident at step 3" in caplog.text
+    assert "traced step 4 (1 of 2) with ['stats'] after the incident at step 3" in caplog.text
+    assert "traced step 5 (2 of 2) with ['stats'] after the incident at step 3" in caplog.text
 
     [link] = escalation_links(run)
     assert link.root.step == 3 and link.traced == [4, 5] and link.recurred
@@ -118,6 +119,15 @@ def test_an_inf_at_step_3_traces_the_next_n_steps_and_only_those(tmp_path, caplo
     assert text.startswith("anomaly at step 3 rank 0 (nonfinite: ") and "traced steps 4-5: recurred" in text
     assert f"first non-finite {link.first_nonfinite.name} at model.layers.1.mlp" in text
     assert "parameters non-finite at the step's start: 1 (model.layers.1.mlp.up_proj.weight)" in text
+
+
+def test_each_traced_step_is_announced_as_it_runs_and_no_step_the_run_never_reached(tmp_path, caplog):
+    # Steps 0-4; the inf at step 3 opens the window 4-5, and the run ends after step 4.
+    with caplog.at_level(logging.WARNING, logger="probe.monitor"):
+        _train(5, _monitor(tmp_path / "r", trace_steps=2), plant=(3, _plant_inf))
+    assert _traced_steps(probe.load(tmp_path / "r")) == [4]
+    assert "traced step 4 (1 of 2) with ['stats'] after the incident at step 3" in caplog.text
+    assert "step 5" not in caplog.text
 
 
 def test_the_summary_links_a_spike_to_the_module_that_made_it(tmp_path):
