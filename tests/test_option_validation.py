@@ -104,6 +104,8 @@ ACCEPTED: dict[str, frozenset[str]] = {
     "trace_limit": frozenset(),  # the trace_* options need on_anomaly='trace'
     # upcast
     "upcast_dtype": frozenset(),
+    # whatif, fake_quant (a recipe is named, a plan is a file or "all": no hostile value is either)
+    "recipes": frozenset(), "plan": frozenset(), "recipe": frozenset(),
 }
 
 _MONITOR_FIELDS = {"alert": "turbulence"}  # the rule the alert block leaves in force
@@ -171,7 +173,11 @@ def test_every_option_has_an_expectation():
 
 def _base(mode: str) -> dict[str, Any]:
     """What a mode needs besides the option under test."""
-    return {"targets": ["*"], "model": torch.nn.Linear(2, 2)} if mode == "monitor" else {}
+    if mode == "monitor":
+        return {"targets": ["*"], "model": torch.nn.Linear(2, 2)}
+    if mode == "fake_quant":
+        return {"plan": "all", "recipe": "mxfp8"}  # it needs both; the option under test replaces one
+    return {}
 
 
 def _names_option(message: str, key: str) -> bool:
@@ -228,7 +234,7 @@ def test_hostile_option_value(tmp_path, monkeypatch, mode, key, value):
 def test_hostile_value_in_a_config_file(tmp_path, monkeypatch, mode, key, value):
     monkeypatch.chdir(tmp_path)  # a relative out lands here
     config = tmp_path / "config.json"
-    base = {"targets": ["*"]} if mode == "monitor" else {}
+    base = {"targets": ["*"]} if mode == "monitor" else {k: v for k, v in _base(mode).items() if k != key}
     config.write_text(json.dumps({"mode": mode, **base, key: JSON_HOSTILE[value]}))
     extra: dict[str, Any] = {"model": torch.nn.Linear(2, 2)} if mode == "monitor" else {}
     if key != "out":  # given directly it would win over the file's

@@ -59,7 +59,11 @@ def parse_plan(value: Any) -> Plan | None:
     if isinstance(value, dict):
         return Plan.from_json(value, "option 'plan'")
     if isinstance(value, (str, Path)):
-        if not Path(value).is_file():
+        try:
+            is_file = Path(value).is_file()
+        except (OSError, ValueError):  # a name too long for the file system, a NUL byte
+            is_file = False
+        if not is_file:
             raise ProbeError(f"option 'plan': {show(str(value))} is no file; give the plan.json that "
                              "'probe plan RUN' wrote, a Plan, or 'all'")
         return Plan.load(value)
