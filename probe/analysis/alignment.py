@@ -77,9 +77,9 @@ class _Side:
         re-implementation of one function of it). An op on the way that also reads a value of a
         paired op other than ``index`` combines two values: no insertion (a sum autograd
         accumulates in another order)."""
-        stack, seen, reached = [source[0]], set(), False
+        stack, seen, reached = [source], set(), False
         while stack:
-            current = stack.pop()
+            current, position = stack.pop()
             if current == index:
                 reached = True
                 continue
@@ -89,23 +89,31 @@ class _Side:
             if op is None or current in self.partner or len(seen) == _WALKED:
                 return False
             seen.add(current)
-            stack += [t.source[0] for t in op.inputs if t.source is not None]
+            # A foreach op (the loss scaler's unscale of every gradient) makes its output k
+            # of its input k alone.
+            read = [op.inputs[position]] if "foreach" in short_name(op.name) and position < len(op.inputs) \
+                else op.inputs
+            stack += [t.source for t in read if t.source is not None]
         return reached
 
     def rearranged_from(self, source: tuple[int, int]) -> tuple[int, int] | None:
-        """The output of a paired op that unpaired ops only rearranged into ``source`` (at
-        most :data:`_OUTSIDE_HOPS` of them), or None."""
+        """The value ``source`` is a rearrangement of: followed back through ops that only
+        reshape or copy one value made in the step (paired or not; at most
+        :data:`_OUTSIDE_HOPS`), the first output of another op; None when that is a value from
+        outside the step. A saved tensor is the view in one run and what it views in the other
+        (a view of a cast is a value of its own to the tracer, a view of a value made in the
+        step is that value)."""
         for _ in range(_OUTSIDE_HOPS):
             op = self.by_index.get(source[0])
             if op is None:
-                return None
-            if op.index in self.partner:
                 return source
             made = [t.source for t in op.inputs if t.source is not None]
-            if short_name(op.name) not in _REARRANGES or len(made) != 1:
+            if short_name(op.name) not in _REARRANGES or len(made) > 1:
+                return source
+            if not made:
                 return None
             source = made[0]
-        return None
+        return source
 
     def from_outside(self, source: tuple[int, int] | None) -> bool:
         """Whether ``source`` is a value from outside the step, or made of one by ops of one
@@ -144,13 +152,16 @@ def _input_agrees(a: OpRecord, b: OpRecord, position: int, side_a: _Side, side_b
     if side_a.partner.get(src_a[0]) == src_b[0]:
         return src_a[1] == src_b[1]
     same_shape = a.inputs[position].shape == b.inputs[position].shape
+    moved_a, moved_b = side_a.rearranged_from(src_a), side_b.rearranged_from(src_b)
+    if same_shape and moved_a is None and moved_b is None:
+        return True  # views and copies of values from outside the step, alike
+    if same_shape and moved_a is not None and moved_b is not None and \
+            side_a.partner.get(moved_a[0]) == moved_b[0] and moved_a[1] == moved_b[1]:
+        return True  # one value, rearranged each run its own way
     if src_a[0] in side_a.partner:  # ops of run B only between the two (a re-implementation, a bug)
         return same_shape and side_b.made_from(src_b, side_a.partner[src_a[0]])
     if src_b[0] in side_b.partner:
         return same_shape and side_a.made_from(src_a, side_b.partner[src_b[0]])
-    moved_a, moved_b = side_a.rearranged_from(src_a), side_b.rearranged_from(src_b)
-    if moved_a is not None and moved_b is not None:  # one value, rearranged each its own way
-        return same_shape and side_a.partner.get(moved_a[0]) == moved_b[0] and moved_a[1] == moved_b[1]
     # Both made by unpaired ops: a boundary value of one module call read from outside it,
     # the same in both runs (where two decompositions of that call part). The call's backward
     # is inside it: what its forward saved for it is no boundary value.
