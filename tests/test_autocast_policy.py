@@ -113,14 +113,15 @@ def test_an_explicit_bf16_matmul_in_an_fp32_pair_is_lowered_precision(tmp_path):
 
 
 def test_a_softmax_computed_in_bf16_inside_an_autocast_region_is_lowered_precision(tmp_path):
-    # softmax(scores, dtype=bf16) rounds the float32 logits to bf16 before the exp; the cast is the
-    # model's own back to the dtype its matmul gave (no finding), the softmax autocast keeps in fp32.
+    # softmax(scores, dtype=bf16) rounds the float32 logits to bf16 before the exp. The cast puts
+    # back the dtype the scores' matmul gave them, as a norm's output cast does, but here it decides
+    # the precision of a softmax, which autocast leaves at its input's: it is the lowering.
     report = probe.compare(_run(tmp_path / "a", False), _run(tmp_path / "b", True, fault="softmax"))
     d = report.divergence
     assert d is not None, report.conclusion
     assert (d.rule, d.op.module, d.step) == ("lowered precision", "attn", 0)
-    assert d.op.name == "aten._softmax.default"
-    assert "keeps this op in float32" in d.comparison.message
+    assert d.op_b.name == "aten._to_copy.default"
+    assert "precision lowered in attn: float32 -> bfloat16 by an explicit cast" in d.comparison.message
 
 
 def test_a_qk_norm_casting_back_under_autocast_is_no_divergence(tmp_path):

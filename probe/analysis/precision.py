@@ -56,15 +56,20 @@ AUTOCAST_LOWERED = frozenset({
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
     "_native_multi_head_attention", "_weight_norm",
 })
-# Ops autocast keeps in float32 whatever their inputs' dtype (torch's CUDA "fp32" list, short
-# names: softmax, log_softmax, losses, norms): one computed lower inside an autocast region was
-# lowered by something else than autocast. CPU autocast itself keeps only losses in float32; a CPU
-# run is held to the accelerators' list all the same, so that it says what a GPU run would do.
-AUTOCAST_KEPT_FP32 = frozenset({
+# Ops whose precision decides their result's (softmax, log_softmax, losses, norms): autocast
+# keeps them in float32 on the accelerators (torch's CUDA "fp32" list, short names).
+PRECISION_SENSITIVE = frozenset({
     "_softmax", "softmax", "_log_softmax", "log_softmax", "native_layer_norm", "layer_norm",
     "native_group_norm", "group_norm", "nll_loss_forward", "nll_loss", "nll_loss2d_forward",
     "binary_cross_entropy_with_logits", "mse_loss", "l1_loss", "smooth_l1_loss", "kl_div",
 })
+# What autocast keeps in float32 whatever its inputs' dtype, by device type: one computed lower
+# inside an autocast region was lowered by something else. CPU autocast keeps losses only (its
+# softmax and norms follow their inputs' dtype); other devices follow CUDA's list.
+_CPU_KEPT_FP32 = frozenset({"nll_loss_forward", "nll_loss", "nll_loss2d_forward",
+                            "binary_cross_entropy_with_logits", "mse_loss", "l1_loss", "smooth_l1_loss",
+                            "kl_div"})
+AUTOCAST_KEPT_FP32 = {"cpu": _CPU_KEPT_FP32}
 # Ops that move values without computing on them: a cast's consumers are looked for past them.
 _PASS_THROUGH = frozenset({
     "t", "view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "permute", "expand", "contiguous",
@@ -130,8 +135,9 @@ def autocast_enabled(op: OpRecord) -> bool | None:
 
 def kept_fp32(op: OpRecord) -> bool:
     """Whether autocast, enabled for ``op`` by its recorded policy, computes it in float32 whatever
-    its inputs' dtype (``AUTOCAST_KEPT_FP32``)."""
-    return bool(op.autocast) and short_name(op.name) in AUTOCAST_KEPT_FP32
+    its inputs' dtype (``AUTOCAST_KEPT_FP32`` of the policy's device types)."""
+    short = short_name(op.name)
+    return any(short in AUTOCAST_KEPT_FP32.get(device, PRECISION_SENSITIVE) for device in op.autocast or ())
 
 
 @dataclass
@@ -178,9 +184,10 @@ def _terminal_consumers(op: OpRecord, consumers: dict[int, list[OpRecord]],
     return found
 
 
-def _in_sdpa_math(op: OpRecord, consumers: dict[int, list[OpRecord]], depth: int = 3) -> bool:
+def _in_sdpa_math(op: OpRecord, consumers: dict[int, list[OpRecord]], depth: int = 8) -> bool:
     """Whether ``op`` is part of SDPA's math path, which autocast lowers as SDPA: an op within
-    ``depth`` ops before its ``_safe_softmax`` (an op SDPA's decomposition alone uses; the path
+    ``depth`` ops before its ``_safe_softmax`` (the query's scaling, transpose, expand, view, bmm,
+    view and mask add of the decomposition) (an op SDPA's decomposition alone uses; the path
     it takes where no fused kernel applies, e.g. a float mask such as T5's position bias)."""
     frontier = [op]
     for _ in range(depth + 1):
@@ -208,6 +215,7 @@ def lowered_precision(ops_a: list[OpRecord], ops_b: list[OpRecord],
     dtype_a, dtype_b = model_dtype(ops_a), model_dtype(ops_b)
     model_lowered = dtype_a is not None and dtype_b is not None and _lower(dtype_b, dtype_a)
     ops_by_index = {op.index: op for op in ops_b}
+    held = held_precision(ops_b)
     found: dict[int, Lowering] = {}
     for op in ops_b:
         out, inp = output_precision(op), input_precision(op)
@@ -227,16 +235,21 @@ def lowered_precision(ops_a: list[OpRecord], ops_b: list[OpRecord],
         autocast = autocast_enabled(op) is not False  # recorded on, or not recorded
         if (autocast and short_name(op.name) in AUTOCAST_LOWERED) or (model_lowered and out == dtype_b):
             continue
-        if _restores_arrival_dtype(op, out, ops_by_index):
-            continue  # the model's own cast back to the dtype its value arrived in (a norm's output)
         targets = _terminal_consumers(op, consumers)
         if not targets:
             continue  # nothing in the step computes on it
-        if all(_meets_its_dtype(t, op, out, ops_by_index) for t in targets):
-            continue  # ``x.to(y.dtype) + y``: matched to an operand that arrived in ``out``
-        if autocast and short_name(op.name) in _CASTS and all(
-                short_name(t.name) in AUTOCAST_LOWERED or _in_sdpa_math(t, consumers) for t in targets):
-            continue  # autocast's cast at the input of the ops it lowers (autocast makes casts only)
+        if _restores_arrival_dtype(op, out, ops_by_index) and not any(
+                short_name(t.name) in PRECISION_SENSITIVE for t in targets):
+            # The model's own cast back to the dtype its value arrived in (a norm's output), judged
+            # by its effect; not where it decides the precision of a softmax, norm or loss.
+            continue
+        # Each consumer either meets an operand that arrived in ``out`` (``x.to(y.dtype) + y``) or,
+        # where autocast is on, is an op it lowers: then this is autocast's cast at its input
+        # (autocast makes casts only), past a cast back up (SDPA's math path computes in float32).
+        autocast_cast = autocast and short_name(op.name) in _CASTS
+        if all(_meets_its_dtype(t, op, out, ops_by_index, held)
+               or (autocast_cast and _lowered_by_autocast(t, consumers)) for t in targets):
+            continue
         scaler = _terminal_consumers(op, consumers, through_casts=True)
         if scaler and all(is_scaler_op(t) for t in scaler):
             continue  # the loss scaler's own bookkeeping (its inverse scale in fp32)
@@ -244,16 +257,29 @@ def lowered_precision(ops_a: list[OpRecord], ops_b: list[OpRecord],
     return found
 
 
+def _lowered_by_autocast(op: OpRecord, consumers: dict[int, list[OpRecord]]) -> bool:
+    """Whether ``op`` is one autocast computes lower, or (a cast back up) feeds only such ops or
+    SDPA's math path."""
+    if short_name(op.name) in _CASTS:
+        after = _terminal_consumers(op, consumers)
+        return bool(after) and all(_lowered_by_autocast(t, consumers) for t in after)
+    return short_name(op.name) in AUTOCAST_LOWERED or _in_sdpa_math(op, consumers)
+
+
 def _meets_its_dtype(consumer: OpRecord, cast: OpRecord, dtype: torch.dtype,
-                     ops: dict[int, OpRecord]) -> bool:
-    """Whether ``consumer`` computes ``cast``'s result together with another operand that is
-    already ``dtype`` and not made from ``cast`` (a bias cast to a projection's dtype before it is
-    added, ``scale.to(query.dtype)``): the cast matches the other operand's precision, which that
-    operand brought; it lowers nothing the computation still held."""
+                     ops: dict[int, OpRecord], held: dict[tuple[int, int], torch.dtype]) -> bool:
+    """Whether ``consumer`` computes ``cast``'s result together with another operand that holds
+    ``dtype``'s rounding already and is not made from ``cast`` (a bias cast to a projection's
+    dtype before it is added, ``scale.to(query.dtype)``, rotary's ``cos.to(x.dtype)`` multiplying
+    a value widened from a bf16 projection): the cast matches the precision that operand brought;
+    it lowers nothing the computation still held. ``held``: :func:`held_precision` of the run."""
     for t in consumer.inputs:
         producer = ops.get(t.source[0]) if t.source is not None else None
-        if _floating(t.dtype) == dtype and producer is not None and not _made_from(producer, cast.index, ops) \
-                and not _lowered_by_cast(producer, ops):
+        if producer is None or _floating(t.dtype) is None:
+            continue
+        brought = held.get((t.source[0], t.source[1]), _floating(t.dtype))
+        if (brought is not None and not _lower(dtype, brought) and not _made_from(producer, cast.index, ops)
+                and not _lowered_by_cast(producer, ops)):
             return True
     return False
 
