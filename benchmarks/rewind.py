@@ -6,7 +6,7 @@ Run from the repository root::
 
 **Cost.** The demo model (``probe.demo``) at two sizes trains with and without what
 ``session.step_fn`` adds to a step (``StepStart.keep``: the host copy of parameters, buffers,
-gradients, optimizer state, RNGs and batch; then the one-sync finiteness check of the loss and
+optimizer state, RNGs and batch; then the one-sync finiteness check of the loss and
 parameters), steps alternating so both see the same machine; the median wall and process-CPU
 time per step, and the host bytes kept against one copy of parameters + buffers + optimizer state
 (+ the two batches kept).
@@ -247,9 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per side of the cost table")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: steadier on a shared machine)")
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
+    torch.set_num_threads(args.threads)
     costs = {name: measure_cost(config, batch, seq, args.steps)
              for name, (config, batch, seq) in SIZES.items()}
     cases = []

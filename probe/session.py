@@ -409,7 +409,8 @@ class Session:
         """Run one training step ``fn(batch)`` (forward, backward, optimizer step; returns the loss)
         from a kept start, then end the step as :meth:`step` does; a non-finite loss or parameter, or a
         monitor alert about the step, rewinds it (docs/rewind.md). ``optimizer=``, ``scaler=``: what the
-        step updates besides ``model=``. Returns what ``fn`` returned."""
+        step updates besides ``model=``; ``keep_grads=True`` where gradients accumulate across steps.
+        Returns what ``fn`` returned."""
         from probe.rewind import rewinder_of  # the rewind builds sessions of its own: imported late
 
         return rewinder_of(self).step_fn(fn, batch, **state)

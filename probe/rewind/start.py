@@ -1,7 +1,7 @@
 """The restorable start of a training step: what the step reads and changes, kept so the step can
 be run again from where it began.
 
-Kept: parameters, buffers, gradients held at the start, optimizer state and its groups'
+Kept: parameters, buffers, which parameters hold a gradient, optimizer state and its groups'
 hyper-parameters, the GradScaler's state, the RNG states (torch CPU and accelerator, Python
 ``random``, NumPy) and the batch. Each tensor is copied into a host buffer allocated once and
 reused every step (one ``torch._foreach_copy_`` per device and dtype group); parameters on an
@@ -9,6 +9,11 @@ accelerator go into pinned memory with non-blocking copies, queued on the stream
 step's own kernels, so the copy reads the values the step starts from without a host sync.
 Host memory: one copy of parameters, buffers and optimizer state, plus two batches (the step's
 and the one before, which the rewind's data rerun reads).
+
+Gradients are put back as zeros (where the start held one) or None, not copied: a step zeroes them
+before its backward (``zero_grad`` in ``fn``) or found them zeroed by the step before, and copying
+them would be a second copy of the parameters. A loop that accumulates gradients across
+``step_fn`` calls is the exception (``keep_grads=True`` copies them).
 """
 
 from __future__ import annotations
@@ -123,11 +128,16 @@ class StepStart:
     """What one step starts from, kept every step in reused host buffers and put back on demand.
 
     ``model``'s parameters and buffers, ``optimizer``'s state (optional), ``scaler``'s state
-    (a ``torch.amp.GradScaler``, optional)."""
+    (a ``torch.amp.GradScaler``, optional); gradient values only with ``keep_grads``."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 scaler: Any = None) -> None:
+                 scaler: Any = None, keep_grads: bool = False) -> None:
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.keep_grads = keep_grads
+        # Walked once (a module walk is half of a small model's keep): parameters are updated in
+        # place or through .data, and buffers are read from their slot, so a rebound buffer is seen.
+        self._param_list = list(model.parameters())
+        self._buffer_slots = _buffer_slots(model)
         self.step: int | None = None
         self._params = HostCopies()
         self._optimizer_tensors = HostCopies()
@@ -148,7 +158,7 @@ class StepStart:
     # -- what is kept -------------------------------------------------------------
 
     def _state_tensors(self) -> list[torch.Tensor]:
-        return [*self.model.parameters(), *self.model.buffers()]
+        return [*self._param_list, *(module._buffers[name] for module, name in self._buffer_slots)]
 
     def _optimizer_params(self) -> list[torch.Tensor]:
         if self.optimizer is None:
@@ -159,9 +169,10 @@ class StepStart:
         """Take the start of ``step`` (the batch it runs on, when given)."""
         with torch.no_grad():
             self._params.take(self._state_tensors())
-            params = list(self.model.parameters())
+            params = self._param_list
             self._had_grad = [p.grad is not None for p in params]
-            self._grads.take([p.grad for p in params if p.grad is not None])
+            if self.keep_grads:
+                self._grads.take([p.grad for p in params if p.grad is not None])
             self._keep_optimizer()
             self._scaler_state = copy.deepcopy(self.scaler.state_dict()) if self.scaler is not None else None
             self._rng = RngStates.now()
@@ -196,8 +207,9 @@ class StepStart:
     def equals_live(self) -> bool:
         """Whether the live parameters, buffers, gradients, optimizer state, the scaler's state and the
         RNG states equal the kept ones bit for bit (the batch aside)."""
-        params = list(self.model.parameters())
-        live = [*self._state_tensors(), *(p.grad for p in params if p.grad is not None)]
+        params = self._param_list
+        grads = [p.grad for p in params if p.grad is not None] if self.keep_grads else []
+        live = [*self._state_tensors(), *grads]
         kept = [*self._params.buffers, *self._grads.buffers]
         if [p.grad is not None for p in params] != self._had_grad or len(live) != len(kept):
             return False
@@ -223,19 +235,11 @@ class StepStart:
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the non-blocking copies have landed
         with torch.no_grad():
-            modules = list(self.model.modules())
             buffers = self._params.buffers
-            params = list(self.model.parameters())
+            params = self._param_list
             for param, kept in zip(params, buffers, strict=False):
                 _put(param, kept)
-            named_buffers = [(m, name) for m in modules for name, b in m._buffers.items() if b is not None]
-            seen: set[int] = set()
-            unique = []
-            for module, name in named_buffers:  # model.buffers() yields a shared buffer once
-                if id(module._buffers[name]) not in seen:
-                    seen.add(id(module._buffers[name]))
-                    unique.append((module, name))
-            for (module, name), kept in zip(unique, buffers[len(params):], strict=True):
+            for (module, name), kept in zip(self._buffer_slots, buffers[len(params):], strict=True):
                 live = module._buffers[name]
                 if live.dtype == kept.dtype and live.shape == kept.shape:
                     live.copy_(kept)
@@ -243,7 +247,9 @@ class StepStart:
                     module._buffers[name] = kept.to(live.device, copy=True)
             grads = iter(self._grads.buffers)
             for param, had in zip(params, self._had_grad, strict=True):
-                if had:
+                if had and not self.keep_grads:
+                    param.grad = torch.zeros_like(param)
+                elif had:
                     kept = next(grads)
                     if param.grad is not None and param.grad.dtype == kept.dtype:
                         param.grad.copy_(kept)
@@ -278,6 +284,17 @@ class StepStart:
         live.update(fresh)
         for group, kept_group in zip(self.optimizer.param_groups, self._groups, strict=True):
             group.update(copy.deepcopy(kept_group))
+
+
+def _buffer_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, name) of each of the model's buffers, a shared one once (as ``model.buffers()``)."""
+    slots, seen = [], set()
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and id(buffer) not in seen:
+                seen.add(id(buffer))
+                slots.append((module, name))
+    return slots
 
 
 def _put(param: torch.Tensor, kept: torch.Tensor) -> None:
