@@ -177,3 +177,26 @@ def test_probe_summary_prints_the_verdict(tmp_path: Path, capsys: pytest.Capture
     assert main(["summary", str(tmp_path / "run")]) == 0
     printed = capsys.readouterr().out
     assert "step 2 rank 0: rewound (non-finite loss): data: sample(s) 3 of the batch" in printed
+
+
+def test_a_monitor_alert_rewinds_the_step_it_is_about(tmp_path: Path) -> None:
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = ((model(batch[0]) - batch[1]) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    def spike_at_step_1(observation: Any) -> str | None:  # a finite alert: no NaN to rewind on
+        return "planted" if observation.step == 1 and observation.series.slot == "output" else None
+
+    with probe.mode("monitor", targets=["0"], anomaly_rules=[spike_at_step_1], out=tmp_path / "run",
+                    model=model) as session:
+        for batch in _batches():
+            session.step_fn(fn, batch, optimizer=optimizer)
+    [verdict] = read_verdicts(tmp_path / "run")
+    assert verdict.step == 1 and verdict.trigger.startswith("monitor rule:"), verdict.trigger
+    assert verdict.verdict == "reproducible"
