@@ -1030,8 +1030,8 @@ def _faithful_rounding(ops: tuple[OpRecord, OpRecord], position: int,
                        views: tuple[_RunView, _RunView]) -> float | None:
     """The rounding the one-run-only ops before input ``position`` add, when one run's are a
     path of :func:`precision.faithful_rounding` ops (views, casts, scalings by a number) from the
-    very value the other run reads there: the matched op's output both runs start from, or the
-    same tensor from outside the step. None otherwise (the general bound judges).
+    very value the other run reads there: the matched op's output both runs start from, whose
+    difference is measured. None otherwise (the general bound judges).
 
     Such a path changes nothing a correct program relies on but rounding (autocast's cast of an
     activation): a difference beyond it was made there, by a cast that lowers more than the
@@ -1051,8 +1051,11 @@ def _faithful_rounding(ops: tuple[OpRecord, OpRecord], position: int,
             return None
         total += rounding
         expected = op.inputs[0].source
-    if expected is None:  # the path starts at a tensor from outside the step
-        return total if other is None else None
+    if expected is None:
+        # A tensor from outside the step: its two runs' values may be held in other dtypes by
+        # design (a bf16 model's buffers, a weight autocast casts), a difference no matched op
+        # measured here.
+        return None
     matched = views[k].comparisons.get(expected[0])
     partner = (matched.a if k == 1 else matched.b) if matched is not None else None
     if partner is None or other is None or (partner.index, expected[1]) != tuple(other[:2]):
