@@ -133,7 +133,7 @@ class OpComparison:
             "dtype_a": ref.dtype if ref else None, "dtype_b": test.dtype if test else None,
             "shape_a": list(ref.shape) if ref else None, "shape_b": list(test.shape) if test else None,
             "compared": ",".join(sorted({t.kind for t in self.outputs})) or None,
-            "verdict": self.verdict, "rule": self.rule, "message": self.message,
+            "verdict": self.verdict, "rule": self.rule, "message": self.message, "enters": self.enters,
         }
         for key in (*METRIC_KEYS, *STATS_KEYS):
             values = [t.metrics[key] for t in self.outputs if key in t.metrics]
