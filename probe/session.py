@@ -421,6 +421,23 @@ class Session:
 
         return rewinder_of(self).rewind()
 
+    @contextlib.contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """The session paused and not the active one for the block, so that another session (a
+        rewind's rerun) can run inside it; active again afterwards."""
+        global _active
+        with self.paused():
+            held, _active = _active, None
+            try:
+                yield
+            finally:
+                _active = held
+
+    def rerun_session(self, out: str | os.PathLike, model: Any) -> Session:
+        """A stats session of its own for a rerun of this session's step (``probe.rewind``): built
+        here so that the rewind, which this session drives, imports no session."""
+        return mode("stats", out=out, model=model, overwrite=True)
+
     def _wait_for_writer(self) -> None:
         """Until every ended step is on disk."""
         if self._background is not None:

@@ -26,7 +26,7 @@ import math
 import queue
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,11 +37,16 @@ from probe.errors import ProbeError, warn_once
 from probe.rewind.precision import float64_step
 from probe.rewind.start import Batch, StepStart, leaves, rebuild, same_bits
 from probe.rewind.verdict import Rerun, Verdict, rewind_dir
+from probe.rundir.run import load
 from probe.tracer.mode_stack import untraced
 
 if TYPE_CHECKING:
     from probe.rundir.records import OpRecord
-    from probe.session import Session
+
+Session = Any
+"""A ``probe.session.Session``: the rewind is driven by the session and asks it for what it needs
+(``set_aside``, ``rerun_session``, ``paused``, its options and modes), importing no session module
+(the session imports this package)."""
 
 MAX_SAMPLES = 64
 """Samples of a data verdict's batch whose losses are measured one by one (each is a step's rerun)."""
@@ -179,7 +184,7 @@ class Rewinder:
             end.keep(last.step)
         rank = session._tracer.rank if session._tracer is not None else 0
         try:
-            with beside(session):  # nothing of the rewind is an op of the step the session is in
+            with session.set_aside():  # nothing of the rewind is an op of the step the session is in
                 verdict = _Classification(self, last, start, end, rank, trigger).run()
         except Exception as e:  # the probe never raises into training: the failure is the verdict
             verdict = Verdict(last.step, rank, trigger, "not classified", f"{type(e).__name__}: {e}")
@@ -194,19 +199,6 @@ class Rewinder:
             warn_once(f"rewind-write:{session.out}", f"cannot write the rewind verdict of step {last.step} "
                       f"({e}); it is in session.rewind()'s return value only")
         return verdict
-
-
-@contextlib.contextmanager
-def beside(session: Session) -> Iterator[None]:
-    """The running session paused and set aside, so a rerun's own session can run."""
-    import probe.session as session_module
-
-    with session.paused():
-        held, session_module._active = session_module._active, None
-        try:
-            yield
-        finally:
-            session_module._active = held
 
 
 class _Classification:
@@ -256,20 +248,18 @@ class _Classification:
 
     def rerun(self, kind: str, batch: Batch, float64: bool = False, traced: bool = True) -> Rerun:
         """The step again from its start, on ``batch``, traced by the stats mode into its own run."""
-        import probe
-
         session, start = self.rewinder.session, self.start
         directory = rewind_dir(self.out, self.rank, self.original.step) / kind.replace(" ", "")
         result = Rerun(kind, None, None, run=str(directory.relative_to(self.out)) if traced else None)
         self.reruns.append(result)
-        with beside(session), contextlib.ExitStack() as stack:
+        with session.set_aside(), contextlib.ExitStack() as stack:
             with untraced():
                 start.restore()
             try:
                 if float64:
                     batch = stack.enter_context(float64_step(start.model, start.optimizer, batch))
                 if traced:
-                    stack.enter_context(probe.mode("stats", out=directory, model=start.model, overwrite=True))
+                    stack.enter_context(session.rerun_session(directory, start.model))
                 loss = self.original.fn(batch)
             except Exception as e:
                 result.error = f"{type(e).__name__}: {e}"
@@ -319,25 +309,21 @@ class _Classification:
     # -- naming the op ----------------------------------------------------------------------
 
     def first_nonfinite(self, rerun: Rerun) -> dict[str, Any] | None:
-        import probe
-
         if rerun.run is None:
             return None
-        bad = probe.load(self.out / rerun.run).first_nonfinite()
+        bad = load(self.out / rerun.run).first_nonfinite()
         return None if bad is None else _located(bad, "the first non-finite op of the rerun")
 
     def first_difference(self, rerun: Rerun) -> dict[str, Any] | None:
         """The first op of the original step whose recorded values the rerun does not reproduce;
         None when the original step recorded no ops (not traced: not compared)."""
-        import probe
-
         try:
-            original = probe.load(self.out).ops(step=self.original.step, rank=self.rank)
+            original = load(self.out).ops(step=self.original.step, rank=self.rank)
         except (ProbeError, OSError, KeyError, ValueError):
             return None
         if not original or rerun.run is None:
             return None
-        again = {op.id: op for op in probe.load(self.out / rerun.run).ops(step=0, rank=self.rank)}
+        again = {op.id: op for op in load(self.out / rerun.run).ops(step=0, rank=self.rank)}
         for op in original:
             other = again.get(op.id)
             if other is None:
