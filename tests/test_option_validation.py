@@ -1,19 +1,23 @@
 """Hostile option values: each is refused with a ProbeError naming the option, or accepted and honoured.
 
-Every option of ``probe.mode`` (the common ones and each registered mode's config
-fields) is tried with wrong types, bools where ints are expected, extreme
-numbers, empty and nested containers, a recursive list, a generator and very long
-strings, directly and from JSON config files (ours, msprobe's and msprobe's monitor
-form). The tables below say, per option, which value classes are accepted: each of
-those must reach the session (the resolved value is read back from it), each other
-one must be refused naming the option. Never another exception type, never a hang,
-never a huge allocation.
+Every option of ``probe.mode`` (the common ones and each registered mode's config fields) is tried
+with one value per path through its check, directly and from JSON config files (ours, msprobe's and
+msprobe's monitor form). The paths come from the kind of check the option's field declares
+(``probe.vocabulary.option_fields``: bool, integer, number, choice, globs, int sets, or the option's
+own check, whose family (a path, a mapping, a list of names, an object) is declared in
+:data:`OWN_CHECK`): a value it accepts, one refused by type, one refused by range or choice, and the
+values that once broke a check of that kind (a recursive list, a failing ``__repr__``, ``10**30``,
+NaN and infinities, a 100,000-character string, a generator). The tables below say, per option,
+which value classes are accepted: each of those must reach the session (the resolved value is read
+back from it), each other one must be refused naming the option. Never another exception type,
+never a hang, never a huge allocation.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,9 +28,13 @@ import torch
 
 import probe
 from probe import ProbeError
+from probe.modes.config import CONFIGS
 from probe.modes.monitor.config import SLOTS
 from probe.modes.registry import MODES
 from probe.options import _COMMON_KEYS, DEFAULT_CHECKSUMS, PHASES, IntSet
+from probe.vocabulary.option_fields import OptionSpec, boolean, default_of, option_specs
+from probe.vocabulary.option_values import Patterns
+from probe.vocabulary.session_options import Options
 
 
 @pytest.fixture(autouse=True)
@@ -111,6 +119,91 @@ ACCEPTED: dict[str, frozenset[str]] = {
 _MONITOR_FIELDS = {"alert": "turbulence"}  # the rule the alert block leaves in force
 
 
+# -- which values reach which path of each option's check ---------------------------------------
+
+# The family of each option whose field declares a check of its own (or, for ``config``, no field):
+# it says which hostile values can take different paths through that check.
+OWN_CHECK: dict[str, str] = {
+    "out": "path", "config": "mapping", "hparams": "mapping", "alert": "mapping", "trace_options": "mapping",
+    "phases": "names", "checksums": "names", "metrics": "names", "trace_modes": "names", "recipes": "names",
+    "targets": "names", "anomaly_rules": "names",
+    "model": "object", "scaler": "object", "plan": "object", "recipe": "object", "upcast_dtype": "object",
+    "inputs": "object", "saturation": "object", "module_ranks": "object",
+}
+
+# check kind -> the value classes tried: one per path (accepted, refused by type, refused by range or
+# choice) and the values that once broke a check reading that type. "default" is the field's own
+# default given explicitly (a declared choice: the accepted path of a choice).
+PATHS: dict[str, tuple[str, ...]] = {
+    "bool": ("true", "false", "int", "truthy_str", "bad_repr"),
+    "integer": ("int", "zero", "negative", "huge", "true", "float", "nan", "none", "negative_str",
+                "bad_repr"),
+    "number": ("int", "zero", "negative", "float", "huge", "nan", "inf", "true", "none", "negative_str",
+               "bad_repr"),
+    "choice": ("default", "truthy_str", "empty_str", "long_str", "int", "none", "bad_repr"),
+    "globs": ("none", "truthy_str", "long_str", "empty_str", "empty_list", "nested_str_list",
+              "list_of_object", "int", "generator", "recursive_list", "bad_repr"),
+    "int_set": ("none", "int", "zero", "huge", "set", "big_range", "big_range_str", "negative",
+                "negative_str", "true", "float", "nan", "empty_list", "nested_list", "list_of_bool",
+                "recursive_list", "generator", "long_str", "bytes", "tensor", "bad_repr"),
+    "path": ("none", "truthy_str", "long_str", "empty_str", "bytes", "int", "bad_repr"),
+    "mapping": ("none", "dict", "empty_dict", "empty_list", "recursive_list", "truthy_str", "long_str", "int",
+                "generator", "bad_repr"),
+    "names": ("none", "truthy_str", "empty_str", "long_str", "empty_list", "nested_str_list",
+              "list_of_object", "list_of_float", "recursive_list", "generator", "set", "dict", "int", "true",
+              "big_range", "bad_repr"),
+    "object": ("none", "true", "false", "int", "truthy_str", "long_str", "dtype", "tensor", "object", "dict",
+               "empty_list", "recursive_list", "generator", "bad_repr"),
+}
+# The same paths as JSON can reach them.
+JSON_PATHS: dict[str, tuple[str, ...]] = {
+    "bool": ("true", "false", "int", "false_str", "none"),
+    "integer": ("int", "huge", "negative", "true", "float", "none", "truthy_str"),
+    "number": ("int", "float", "huge", "negative", "true", "none", "truthy_str"),
+    "choice": ("default", "truthy_str", "empty_str", "long_str", "int", "none"),
+    "globs": ("none", "truthy_str", "long_str", "empty_str", "empty_list", "nested_list", "list_of_null",
+              "int"),
+    "int_set": ("none", "int", "huge", "big_range_str", "negative", "true", "float", "empty_list",
+                "nested_list", "list_of_null", "long_str", "dict"),
+    "path": ("none", "truthy_str", "long_str", "empty_str", "int", "empty_list"),
+    "mapping": ("none", "dict", "empty_dict", "list_of_dict", "empty_list", "int", "truthy_str"),
+    "names": ("none", "empty_list", "nested_list", "list_of_null", "list_of_dict", "truthy_str", "empty_str",
+              "long_str", "int", "true", "dict"),
+    "object": ("none", "true", "false", "int", "truthy_str", "long_str", "empty_list", "dict"),
+}
+
+
+def _spec(mode: str, key: str) -> OptionSpec | None:
+    """The option field behind ``key`` (``config`` has none: it is read before any field)."""
+    specs = option_specs(Options) if key in _COMMON_KEYS else option_specs(CONFIGS[mode])
+    return specs[key][1] if key in specs else None
+
+
+def _check_kind(mode: str, key: str) -> str:
+    """The kind of check the option's field declares, by the factory that made it ("unknown": a check
+    of its own whose family :data:`OWN_CHECK` does not say)."""
+    spec = _spec(mode, key)
+    if spec is None or key in OWN_CHECK:
+        return OWN_CHECK.get(key, "unknown")
+    check = spec.check
+    if check.parse == Patterns.parse:  # bound classmethods: equal, not identical
+        return "globs"
+    if check.parse == IntSet.parse:
+        return "int_set"
+    if check.accepts == boolean().accepts:
+        return "bool"
+    for kind, made_by in (("integer", r"int >= -?\d+(, `None`)?"), ("number", r"number >= -?[\d.]+"),
+                          ("choice", r"`'[^`]*'`( \\\| `'[^`]*'`)*")):
+        if re.fullmatch(made_by, check.accepts):
+            return kind
+    return "unknown"
+
+
+def _default(mode: str, key: str) -> Any:
+    spec_field = (option_specs(Options) if key in _COMMON_KEYS else option_specs(CONFIGS[mode]))[key][0]
+    return default_of(spec_field)
+
+
 def _resolved(session: probe.Session, mode: str, key: str) -> Any:
     """The value of ``key`` as the session will use it."""
     if key in _COMMON_KEYS:
@@ -166,9 +259,18 @@ def _mode_cases() -> list[tuple[str, str]]:
     return cases
 
 
+def _fuzz_cases(paths: dict[str, tuple[str, ...]],
+                cases: list[tuple[str, str]]) -> list[tuple[str, str, str]]:
+    """(mode, option, value class): the classes that reach each path of the option's check."""
+    return [(mode, key, value) for mode, key in cases for value in paths.get(_check_kind(mode, key), ())]
+
+
 def test_every_option_has_an_expectation():
-    """A new option must say which hostile values it accepts before the fuzz can judge it."""
+    """A new option must say which hostile values it accepts, and a check of its own its family,
+    before the fuzz can judge it."""
     assert {key for _, key in _mode_cases()} <= set(ACCEPTED)
+    unknown = [f"{mode}.{key}" for mode, key in _mode_cases() if _check_kind(mode, key) not in PATHS]
+    assert not unknown, f"a check of its own: say its family in OWN_CHECK: {unknown}"
 
 
 def _base(mode: str) -> dict[str, Any]:
@@ -206,20 +308,20 @@ def _outcome(make: Callable[[], probe.Session], key: str, accepted: bool, value:
     return None
 
 
-@pytest.mark.parametrize("value", sorted(HOSTILE))
+@pytest.mark.parametrize("value", PATHS["names"] + ("bytes", "dtype"))
 def test_hostile_modes_argument(tmp_path, value):
     _outcome(lambda: probe.mode(HOSTILE[value](), out=tmp_path / "run"), "mode", False, value)
     assert not (tmp_path / "run").exists()  # none of these names a mode
 
 
-@pytest.mark.parametrize("value", sorted(HOSTILE))
-@pytest.mark.parametrize(("mode", "key"), _mode_cases())
+@pytest.mark.parametrize(("mode", "key", "value"), _fuzz_cases(PATHS, _mode_cases()))
 def test_hostile_option_value(tmp_path, monkeypatch, mode, key, value):
     monkeypatch.chdir(tmp_path)  # a relative out= lands here
-    given = HOSTILE[value]()
+    given = _default(mode, key) if value == "default" else HOSTILE[value]()
     kwargs = {"out": tmp_path / "run", **_base(mode), key: given}
+    accepted = value == "default" or value in ACCEPTED[key]
     started = time.perf_counter()
-    session = _outcome(lambda: probe.mode(mode, **kwargs), key, value in ACCEPTED[key], value)
+    session = _outcome(lambda: probe.mode(mode, **kwargs), key, accepted, value)
     assert time.perf_counter() - started < 2, "validation must not expand or walk the value"
     if session is None:
         assert not (tmp_path / "run").exists(), "a refused option must leave nothing behind"
@@ -229,19 +331,35 @@ def test_hostile_option_value(tmp_path, monkeypatch, mode, key, value):
         _use(session)
 
 
-@pytest.mark.parametrize("value", sorted(JSON_HOSTILE))
-@pytest.mark.parametrize(("mode", "key"), [c for c in _mode_cases() if c[1] not in ("config", "model")])
+@pytest.mark.parametrize(("mode", "key", "value"), _fuzz_cases(
+    JSON_PATHS, [c for c in _mode_cases() if c[1] not in ("config", "model")]))
 def test_hostile_value_in_a_config_file(tmp_path, monkeypatch, mode, key, value):
     monkeypatch.chdir(tmp_path)  # a relative out lands here
     config = tmp_path / "config.json"
     base = {"targets": ["*"]} if mode == "monitor" else {k: v for k, v in _base(mode).items() if k != key}
-    config.write_text(json.dumps({"mode": mode, **base, key: JSON_HOSTILE[value]}))
+    given = _default(mode, key) if value == "default" else JSON_HOSTILE[value]
+    config.write_text(json.dumps({"mode": mode, **base, key: given}))
     extra: dict[str, Any] = {"model": torch.nn.Linear(2, 2)} if mode == "monitor" else {}
     if key != "out":  # given directly it would win over the file's
         extra["out"] = tmp_path / "run"
-    session = _outcome(lambda: probe.mode(config=config, **extra), key, value in ACCEPTED[key], value)
+    accepted = value == "default" or value in ACCEPTED[key]
+    session = _outcome(lambda: probe.mode(config=config, **extra), key, accepted, value)
     if session is not None:
-        _assert_honoured(session, mode, key, value, JSON_HOSTILE[value])
+        _assert_honoured(session, mode, key, value, given)
+
+
+@pytest.mark.parametrize(("mode", "options", "named"), [
+    ("monitor", {"forward_only": True, "backward_only": True}, "forward_only"),
+    ("monitor", {"trace_steps": 3}, "trace_steps"),  # on_anomaly is 'log'
+    ("free_benchmark", {"handler": "fix", "perturb": "add_noise"}, "handler"),
+    ("free_benchmark", {"handler": "fix", "preheat": True}, "preheat"),
+    ("fake_quant", {"plan": "all", "recipe": None}, "recipe"),
+])
+def test_values_each_valid_but_not_together_are_refused_naming_one(tmp_path, mode, options, named):
+    """The config's validate() path: each value passes its own check, the pair does not."""
+    with pytest.raises(ProbeError, match=f"'{named}'"):
+        probe.mode(mode, out=tmp_path / "run", **{**_base(mode), **options})
+    assert not (tmp_path / "run").exists()
 
 
 # -- msprobe's config.json ------------------------------------------------------------------------
@@ -286,8 +404,26 @@ MSPROBE: dict[str, tuple[frozenset[str], Callable[[probe.Session], Any], Callabl
 }
 
 
-@pytest.mark.parametrize("value", sorted(JSON_HOSTILE))
-@pytest.mark.parametrize("key", sorted(MSPROBE))
+_JSON_BREAKERS = ("huge", "long_str", "nested_list")
+
+
+def _json_cases(table: dict[str, tuple[frozenset[str], Any, Any]]) -> list[tuple[str, str]]:
+    """(key, value class) for a table of msprobe keys, whose checks are the adapters' own: each value
+    class the key accepts, the first refused one of each JSON type (a check refuses a type on one
+    path) and the values that once broke them."""
+    cases = []
+    for key, (accepted, _, _) in sorted(table.items()):
+        refused_types: set[type] = set()
+        for name, value in JSON_HOSTILE.items():
+            first_refused = name not in accepted and type(value) not in refused_types
+            if first_refused:
+                refused_types.add(type(value))
+            if name in accepted or first_refused or name in _JSON_BREAKERS:
+                cases.append((key, name))
+    return cases
+
+
+@pytest.mark.parametrize(("key", "value"), _json_cases(MSPROBE))
 def test_hostile_value_in_an_msprobe_config(tmp_path, monkeypatch, key, value):
     monkeypatch.chdir(tmp_path)  # a relative dump_path lands here
     hostile = JSON_HOSTILE[value]
@@ -333,8 +469,7 @@ MONITOR_FILE: dict[str, tuple[frozenset[str], Callable[[probe.Session], Any], Ca
 }
 
 
-@pytest.mark.parametrize("value", sorted(JSON_HOSTILE))
-@pytest.mark.parametrize("key", sorted(MONITOR_FILE))
+@pytest.mark.parametrize(("key", "value"), _json_cases(MONITOR_FILE))
 def test_hostile_value_in_a_monitor_config(tmp_path, key, value):
     config: dict[str, Any] = {"targets": {"*": {"output": "tensor"}}, key: JSON_HOSTILE[value]}
     path = tmp_path / "monitor.json"
