@@ -13,6 +13,10 @@ launches per step, the host syncs, each against its budget (bytes read at most 1
 reduced, written at most 1%, launches at most one per 32 values plus one per 64 MiB, no sync),
 then the ops that cost most. ``--unstaged``: small tensors queued with the large ones instead
 of staged (the monitor across ranks, ``stats_backend`` other than "auto").
+
+``--session``: a real ``probe.mode("stats")`` session over the step instead (the tracer, the
+stats mode's hand-over and its engine, AdamW ``--optimizers`` foreach and fused), every op the
+probe issues counted with the probe function that issued it (``device_cost.session_step_cost``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,13 @@ def model_tally(name: str, stage: bool = True) -> device_cost.Tally:
     return device_cost.stats_step_cost(*device_cost.hf_llama(shape, dtype), device_cost.lm_loss, stage=stage)
 
 
+def session_tally(name: str, optimizer: str = "foreach") -> device_cost.Tally:
+    """What the probe issues on the device over one step of ``name`` under a real stats session."""
+    shape, dtype = MODELS[name]
+    return device_cost.session_step_cost(*device_cost.hf_llama(shape, dtype), device_cost.lm_loss,
+                                         optimizer=optimizer)
+
+
 def _markdown(header: list[str], rows: list[list[str]]) -> str:
     rule = "|" + "|".join("---:" if i else "---" for i in range(len(header))) + "|"
     lines = ["| " + " | ".join(header) + " |", rule]
@@ -54,13 +65,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unstaged", action="store_true", help="small tensors queued, not staged")
     parser.add_argument("--ops", type=int, default=6, help="costliest ops listed per model (6)")
     parser.add_argument("--quick", action="store_true", help="CI's: hf-llama-small-1layer only")
+    parser.add_argument("--session", action="store_true",
+                        help="a real stats session: every op the probe issues, with its caller")
+    parser.add_argument("--optimizers", default=",".join(device_cost.OPTIMIZERS),
+                        help="with --session: AdamW implementations, of foreach, fused")
     parser.add_argument("--markdown", action="store_true", help="also print the tables as GitHub markdown")
     args = parser.parse_args(argv)
     names = ["hf-llama-small-1layer"] if args.quick else args.models.split(",")
     for name in names:
         if name not in MODELS:
             parser.error(f"--models: unknown model {name!r}; choose from {', '.join(MODELS)}")
-    console = Console(width=None if sys.stdout.isatty() else 140)
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    if args.session:
+        optimizers = args.optimizers.split(",")
+        for optimizer in optimizers:
+            if optimizer not in device_cost.OPTIMIZERS:
+                parser.error(f"--optimizers: unknown {optimizer!r}; choose from "
+                             f"{', '.join(device_cost.OPTIMIZERS)}")
+        return _print_session(console, names, optimizers, args.markdown)
     header = ["model", "values", "MiB reduced", "read x", "written x", "launches", "launch budget",
               "host syncs", "within budget"]
     rows, details = [], []
@@ -90,6 +112,47 @@ def main(argv: list[str] | None = None) -> int:
         ops.add_row(*r)
     console.print(ops)
     if args.markdown:
+        print(_markdown(header, rows))
+        print()
+        print(_markdown(op_header, details))
+    return 0
+
+
+def _budget_row(tally: device_cost.Tally) -> list[str]:
+    checks = device_cost.budgets(tally)
+    over = [b.name.split(" /")[0] for b in checks if not b.met]
+    return [str(tally.values), f"{tally.value_bytes / 2**20:.0f}", f"{checks[0].value:.4f}",
+            f"{checks[1].value:.5f}", str(tally.launches), f"{device_cost.launch_budget(tally):.0f}",
+            str(tally.syncs),
+            "yes" if not over else "no: " + ", ".join(over)]
+
+
+def _print_session(console: Console, names: list[str], optimizers: list[str], markdown: bool) -> int:
+    header = ["model", "AdamW", "values", "MiB reduced", "read x", "written x", "launches", "launch budget",
+              "host syncs", "within budget"]
+    op_header = ["model", "AdamW", "op", "issued by (probe/...)", "launches", "MiB read", "MiB written",
+                 "read x", "written x", "syncs"]
+    rows, details = [], []
+    for name in names:
+        for optimizer in optimizers:
+            tally = session_tally(name, optimizer)
+            rows.append([name, optimizer, *_budget_row(tally)])
+            for op in tally.by_caller():
+                details.append([name, optimizer, op.name, op.caller, str(op.launches),
+                                f"{op.read / 2**20:.1f}", f"{op.written / 2**20:.1f}",
+                                f"{op.read / tally.value_bytes:.5f}", f"{op.written / tally.value_bytes:.5f}",
+                                str(op.syncs)])
+    left = ("model", "AdamW", "op", "issued by (probe/...)")
+    titles = ("stats session, accelerator path, one step (the probe's ops only)",
+              "every op the probe issued (x: per byte reduced)")
+    for title, head, body in zip(titles, (header, op_header), (rows, details), strict=True):
+        table = Table(title=title)
+        for h in head:
+            table.add_column(h, justify="left" if h in left else "right")
+        for r in body:
+            table.add_row(*r)
+        console.print(table)
+    if markdown:
         print(_markdown(header, rows))
         print()
         print(_markdown(op_header, details))

@@ -25,11 +25,22 @@ optimizer state, data) once, read at once where the op writes it (``StepRows.add
 queued tensors are reduced before an op writes them (``before_write``), when the queue's budget
 is spent (``settle``) and at the step's end. The per-step totals are divided by the bytes and
 the number of the values reduced.
+
+:func:`session_step_cost` runs the real thing instead: a ``probe.mode("stats")`` session over
+two training steps on ``meta`` (the second counted), the tracer, the stats mode's hand-over,
+its optimizer-step handling and the engine unchanged. Meta tensors are given addresses (the
+tracer keys values by address); the counter attributes each op by the Python stack: an op the
+probe's code issued is counted with that code's chain of functions, the program's own ops
+(which the tracer passes through) are not. CUDA-only behaviour the model adds: a reduction CUDA
+widens in a copy first (``_WIDENING_REDUCTIONS``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,10 +49,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
+import probe
 import probe.compiled
 from probe.compiled import CompiledKernel
 from probe.modes.statistics import reduce
-from probe.modes.statistics.capture import StepRows
+from probe.modes.statistics.capture import PendingRows, StepRows
 from probe.modes.statistics.reduce import TensorStats, as_real, compact_view
 
 DEVICE = torch.device("meta")
@@ -58,6 +70,28 @@ _HOST_SYNCS = frozenset({
     "unique_consecutive", "is_nonzero", "equal", "repeat_interleave", "bincount", "histc",
     "_assert_async", "allclose",
 })
+
+
+# Reductions whose CUDA kernel widens its input to the output dtype in a copy first (ATen's
+# ``make_reduction_from_out_ty``: only fp16/bf16 -> fp32 is read as it is): ``x.sum(dtype=fp64)``
+# of a bf16 tensor writes an fp64 copy of it, ``isnan(x).sum()`` an int64 copy of the mask, and
+# ``count_nonzero`` is such a sum on CUDA (``(x != 0).sum()``). No dispatch mode sees that copy
+# (it is made inside the kernel), so the model adds it.
+_WIDENING_REDUCTIONS = frozenset({"sum", "mean", "nansum", "prod", "count_nonzero"})
+_READ_AS_IS = frozenset({(torch.float16, torch.float32), (torch.bfloat16, torch.float32)})
+
+
+def _widening_copy(name: str, args: Any, out: Any) -> tuple[int, int]:
+    """(bytes read, bytes written) of the copy CUDA makes inside reduction ``name``, or (0, 0)."""
+    if name not in _WIDENING_REDUCTIONS or not args or not isinstance(out, torch.Tensor):
+        return 0, 0
+    x = args[0]
+    if not isinstance(x, torch.Tensor) or x.device != DEVICE or x.dtype == out.dtype \
+            or (x.dtype, out.dtype) in _READ_AS_IS:
+        return 0, 0
+    # (count_nonzero of a non-bool tensor also writes its mask first: one byte a value)
+    mask = x.numel() if name == "count_nonzero" and x.dtype != torch.bool else 0
+    return x.numel() * x.element_size(), x.numel() * out.element_size() + mask
 
 
 def _device_bytes(tensors: list[Any]) -> int:
@@ -79,6 +113,14 @@ class OpCost:
     written: int
     launches: int
     syncs: int
+    caller: str = ""
+    """The probe code that issued it (:func:`probe_caller`); "" where the engine was run
+    directly (:func:`stats_step_cost`)."""
+
+    @property
+    def issuer(self) -> str:
+        """The probe function that issued it (the innermost of :attr:`caller`)."""
+        return self.caller.rsplit(" > ", 1)[-1]
 
 
 @dataclass
@@ -118,6 +160,52 @@ class Tally:
             total.syncs += op.syncs
         return dict(sorted(out.items(), key=lambda kv: -(kv[1].read + kv[1].written)))
 
+    def by_caller(self) -> list[OpCost]:
+        """Totals per (op name, probe caller), largest bytes first, then most launches."""
+        out: dict[tuple[str, str], OpCost] = {}
+        for op in self.ops:
+            total = out.setdefault((op.name, op.caller), OpCost(op.name, 0, 0, 0, 0, op.caller))
+            total.read += op.read
+            total.written += op.written
+            total.launches += op.launches
+            total.syncs += op.syncs
+        return sorted(out.values(), key=lambda op: (-(op.read + op.written), -op.launches))
+
+
+_PROBE_DIR = os.path.dirname(probe.__file__) + os.sep
+_TRACER_DISPATCH = os.path.join(_PROBE_DIR, "tracer", "dispatch_mode.py")
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _probe_name(frame: Any) -> str:
+    return f"{frame.f_code.co_filename[len(_PROBE_DIR):].removeprefix('modes/')}:{frame.f_code.co_name}"
+
+
+def probe_caller(func: Any, frame: Any) -> str | None:
+    """The probe code that issued ``func``, walking up from ``frame``: the probe function where
+    the probe was entered (the stats mode's ``before``, the session's ``step``), then each
+    function called on the way to the op, ``"stats/mode.py:before > add > row"``; None for the
+    program's own op, which the tracer passes through (its frame holds ``func``) on its way from
+    code outside the probe."""
+    chain: list[Any] = []
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename == _TRACER_DISPATCH:
+            if chain:
+                break  # the tracer called the probe code above (a mode's handler)
+            if frame.f_locals.get("func") is not func:
+                chain.append(frame)  # the tracer's own op
+            # else the tracer runs the op: whose it is, the code above says
+        elif filename.startswith(_PROBE_DIR):
+            if not frame.f_code.co_name.startswith("<"):  # (a comprehension's frame)
+                chain.append(frame)
+        elif not filename.startswith(_TORCH_DIR) and filename != __file__:
+            break  # the program's code (a model, an optimizer's caller)
+        frame = frame.f_back
+    if not chain:
+        return None
+    return " > ".join([_probe_name(chain[-1]), *(f.f_code.co_name for f in reversed(chain[:-1]))])
+
 
 class DeviceCostMode(TorchDispatchMode):
     """Sees every op; while :meth:`engine` is active, counts each in :attr:`tally`."""
@@ -134,6 +222,10 @@ class DeviceCostMode(TorchDispatchMode):
         """Called with each op of the program (not the engine's) after it ran: the workload's
         hand-over to the engine."""
         self.before_op: Callable[[Any, tuple[Any, ...], dict[str, Any]], None] | None = None
+        self.attribute = False
+        """Count the ops whose caller (:func:`probe_caller`) is the probe, each with its caller
+        (a real session runs: :func:`session_step_cost`)."""
+        self.caller = ""
 
     def __enter__(self) -> DeviceCostMode:
         entered = super().__enter__()
@@ -159,12 +251,20 @@ class DeviceCostMode(TorchDispatchMode):
             self.counting -= 1
 
     def count(self, name: str, inputs: list[Any], outputs: list[Any], launches: int = 1) -> None:
-        self.tally.ops.append(OpCost(name, _device_bytes(inputs), _device_bytes(outputs), launches, 0))
+        self.tally.ops.append(OpCost(name, _device_bytes(inputs), _device_bytes(outputs), launches, 0,
+                                     self.caller))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self.silent:
             return func(*args, **kwargs)
+        if self.attribute:
+            out = func(*args, **kwargs)
+            caller = probe_caller(func, sys._getframe(1))
+            if caller is not None:
+                self.caller = caller
+                self._count(func, args, kwargs, out)
+            return out
         if self.counting == 0 and self.before_op is not None:
             self.before_op(func, args, kwargs)
         out = func(*args, **kwargs)
@@ -179,19 +279,23 @@ class DeviceCostMode(TorchDispatchMode):
         inputs, _ = tree_flatten((args, kwargs))
         outputs, _ = tree_flatten(out)
         if name in _HOST_SYNCS:
-            self.tally.ops.append(OpCost(name, _device_bytes(inputs), 0, 1, 1))
+            self.tally.ops.append(OpCost(name, _device_bytes(inputs), 0, 1, 1, self.caller))
             return
         if name in _NO_KERNEL or _is_view(func):
             return
         if name in ("_to_copy", "copy_", "to") and any(isinstance(t, torch.Tensor) and t.device.type == "cpu"
                                                        for t in outputs):
             if _device_bytes(inputs):  # to the host: a blocking transfer
-                self.tally.ops.append(OpCost(name + " (to host)", _device_bytes(inputs), 0, 1, 1))
+                self.tally.ops.append(OpCost(f"{name} (to host)", _device_bytes(inputs), 0, 1, 1,
+                                             self.caller))
             return
         written = _device_bytes(outputs)
         if not written and not _device_bytes(inputs):
             return  # host-only work
-        self.tally.ops.append(OpCost(name, _device_bytes(inputs), written, 1, 0))
+        read, widened = _widening_copy(name, args, out)
+        if widened:
+            self.tally.ops.append(OpCost(f"copy_ (widens inside {name})", read, widened, 1, 0, self.caller))
+        self.tally.ops.append(OpCost(name, _device_bytes(inputs), written, 1, 0, self.caller))
 
 
 @contextlib.contextmanager
@@ -208,7 +312,12 @@ def _accelerator_path(mode: DeviceCostMode) -> Iterator[None]:
                 out = kernel._fallback(*args)
         finally:
             mode.silent = silent
-        if mode.counting:
+        if mode.attribute:
+            caller = probe_caller(None, sys._getframe(1))
+            if caller is not None:
+                mode.caller = caller
+                mode.count(f"compiled {kernel._fn.__name__}", list(args), tree_flatten(out)[0])
+        elif mode.counting:
             mode.count(f"compiled {kernel._fn.__name__}", list(args), tree_flatten(out)[0])
         return out
 
@@ -303,6 +412,113 @@ def stats_step_cost(model: torch.nn.Module, batch: Callable[[], Any],
         with mode.engine():
             rows.end_step()
     return mode.tally
+
+
+# -- the real stats mode session -----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _meta_addresses() -> Iterator[None]:
+    """Meta tensors given addresses: each storage its own range (from its ``StorageImpl``
+    address), so that the tracer keys their values and the queue checks them as it does real
+    memory (a meta tensor's ``data_ptr`` is 0: the tracer would skip it as memory-less)."""
+    tensor_ptr, storage_ptr = torch.Tensor.data_ptr, torch.UntypedStorage.data_ptr
+
+    def tensor_address(t: torch.Tensor) -> int:
+        if t.device.type != DEVICE.type:
+            return tensor_ptr(t)
+        return (t.untyped_storage()._cdata << 40) + t.storage_offset() * t.element_size()
+
+    def storage_address(s: torch.UntypedStorage) -> int:
+        return (s._cdata << 40) if s.device.type == DEVICE.type else storage_ptr(s)
+
+    torch.Tensor.data_ptr = tensor_address  # type: ignore[method-assign]
+    torch.UntypedStorage.data_ptr = storage_address  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.data_ptr = tensor_ptr  # type: ignore[method-assign]
+        torch.UntypedStorage.data_ptr = storage_ptr  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _fused_optimizers_on_meta() -> Iterator[None]:
+    """``fused=True`` optimizers accept ``meta`` parameters (their ops have meta kernels)."""
+    import torch.optim.optimizer as optimizer_module
+
+    supported = optimizer_module._get_fused_kernels_supported_devices
+    optimizer_module._get_fused_kernels_supported_devices = lambda: [*supported(), DEVICE.type]
+    try:
+        yield
+    finally:
+        optimizer_module._get_fused_kernels_supported_devices = supported
+
+
+@contextlib.contextmanager
+def _values_counted(mode: DeviceCostMode) -> Iterator[None]:
+    """Each tensor a :class:`StepRows` gives a row with values counted in ``mode.tally``, and the
+    writer thread's transfer left out: meta rows have no values to read (their rows come back
+    NaN; the step's one transfer is outside the training step)."""
+    add, add_row, to_host = StepRows.add, StepRows.add_row, PendingRows.to_host
+
+    def counted_add(rows: StepRows, t: torch.Tensor, *args: Any, **kwargs: Any) -> int | None:
+        row = add(rows, t, *args, **kwargs)
+        x, _ = compact_view(as_real(t))
+        if row is not None and x.numel() and not mode.silent:
+            mode.tally.values += 1
+            mode.tally.value_bytes += x.numel() * x.element_size()
+        return row
+
+    def counted_add_row(rows: StepRows, row: torch.Tensor, numel: int) -> int:
+        mode.tally.values += 1
+        mode.tally.value_bytes += numel * 4  # (an update Adam took, read from its fp32 moments)
+        return add_row(rows, row, numel)
+
+    def nan_rows(pending: PendingRows) -> tuple[Any, Any, Any]:
+        import numpy as np
+
+        table = np.array(pending.rows, dtype=np.int64).reshape(len(pending.rows), 4)
+        return np.full((len(table), reduce.WIDTH), np.nan), table[:, 2], table[:, 3]
+
+    StepRows.add, StepRows.add_row = counted_add, counted_add_row  # type: ignore[method-assign]
+    PendingRows.to_host = nan_rows  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        StepRows.add, StepRows.add_row, PendingRows.to_host = add, add_row, to_host  # type: ignore[method-assign]
+
+
+OPTIMIZERS = ("foreach", "fused")
+"""AdamW's implementations the session cost is measured with (CUDA's default is foreach)."""
+
+
+def session_step_cost(model: torch.nn.Module, batch: Callable[[], Any],
+                      loss: Callable[[torch.nn.Module, Any], torch.Tensor], optimizer: str = "foreach",
+                      **options: Any) -> Tally:
+    """The device work the probe itself issues over one training step of ``model`` (on ``meta``)
+    under a real ``probe.mode("stats", **options)`` session: the tracer, the stats mode and its
+    engine, each op with the probe function that issued it (the program's own ops are not
+    counted). The second of two steps is counted (the first makes AdamW's state).
+    ``optimizer``: AdamW ``"foreach"`` or ``"fused"``."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer: expected one of {OPTIMIZERS}, got {optimizer!r}")
+    mode = DeviceCostMode()
+    mode.attribute = True
+    out = tempfile.mkdtemp(prefix="device-cost-")
+    with _meta_addresses(), _fused_optimizers_on_meta(), mode, torch.device(DEVICE), \
+            _accelerator_path(mode), _values_counted(mode):
+        adamw = torch.optim.AdamW(model.parameters(), lr=1e-4, **{optimizer: True})
+        with probe.mode("stats", out=out, overwrite=True, model=model, **options) as session:
+            for step in range(2):
+                if step:
+                    mode.tally = Tally()
+                loss(model, batch()).backward()
+                adamw.step()
+                adamw.zero_grad(set_to_none=True)
+                session.step()
+            tally = mode.tally
+            mode.attribute = False
+    return tally
 
 
 def hf_llama(shape: tuple[str, int, int, int, int, int, int, int, str], dtype: torch.dtype

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks import cost_model, device_cost
+from probe.modes.statistics.capture import STAGE_MAX_NUMEL
 
 
 def test_stats_engine_reads_each_value_once_and_writes_no_copy_on_the_accelerator_path():
@@ -40,3 +42,31 @@ def test_counter_sees_a_widening_copy_the_engine_makes_inside_an_op():
     mode.before_op = None
     assert [(op.name, op.read, op.written) for op in mode.tally.ops] == [
         ("_to_copy", 2 << 10, 8 << 10), ("sum", 8 << 10, 8)]
+
+
+# What a real stats session may issue on the device: the engine's one fused pass per value
+# (``TensorStats.row``), and the staging copy of a small value into its chunk
+# (``StageChunk.add``). Anything else per value (a snapshot copy of a value about to be written
+# in place, a widened or contiguous copy, a cast inside a reduction, a stack per queued batch)
+# is a new (op, issuing function) here.
+SESSION_OPS = {("compiled _fused_raw", "row"), ("copy_", "add")}
+
+
+@pytest.mark.parametrize("optimizer", device_cost.OPTIMIZERS)
+def test_a_stats_session_reduces_each_value_in_one_launch_and_copies_only_staged_values(optimizer):
+    # probe.mode("stats") over a step of hf-llama-small's shapes (one layer) on the accelerator
+    # path, AdamW foreach or fused: every op the probe issued, with its caller.
+    tally = cost_model.session_tally("hf-llama-small-1layer", optimizer)
+    assert tally.values > 100 and tally.value_bytes > 64 << 20
+    issued = {(op.name, op.issuer) for op in tally.ops}
+    assert issued <= SESSION_OPS, tally.by_caller()
+    # A staging copy writes one small value (into an fp32 chunk, fp64 for fp64 values): a copy
+    # of a larger value is a copy of a value the engine reduces.
+    for op in tally.ops:
+        if op.name == "copy_":
+            assert op.written <= STAGE_MAX_NUMEL * 8, op
+    # One launch per value at most (its pass or its staging copy; a value read again, a weight
+    # read by several ops, reuses its row), and within the issue's read and written budgets.
+    assert tally.launches <= tally.values, tally.by_caller()
+    read, written, _, syncs = device_cost.budgets(tally)
+    assert read.met and written.met and syncs.met, (read, written, syncs, tally.by_caller())

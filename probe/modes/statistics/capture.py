@@ -53,7 +53,7 @@ from probe.modes.statistics.reduce import (
     chunk_rows,
     compact_view,
     cpu_rows,
-    device_rows,
+    device_row_list,
 )
 from probe.npu import saturation_mode
 
@@ -104,10 +104,10 @@ class StageChunk:
 
 
 class DeviceRows:
-    """Rows of tensors reduced one by one, or blocks of rows of queued batches, on one device."""
+    """Rows of tensors reduced on one device, each apart until the step's end (one ``cat``)."""
 
     def __init__(self) -> None:
-        self.parts: list[torch.Tensor] = []  # a row, or a [rows, columns] block
+        self.parts: list[torch.Tensor] = []  # [1, columns] each
         self.size = 0
 
     def add_row(self, row: torch.Tensor) -> int:
@@ -115,15 +115,10 @@ class DeviceRows:
         self.size += 1
         return self.size - 1
 
-    def add_block(self, block: torch.Tensor) -> int:
-        self.parts.append(block)
-        self.size += block.shape[0]
-        return self.size - block.shape[0]
-
     def on_device(self) -> torch.Tensor:
         if not self.parts:
             return torch.empty((0, WIDTH), dtype=torch.float64)
-        return torch.cat([p.to(torch.float64) for p in self.parts])
+        return torch.cat(self.parts).to(torch.float64)  # (one cast, not one per row)
 
     def reduce(self) -> np.ndarray:
         return self.on_device().cpu().numpy()
@@ -490,7 +485,9 @@ class StepRows:
             source = self._device_source(device)
             rows = self._sources[source]
             assert isinstance(rows, DeviceRows)
-            first = rows.add_block(device_rows(xs, eps=self._eps, stats=self._stats))
+            first = rows.size
+            for row in device_row_list(xs, eps=self._eps, stats=self._stats):
+                rows.add_row(row)
         for i, queued in enumerate(kept):
             _, _, numel, multiplicity = table[queued.row]
             table[queued.row] = (source, first + i, numel, multiplicity)

@@ -362,15 +362,23 @@ def device_rows(xs: list[torch.Tensor], eps: float | None = None, stats: TensorS
     The foreach form reads a tensor about eight times and writes a negated copy and three masks
     of it, which on a GPU made a 7B-wide bf16 step 14x slower (H200: 335 of 359 ms).
     """
+    return torch.stack(device_row_list(xs, eps, stats))
+
+
+def device_row_list(xs: list[torch.Tensor], eps: float | None = None, stats: TensorStats | None = None
+                    ) -> list[torch.Tensor]:
+    """As :func:`device_rows`, one row per tensor and no stack: the capture queue keeps the rows
+    apart until the step's end, where one ``cat`` gathers them (a stack per queued batch was a
+    launch per batch: 74 a step of the 7B-wide model, ``benchmarks.device_cost``)."""
     stats = stats if stats is not None else TensorStats()
     # The foreach reductions make negated copies and masks of each tensor: one of more than a
     # piece goes to ``stats.row``, which reduces it piece by piece.
     alone = [stats.uses_compiled(x) or pieces.too_large(x) for x in xs]
     if not any(alone):
-        return _foreach_rows(xs, eps)
+        return list(_foreach_rows(xs, eps).unbind(0))
     small = [x for x, a in zip(xs, alone, strict=True) if not a]
     rest = iter(_foreach_rows(small, eps).unbind(0) if small else ())
-    return torch.stack([stats.row(x, eps=eps) if a else next(rest) for x, a in zip(xs, alone, strict=True)])
+    return [stats.row(x, eps=eps) if a else next(rest) for x, a in zip(xs, alone, strict=True)]
 
 
 def _foreach_rows(xs: list[torch.Tensor], eps: float | None) -> torch.Tensor:
