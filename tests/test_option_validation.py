@@ -15,6 +15,7 @@ never a hang, never a huge allocation.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -173,19 +174,18 @@ JSON_PATHS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _spec(mode: str, key: str) -> OptionSpec | None:
-    """The option field behind ``key`` (``config`` has none: it is read before any field)."""
-    specs = option_specs(Options) if key in _COMMON_KEYS else option_specs(CONFIGS[mode])
-    return specs[key][1] if key in specs else None
+def _option_field(mode: str, key: str) -> tuple[dataclasses.Field[Any], OptionSpec] | None:
+    """The option field behind ``key`` and its spec (``config`` has none: it is read before any field)."""
+    return (option_specs(Options) if key in _COMMON_KEYS else option_specs(CONFIGS[mode])).get(key)
 
 
 def _check_kind(mode: str, key: str) -> str:
     """The kind of check the option's field declares, by the factory that made it ("unknown": a check
     of its own whose family :data:`OWN_CHECK` does not say)."""
-    spec = _spec(mode, key)
-    if spec is None or key in OWN_CHECK:
+    found = _option_field(mode, key)
+    if found is None or key in OWN_CHECK:
         return OWN_CHECK.get(key, "unknown")
-    check = spec.check
+    check = found[1].check
     if check.parse == Patterns.parse:  # bound classmethods: equal, not identical
         return "globs"
     if check.parse == IntSet.parse:
@@ -200,8 +200,9 @@ def _check_kind(mode: str, key: str) -> str:
 
 
 def _default(mode: str, key: str) -> Any:
-    spec_field = (option_specs(Options) if key in _COMMON_KEYS else option_specs(CONFIGS[mode]))[key][0]
-    return default_of(spec_field)
+    found = _option_field(mode, key)
+    assert found is not None, key
+    return default_of(found[0])
 
 
 def _resolved(session: probe.Session, mode: str, key: str) -> Any:
