@@ -1,15 +1,13 @@
 """Which op of run B corresponds to which op of run A.
 
-Pairs are proposed first by stable id: the same program gives the same ids, and since an id
-counts ops per (module call, phase, op name), an extra op (a cast under autocast) shifts only
-the ids of its own kind. What is left is proposed within each module call by sequence
-alignment over ``(op name, output shapes)`` and then over op names alone. A proposal is kept
-only where dataflow confirms it (:mod:`probe.analysis.alignment`): both ops read
-corresponding values. So where two decompositions of a module call differ (eager against
-SDPA attention), their ops are never paired by position; the differing part stays unmatched
-on both sides and is judged at its boundary. The remainder is listed as unmatched on its side;
-nothing is dropped. ``module_map`` renames modules of run B (``{"encoder": "model.encoder"}``)
-before matching.
+First by stable id: the same program gives the same ids, and since an id
+counts ops per (module call, phase, op name), an extra op (a cast under
+autocast) shifts only the ids of its own kind. What is left is aligned within
+each module call by sequence alignment over ``(op name, output shapes)`` and
+then over op names alone, so a fused op on one side or a different
+decomposition leaves the rest of its module matched. The remainder is listed
+as unmatched on its side; nothing is dropped. ``module_map`` renames modules
+of run B (``{"encoder": "model.encoder"}``) before matching.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ import difflib
 from collections import defaultdict
 from dataclasses import dataclass
 
-from probe.analysis.alignment import align, wrapper_roots
 from probe.rundir.run import OpRecord
 
 
@@ -27,7 +24,7 @@ class Match:
     a: OpRecord | None
     b: OpRecord | None
     how: str
-    """"id", "aligned" (by sequence alignment), "dataflow" (by its inputs alone) or "unmatched"."""
+    """"id", "aligned" or "unmatched"."""
 
 
 def _rename(module: str, module_map: dict[str, str]) -> str:
@@ -84,7 +81,7 @@ def match_ops(
     views its own way, and a view of another shape there is no divergence). ``unpaired``:
     indices of B ops left unmatched (a re-run backward graph's: AOTAutograd orders a backward
     its own way, so ops of one name and shape there are not the eager twin's in turn)."""
-    module_map = {**wrapper_roots(ops_a, ops_b), **(module_map or {})}
+    module_map = module_map or {}
     shapes_only = shapes_only or set()
     unpaired = unpaired or set()
     by_id = {_mapped_id(op, module_map): op for op in ops_b if op.index not in unpaired}
@@ -119,11 +116,6 @@ def match_ops(
             for i, j in _align(remaining_a, remaining_b, with_shapes):
                 partner[remaining_a[i].index], how[remaining_a[i].index] = remaining_b[j], "aligned"
                 taken.add(remaining_b[j].index)
-
-    confirmed = align(ops_a, ops_b, partner, _group_key, lambda op: _group_key(op, module_map),
-                      lambda module: _rename(module, module_map), unpaired)
-    how = {i: how[i] if partner.get(i) is other else "dataflow" for i, other in confirmed.items()}
-    partner = confirmed
 
     # B-only ops are placed after the A op matched to their nearest earlier B op.
     a_of_b = {other.index: a_index for a_index, other in partner.items()}
