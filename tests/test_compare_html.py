@@ -334,3 +334,58 @@ def test_the_filter_keeps_errors_and_warnings_in_a_browser(written):
         assert not severe, severe
     finally:
         browser.quit()
+
+
+def test_rows_say_whether_a_difference_entered_or_was_carried(written):
+    report, path = written
+    doc = parse(path.read_text())
+    rows = [tr for table in doc.find_id("ops").all("table") for tr in table.first("tbody").all("tr")]
+    by_id = {row["op_a"]: row for row in report.rows}
+    flows = []
+    for tr in rows:
+        row = by_id[tr.all("td")[1].first("code").text]
+        carried = row["verdict"] == "error" and not row["enters"]
+        assert ("carried" in tr.classes) == carried
+        labels = [span.text for span in tr.all("span", "flow")]
+        flows.append(labels)
+        assert labels == ([] if row["verdict"] != "error" else ["carried" if carried else "entered"])
+    # The planted fault: entered at the op reading the changed weight, carried everywhere else.
+    assert ["carried"] in flows and ["entered"] in flows
+    assert all(row["module"] == FAULTY for row in report.rows if row["enters"])
+
+
+# Each element's badge colour, groups' summaries and rows in document order.
+_COLOURS = """return Array.from(document.querySelectorAll('#ops details.module > summary, #ops tbody tr'),
+    e => [e.tagName, e.tagName === 'SUMMARY' ? e.parentElement.dataset.module
+                                             : e.cells[1].querySelector('code').textContent,
+          getComputedStyle(e.querySelector('.badge')).backgroundColor]);"""
+ENTERED_RGB, CARRIED_RGB = "rgb(211, 47, 47)", "rgb(239, 108, 0)"  # #d32f2f, #ef6c00
+
+
+def test_the_first_red_row_is_the_cause_in_a_browser(written):
+    from tests.test_viewer import CHROMEDRIVER, CHROMIUM, _browser, _need
+
+    _need("Chromium", Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists())
+    report, path = written
+    browser = _browser()
+    try:
+        browser.get(path.as_uri())
+        shown = [tuple(item) for item in browser.execute_script(_COLOURS)]
+    finally:
+        browser.quit()
+    red = [(tag, what) for tag, what, colour in shown if colour == ENTERED_RGB]
+    # The first red element is the cause's module, the first red row its op: nothing before is red.
+    assert red[0] == ("SUMMARY", FAULTY)
+    assert next(what for tag, what in red if tag == "TR") == report.divergence.op.id
+    by_id = {row["op_a"]: row for row in report.rows}
+    rows = [(by_id[what], colour) for tag, what, colour in shown if tag == "TR"]
+    assert len(rows) == len(report.rows)
+    for row, colour in rows:
+        if row["verdict"] == "error":
+            assert colour == (ENTERED_RGB if row["enters"] else CARRIED_RGB), row["op_a"]
+    # Modules before the cause only carry it (their backward ops): orange, not red.
+    before = list(dict.fromkeys(row["module"] for row in report.rows))
+    before = before[:before.index(FAULTY)]
+    carrying = [(what, colour) for tag, what, colour in shown if tag == "SUMMARY" and what in before
+                and any(r["verdict"] == "error" for r in report.rows if r["module"] == what)]
+    assert carrying and all(colour == CARRIED_RGB for _, colour in carrying)

@@ -69,6 +69,9 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
 VERDICT_COLOURS = {PASS: "#2e7d32", UNMATCHED: "#1e88e5", WARNING: "#f9a825", NOT_COMPARED: "#8e7cc3",
                    ERROR: "#d32f2f"}
 """A colour per verdict, shared by the HTML page and the charts ("not compared" violet as in graphs)."""
+CARRIED_COLOUR = "#ef6c00"
+"""An error carried from upstream (:func:`is_carried`): orange, so that red marks where a
+difference entered and the first red row of the page is the cause."""
 PROBLEMS = (WARNING, NOT_COMPARED, ERROR)
 """The verdicts the page's filter keeps: what needs a look."""
 CHART_LIMIT = 8
@@ -80,6 +83,20 @@ _STATS_ERRORS = ("max_rel", "min_rel", "norm_rel")
 # ULP read near-zero elements of a healthy op as alarms (probe.analysis.metrics).
 _METRIC_COLUMNS = (("cosine", "Cosine"), ("max_abs_err", "MaxAbsErr"), ("max_ulp_at_scale", "ULP at scale"),
                    ("norm_rel", "NormRelDiff"))
+
+
+def is_carried(row: Mapping[str, Any]) -> bool:
+    """An error that entered upstream and was carried to this op, not one that entered here.
+
+    A row's ``enters`` (``OpComparison.enters``) says where a difference entered; an error
+    without it (rule "carried", or an op downstream of a divergence judged by the thresholds,
+    the shape or NaN/Inf) is carried. Rows without the key (written by hand) are carried only
+    by rule "carried"; any other error is shown as entered, never played down.
+    """
+    if row["verdict"] != ERROR:
+        return False
+    enters = row.get("enters")
+    return enters is False or (enters is None and row.get("rule") == "carried")
 
 
 def row_error(row: dict[str, Any]) -> float | None:
@@ -199,16 +216,19 @@ def _draw_errors(ax: Axes, rows: Sequence[Mapping[str, Any]], divergence: Mappin
             ax.hlines(max(values), start - 0.5, end - 0.5, colors="#607d8b", linewidth=2.5, alpha=0.45,
                       zorder=1)
     ax.plot([], [], color="#607d8b", linewidth=2.5, alpha=0.45, label="module call (largest)")
-    for verdict, colour in VERDICT_COLOURS.items():
-        xs = [i for i, row in enumerate(rows) if row["verdict"] == verdict]
+    # Errors carried from upstream apart from those that entered at their op (red).
+    kinds = [(verdict, False, colour, verdict) for verdict, colour in VERDICT_COLOURS.items()]
+    kinds.insert(-1, (ERROR, True, CARRIED_COLOUR, "error (carried)"))
+    for verdict, carried, colour, label in kinds:
+        xs = [i for i, row in enumerate(rows) if row["verdict"] == verdict and is_carried(row) == carried]
         known = [i for i in xs if shown[i] is not None]
         unknown = [i for i in xs if shown[i] is None]  # nothing measured: a tick on the floor
         if known:
-            ax.scatter(known, [shown[i] for i in known], s=9, color=colour, label=verdict, zorder=3,
+            ax.scatter(known, [shown[i] for i in known], s=9, color=colour, label=label, zorder=3,
                        edgecolors="none", rasterized=rasterized)
         if unknown:
             ax.scatter(unknown, [floor] * len(unknown), s=18, marker="|", color=colour, zorder=3,
-                       label=None if known else verdict, rasterized=rasterized)
+                       label=None if known else label, rasterized=rasterized)
     phases = [row["phase"] for row in rows]
     for start, _ in _segments(phases)[1:]:
         ax.axvline(start - 0.5, color="#9e9e9e", linewidth=0.8, linestyle=":", zorder=0)
@@ -266,12 +286,15 @@ h1{font-size:1.3em;margin:0 0 .3em}h2{font-size:1.1em;margin:1.2em 0 .4em}h3{fon
  white-space:nowrap}
 .badge.pass{background:#2e7d32}.badge.warning{background:#f9a825;color:#222}.badge.error{background:#d32f2f}
 .badge.unmatched{background:#1e88e5}.badge.not-compared{background:#8e7cc3}.badge.unknown{background:#757575}
-.badge.zero{opacity:.35}
+.badge.zero{opacity:.35}.badge.error.carried{background:#ef6c00}
+.flow{font-size:11px;font-weight:600;margin-left:.3em}.flow.entered{color:#d32f2f}.flow.carried{color:#ef6c00}
+.legend{font-size:12px;color:#555;margin:.2em 0}
 table{border-collapse:collapse;font-size:12px;margin:.3em 0 .8em}
 th,td{border:1px solid #ddd;padding:2px 6px;text-align:left;white-space:nowrap;vertical-align:top}
 td.msg{white-space:normal;min-width:30em;max-width:60em}
 th{background:#f3f3f3;cursor:pointer;position:sticky;top:0}
-tr.error td{background:#fde2e2}tr.warning td{background:#fff4d6}tr.unmatched td{background:#e8f1fd}
+tr.error td{background:#fde2e2}tr.error.carried td{background:#fdebd9}
+tr.warning td{background:#fff4d6}tr.unmatched td{background:#e8f1fd}
 tr.not-compared td{background:#efe9f8;font-style:italic}tr.first td{outline:2px solid #d32f2f}
 details.module{margin:.15em 0}details.module>summary{cursor:pointer;padding:2px 0}
 details.module>summary code{font-weight:600}.count{color:#555;font-size:12px}
@@ -316,8 +339,17 @@ def _css_class(verdict: str) -> str:
     return _e(verdict.replace(" ", "-"))
 
 
-def _badge(verdict: str, text: str | None = None, zero: bool = False) -> str:
-    return f"<span class='badge {_css_class(verdict)}{' zero' if zero else ''}'>{_e(text or verdict)}</span>"
+def _badge(verdict: str, text: str | None = None, zero: bool = False, carried: bool = False) -> str:
+    classes = _css_class(verdict) + (" carried" if carried else "") + (" zero" if zero else "")
+    return f"<span class='badge {classes}'>{_e(text or verdict)}</span>"
+
+
+def _flow(row: dict[str, Any]) -> str:
+    """An error's "entered" (here: red) or "carried" (from upstream: orange) after its badge."""
+    if row["verdict"] != ERROR:
+        return ""
+    flow = "carried" if is_carried(row) else "entered"
+    return f" <span class='flow {flow}'>{flow}</span>"
 
 
 def _notes(summary: dict[str, Any]) -> list[str]:
@@ -467,8 +499,9 @@ def _op_cell(row: dict[str, Any]) -> str:
 def _row(row: dict[str, Any], columns: list[tuple[str, str]], first: bool) -> str:
     verdict = str(row["verdict"])
     error = row_error(row)
+    carried = is_carried(row)
     cells = [
-        f"<td data-sort='{SEVERITY.get(verdict, 0)}'>{_badge(verdict)}</td>",
+        f"<td data-sort='{SEVERITY.get(verdict, 0)}'>{_badge(verdict, carried=carried)}{_flow(row)}</td>",
         f"<td>{_op_cell(row)}{' <span class=mark>&#9664; first divergence</span>' if first else ''}</td>",
         f"<td>{_e(row.get('phase'))}</td>", f"<td>{_e(row.get('rule') or '')}</td>",
         f"<td data-sort='{'' if error is None else error}'>{_e(_cell(error))}</td>",
@@ -477,7 +510,8 @@ def _row(row: dict[str, Any], columns: list[tuple[str, str]], first: bool) -> st
         f"<td>{_pair(row.get('shape_a'), row.get('shape_b'))}</td>",
         f"<td class='msg'>{_e(row.get('message') or '')}</td>",
     ]
-    return f"<tr class='{_css_class(verdict)}{' first' if first else ''}'>{''.join(cells)}</tr>"
+    classes = _css_class(verdict) + (" carried" if carried else "") + (" first" if first else "")
+    return f"<tr class='{classes}'>{''.join(cells)}</tr>"
 
 
 def _groups(rows: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
@@ -498,7 +532,11 @@ def _module_group(module: str, rows: list[dict[str, Any]], columns: list[tuple[s
     clean = not any(v in PROBLEMS for v in counts)
     errors = [e for row in rows if (e := row_error(row)) is not None]
     largest = f"; largest error {_cell(max(errors))}" if errors else ""
-    spread = ", ".join(f"{n} {v}" for v, n in sorted(counts.items(), key=lambda i: -SEVERITY.get(i[0], 0)))
+    carried = sum(is_carried(row) for row in rows)
+    spread = ", ".join(f"{n} {v}" + (f" ({carried} carried)" if v == ERROR and carried else "")
+                       for v, n in sorted(counts.items(), key=lambda i: -SEVERITY.get(i[0], 0)))
+    # Red only where a difference entered in this module; a module that only carries it is orange.
+    only_carried = worst == ERROR and carried == counts[ERROR]
     opened = holds_first or (open_problems and worst in (ERROR, NOT_COMPARED))
     header = "".join([
         "<tr><th>Verdict</th><th>Op</th><th>Phase</th><th>Rule</th><th>Error</th>",
@@ -507,8 +545,9 @@ def _module_group(module: str, rows: list[dict[str, Any]], columns: list[tuple[s
     ])
     body = "".join(_row(row, columns, first is not None and _is_first(row, first)) for row in rows)
     return (f"<details class='module{' clean' if clean else ''}' data-module='{_e(module)}'"
-            f"{' open' if opened else ''}><summary>{_badge(worst)} <code>{_e(module or '<outside modules>')}"
-            f"</code> <span class='count'>{len(rows)} op(s): {_e(spread)}{_e(largest)}</span>"
+            f"{' open' if opened else ''}><summary>{_badge(worst, carried=only_carried)} "
+            f"<code>{_e(module or '<outside modules>')}</code> "
+            f"<span class='count'>{len(rows)} op(s): {_e(spread)}{_e(largest)}</span>"
             f"{' <span class=mark>&#9664; first divergence</span>' if holds_first else ''}</summary>"
             f"<table><thead>{header}</thead><tbody>{body}</tbody></table></details>")
 
@@ -547,6 +586,10 @@ def write_html(summary: dict[str, Any], rows: list[dict[str, Any]], path: Path) 
         "<section id='ops'><h2>Ops by module</h2><div class='controls'><label><input type='checkbox' "
         "id='problems-only'> only errors, warnings and not compared</label> &nbsp; "
         "<button id='expand-all'>expand all</button> <button id='collapse-all'>collapse all</button></div>"
+        f"<p class='legend'>{_badge(ERROR)}<span class='flow entered'>entered</span>: the difference "
+        f"enters at this op (the first such row is the first divergence); {_badge(ERROR, carried=True)}"
+        "<span class='flow carried'>carried</span>: an error carried from a divergence upstream. "
+        "A module's badge is red when a difference enters in it, orange when it only carries one.</p>"
     )
     for (step, rank), place_rows in places.items():
         if len(places) > 1:
