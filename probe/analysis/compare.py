@@ -999,8 +999,13 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
         faithful = None if on_data else _faithful_rounding(ops, position, walks, views)
         if faithful is not None:
             # Views, casts and scalings by a number carry a difference unamplified: what they
-            # add is one rounding each, so the bound is that model's, with margin.
-            factor, rounding = FAITHFUL_MARGIN, FAITHFUL_MARGIN * faithful
+            # add is one rounding each, so the bound is that model's, with margin. Its floor is
+            # one unit roundoff of the value's dtype: a difference below one rounding of what the
+            # runs hold is no entry (a parameter all-gathered from shards another reduction order
+            # updated differs from the single process's by less, and its matched start by 0).
+            floor = max(precision.eps(_chain_precision(op.inputs[position], w[0])) / 2
+                        for op, w in zip(ops, walks, strict=True) if w is not None)
+            factor, rounding = FAITHFUL_MARGIN, FAITHFUL_MARGIN * (faithful + floor)
         else:
             factor = precision.CONDITION
         bound = factor * worst_upstream + rounding
