@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = sorted((ROOT / "docs" / "questions").glob("*.md"))
-PAGES = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
+PAGES = [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md"]
 
 # A question page is read in one sitting: the issue asked for under 800 words each.
 WORD_LIMIT = 800
@@ -45,7 +45,8 @@ def test_the_page_runs_and_gives_the_answer_it_describes(page: Path, tmp_path: P
     result = _run([sys.executable, str(script)], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     for expected in re.findall(r"<!-- output: (.*?) -->", text):
-        assert re.search(expected, result.stdout), f"{page.name}: no line matches {expected!r} in\n{result.stdout}"
+        assert re.search(expected, result.stdout), \
+            f"{page.name}: no line matches {expected!r} in\n{result.stdout}"
     for block in _blocks(text, "sh"):
         for line in block.splitlines():
             command = line.split("#")[0].strip()
