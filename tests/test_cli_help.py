@@ -79,11 +79,13 @@ def test_every_option_says_its_default_and_every_command_an_example():
 
 
 def test_demo_help_lists_every_registered_mode(capsys):
-    assert set(BUILTIN_MODES) == set(MODES)
+    # The package's own modes: other test files register plug-ins of their own when collected.
+    own = {name for name, cls in MODES.items() if cls.__module__.startswith("probe.")}
+    assert set(BUILTIN_MODES) == own
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
     text = capsys.readouterr().out
-    assert all(f"  {name} " in text for name in MODES)
+    assert all(f"  {name} " in text for name in own)
 
 
 def test_replay_of_a_run_without_dumps_says_what_to_record(tmp_path, capsys):

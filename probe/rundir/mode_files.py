@@ -16,7 +16,6 @@ a ``ProbeError`` naming the file.
 from __future__ import annotations
 
 import importlib
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,9 +88,11 @@ def registered_mode_files() -> dict[str, type[ModeFiles] | None]:
 
     The built-in modes are imported, by name, on the first lookup: ``import probe`` binds its
     names lazily, so a process that reads a run without touching them (a spawned compare
-    worker) would otherwise find no reader. The reader still names no mode's code."""
-    if BUILTIN_MODES not in sys.modules:
-        importlib.import_module(BUILTIN_MODES)
+    worker) would otherwise find no reader. The reader still names no mode's code. Always through
+    ``import_module``, never a look at ``sys.modules``: a package another thread is importing is
+    there half-made (a dask worker reading two pieces at once found no 'stats' reader), and
+    ``import_module`` waits for it."""
+    importlib.import_module(BUILTIN_MODES)
     return _READERS
 
 

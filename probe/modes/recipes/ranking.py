@@ -156,11 +156,9 @@ def plan(run: Any, recipe: str, keep_fraction: float = 0.1, rank: int | None = N
     return Plan(chosen, tuple(quantize), tuple(keep), tuple(m.to_json(recipe) for m in ranking))
 
 
-def write_plan(run_path: str | Path, recipe: str, out: str | Path | None = None, keep_fraction: float = 0.1,
+def write_plan(run: Any, recipe: str, out: str | Path | None = None, keep_fraction: float = 0.1,
                rank: int | None = None) -> tuple[Plan, Path]:
-    """:func:`plan` of the run at ``run_path``, written to ``out`` (default ``RUN/plan.json``)."""
-    from probe.rundir.run import load
-
-    run = load(run_path)
+    """:func:`plan` of ``run`` (a loaded run: ``probe.load(path)``; a mode reads runs it is
+    handed, never loads one), written to ``out`` (default ``RUN/plan.json``)."""
     made = plan(run, recipe, keep_fraction, rank)
-    return made, made.save(Path(out) if out is not None else Path(run_path) / "plan.json")
+    return made, made.save(Path(out) if out is not None else Path(run.path) / "plan.json")
