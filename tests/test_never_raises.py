@@ -35,6 +35,7 @@ from probe.modes.statistics import reduce as reduce_module
 from probe.modes.statistics.columns import RAW_COLUMNS
 from probe.modes.statistics.distribution import dtype_range, exponent_counts, share_counts
 from probe.modes.statistics.reduce import TensorStats, adam_update_row, cpu_rows, device_rows
+from tests.conftest import train_steps
 
 PIECE = 1 << 15  # the compiled kernels' threshold: pieces take the compiled paths too
 NUMEL = 40 * PIECE + 7  # the last piece is short
@@ -347,25 +348,16 @@ def test_a_compiled_model_trains_under_stats_with_warnings_as_errors(tmp_path, w
         handle.remove()
 
 
-def _train_mlp(session_factory: Callable[[], object] | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _train_mlp(session_factory: Callable[[nn.Module], probe.Session] | None
+               ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Three steps of conftest's training loop on a small MLP, under ``session_factory(model)``."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = [torch.randn(4, 8) for _ in range(3)]
-    losses = []
-    session = session_factory(model) if session_factory is not None else None
-    if session is not None:
-        session.start()
-    for batch in data:
-        loss = model(batch).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        if session is not None:
-            session.step()
-    if session is not None:
-        session.stop()
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    if session_factory is None:
+        losses, _ = train_steps(model, 3, optimizer="sgd")
+    else:
+        with session_factory(model) as session:
+            losses, _ = train_steps(model, 3, session=session, optimizer="sgd")
     return losses, {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -393,7 +385,7 @@ def test_a_mode_whose_per_op_work_raises_is_detached_and_training_goes_on(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         losses, state = _train_mlp(lambda model: probe.mode("stats", out=str(out), model=model))
-    assert losses == bare_losses
+    assert all(torch.equal(a, b) for a, b in zip(losses, bare_losses, strict=True))
     for name, value in bare_state.items():
         assert torch.equal(state[name], value), name
     said = [str(w.message) for w in caught if "mode failed" in str(w.message)]
