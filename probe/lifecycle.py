@@ -10,15 +10,18 @@ reverse, through the ``ExitStack`` :func:`traced` fills.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import ExitStack
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from probe.errors import warn_once
+from probe.exporters.tensorboard_events import TENSORBOARD_SINK
 from probe.modes.base import SessionPlugin
 from probe.modes.config import ModeConfig
 from probe.modes.registry import MODES
+from probe.modes.sinks import SinkKind
 from probe.tracer import mode_stack
 from probe.tracer.compat import compiled_regions_eager
 from probe.tracer.dispatch_mode import ProbeDispatchMode, Tracer
@@ -31,9 +34,16 @@ def build_modes(configs: Iterable[ModeConfig]) -> list[SessionPlugin]:
     return [MODES[config.mode](config) for config in configs]
 
 
+SERIES_SINKS: Mapping[str, SinkKind] = MappingProxyType({TENSORBOARD_SINK.name: TENSORBOARD_SINK})
+"""The live-output sinks the session offers every mode (``probe.modes.sinks``): the exporters
+implement them, so no mode imports one."""
+
+
 def start_modes(modes: Iterable[SessionPlugin], model: Any, out: Path, rank: int) -> None:
-    """Each mode opens its files in the run directory and attaches to the model (its hooks)."""
+    """Each mode is offered the :data:`SERIES_SINKS`, opens its files in the run directory and
+    attaches to the model (its hooks)."""
     for mode in modes:
+        mode.sinks = SERIES_SINKS
         mode.start(out, rank)
         mode.attach(model, out, rank)
 

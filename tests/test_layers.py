@@ -34,7 +34,9 @@ NEVER_IMPORTS: dict[str, tuple[str, ...]] = {
     "probe.tracer": ("probe.modes", "probe.analysis", "probe.exporters", "probe.session", "probe.cli",
                      "probe.integrations", "probe.escalation"),
     "probe.rundir": ("probe.modes", "probe.analysis", "probe.exporters", "probe.session", "probe.cli"),
-    "probe.modes": ("probe.analysis", "probe.session", "probe.cli", "probe.integrations"),
+    # Issue 34: modes never import exporters either: they write live output through the sinks the
+    # session offers them (probe.modes.sinks), which the exporters implement.
+    "probe.modes": ("probe.analysis", "probe.exporters", "probe.session", "probe.cli", "probe.integrations"),
     "probe.analysis": ("probe.exporters", "probe.session", "probe.cli", "probe.modes", "probe.tracer"),
     "probe.exporters": ("probe.session", "probe.cli"),
     "probe.vocabulary": ("probe.rundir", "probe.tracer", "probe.modes", "probe.analysis", "probe.exporters",
@@ -190,7 +192,8 @@ def test_the_reading_sees_function_level_and_type_checking_imports(tmp_path: Pat
 
 # The pieces of probe/modes/ every mode may read; any other subpackage is a mode of its own.
 SHARED_BY_MODES = ("probe.modes.base", "probe.modes.config", "probe.modes.registry",
-                   "probe.modes.mode_options", "probe.modes.statistics", "probe.modes.rerunnable")
+                   "probe.modes.mode_options", "probe.modes.statistics", "probe.modes.rerunnable",
+                   "probe.modes.sinks")
 
 
 def _mode_of(module: str) -> str | None:
@@ -206,4 +209,13 @@ def test_modes_never_import_each_other() -> None:
     found = [f"{module} -> {target} (line {line})" for module, imported in sorted(import_graph().items())
              for target, line in sorted(imported.items())
              if _mode_of(module) and _mode_of(target) and _mode_of(module) != _mode_of(target)]
+    assert found == []
+
+
+def test_exporters_name_no_mode() -> None:
+    # Issue 34: the console renders what each mode's reader declares for a step (its section), and
+    # a sink's writer implements the modes' sink interface: no exporter imports a mode's package.
+    found = [f"{module} -> {target} (line {line})" for module, imported in sorted(import_graph().items())
+             if _within(module, "probe.exporters") for target, line in sorted(imported.items())
+             if _mode_of(target)]
     assert found == []

@@ -10,6 +10,9 @@ encoded once per run) and checksums it with ``google-crc32c`` (the ``monitor`` e
 when installed, TensorBoard's own CRC otherwise. The file is what TensorBoard's
 ``EventAccumulator`` and ``tensorboard --logdir`` read: ``events.out.tfevents.*``,
 a ``brain.Event:2`` version record first, then TFRecord-framed events.
+
+The writer is the ``"tensorboard"`` sink of the modes' sink interface (:data:`TENSORBOARD_SINK`,
+``probe.modes.sinks``), which the session offers them.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from probe.exporters.tensorboard_records import (  # noqa: F401  (some imported 
     masked_crc32c,
     record,
 )
+from probe.modes.sinks import Histogram, SinkKind
 
 
 class ScalarEventWriter:
@@ -88,7 +92,7 @@ class ScalarEventWriter:
         self._file.write(record(_event(time.time() if wall_time is None else wall_time, step,
                                        summary=summary.tobytes())))
 
-    def add_histograms(self, step: int, histograms: Sequence[tuple[str, np.ndarray, np.ndarray]],
+    def add_histograms(self, step: int, histograms: Sequence[Histogram],
                        wall_time: float | None = None) -> None:
         """One event at ``step`` holding a log2-magnitude histogram per ``(tag, exponents, counts)``
         (``probe.exporters.tensorboard_histograms``)."""
@@ -102,6 +106,10 @@ class ScalarEventWriter:
         if not self._file.closed:
             self._file.close()
 
+
+TENSORBOARD_SINK = SinkKind("tensorboard", reader_package="tensorboard", open=ScalarEventWriter)
+"""TensorBoard event files under ``rank<R>/tensorboard/``, written when the ``tensorboard``
+package (which reads them) is installed."""
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 

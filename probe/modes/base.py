@@ -19,9 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, ClassVar, Protocol
 
 from probe.modes.config import ModeConfig
+from probe.modes.sinks import SinkKind
 from probe.rundir.mode_files import ModeFiles
 from probe.rundir.writer import StepWriter
 from probe.tracer.observer import OpObserver
@@ -77,6 +79,10 @@ class SessionPlugin:
     files: ClassVar[type[ModeFiles] | None] = None
     """The reader of the files this mode writes in a step (beside its writer), for ``probe.load``;
     None when it writes none."""
+    sinks: Mapping[str, SinkKind] = MappingProxyType({})
+    """The live-output sinks the session offers this plug-in, by name (``"tensorboard"``), set
+    before :meth:`start`; a plug-in opens those its config asks for (``probe.modes.sinks``).
+    Empty outside a session."""
     implicit: bool = False
     """Added by the session itself, not asked for (the checksums of ``model=``): it writes only
     into steps the other modes write, never a step of its own."""
@@ -132,6 +138,11 @@ class SessionPlugin:
 
     def after_step(self) -> None:
         """``session.step()`` handed the step over; may raise to stop training."""
+
+    def rewound(self, out: Path, step: int, verdict: str) -> None:
+        """A rewind (``probe.rewind``) classified the written ``step`` of this rank under ``out``
+        (``verdict``: one of ``probe.rewind.verdict.KINDS``); a mode that writes series per step adds
+        it to them. Called on the training thread, with every ended step on disk."""
 
     def pause(self) -> None:
         """``session.pause()``: collect nothing from hooks until :meth:`resume` (the tracer already

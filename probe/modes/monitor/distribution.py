@@ -11,12 +11,14 @@ series with no tensor, such as ``update``/``update_ratio``) and ``monitor_histog
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from probe.modes.sinks import Histogram, SeriesSink
 from probe.modes.statistics.distribution import (
     HIST_NONFINITE,
     HIST_ZERO,
@@ -49,19 +51,21 @@ class SeriesDistribution:
         return self.rows.end_step()
 
 
-def write_step(writer: Any, pending: PendingDistribution, series: list[Any], tensorboard: Any,
+def write_step(writer: Any, pending: PendingDistribution, series: list[Any], sinks: Sequence[SeriesSink],
                step: int) -> dict[str, Any]:
-    """Write a step's distribution files and TensorBoard values (writer thread); the manifest entry."""
+    """Write a step's distribution files and its values to the live-output ``sinks`` (TensorBoard;
+    on the writer thread); the manifest entry."""
     shares, histogram = pending.to_host(len(series))
     writer.write_array(layout.MONITOR_DISTRIBUTION_FILE, shares)
     if histogram is not None:
         writer.write_array(layout.MONITOR_HISTOGRAM_FILE, histogram)
-    if tensorboard is not None:
+    if sinks:
         prefixes = [s.tag for s in series]
         known = ~np.isnan(shares)
         rows, columns = np.nonzero(known)
         tags = [f"{prefixes[r]}/{TENSORBOARD_SHARES[c]}" for r, c in zip(rows, columns, strict=True)]
-        tensorboard.add_scalars(step, tags, shares[rows, columns])
+        values = shares[rows, columns]
+        items: list[Histogram] = []
         if histogram is not None and len(histogram):
             finite = (histogram[:, 1] != HIST_ZERO) & (histogram[:, 1] != HIST_NONFINITE)
             groups: dict[int, tuple[list[int], list[int]]] = {}
@@ -71,8 +75,11 @@ def write_step(writer: Any, pending: PendingDistribution, series: list[Any], ten
                 counts.append(count)
             items = [(f"{prefixes[row]}/log2_magnitude", np.array(e), np.array(c))
                      for row, (e, c) in groups.items()]
-            tensorboard.add_histograms(step, items)
-        tensorboard.flush()
+        for sink in sinks:
+            sink.add_scalars(step, tags, values)
+            if items:
+                sink.add_histograms(step, items)
+            sink.flush()
     return {"distribution": True, "histogram": histogram is not None}
 
 

@@ -68,6 +68,7 @@ from probe.modes.monitor.config import Target, describe_value
 from probe.modes.monitor.files import MonitorFiles
 from probe.modes.monitor.options import Monitor
 from probe.modes.registry import register_mode
+from probe.modes.sinks import SeriesSink, SinkKind
 from probe.modes.statistics.capture import PendingRows, StepRows
 from probe.modes.statistics.columns import MONITOR_COLUMNS, RAW_COLUMNS, REPEATS, combine_ops
 from probe.modes.statistics.finalize import finalize, whole
@@ -80,7 +81,9 @@ from probe.tracer.module_tracker import parallel_layout
 
 log = logging.getLogger("probe.monitor")
 
-TENSORBOARD_DIR = "tensorboard"
+TENSORBOARD_SINK = "tensorboard"
+"""The live-output sink (``probe.modes.sinks``) the monitor writes its scalars and histograms to;
+its files go in ``rank<R>/tensorboard/``."""
 
 
 class AnomalyStop(RuntimeError):
@@ -175,18 +178,19 @@ class SeriesRows:
 
 
 class _WriteSide:
-    """What the monitor keeps across written steps: the anomaly detector's history and the
-    TensorBoard writer. Only the steps' writes touch it, one step at a time, in order."""
+    """What the monitor keeps across written steps: the anomaly detector's history and the open
+    live-output sinks (``probe.modes.sinks``). Only the steps' writes touch it, one step at a
+    time, in order."""
 
     def __init__(self, detector: AnomalyDetector, metrics: tuple[str, ...] | list[str]) -> None:
         self.detector, self.metrics = detector, metrics
         self.rank = 0
-        self.tensorboard: Any = None
+        self.sinks: list[SeriesSink] = []
         self._tag_cache: tuple[tuple[Series, ...], tuple[str, ...]] | None = None
 
-    def write_tensorboard(self, step: int, series: list[Series], values: np.ndarray) -> None:
-        """The step's scalars as one event (``<kind>/<name>[/<slot>][#call]/<metric>``)."""
-        if self.tensorboard is None:
+    def write_scalars(self, step: int, series: list[Series], values: np.ndarray) -> None:
+        """The step's scalars to each sink (``<kind>/<name>[/<slot>][#call]/<metric>``)."""
+        if not self.sinks:
             return
         tags, columns = self._tags(series)
         grid = values[:, columns]
@@ -194,10 +198,17 @@ class _WriteSide:
             keep = np.ones(grid.shape, dtype=bool)
             keep[:, self.metrics.index("id")] = values[:, MONITOR_COLUMNS.index("numel")] == 1
             picked = np.flatnonzero(keep.ravel())
-            self.tensorboard.add_scalars(step, [tags[i] for i in picked], grid.ravel()[picked])
+            tags, flat = [tags[i] for i in picked], grid.ravel()[picked]
         else:
-            self.tensorboard.add_scalars(step, tags, grid.ravel())
-        self.tensorboard.flush()
+            flat = grid.ravel()
+        for sink in self.sinks:
+            sink.add_scalars(step, tags, flat)
+            sink.flush()
+
+    def close(self) -> None:
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
 
     def _tags(self, series: list[Series]) -> tuple[tuple[str, ...], list[int]]:
         """Every series' tags, metric after metric, and the value columns they take (cached: the
@@ -291,12 +302,12 @@ class MonitorStep:
             else:
                 log.info("probe monitor: %d more alert(s) at step %d in the incident of step %d",
                          incident.alerts, self.step, incident.first_step)
-        self._sink.write_tensorboard(self.step, series, values)
+        self._sink.write_scalars(self.step, series, values)
         summary = {"series": len(series), "anomalies": len(self.anomalies), "dumped": len(self.dumped),
                    "reduced": self._reduction is not None}
         if self.distribution is not None:
             summary.update(monitor_distribution.write_step(writer, self.distribution, series,
-                                                           self._sink.tensorboard, self.step))
+                                                           self._sink.sinks, self.step))
         return summary
 
 
@@ -362,8 +373,6 @@ class MonitorMode(SessionPlugin):
         """A copy of the loss scaler's scale taken when the step began (``scaler=``)."""
         self._ddp_replicas = 1
         """Ranks holding each parameter, gradient and moment whole: the world under DDP, else 1."""
-        if self.config.tensorboard:
-            self._tensorboard_class()  # fail now, naming the package, not at the first step
 
     # -- session ---------------------------------------------------------------
 
@@ -397,10 +406,8 @@ class MonitorMode(SessionPlugin):
 
             self._handles.append(register_optimizer_step_pre_hook(self._before_optimizer_step))
             self._handles.append(register_optimizer_step_post_hook(self._after_optimizer_step))
-        writer_class = self._tensorboard_class() if self.config.tensorboard is not False else None
-        if writer_class is not None:
-            # Created now, at the session's start, not within a step.
-            self._sink.tensorboard = writer_class(log_dir=str(layout.rank_dir(out, rank) / TENSORBOARD_DIR))
+        # Opened now, at the session's start, not within a step.
+        self._sink.sinks = [kind.open(layout.rank_dir(out, rank) / kind.name) for kind in self._sink_kinds()]
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -419,6 +426,22 @@ class MonitorMode(SessionPlugin):
 
     def ending_alone(self) -> None:
         self._alone = True
+
+    def rewound(self, out: Path, step: int, verdict: str) -> None:
+        """A rewind's verdict on ``step``, known after the step was written (``probe.rewind``): the
+        series ``rewind/<verdict>`` (value 1, a one-element series like ``loss_scale_skipped``) is
+        added to that step's ``monitor.csv`` and written to the sinks at that step."""
+        series = Series("rewind", verdict)
+        one = {"min": 1.0, "max": 1.0, "mean": 1.0, "norm": 1.0, "numel": 1.0}  # the counts: 0
+        row = np.array([[one.get(column, 0.0) for column in MONITOR_COLUMNS]])
+        path = layout.step_dir(out, self.rank, step) / layout.MONITOR_FILE
+        if path.is_file():
+            line = f"{series.kind},{series.name},{series.slot},{series.call}," + ",".join(map(repr, row[0].tolist()))
+            text = path.read_text()
+            partial = path.with_suffix(".partial")
+            partial.write_text(text + ("" if text.endswith("\n") else "\n") + line + "\n")
+            partial.replace(path)  # never half-written
+        self._sink.write_scalars(step, [series], row)
 
     def end_step(self, step: int) -> MonitorStep | None:
         alone, self._alone = self._alone, False
@@ -458,9 +481,7 @@ class MonitorMode(SessionPlugin):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self._sink.tensorboard is not None:
-            self._sink.tensorboard.close()
-            self._sink.tensorboard = None
+        self._sink.close()
 
     # -- collection ------------------------------------------------------------
 
@@ -687,16 +708,20 @@ class MonitorMode(SessionPlugin):
                      dist.all_reduce(sums, op=dist.ReduceOp.SUM, async_op=True)]
         return _Reduction(extremes, sums, works)
 
-    @staticmethod
-    def _tensorboard_class() -> Any:
-        """The event writer, where the ``tensorboard`` package (that reads the files) is installed."""
-        import importlib.util
-
-        if importlib.util.find_spec("tensorboard") is None:
-            return None
-        from probe.exporters.tensorboard_events import ScalarEventWriter
-
-        return ScalarEventWriter
+    def _sink_kinds(self) -> list[SinkKind]:
+        """The offered sinks this monitor writes to: TensorBoard where its package is installed
+        (``tensorboard=None``), required (``True``) or not at all (``False``)."""
+        if self.config.tensorboard is False:
+            return []
+        kind = self.sinks.get(TENSORBOARD_SINK)
+        if kind is not None and kind.available():
+            return [kind]
+        if self.config.tensorboard:
+            missing = "no TensorBoard sink is offered here" if kind is None else \
+                f"the {kind.reader_package!r} package is not installed"
+            raise ProbeError(f"monitor option 'tensorboard'=True: {missing}; pip install 'probe[monitor]', "
+                             "or pass tensorboard=None to write TensorBoard files only where it is")
+        return []
 
 
 def _is_gradient(series: Series) -> bool:
