@@ -18,8 +18,9 @@ from probe.errors import ProbeError
 from probe.rewind.verdict import read_verdicts
 from probe.rundir import layout
 from probe.rundir.loss_scaler import ScalerStep, handled_by_scaler
-from probe.rundir.records import MonitorRecord, NonfiniteParameterRecord, TensorRecord, nonfinite_origins_in
+from probe.rundir.records import NonfiniteParameterRecord, TensorRecord, nonfinite_origins_in
 from probe.rundir.run import AnomalyRecord, CheckRecord, OpRecord, Run
+from probe.rundir.step_section import StepSection
 from probe.rundir.untrusted_reads import expect, reading
 
 MASK_FRACTION = 0.5
@@ -50,10 +51,9 @@ class StepSummary:
     """The failed checks, worst (largest deviation over its bound) first."""
     nonfinite_parameters: NonfiniteParameterRecord | None = None
     """Parameters non-finite at the step's start, gradients before its optimizer step (stats mode)."""
-    monitored: int = 0
-    """Series the monitor collected (0 without that mode)."""
-    series: dict[str, float] = field(default_factory=dict)
-    """Each monitored series (``"kind name slot"``) -> its norm at its last call in the step."""
+    sections: dict[str, StepSection] = field(default_factory=dict)
+    """Mode name -> what its reader says of the step (``probe.rundir.step_section``), for the
+    modes that say something, in the manifest's order."""
     anomalies: list[AnomalyRecord] = field(default_factory=list)
     unmeasured: int = 0
     """Tensors recorded without statistics, their memory freed before it was read (stats mode)."""
@@ -183,8 +183,7 @@ def summarize_step(run: Run, step: int, rank: int, top: int = 5) -> StepSummary:
         check_counts=dict(Counter(c.verdict for c in checks)),
         failed_checks=failed[:top],
         nonfinite_parameters=run.nonfinite_parameters(step, rank),
-        monitored=len(monitor := run.monitor(step, rank)),
-        series=series_norms(monitor),
+        sections=_sections(run, step, rank, info.manifest),
         anomalies=run.anomalies_of(step, rank),
         unmeasured=_unmeasured(info.manifest),
         untraced_threads=_untraced_threads(run, step, rank, info.manifest),
@@ -194,14 +193,16 @@ def summarize_step(run: Run, step: int, rank: int, top: int = 5) -> StepSummary:
     )
 
 
-def series_label(record: MonitorRecord) -> str:
-    """A monitored series' name: kind, module or parameter, and the activation's slot."""
-    return " ".join(part for part in (record.kind, record.name, record.slot) if part)
-
-
-def series_norms(records: list[MonitorRecord]) -> dict[str, float]:
-    """Each series of one step -> its norm at its last call in the step."""
-    return {series_label(r): r.norm for r in sorted(records, key=lambda r: r.call)}
+def _sections(run: Run, step: int, rank: int, manifest: dict) -> dict[str, StepSection]:
+    """What each mode the step's manifest lists says of the step (its reader's ``section()``)."""
+    modes = manifest.get("modes")
+    found = {}
+    for mode in modes if isinstance(modes, dict) else ():
+        files = run.mode_files(mode, step, rank)
+        section = None if files is None else files.section()
+        if section is not None:
+            found[mode] = section
+    return found
 
 
 def _unmeasured(manifest: dict) -> int:

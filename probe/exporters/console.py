@@ -6,6 +6,7 @@ import math
 import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 from rich.console import Console
 from rich.markup import escape
@@ -20,7 +21,6 @@ from probe.analysis.run_identity import Identity
 from probe.analysis.summary import Extreme, StepSummary, lost_steps, rewinds, tails
 from probe.analysis.verdicts import NOT_COMPARED, VERDICTS
 from probe.errors import ProbeError
-from probe.modes.monitor.anomaly import incidents
 from probe.rundir.run import OpRecord, Run
 from probe.vocabulary.option_values import PHASES
 
@@ -73,7 +73,9 @@ def render_step(console: Console, summary: StepSummary) -> None:
     counts.add_column("total", justify="right")
     total = sum(summary.phase_counts.values())
     counts.add_row(*(str(summary.phase_counts[p]) for p in phases), str(total))
-    if total or not summary.monitored:
+    # A step of no ops that a mode's section speaks for (the monitor's hooks): its lines alone.
+    by_sections = not total and bool(summary.sections)
+    if not by_sections:
         console.print(counts)
     untraced = _untraced_line(summary)
     if untraced is not None:
@@ -82,8 +84,8 @@ def render_step(console: Console, summary: StepSummary) -> None:
         console.print(f"MODE FAILED: {name} ({reason}); detached so that training went on: "
                       "its data is missing from there on", style="red", markup=False, highlight=False)
     bad = summary.first_nonfinite
-    if summary.monitored and not total:
-        pass  # a monitor-only step: its own lines below say what it saw
+    if by_sections:
+        pass  # its sections below say what it saw
     elif not summary.has_stats:
         console.print("first non-finite op: [dim]unknown (no statistics recorded: add the stats mode)[/dim]")
     elif bad is None and summary.unmeasured:
@@ -120,18 +122,9 @@ def render_step(console: Console, summary: StepSummary) -> None:
                 table.add_row(c.op_id, c.perturb, c.dtype or "-", _fmt(c.ratio), _fmt(c.threshold),
                               str(c.nonfinite_mismatch), str(c.sign_flips))
             console.print(table)
-    if summary.monitored:
-        alerts = summary.anomalies
-        verdict = "[green]none[/green]" if not alerts else f"[red]{len(alerts)}[/red]"
-        # One line per incident, at the step it began (a gradient explosion is dozens of alerts,
-        # all in run.anomalies()); the alerts of an incident going on are counted in this header.
-        grouped = incidents(alerts)
-        going_on = [i.first_step for i in grouped if i.first_step != summary.step]
-        verdict += f" (the incident of step {going_on[0]} goes on)" if going_on else ""
-        console.print(f"monitor: {summary.monitored} series, anomalies: {verdict}")
-        for incident in grouped:
-            if incident.first_step == summary.step:
-                console.print(f"  {incident.describe()}", style="red", markup=False, highlight=False)
+    for section in summary.sections.values():
+        for line in section.lines:
+            console.print(line.text, style=line.style, markup=False, highlight=False)
 
 
 def _render_loss_scaler(console: Console, summary: StepSummary) -> None:
@@ -202,8 +195,7 @@ def _step_line(summary: StepSummary) -> str:
         parts.append(f"largest |max| {_fmt(top.value)} ({top.op.id})")
     if summary.check_counts:
         parts.append("checks " + ", ".join(f"{k} {v}" for k, v in sorted(summary.check_counts.items())))
-    if summary.monitored:
-        parts.append(f"{summary.monitored} series, {len(summary.anomalies)} anomalies")
+    parts += [s.brief for s in summary.sections.values() if s.brief]
     return " | ".join(parts)
 
 
@@ -215,10 +207,9 @@ def render_run(console: Console, run: Run, summaries: Iterable[StepSummary]) -> 
     detailed_nonfinite = False
     links = EscalationLinks(run)  # on_anomaly="trace": each incident -> what its traced steps found
     unreadable: list[StepSummary] = []
-    series: dict[tuple[int, str], dict[int, float]] = {}  # (rank, series) -> step -> norm
+    followed: dict[tuple[str, str], _Followed] = {}  # (mode, title) -> its series over the run
     for summary in _followed(links, summaries, unreadable):
-        for label, norm in summary.series.items():
-            series.setdefault((summary.rank, label), {})[summary.step] = norm
+        _follow(followed, summary)
         if pairs <= DETAILED_STEPS:
             render_step(console, summary)
             continue
@@ -229,8 +220,8 @@ def render_run(console: Console, run: Run, summaries: Iterable[StepSummary]) -> 
             render_step(console, summary)
     for link in links.links():
         console.print(link.describe(), style="red" if link.recurred else None, markup=False, highlight=False)
-    if series:
-        render_series(console, series)
+    for table in followed.values():
+        render_series(console, table.values, table.title, table.read_all)
     for line in lost_steps(run):
         console.print(line, style="red", markup=False, highlight=False)
     if unreadable:
@@ -279,12 +270,34 @@ def _unicode(console: Console) -> bool:
     return console.encoding.lower().replace("-", "").startswith("utf")
 
 
-def render_series(console: Console, series: dict[tuple[int, str], dict[int, float]]) -> None:
-    """The monitored series over the run: each one's norm at the last step, its range over the
-    steps, and (where the terminal shows unicode) a sparkline of it, step by step."""
+@dataclass
+class _Followed:
+    """A mode's followed series (``StepSection.followed``) gathered over the run's steps."""
+
+    title: str
+    read_all: str
+    values: dict[tuple[int, str], dict[int, float]] = field(default_factory=dict)
+    """(rank, label) -> step -> value."""
+
+
+def _follow(followed: dict[tuple[str, str], _Followed], summary: StepSummary) -> None:
+    """Add the series the step's sections follow to ``followed``."""
+    for mode, section in summary.sections.items():
+        series = section.followed
+        if series is None:
+            continue
+        table = followed.setdefault((mode, series.title), _Followed(series.title, series.read_all))
+        for label, value in series.values.items():
+            table.values.setdefault((summary.rank, label), {})[summary.step] = value
+
+
+def render_series(console: Console, series: dict[tuple[int, str], dict[int, float]],
+                  title: str, read_all: str) -> None:
+    """Series followed over the run ((rank, label) -> step -> value): each one's value at the last
+    step, its range over the steps, and (where the terminal shows unicode) a sparkline of it, step
+    by step; the first :data:`SERIES_ROWS`, the others counted (``read_all`` reads them)."""
     ranks = {rank for rank, _ in series}
-    table = Table(title="monitored series (norm per step)", title_justify="left", show_edge=False,
-                  pad_edge=False)
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
     columns = ["series", "last", "min", "max", *(["steps"] if _unicode(console) else [])]
     for column in columns:
         table.add_column(column, justify="left" if column in ("series", "steps") else "right",
@@ -296,7 +309,7 @@ def render_series(console: Console, series: dict[tuple[int, str], dict[int, floa
                       *([sparkline(values)] if _unicode(console) else []))
     console.print(table)
     if len(series) > SERIES_ROWS:
-        console.print(f"  ... {len(series) - SERIES_ROWS} more series (run.monitor() reads them all)")
+        console.print(f"  ... {len(series) - SERIES_ROWS} more series ({read_all} reads them all)")
 
 
 def _followed(links: EscalationLinks, summaries: Iterable[StepSummary],

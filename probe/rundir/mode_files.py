@@ -30,6 +30,7 @@ from probe.rundir.records import (
     OpRecord,
     StepChecksums,
 )
+from probe.rundir.step_section import StepSection
 
 if TYPE_CHECKING:
     import numpy as np
@@ -65,6 +66,11 @@ class ModeFiles:
     def attach(self, records: dict[int, OpRecord]) -> None:
         """Add to the step's op records (op index -> record; all of them, or the few being
         decoded) what this mode recorded of them. The default adds nothing."""
+
+    def section(self) -> StepSection | None:
+        """What this mode says of the step in ``probe summary`` (``probe.rundir.step_section``),
+        or None: nothing (the default)."""
+        return None
 
 
 # -- the registry the modes fill -------------------------------------------------------

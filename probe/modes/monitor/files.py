@@ -8,6 +8,7 @@ import csv
 import probe.modes.monitor.distribution as monitor_distribution
 from probe.modes.monitor.anomaly import (
     Anomaly,
+    incidents,
     read_anomalies,
 )
 from probe.modes.statistics.columns import MONITOR_COLUMNS, canonical
@@ -15,6 +16,7 @@ from probe.rundir import layout
 from probe.rundir.confined_files import open_in_run
 from probe.rundir.mode_files import ModeFiles
 from probe.rundir.records import MonitorRecord
+from probe.rundir.step_section import FollowedSeries, SectionLine, StepSection
 from probe.rundir.untrusted_reads import reading
 
 
@@ -57,3 +59,34 @@ class MonitorFiles(ModeFiles):
     def anomalies(self) -> list[Anomaly]:
         """The step's alerts in detection order."""
         return read_anomalies(self.where.directory / layout.ANOMALIES_FILE, self.where.run)
+
+    def section(self) -> StepSection | None:
+        """The step in ``probe summary``: its series and alerts, one line per incident that began
+        in it (a gradient explosion is dozens of alerts, all in ``run.anomalies()``; those of an
+        incident going on are counted in the header), and each series' norm to follow over the
+        run. None for a step the monitor did not collect."""
+        records = self.series()
+        if not records:
+            return None
+        alerts = self.anomalies()
+        grouped = incidents(alerts)
+        step = self.where.step
+        header = f"monitor: {len(records)} series, anomalies: {len(alerts) if alerts else 'none'}"
+        going_on = [i.first_step for i in grouped if i.first_step != step]
+        if going_on:
+            header += f" (the incident of step {going_on[0]} goes on)"
+        lines = [SectionLine(header, "red" if alerts else None)]
+        lines += [SectionLine(f"  {i.describe()}", "red") for i in grouped if i.first_step == step]
+        return StepSection(tuple(lines), brief=f"{len(records)} series, {len(alerts)} anomalies",
+                           followed=FollowedSeries("monitored series (norm per step)", series_norms(records),
+                                                   read_all="run.monitor()"))
+
+
+def series_label(record: MonitorRecord) -> str:
+    """A monitored series' name: kind, module or parameter, and the activation's slot."""
+    return " ".join(part for part in (record.kind, record.name, record.slot) if part)
+
+
+def series_norms(records: list[MonitorRecord]) -> dict[str, float]:
+    """Each series of one step -> its norm at its last call in the step."""
+    return {series_label(r): r.norm for r in sorted(records, key=lambda r: r.call)}
