@@ -6,7 +6,8 @@ Per-op modes observe ops through the tracer's dispatch mode: ``stats``, ``dump``
 ``free_benchmark``, ``upcast``, ``structure``. The monitor family (``monitor``) works from module
 and optimizer hooks alone and enters no dispatch mode; ``checksums`` likewise. ``statistics`` is
 the one statistics engine they share (capture queue, column table, reducers, finalize,
-distributions). ``base`` says what a mode is, ``config`` what a mode's config is, ``registry`` names
+distributions). ``base`` says what a mode is, ``config`` what a mode's config is, ``sinks`` where
+its live series go (the session offers them, the exporters implement them), ``registry`` names
 them; the run reader finds each mode's reader through the registry. Importing this package
 registers the built-in modes.
 """
