@@ -12,6 +12,7 @@ from hf_models import tiny_llama
 from trainer_ops import module_calls, optimizer_frames
 
 import probe
+from probe.rewind import read_verdicts
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -147,3 +148,74 @@ def test_bad_options_are_refused_when_the_callback_is_made() -> None:
         ProbeCallback("stats", no_such_option=1)
     with pytest.raises(probe.ProbeError, match="trace_evaluation"):
         ProbeCallback("stats", trace_evaluation="yes")
+
+
+class _Embeddings(torch.utils.data.Dataset):
+    """Float inputs (``inputs_embeds``, as a vision or audio front end gives): the ``poisoned``-th
+    sample the loader fetches holds an inf, so it lands at the same step whatever the shuffle."""
+
+    def __init__(self, n: int, poisoned: int) -> None:
+        generator = torch.Generator().manual_seed(2)
+        self.embeds = torch.randn(n, 16, 32, generator=generator)
+        self.labels = torch.randint(0, 128, (n, 16), generator=generator)
+        self.poisoned, self.fetched = poisoned, 0
+
+    def __len__(self) -> int:
+        return len(self.embeds)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        embeds = self.embeds[i].clone()
+        if self.fetched == self.poisoned:
+            embeds[3, 5] = float("inf")
+        self.fetched += 1
+        return {"inputs_embeds": embeds, "labels": self.labels[i]}
+
+
+def _train_rewound(tmp_path: Path, callbacks: list[Any], dataset: torch.utils.data.Dataset,
+                   accumulation: int) -> transformers.Trainer:
+    arguments = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), max_steps=4, per_device_train_batch_size=2,
+        gradient_accumulation_steps=accumulation, logging_steps=1, report_to=[], save_strategy="no",
+        use_cpu=True, disable_tqdm=True, seed=0, max_grad_norm=1.0,
+    )
+    trainer = transformers.Trainer(model=tiny_llama(seed=0), args=arguments, train_dataset=dataset,
+                                   callbacks=callbacks)
+    trainer.train()
+    return trainer
+
+
+def test_rewind_classifies_a_nan_step_and_training_goes_on(tmp_path: Path) -> None:
+    # Sample 1 of step 2's batch (the 6th fetched, batches of 2) is poisoned: a data verdict.
+    callback = ProbeCallback("stats", out=tmp_path / "run", rewind=True)
+    trainer = _train_rewound(tmp_path, [callback], _Embeddings(16, poisoned=5), accumulation=1)
+    assert trainer.state.global_step == 4  # training went on past the rewind
+    [verdict] = read_verdicts(callback.out)
+    assert (verdict.step, verdict.trigger, verdict.verdict) == (2, "non-finite loss", "data"), verdict.why
+    assert verdict.samples == [1]
+    assert [r.kind for r in verdict.reruns] == ["same", "float64", "previous_batch"]
+    assert verdict.reruns[0].bitwise_equal  # the callback's re-run is the Trainer's step, bit for bit
+    assert (callback.out / "rank0" / "step2" / "rewind.json").is_file()
+    assert probe.load(callback.out).steps == [0, 1, 2, 3]
+
+
+def test_a_rewound_step_leaves_the_trainers_training_bit_identical(tmp_path: Path) -> None:
+    def alert_at_step_1(observation: Any) -> str | None:  # a finite alert: nothing non-finite to find
+        return "planted" if observation.step == 1 and observation.series.slot == "output" else None
+
+    plain = _train_rewound(tmp_path / "a", [], Tokens(16, 0), accumulation=2)
+    callback = ProbeCallback("monitor", targets=["model.layers.0"], anomaly_rules=[alert_at_step_1],
+                             out=tmp_path / "run", rewind=True)
+    rewound = _train_rewound(tmp_path / "b", [callback], Tokens(16, 0), accumulation=2)
+    [verdict] = read_verdicts(callback.out)
+    # Two micro-batches, clipping and AdamW re-run from the kept start end as the Trainer's step did.
+    assert (verdict.step, verdict.verdict) == (1, "reproducible"), verdict.why
+    assert verdict.trigger.startswith("monitor rule:") and verdict.reruns[0].bitwise_equal
+    pairs = zip(plain.model.named_parameters(), rewound.model.named_parameters(), strict=True)
+    for (name, a), (_, b) in pairs:
+        assert torch.equal(a, b), name
+
+    def losses(trainer: transformers.Trainer) -> list[float | None]:
+        return [entry.get("loss") for entry in trainer.state.log_history[:-1]]
+
+    assert losses(plain) == losses(rewound) and len(losses(plain)) == 4
+    assert "training_step" not in rewound.__dict__  # the Trainer is given back as it was

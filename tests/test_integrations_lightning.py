@@ -13,6 +13,7 @@ from torch import nn
 from trainer_ops import module_calls, optimizer_frames
 
 import probe
+from probe.rewind import read_verdicts
 
 L = pytest.importorskip("lightning")
 
@@ -51,7 +52,8 @@ def _loader(n: int, seed: int) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(data, batch_size=BATCH)
 
 
-def _fit(callbacks: list[Any], fail_at_batch: int | None = None, **trainer_args: Any) -> Regressor:
+def _fit(callbacks: list[Any], fail_at_batch: int | None = None,
+         train: torch.utils.data.DataLoader | None = None, **trainer_args: Any) -> Regressor:
     """Three optimizer steps of two micro-batches each; validation (2 batches) after the second."""
     torch.manual_seed(0)
     module = Regressor(fail_at_batch)
@@ -61,7 +63,8 @@ def _fit(callbacks: list[Any], fail_at_batch: int | None = None, **trainer_args:
         enable_model_summary=False, accelerator="cpu", devices=1,
     )
     trainer = L.Trainer(**{**args, **trainer_args}, callbacks=callbacks)
-    trainer.fit(module, _loader(8 * BATCH, 0), _loader(2 * BATCH, 1))
+    trainer.fit(module, train or _loader(8 * BATCH, 0), _loader(2 * BATCH, 1))
+    module.fitted_steps = trainer.global_step
     return module
 
 
@@ -169,3 +172,35 @@ def test_gradient_checks_read_the_gradients_lightnings_closure_makes(tmp_path: P
         checks = run.step_info(step).manifest["modes"]["stats"]["nonfinite_parameters"]
         assert checks["gradients"] == {"checked": 4, "names": [], "count": 0}
         assert checks["parameters"]["checked"] == 4
+
+
+def test_rewind_classifies_a_nan_step_and_the_fit_goes_on(tmp_path: Path) -> None:
+    loader = _loader(8 * BATCH, 0)
+    x, _ = loader.dataset.tensors
+    x[2 * 2 * BATCH + BATCH + 2, 5] = float("inf")  # step 2, its second micro-batch, row 2
+    callback = ProbeCallback("stats", out=tmp_path / "run", rewind=True)
+    module = _fit([callback], train=loader)
+    assert module.fitted_steps == STEPS  # the fit went on past the rewind
+    [verdict] = read_verdicts(callback.out)
+    assert (verdict.step, verdict.trigger, verdict.verdict) == (2, "non-finite loss", "data"), verdict.why
+    # A sample of an accumulated step is that row of each micro-batch.
+    assert verdict.samples == [2]
+    assert verdict.reruns[0].bitwise_equal  # the callback's re-run is Lightning's step, bit for bit
+    assert (callback.out / "rank0" / "step2" / "rewind.json").is_file()
+
+
+def test_a_rewound_step_leaves_the_fit_bit_identical(tmp_path: Path) -> None:
+    def alert_at_step_1(observation: Any) -> str | None:  # a finite alert: nothing non-finite to find
+        return "planted" if observation.step == 1 and observation.series.slot == "output" else None
+
+    plain = _fit([], gradient_clip_val=0.5)
+    callback = ProbeCallback("monitor", targets=["body.0"], anomaly_rules=[alert_at_step_1],
+                             out=tmp_path / "run", rewind=True)
+    rewound = _fit([callback], gradient_clip_val=0.5)
+    [verdict] = read_verdicts(callback.out)
+    # Two micro-batches, clipping and AdamW re-run from the kept start end as Lightning's step did.
+    assert (verdict.step, verdict.verdict) == (1, "reproducible"), verdict.why
+    assert verdict.reruns[0].bitwise_equal
+    for (name, a), (_, b) in zip(plain.named_parameters(), rewound.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert rewound.fitted_steps == plain.fitted_steps == STEPS

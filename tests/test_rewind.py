@@ -197,6 +197,40 @@ def test_a_monitor_alert_rewinds_the_step_it_is_about(tmp_path: Path) -> None:
                     model=model) as session:
         for batch in _batches():
             session.step_fn(fn, batch, optimizer=optimizer)
+            # The loop's own work between steps (a data loader drawing its seed, gradients freed) is no
+            # part of the step: the rerun of a step a monitor alert is about is compared with its end.
+            torch.randint(0, 2**62, ())
+            optimizer.zero_grad(set_to_none=True)
     [verdict] = read_verdicts(tmp_path / "run")
     assert verdict.step == 1 and verdict.trigger.startswith("monitor rule:"), verdict.trigger
-    assert verdict.verdict == "reproducible"
+    assert verdict.verdict == "reproducible", verdict.why
+
+
+def test_the_verdict_is_a_series_in_the_monitors_csv_and_tensorboard(tmp_path: Path) -> None:
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = _batches()
+    x, y = batches[BAD_STEP]
+    batches[BAD_STEP] = (x.clone().index_fill_(0, torch.tensor([3]), float("inf")), y)
+
+    def fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = ((model(batch[0]) - batch[1]) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    with probe.mode("monitor", targets=["0"], tensorboard=True, out=tmp_path / "run", model=model) as session:
+        for batch in batches:
+            session.step_fn(fn, batch, optimizer=optimizer)
+    [verdict] = read_verdicts(tmp_path / "run")
+    assert (verdict.step, verdict.verdict) == (BAD_STEP, "data")
+    run = probe.load(tmp_path / "run")
+    for step in run.steps:
+        rewound = [(r.name, r.mean, r.numel) for r in run.monitor(step) if r.kind == "rewind"]
+        assert rewound == ([("data", 1.0, 1.0)] if step == BAD_STEP else []), step
+    events = event_accumulator.EventAccumulator(str(tmp_path / "run" / "rank0" / "tensorboard"))
+    events.Reload()
+    assert [(s.step, s.value) for s in events.Scalars("rewind/data/mean")] == [(BAD_STEP, 1.0)]
+    assert len(events.Scalars("activation/0/output/mean")) == len(batches)  # the step's own series stay

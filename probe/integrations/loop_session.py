@@ -10,15 +10,23 @@ begins and ends; :class:`LoopSession` turns that into ``start``/``step``/``pause
 - an evaluation is left unrecorded, or, with ``trace_evaluation=True``, recorded as a step of
   its own whose manifest says ``"kind": "evaluation"``;
 - ``end`` stops the session, marking the step it broke off incomplete when given an error.
+
+:class:`StepRewind` adds the rewind (``rewind=True`` on the callbacks, ``docs/rewind.md``) to a step
+the framework's loop runs itself: its start kept before it, its end checked, its re-run the
+callback's own replay of the framework's step.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from probe.errors import warn_once
+from probe.rewind import rewinder_of
 from probe.session import Session
 from probe.vocabulary.option_values import parse_bool
 
@@ -159,3 +167,59 @@ class LoopCallback:
         raises); safe to call always. In ``finally:``/``except:`` the exception being handled
         marks the step it broke off incomplete."""
         self._loop.end(error if error is not None else sys.exc_info()[1])
+
+
+class StepRewind:
+    """The rewind of the steps a framework's loop runs (``session.step_fn`` for a loop the probe does
+    not call): :meth:`keep_start` before the step's first micro-batch, :meth:`step_end` in place of
+    ``LoopSession.step_end``. A failure of the rewind's own is a warning and the rewind turned off
+    for the run, never an exception in the training loop."""
+
+    def __init__(self) -> None:
+        self._kept = False
+        self._off = False
+
+    def keep_start(self, loop: LoopSession, batch: Any, optimizer: Any = None, scaler: Any = None) -> None:
+        """The step about to run on ``batch`` (every micro-batch of it; None: given to :meth:`step_end`):
+        keep its start."""
+        session = loop._running()
+        self._kept = False
+        if session is None or self._off:
+            return
+        try:
+            rewinder_of(session).keep_start(batch, optimizer, scaler)
+            self._kept = True
+        except Exception as e:
+            self._turn_off(e)
+
+    def step_end(self, loop: LoopSession, rerun: Callable[[Any], Any], loss: Any, batch: Any = None) -> None:
+        """The step ended with ``loss`` (None where the loop gives none: then the parameters are checked
+        alone); ``rerun(batch)`` runs it again from its start; ``batch``: what it ran on, where
+        :meth:`keep_start` was not given it. Ends the step, then rewinds it if it went wrong."""
+        session, kept, self._kept = loop._running(), self._kept, False
+        trigger = None
+        if session is not None and kept and not self._off:
+            try:
+                rewinder = rewinder_of(session)
+                if batch is not None:
+                    rewinder.keep_batch(batch)
+                trigger = rewinder.step_ran(rerun, loss)
+            except Exception as e:
+                self._turn_off(e)
+        loop.step_end()
+        if session is not None and kept and not self._off and session.running:
+            try:
+                rewinder_of(session).step_ended(trigger)
+            except Exception as e:
+                self._turn_off(e)
+
+    def _turn_off(self, error: Exception) -> None:
+        self._off = True
+        warn_once("integration-rewind-off", f"rewind=True: the step's start could not be kept or rewound "
+                  f"({type(error).__name__}: {error}); training goes on without the rewind")
+
+
+def summed_loss(losses: list[torch.Tensor]) -> torch.Tensor | None:
+    """A step's loss from its micro-batches' (the sum the frameworks log), computed one way for the
+    step and for its re-run so that the two compare bit for bit; None without any."""
+    return torch.stack([loss.detach() for loss in losses]).sum() if losses else None

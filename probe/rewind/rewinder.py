@@ -118,6 +118,17 @@ class Rewinder:
     def step_fn(self, fn: Callable[[Batch], Any], batch: Batch,
                 optimizer: torch.optim.Optimizer | None = None, scaler: Any = None,
                 keep_grads: bool = False) -> Any:
+        self.keep_start(batch, optimizer, scaler, keep_grads)
+        loss = fn(batch)
+        trigger = self.step_ran(fn, loss)
+        self.session.step()
+        self.step_ended(trigger)
+        return loss
+
+    def keep_start(self, batch: Batch | None, optimizer: torch.optim.Optimizer | None = None,
+                   scaler: Any = None, keep_grads: bool = False) -> None:
+        """Before a step the loop runs itself (a framework's callback): keep its start, ``batch``
+        what it will run on (None: given to :meth:`keep_batch` when the step ran)."""
         session = self.session
         session._running_tracer("step_fn")
         model = self._model()
@@ -126,20 +137,27 @@ class Rewinder:
                 model, optimizer, scaler, keep_grads):
             start = self.start = StepStart(model, optimizer, scaler, keep_grads)
         self._listen()
-        self._rewind_heard()
-        step = session.step_index
         with untraced():  # the probe's own copies are no ops of the step
-            start.keep(step, batch)
-        loss = fn(batch)
+            start.keep(session.step_index, batch)
+
+    def keep_batch(self, batch: Batch) -> None:
+        """The batch of the step kept by :meth:`keep_start` with none (a loop that hands the step its
+        micro-batches one by one): every micro-batch, given when the step ran them all."""
+        if self.start is not None:
+            with untraced():
+                self.start.keep_batch(batch)
+
+    def step_ran(self, fn: Callable[[Batch], Any], loss: Any) -> str | None:
+        """The step kept by :meth:`keep_start` ran and returned ``loss`` (before ``session.step()``):
+        ``fn(batch)`` is how to run it again. Returns why it must be rewound (a non-finite loss or
+        parameter, the first of a run of such steps: the ones after inherit its values), or None;
+        the caller ends the step (``session.step()``), then calls :meth:`step_ended` with it."""
         with untraced():
-            nonfinite = nonfinite_after_step(loss, list(model.parameters()))
+            nonfinite = nonfinite_after_step(loss, list(self._model().parameters()))
             kept = loss.detach().clone() if isinstance(loss, torch.Tensor) else None
         began_here = nonfinite is not None and (self.last is None or self.last.nonfinite is None)
-        self.last = _Original(step, fn, kept, nonfinite)
-        session.step()
-        if began_here:  # the steps after a bad one inherit its values: only the first is rewound
-            self.rewind(nonfinite)
-        return loss
+        self.last = _Original(self.session.step_index, fn, kept, nonfinite)
+        return nonfinite if began_here else None
 
     def _listen(self) -> None:
         """Hear the monitor's alerts (on the writer thread), to rewind the step they are about."""
@@ -151,20 +169,31 @@ class Rewinder:
             if detector is not None and hasattr(detector, "listeners"):
                 detector.listeners.append(self._heard.put)
 
-    def _rewind_heard(self) -> None:
-        """A monitor alert about the step run last: rewind it before its start is overwritten. The
-        monitor's rules run when the step is on disk, so the step's write is waited for here."""
+    def step_ended(self, trigger: str | None) -> None:
+        """After ``session.step()`` ended the step :meth:`step_ran` saw: rewind it for ``trigger``, or
+        for a monitor alert about it. Now, at the step's end: what the loop does before the next step
+        (zeroing gradients, a data loader drawing its seed, a validation) is no part of the end state
+        the rerun is compared with."""
+        if trigger is None:
+            trigger = self._alert_trigger()
+        if trigger is not None:
+            self.rewind(trigger)
+
+    def _alert_trigger(self) -> str | None:
+        """A monitor alert about the step run last, as a rewind's trigger. The monitor's rules run
+        when the step is on disk, so the step's write is waited for here."""
         last = self.last
         if last is None or last.nonfinite is not None or not any(
                 getattr(mode, "detector", None) is not None for mode in self.session.modes):
-            return
+            return None
         self.session._wait_for_writer()
         alerts = []
         while not self._heard.empty():
             alerts.extend(a for a in self._heard.get() if a.step == last.step)
-        if alerts:
-            first = alerts[0]
-            self.rewind(f"monitor {first.rule}: {first.module} {first.metric}")
+        if not alerts:
+            return None
+        first = alerts[0]
+        return f"monitor {first.rule}: {first.module} {first.metric}"
 
     # -- the rewind -------------------------------------------------------------------
 
@@ -198,6 +227,12 @@ class Rewinder:
         except OSError as e:
             warn_once(f"rewind-write:{session.out}", f"cannot write the rewind verdict of step {last.step} "
                       f"({e}); it is in session.rewind()'s return value only")
+        for mode in session.modes:  # the series the modes write per step (the monitor's)
+            try:
+                mode.rewound(Path(session.out), last.step, verdict.verdict)
+            except Exception as e:  # the probe never raises into training
+                warn_once(f"rewind-series:{mode.name}", f"the {mode.name} mode could not add the rewind "
+                          f"verdict of step {last.step} to its series ({type(e).__name__}: {e})")
         return verdict
 
 

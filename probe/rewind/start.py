@@ -154,6 +154,8 @@ class StepStart:
         self.previous_batch = KeptBatch()
         """The batch of the step before, for the rewind's rerun with another batch."""
         self.previous_step: int | None = None
+        self._batch_step: int | None = None
+        """The step of :attr:`batch`."""
 
     # -- what is kept -------------------------------------------------------------
 
@@ -176,12 +178,18 @@ class StepStart:
             self._keep_optimizer()
             self._scaler_state = copy.deepcopy(self.scaler.state_dict()) if self.scaler is not None else None
             self._rng = RngStates.now()
-            if batch is not None:
-                # Double-buffered: the kept batch becomes the previous one, its buffers reused.
-                self.batch, self.previous_batch = self.previous_batch, self.batch
-                self.previous_step = self.step
-                self.batch.keep(batch)
         self.step = step
+        if batch is not None:
+            self.keep_batch(batch)
+
+    def keep_batch(self, batch: Batch) -> None:
+        """The batch the step kept last runs on: given with its start, or after the step where a
+        loop hands the step its micro-batches one by one (a framework's callback)."""
+        with torch.no_grad():
+            # Double-buffered: the kept batch becomes the previous one, its buffers reused.
+            self.batch, self.previous_batch = self.previous_batch, self.batch
+            self.previous_step, self._batch_step = self._batch_step, self.step
+            self.batch.keep(batch)
 
     def _keep_optimizer(self) -> None:
         if self.optimizer is None:

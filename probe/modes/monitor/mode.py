@@ -223,6 +223,11 @@ class _WriteSide:
         return self._tag_cache[1], columns
 
 
+def _csv_line(series: Series, values: list[float]) -> str:
+    """A series' row of ``monitor.csv``."""
+    return f"{series.kind},{series.name},{series.slot},{series.call}," + ",".join(map(repr, values))
+
+
 class MonitorStep:
     """A collected step: resolved (moved to the host, scanned) once, then written.
 
@@ -288,7 +293,7 @@ class MonitorStep:
         series, values = self._rows.series, self.values
         lines = ["kind,name,slot,call," + ",".join(MONITOR_COLUMNS)]
         for s, row in zip(series, values.tolist(), strict=True):
-            lines.append(f"{s.kind},{s.name},{s.slot},{s.call}," + ",".join(map(repr, row)))
+            lines.append(_csv_line(s, row))
         writer.write_text(layout.MONITOR_FILE, "\n".join(lines) + "\n")
         writer.write_jsonl(layout.ANOMALIES_FILE, (anomaly_json(a) for a in self.anomalies))
         if self.dumped:
@@ -436,7 +441,7 @@ class MonitorMode(SessionPlugin):
         row = np.array([[one.get(column, 0.0) for column in MONITOR_COLUMNS]])
         path = layout.step_dir(out, self.rank, step) / layout.MONITOR_FILE
         if path.is_file():
-            line = f"{series.kind},{series.name},{series.slot},{series.call}," + ",".join(map(repr, row[0].tolist()))
+            line = _csv_line(series, row[0].tolist())
             text = path.read_text()
             partial = path.with_suffix(".partial")
             partial.write_text(text + ("" if text.endswith("\n") else "\n") + line + "\n")
