@@ -179,16 +179,22 @@ def test_probe_summary_prints_the_verdict(tmp_path: Path, capsys: pytest.Capture
     assert "step 2 rank 0: rewound (non-finite loss): data: sample(s) 3 of the batch" in printed
 
 
-def test_a_monitor_alert_rewinds_the_step_it_is_about(tmp_path: Path) -> None:
-    model = _mlp()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-
+def _adamw_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """A training step for ``step_fn``: squared error, backward, the optimizer's step."""
     def fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         optimizer.zero_grad()
         loss = ((model(batch[0]) - batch[1]) ** 2).mean()
         loss.backward()
         optimizer.step()
         return loss
+
+    return fn
+
+
+def test_a_monitor_alert_rewinds_the_step_it_is_about(tmp_path: Path) -> None:
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fn = _adamw_step(model, optimizer)
 
     def spike_at_step_1(observation: Any) -> str | None:  # a finite alert: no NaN to rewind on
         return "planted" if observation.step == 1 and observation.series.slot == "output" else None
@@ -214,12 +220,7 @@ def test_the_verdict_is_a_series_in_the_monitors_csv_and_tensorboard(tmp_path: P
     x, y = batches[BAD_STEP]
     batches[BAD_STEP] = (x.clone().index_fill_(0, torch.tensor([3]), float("inf")), y)
 
-    def fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        optimizer.zero_grad()
-        loss = ((model(batch[0]) - batch[1]) ** 2).mean()
-        loss.backward()
-        optimizer.step()
-        return loss
+    fn = _adamw_step(model, optimizer)
 
     with probe.mode("monitor", targets=["0"], tensorboard=True, out=tmp_path / "run", model=model) as session:
         for batch in batches:
