@@ -39,16 +39,18 @@ MODELS = {
 }
 
 
-def model_tally(name: str, stage: bool = True) -> device_cost.Tally:
+def model_tally(name: str, stage: bool = True, multi_tensor: bool = True) -> device_cost.Tally:
     shape, dtype = MODELS[name]
-    return device_cost.stats_step_cost(*device_cost.hf_llama(shape, dtype), device_cost.lm_loss, stage=stage)
+    return device_cost.stats_step_cost(*device_cost.hf_llama(shape, dtype), device_cost.lm_loss, stage=stage,
+                                       multi_tensor=multi_tensor)
 
 
-def session_tally(name: str, optimizer: str = "foreach") -> device_cost.Tally:
-    """What the probe issues on the device over one step of ``name`` under a real stats session."""
+def session_tally(name: str, optimizer: str = "foreach", multi_tensor: bool = True) -> device_cost.Tally:
+    """What the probe issues on the device over one step of ``name`` under a real stats session
+    (``multi_tensor=False``: on CUDA without Triton)."""
     shape, dtype = MODELS[name]
     return device_cost.session_step_cost(*device_cost.hf_llama(shape, dtype), device_cost.lm_loss,
-                                         optimizer=optimizer)
+                                         optimizer=optimizer, multi_tensor=multi_tensor)
 
 
 def _markdown(header: list[str], rows: list[list[str]]) -> str:
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="hf-llama-small,hf-llama7b-width",
                         help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--unstaged", action="store_true", help="small tensors queued, not staged")
+    parser.add_argument("--no-multi-tensor", action="store_true",
+                        help="CUDA without Triton: no multi-tensor kernel (the compiled and foreach paths)")
     parser.add_argument("--ops", type=int, default=6, help="costliest ops listed per model (6)")
     parser.add_argument("--quick", action="store_true", help="CI's: hf-llama-small-1layer only")
     parser.add_argument("--session", action="store_true",
@@ -82,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
             if optimizer not in device_cost.OPTIMIZERS:
                 parser.error(f"--optimizers: unknown {optimizer!r}; choose from "
                              f"{', '.join(device_cost.OPTIMIZERS)}")
-        return _print_session(console, names, optimizers, args.markdown)
+        return _print_session(console, names, optimizers, args.markdown, not args.no_multi_tensor)
     header = ["model", "values", "MiB reduced", "read x", "written x", "launches", "launch budget",
               "host syncs", "within budget"]
     rows, details = [], []
     for name in names:
-        tally = model_tally(name, stage=not args.unstaged)
+        tally = model_tally(name, stage=not args.unstaged, multi_tensor=not args.no_multi_tensor)
         checks = device_cost.budgets(tally)
         allowed = device_cost.launch_budget(tally)
         over = [b.name.split(" /")[0] for b in checks if not b.met]
@@ -127,7 +131,8 @@ def _budget_row(tally: device_cost.Tally) -> list[str]:
             "yes" if not over else "no: " + ", ".join(over)]
 
 
-def _print_session(console: Console, names: list[str], optimizers: list[str], markdown: bool) -> int:
+def _print_session(console: Console, names: list[str], optimizers: list[str], markdown: bool,
+                   multi_tensor: bool = True) -> int:
     header = ["model", "AdamW", "values", "MiB reduced", "read x", "written x", "launches", "launch budget",
               "host syncs", "within budget"]
     op_header = ["model", "AdamW", "op", "issued by (probe/...)", "launches", "MiB read", "MiB written",
@@ -135,7 +140,7 @@ def _print_session(console: Console, names: list[str], optimizers: list[str], ma
     rows, details = [], []
     for name in names:
         for optimizer in optimizers:
-            tally = session_tally(name, optimizer)
+            tally = session_tally(name, optimizer, multi_tensor=multi_tensor)
             rows.append([name, optimizer, *_budget_row(tally)])
             for op in tally.by_caller():
                 details.append([name, optimizer, op.name, op.caller, str(op.launches),

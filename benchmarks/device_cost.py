@@ -299,9 +299,10 @@ class DeviceCostMode(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _accelerator_path(mode: DeviceCostMode) -> Iterator[None]:
-    """``meta`` taken for CUDA by the engine, and each compiled kernel call counted as one fused
-    pass (see the module docstring)."""
+def _accelerator_path(mode: DeviceCostMode, multi_tensor: bool = True) -> Iterator[None]:
+    """``meta`` taken for CUDA by the engine, each compiled kernel call counted as one fused
+    pass, and each multi-tensor kernel call as one pass and :data:`MULTI_TENSOR_LAUNCHES`
+    launches (see the module docstring). ``multi_tensor=False``: CUDA without Triton."""
     original = CompiledKernel.__call__
     devices, fp64 = probe.compiled.COMPILABLE_DEVICES, reduce.FP64_DEVICES
 
@@ -321,14 +322,35 @@ def _accelerator_path(mode: DeviceCostMode) -> Iterator[None]:
             mode.count(f"compiled {kernel._fn.__name__}", list(args), tree_flatten(out)[0])
         return out
 
+    def modelled_rows(xs: list[torch.Tensor], threshold: float) -> torch.Tensor:
+        # The multi-tensor kernel (CUDA with Triton): one pass reading each tensor once and a
+        # launch folding the partials, after one host-to-device copy of the address table.
+        silent, mode.silent = mode.silent, True
+        try:
+            out = torch.empty((len(xs), reduce.WIDTH), dtype=torch.float64, device=xs[0].device)
+        finally:
+            mode.silent = silent
+        if mode.attribute:
+            caller = probe_caller(None, sys._getframe(1))
+            if caller is not None:
+                mode.caller = caller
+                mode.count("multi-tensor rows", list(xs), [out], launches=MULTI_TENSOR_LAUNCHES)
+        elif mode.counting:
+            mode.count("multi-tensor rows", list(xs), [out], launches=MULTI_TENSOR_LAUNCHES)
+        return out
+
     CompiledKernel.__call__ = modelled  # type: ignore[method-assign]
     probe.compiled.COMPILABLE_DEVICES = (*devices, DEVICE.type)
     reduce.FP64_DEVICES = (*fp64, DEVICE.type)
+    multi_devices = reduce.MULTI_TENSOR_DEVICES
+    reduce.MULTI_TENSOR_DEVICES = (*multi_devices, DEVICE.type)
     try:
-        yield
+        with reduce.multi_tensor_kernel_replaced(modelled_rows if multi_tensor else None):
+            yield
     finally:
         CompiledKernel.__call__ = original  # type: ignore[method-assign]
         probe.compiled.COMPILABLE_DEVICES, reduce.FP64_DEVICES = devices, fp64
+        reduce.MULTI_TENSOR_DEVICES = multi_devices
 
 
 class StatsHandOver:
@@ -392,16 +414,17 @@ class StatsHandOver:
 
 def stats_step_cost(model: torch.nn.Module, batch: Callable[[], Any],
                     loss: Callable[[torch.nn.Module, Any], torch.Tensor], stage: bool = True,
-                    eps: float | None = None) -> Tally:
+                    eps: float | None = None, multi_tensor: bool = True) -> Tally:
     """The engine's device work over one training step of ``model`` (on ``meta``) on the batch
     ``batch()`` makes (called with ``meta`` as the
     default), with AdamW (``foreach=True``, CUDA's default), as the stats mode would hand its
     tensors over. ``stage=False``: small tensors queued with the others (the monitor across
-    ranks, a ``stats_backend`` other than "auto"); ``eps``: count zeros (the monitor's)."""
+    ranks, a ``stats_backend`` other than "auto"); ``eps``: count zeros (the monitor's);
+    ``multi_tensor=False``: CUDA without Triton (no multi-tensor kernel)."""
     mode = DeviceCostMode()
     rows = StepRows(TensorStats("auto"), stage=stage, saturation="auto", eps=eps)
     hand_over = StatsHandOver(mode, rows)
-    with mode, torch.device(DEVICE), _accelerator_path(mode):
+    with mode, torch.device(DEVICE), _accelerator_path(mode, multi_tensor):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         inputs = batch()
         mode.before_op, mode.on_op = hand_over.before_op, hand_over.after_op
@@ -494,19 +517,19 @@ OPTIMIZERS = ("foreach", "fused")
 
 def session_step_cost(model: torch.nn.Module, batch: Callable[[], Any],
                       loss: Callable[[torch.nn.Module, Any], torch.Tensor], optimizer: str = "foreach",
-                      **options: Any) -> Tally:
+                      multi_tensor: bool = True, **options: Any) -> Tally:
     """The device work the probe itself issues over one training step of ``model`` (on ``meta``)
     under a real ``probe.mode("stats", **options)`` session: the tracer, the stats mode and its
     engine, each op with the probe function that issued it (the program's own ops are not
     counted). The second of two steps is counted (the first makes AdamW's state).
-    ``optimizer``: AdamW ``"foreach"`` or ``"fused"``."""
+    ``optimizer``: AdamW ``"foreach"`` or ``"fused"``; ``multi_tensor=False``: CUDA without Triton."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer: expected one of {OPTIMIZERS}, got {optimizer!r}")
     mode = DeviceCostMode()
     mode.attribute = True
     out = tempfile.mkdtemp(prefix="device-cost-")
     with _meta_addresses(), _fused_optimizers_on_meta(), mode, torch.device(DEVICE), \
-            _accelerator_path(mode), _values_counted(mode):
+            _accelerator_path(mode, multi_tensor), _values_counted(mode):
         adamw = torch.optim.AdamW(model.parameters(), lr=1e-4, **{optimizer: True})
         with probe.mode("stats", out=out, overwrite=True, model=model, **options) as session:
             for step in range(2):
@@ -547,6 +570,9 @@ READ_BUDGET = 1.1
 """Bytes read by the engine per byte of the values it reduces."""
 WRITTEN_BUDGET = 0.01
 """Bytes written per byte reduced."""
+MULTI_TENSOR_LAUNCHES = 3
+"""A multi-tensor kernel call: the address table's host-to-device copy, the pass, the fold."""
+
 VALUES_PER_LAUNCH = 32
 BYTES_PER_LAUNCH = 64 << 20
 """Launches: one per 32 values reduced, plus one per 64 MiB of them (a large tensor's pass)."""

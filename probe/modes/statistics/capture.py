@@ -312,6 +312,7 @@ class StepRows:
         self.learning = False
         """Reduce every tensor at capture and watch it: a write before the next flush makes its
         key volatile (the monitor's first step)."""
+        self._held: list[Queued] | None = None
         self._reset()
 
     def _saturated(self, device: torch.device) -> bool:
@@ -370,9 +371,18 @@ class StepRows:
             if version is not None and key not in self.volatile:
                 self._watch(x, owner, version + version_moves, key)
             now = True
-        if self._stage and numel <= STAGE_MAX_NUMEL and self._staged + numel <= STAGE_BUDGET_NUMEL:
+        batched = self._held is not None if now else self._queue_on
+        if self._stage and numel <= STAGE_MAX_NUMEL and self._staged + numel <= STAGE_BUDGET_NUMEL \
+                and not (batched and self._stats.uses_multi_tensor(x)):
+            # (Not where the multi-tensor kernel reduces the batch it would join: many small
+            # tensors are one launch there, a staging copy is one launch per tensor.)
             rows.append((*self._stage_into_chunk(x), numel, multiplicity))
             self._staged += numel
+        elif (now and self._held is not None and x.dtype in QUEUED_DTYPES
+              and (version := _version(owner)) is not None):
+            rows.append((-1, 0, numel, multiplicity))  # filled in by release()
+            self._held.append(Queued(x, len(rows) - 1, owner, version, x.untyped_storage().data_ptr(),
+                                     x.untyped_storage()._cdata if key is None else key))
         elif (self._queue_on and not now and x.dtype in QUEUED_DTYPES
               and (key := x.untyped_storage()._cdata if key is None else key) not in self.volatile
               and (version := _version(owner)) is not None):
@@ -391,6 +401,20 @@ class StepRows:
         else:
             rows.append((*self._append_device_row(self._stats.row(x, eps=self._eps)), numel, multiplicity))
         return len(rows) - 1
+
+    def hold(self) -> None:
+        """Until :meth:`release`, tensors read ``now`` are collected instead of reduced one by one
+        (the inputs an op is about to write: a foreach optimizer op's 32 moments or weights)."""
+        self._held = []
+
+    def release(self) -> None:
+        """Reduce the tensors collected since :meth:`hold` together, one batch per device (the op
+        that writes them has not run yet)."""
+        held, self._held = self._held, None
+        if not held:
+            return
+        for device in {queued.tensor.device for queued in held}:
+            self._reduce_batch([queued for queued in held if queued.tensor.device == device])
 
     def add_row(self, row: torch.Tensor, numel: int) -> int:
         """A row computed by the caller (``reduce.adam_update_row``) for a tensor of ``numel`` elements."""

@@ -20,8 +20,10 @@ reference), each as fast as its place allows:
   threads from :data:`PARALLEL_MIN_NUMEL` elements), NaN and Inf counted only
   in rows whose moments are not finite; bf16 read as int32 pairs (a bf16 value is the top half
   of an fp32 one: widened at full vector speed);
-- :func:`device_rows` (a queued batch on an accelerator): the compiled kernel for large tensors
-  (one read each), ``_foreach_*`` reductions for the rest (a handful of launches per batch);
+- :func:`device_rows` (a queued batch on an accelerator): on CUDA with Triton, the multi-tensor
+  kernel (:mod:`probe.modes.statistics.multi_tensor`: the whole batch in two launches, one read
+  of each value); elsewhere the compiled kernel for large tensors (one read each) and
+  ``_foreach_*`` reductions for the rest (a handful of launches per batch);
 - :class:`StageChunk` (many small tensors copied into one buffer): ``reduceat`` per segment on
   the host, after the step's transfer (see ``capture``);
 - :func:`adam_update_row`: Adam's update, never materialized.
@@ -38,11 +40,14 @@ contiguous floating-point tensor in place take it whole.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 from probe.compiled import CompiledKernel, StandaloneCpuKernel
+from probe.errors import warn_once
 from probe.modes.statistics import pieces
 from probe.modes.statistics.columns import RAW_COLUMNS
 
@@ -167,6 +172,67 @@ def _fused_raw(flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
 _COMPILED = CompiledKernel(_fused_raw)
 _COMPILED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
+MULTI_TENSOR_DEVICES = ("cuda",)
+"""Device types whose tensors the multi-tensor Triton kernel reduces where Triton imports (read
+at call time: the device cost model, ``benchmarks.device_cost``, adds the device it simulates)."""
+
+MultiTensorRows = Callable[[Sequence[torch.Tensor], float], torch.Tensor]
+_multi_tensor: MultiTensorRows | None = None
+_multi_tensor_tried = False
+
+
+def multi_tensor_kernel(device: torch.device) -> MultiTensorRows | None:
+    """``multi_tensor.rows`` for tensors on ``device``, or None: another device type, no Triton,
+    or the kernel failed once in this process (then the compiled and eager paths, after one
+    warning)."""
+    global _multi_tensor, _multi_tensor_tried
+    if device.type not in MULTI_TENSOR_DEVICES:
+        return None
+    if not _multi_tensor_tried:
+        _multi_tensor_tried = True
+        try:
+            from probe.modes.statistics import multi_tensor
+        except Exception:  # no Triton (optional; CUDA builds of torch bring it), or a broken one
+            return None
+        _multi_tensor = multi_tensor.rows
+    return _multi_tensor
+
+
+def _turn_off_multi_tensor() -> None:
+    global _multi_tensor, _multi_tensor_tried
+    _multi_tensor, _multi_tensor_tried = None, True
+
+
+@contextmanager
+def multi_tensor_kernel_replaced(kernel: MultiTensorRows | None) -> Iterator[None]:
+    """The multi-tensor kernel replaced by ``kernel`` (None: off) inside the block. For the device
+    cost model, which counts what the kernel reads instead of running it, and for tests."""
+    global _multi_tensor, _multi_tensor_tried
+    saved = _multi_tensor, _multi_tensor_tried
+    _multi_tensor, _multi_tensor_tried = kernel, True
+    try:
+        yield
+    finally:
+        _multi_tensor, _multi_tensor_tried = saved
+
+
+def _multi_tensor_rows(xs: Sequence[torch.Tensor], eps: float | None) -> list[torch.Tensor] | None:
+    """Rows of contiguous floating-point tensors of one device and dtype through the multi-tensor
+    kernel, or None where it failed (turned off for the process, after one warning)."""
+    kernel = multi_tensor_kernel(xs[0].device)
+    if kernel is None:
+        return None
+    threshold = 0.0 if eps is None else zeros_threshold(xs[0].dtype, eps)
+    try:
+        with torch.no_grad():
+            return list(kernel(xs, threshold).unbind(0))
+    except Exception as error:  # a Triton that cannot build it here (a GPU without fp64, say)
+        _turn_off_multi_tensor()
+        warn_once("multi-tensor-kernel-failed",
+                  f"the multi-tensor statistics kernel failed ({type(error).__name__}: {error}); "
+                  "statistics are reduced by the compiled kernels from now on")
+        return None
+
 
 _THRESHOLDS: dict[tuple[torch.device, torch.dtype, float], torch.Tensor] = {}
 
@@ -203,9 +269,16 @@ class TensorStats:
             return False
         return self.backend == "compiled" or x.numel() >= COMPILED_MIN_NUMEL
 
+    def uses_multi_tensor(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` goes to the multi-tensor kernel (``"auto"``, CUDA, Triton): contiguous
+        floating-point tensors of any size, read once in place."""
+        return (self.backend == "auto" and x.dtype in _COMPILED_DTYPES and x.is_contiguous()
+                and multi_tensor_kernel(x.device) is not None)
+
     def reads_in_place(self, x: torch.Tensor) -> bool:
         """Whether :meth:`row` reduces ``x`` in one fused pass over its memory, copying nothing."""
-        return self.uses_compiled(x) and x.is_contiguous() and x.dtype in _COMPILED_DTYPES
+        return (self.uses_compiled(x) and x.is_contiguous() and x.dtype in _COMPILED_DTYPES) or \
+            self.uses_multi_tensor(x)
 
     def row(self, x: torch.Tensor, saturated: bool = False, eps: float | None = None) -> torch.Tensor:
         """The raw row of a non-empty compact tensor (see :func:`compact_view`), on its device.
@@ -226,6 +299,10 @@ class TensorStats:
                 extra[RAW_COLUMNS.index("inf")] = (x.abs() == top).sum()
                 extra[RAW_COLUMNS.index("ninf")] = (x == -top).sum()
                 return row + extra
+        if self.uses_multi_tensor(x):
+            row = _multi_tensor_rows([x], eps)
+            if row is not None:
+                return row[0].to(acc)
         if self.uses_compiled(x):
             flat = (x if x.is_contiguous() else x.contiguous()).view(-1)
             if flat.dtype not in _COMPILED_DTYPES:
@@ -371,6 +448,24 @@ def device_row_list(xs: list[torch.Tensor], eps: float | None = None, stats: Ten
     apart until the step's end, where one ``cat`` gathers them (a stack per queued batch was a
     launch per batch: 74 a step of the 7B-wide model, ``benchmarks.device_cost``)."""
     stats = stats if stats is not None else TensorStats()
+    multi = [i for i, x in enumerate(xs) if stats.uses_multi_tensor(x)]
+    if multi:
+        out: list[torch.Tensor | None] = [None] * len(xs)
+        # One launch pair per dtype, and apart the tensors not 16-byte aligned (a view at an
+        # odd offset), whose loads cannot be vectorized.
+        kinds = {i: (xs[i].dtype, xs[i].data_ptr() % 16 == 0) for i in multi}
+        for kind in set(kinds.values()):
+            group = [i for i in multi if kinds[i] == kind]
+            rows = _multi_tensor_rows([xs[i] for i in group], eps)
+            if rows is None:  # failed, and off from now on: the paths below
+                return device_row_list(xs, eps, stats)
+            for i, row in zip(group, rows, strict=True):
+                out[i] = row
+        rest = [i for i in range(len(xs)) if out[i] is None]
+        if rest:
+            for i, row in zip(rest, device_row_list([xs[i] for i in rest], eps, stats), strict=True):
+                out[i] = row
+        return out  # type: ignore[return-value]
     # The foreach reductions make negated copies and masks of each tensor: one of more than a
     # piece goes to ``stats.row``, which reduces it piece by piece.
     alone = [stats.uses_compiled(x) or pieces.too_large(x) for x in xs]

@@ -146,6 +146,19 @@ class StatsMode(Mode):
         info = call.info
         overwrites = bool(written) and (info.is_out or info.is_collective or info.namespace != "aten"
                                         or info.short in _OVERWRITING)
+        if written or unannounced:
+            self._rows.hold()  # the inputs read now, reduced together below (a foreach op's 32)
+            try:
+                self._read_inputs(call, every, written, overwrites, unannounced)
+            finally:
+                self._rows.release()
+        else:
+            self._read_inputs(call, every, written, overwrites, unannounced)
+        for storage in unannounced:
+            self._external_rows.pop(storage, None)
+
+    def _read_inputs(self, call: OpCall, every: bool, written: Any, overwrites: bool,
+                     unannounced: Any) -> None:
         for position, t in enumerate(call.input_tensors or ()):
             if call.skipped and call.skip_reason("in", position) is not None:
                 continue
@@ -175,8 +188,6 @@ class StatsMode(Mode):
             if row is not None:
                 self._input_rows[position] = row
                 self._index.append((call.index, INPUT, position, row))
-        for storage in unannounced:
-            self._external_rows.pop(storage, None)
 
     def after(self, call: OpCall) -> None:
         if call.uninitialized:

@@ -1,0 +1,110 @@
+"""The multi-tensor statistics kernel checked against exact fp64 statistics, on one device.
+
+Run by ``tests/test_multi_tensor_rows.py``: on a CUDA device as is, on the CPU under Triton's
+interpreter (``TRITON_INTERPRET=1``, set before triton is imported). Not collected by pytest
+(the interpreter must be chosen before triton is imported, which a pytest process has done
+already where torch brought triton in)::
+
+    TRITON_INTERPRET=1 python tests/multi_tensor_checks.py cpu
+    python tests/multi_tensor_checks.py cuda
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # Triton 3.6's interpreter reads a loop bound with int() of a one-element array, which NumPy
+    # 2 refuses; the compiled kernel never sees this.
+    from triton.runtime import interpreter as _interpreter
+
+    _patch_tensor = getattr(_interpreter, "_patch_lang_tensor", None)
+
+    def _patch_with_scalar_index(tensor, scope):
+        _patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    if _patch_tensor is not None:
+        _interpreter._patch_lang_tensor = _patch_with_scalar_index
+
+from probe.modes.statistics import multi_tensor, reduce
+from probe.modes.statistics.columns import RAW_COLUMNS, raw_row
+
+REL = 1e-7
+
+
+def exact(x: torch.Tensor, threshold: float) -> list[float]:
+    """The raw row by the table's eager forms in fp64 on the CPU (values as ``x`` holds them)."""
+    return raw_row(x.detach().to("cpu", torch.float64).reshape(-1), threshold).tolist()
+
+
+def check(got: list[float], want: list[float], what: str) -> None:
+    for name, g, w in zip(RAW_COLUMNS, got, want, strict=True):
+        if math.isnan(w) or math.isinf(w) or name in ("min", "max", "nan", "inf", "ninf", "zeros"):
+            same = g == w or (math.isnan(g) and math.isnan(w))
+            assert same, f"{what}: {name} {g!r} != {w!r}"
+        else:
+            assert abs(g - w) <= REL * abs(w), f"{what}: {name} {g!r} vs {w!r} ({abs(g - w) / abs(w):.2e})"
+
+
+def tensors(device: str) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    block = multi_tensor.BLOCK
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        for n in (1, 2, block - 1, block + 1, 3 * block * multi_tensor.MIN_BLOCKS_PER_PROGRAM + 5):
+            out.append((f"{dtype} randn {n}", (torch.randn(n, generator=g) * 3).to(dtype)))
+        # An fp16 sum of a million 100s overflows; an fp32 one is 1e-4 off: fp64 is exact.
+        n = (1 << 20) + 3 if dtype in (torch.float16, torch.float32) else (1 << 16) + 3
+        out.append((f"{dtype} constant {n}", torch.full((n,), 100.0).to(dtype)))
+        ramp = torch.linspace(-1e3, 1e4, 70001).to(dtype)
+        ramp[[5, 17, 40000]] = torch.tensor([math.nan, math.inf, -math.inf], dtype=dtype)
+        ramp[[6, 7]] = torch.tensor([0.0, -0.0], dtype=dtype)
+        out.append((f"{dtype} ramp with nan/inf/-inf/zeros", ramp))
+        out.append((f"{dtype} all nan", torch.full((9,), math.nan, dtype=dtype)))
+        out.append((f"{dtype} finfo.min mask", torch.full((4099,), torch.finfo(dtype).min, dtype=dtype)))
+    return [(name, x.to(device)) for name, x in out]
+
+
+def main(device: str) -> None:
+    cases = tensors(device)
+    # One batch per dtype, as the capture queue hands them over (tensors of every size together).
+    for dtype in {x.dtype for _, x in cases}:
+        batch = [(name, x) for name, x in cases if x.dtype == dtype]
+        rows = multi_tensor.rows([x for _, x in batch], 0.5).cpu().tolist()
+        for (name, x), row in zip(batch, rows, strict=True):
+            check(row, exact(x, 0.5), name)
+    # The engine's routing: device_row_list sends contiguous float tensors to the kernel (any
+    # dtype mix, one launch pair per dtype), the rest (a strided view, an int tensor) elsewhere.
+    if device == "cpu":
+        reduce.MULTI_TENSOR_DEVICES = ("cpu",)
+    stats = reduce.TensorStats()
+    x32 = torch.randn(5000, device=device)
+    strided = torch.randn(300, 40, device=device)[:, ::3]
+    unaligned = torch.randn(50001, device=device)[1:]  # 4 bytes past an aligned address
+    mixed = [x32, x32.bfloat16(), strided, torch.arange(7, device=device, dtype=torch.float64), unaligned]
+    assert stats.uses_multi_tensor(x32) and not stats.uses_multi_tensor(strided)
+    calls = []
+    kernel = reduce.multi_tensor_kernel(x32.device)
+
+    def counted(xs, threshold):
+        calls.append([x.dtype for x in xs])
+        return kernel(xs, threshold)
+
+    with reduce.multi_tensor_kernel_replaced(counted):
+        rows = reduce.device_row_list(mixed, eps=0.25, stats=stats)
+        # fp32, bf16, fp64 and the unaligned fp32: one launch pair each.
+        assert sorted(map(len, calls)) == [1, 1, 1, 1], calls
+        for x, row in zip(mixed, rows, strict=True):
+            check(row.cpu().tolist(), exact(x, reduce.zeros_threshold(x.dtype, 0.25)), f"routed {x.dtype}")
+        check(stats.row(x32).cpu().tolist(), exact(x32, 0.0), "TensorStats.row")
+        assert len(calls) == 5
+    print("ok", len(cases), "tensors")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
