@@ -20,6 +20,7 @@ plain Triton and run under Triton's interpreter on CPU tensors, which is how CI 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -141,9 +142,12 @@ def rows(xs: Sequence[torch.Tensor], threshold: float = 0.0) -> torch.Tensor:
     partials = torch.empty((len(xs), programs, WIDTH), dtype=torch.float64, device=device)
     out = torch.empty((len(xs), WIDTH), dtype=torch.float64, device=device)
     partial, combine = _kernels()
-    partial[(len(xs), programs)](
-        table[0], table[1], partials, float(threshold), math.ceil(max(numels) / (programs * BLOCK)),
-        ELEMENT=_ELEMENT[dtype], WIDE=tl.float64 if dtype == torch.float64 else tl.float32,
-        ALIGNED=all(a % 16 == 0 for a in addresses), BLOCK=BLOCK, num_warps=8)
-    combine[(len(xs),)](partials, out, programs, PROGRAMS=triton.next_power_of_2(programs))
+    # Triton launches on the current device: made the tensors' own (a rank's second GPU).
+    elsewhere = device.type == "cuda" and device.index != torch.cuda.current_device()
+    with torch.cuda.device(device) if elsewhere else contextlib.nullcontext():
+        partial[(len(xs), programs)](
+            table[0], table[1], partials, float(threshold), math.ceil(max(numels) / (programs * BLOCK)),
+            ELEMENT=_ELEMENT[dtype], WIDE=tl.float64 if dtype == torch.float64 else tl.float32,
+            ALIGNED=all(a % 16 == 0 for a in addresses), BLOCK=BLOCK, num_warps=8)
+        combine[(len(xs),)](partials, out, programs, PROGRAMS=triton.next_power_of_2(programs))
     return out
