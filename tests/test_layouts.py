@@ -479,6 +479,25 @@ def test_data_parallel_dumps_fold_and_their_split_sums_are_another_reduction_ord
                 (f"forward:{HALVED}[0]:aten.t.default:0", "outside input", 0), reference
 
 
+@pytest.mark.slow  # two jobs per loss, one of them torchrun
+@pytest.mark.parametrize("loss", ["mean_square", "sum_over_count", "mean_abs", "cross_entropy"])
+def test_a_hand_written_loss_folds_under_ddp_as_the_single_process_computes_it(tmp_path, loss):
+    # A loss written out (tp_worker.LOSSES) rather than F.mse_loss: its backward broadcasts the
+    # scalar gradient back over the rank's slice (the mean's or sum's expand, replicated by its
+    # inputs alone, a slice of the batch by the reduction it undoes), and divides it by the
+    # rank's own count (a mean's div, sum / n's on the scalar), where the gradient becomes the
+    # degree times the single process's; sum / n's forward div makes the slice's mean.
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    _job(single, "--plan", "single", "--dump", "--loss", loss)
+    _job(ddp, "--plan", "ddp", "--dump", "--loss", loss, nproc=2)
+    worst, compared = _folded_tensors_like(probe.load(single), LogicalRun(probe.load(ddp)))
+    assert worst <= 1e-6 and compared > 450, (worst, compared)
+    report = probe.compare(single, ddp, processes=1)
+    assert report.first_divergence is None, report.conclusion
+    assert report.conclusion.startswith("no divergence")
+    assert report.counts["error"] == report.counts["not compared"] == 0
+
+
 @pytest.mark.slow
 def test_a_halved_shard_under_fsdp2_x_tp2_is_the_first_divergence_at_its_module(plans):
     for reference in ("single", "fsdp2_tp2"):

@@ -31,7 +31,10 @@ the data from outside the step are sharded along dim 0 where the ranks differ, a
 move the shard by their shapes (``probe.analysis.local_placements``); a gradient there (what
 backward computes from the loss's, not from forward values alone) is the data-parallel degree
 times its slice of the logical gradient (each rank's loss is its own slice's mean, what DDP's
-and FSDP2's averaging assume), a weight's gradient a partial value until its reduction.
+and FSDP2's averaging assume), a weight's gradient a partial value until its reduction. The
+loss's gradient before it meets a forward value (a loss written by hand: a mean's backward
+``expand`` and ``div``) is one number per rank: broadcast, it is placed as the input of the
+forward reduction it undoes; it is scaled where divided by a count of the rank's slice.
 DDP's ``module.`` level is dropped from names; FSDP2's copy-in/out and buffer ops are layout
 changes; a strided shard (``_S``) folds as a shard. DTensor's
 ``from_local``/``to_local`` views are layout changes too, and the ids of the ops kept are
@@ -75,6 +78,7 @@ from probe.analysis.overwrites import overwritten_inputs
 from probe.errors import ProbeError
 from probe.rundir.op_graph import build_graph
 from probe.rundir.run import OpRecord, Run, TensorRecord
+from probe.vocabulary.rounding import ROUNDING_ULPS, eps
 
 _PASS_THROUGH = frozenset({"_c10d_functional.wait_tensor.default",
                            "_c10d_functional._wrap_tensor_autograd.default"})
@@ -295,6 +299,16 @@ class _Folder:
         self.seeds = {op.index for k, op in enumerate(lead_ops)
                       if op.phase == "backward" and (k == 0 or lead_ops[k - 1].phase != "backward")}
         """The first op of each backward pass (the loss's backward, reading autograd's seed)."""
+        self._numbers: set[tuple[int, int]] = set()
+        """Values (lead index, position) that are numbers on each rank: forward's replicated
+        scalars (autograd's seed, a loss scale) and what the loss's backward makes of them alone,
+        one number in every element (:meth:`_loss_gradient`)."""
+        self._local_counts: dict[int, set[int]] = {}
+        """Rank -> the element counts of its slices of the batch: the numel and the sharded dim's
+        size of each value it holds a data-parallel shard of (what a mean over its slice divides by)."""
+        self._reductions: dict[tuple[tuple[int, ...], int], dict[int, set[str]]] = {}
+        """Forward reductions, (input shape, output numel) -> data-parallel dim -> the placements
+        of their input there: where the backward broadcasts a replicated gradient back to."""
 
     def _peers(self, op: OpRecord) -> dict[int, OpRecord]:
         return {rank: found for rank in self.ranks if (found := self.by_id[rank].get(op.id)) is not None}
@@ -352,10 +366,12 @@ class _Folder:
         return given
 
     def fold_tensor(self, op: OpRecord, io: str, position: int, placements: World,
-                    scaled: bool = False) -> TensorRecord:
+                    scaled: bool = False, replicas: bool = False) -> TensorRecord:
         """One tensor of ``op`` folded over the ranks by its placements; ``scaled``: a gradient
         on the data-parallel dim, where each rank's loss is its own slice's mean: the rank holds
-        the data-parallel degree times its slice of the logical gradient."""
+        the data-parallel degree times its slice of the logical gradient (on the dims where it
+        is not replicated: a replicated gradient is one a collective averaged); ``replicas``:
+        the loss's gradient before any collective (``sum / n``'s), scaled where replicated too."""
         records = self._records(op, io, position)
         lead = records[self.lead]
         blank = TensorRecord(lead.dtype, lead.shape, None, mutated=lead.mutated)
@@ -390,7 +406,7 @@ class _Folder:
                                     math.prod(self.mesh[0][k] for k in partial if placements[k] == "P(avg)"))
         else:
             stats = combine_stats([(records[r].stats, records[r].shape) for r in contributing])
-        degree = math.prod(self.mesh[0][d] for d in self.dp if placements[d] != "R")
+        degree = math.prod(self.mesh[0][d] for d in self.dp if placements[d] != "R" or replicas)
         if scaled and stats is not None and degree > 1:
             stats = _scaled(stats, 1 / degree)
         out = TensorRecord(lead.dtype, tuple(shape), stats, mutated=lead.mutated)
@@ -477,17 +493,28 @@ class _Folder:
         return tuple(out)
 
     def _infer(self, op: OpRecord, position: int, given: list[str | None],
-               inputs: list[tuple[World, bool]]) -> tuple[World, bool]:
+               inputs: list[tuple[World, bool]], loss_gradient: bool = False) -> tuple[World, bool]:
         """An output's placements: the layout's where it has them, else from the inputs'
-        (``local_placements``); whether it is a scaled gradient (see :meth:`fold_tensor`)."""
+        (``local_placements``); whether it is a scaled gradient (see :meth:`fold_tensor`).
+        ``loss_gradient``: ``op`` is in the loss's backward and reads only the loss's gradient
+        made of the seed and numbers (see :meth:`_loss_gradient`)."""
         records = self._records(op, "output", position)
         out_shape = op.outputs[position].shape
         shapes = [t.shape for t in op.inputs]
         placements: list[str] = []
         scaled = any(s for _, s in inputs)
+        # The loss's gradient before it meets a forward value is one number on each rank: it is
+        # scaled where it is divided by the rank's own count (a mean's backward, ``sum / n``),
+        # not where it is only broadcast or negated.
+        numbers = loss_gradient and all(_constant(r) is not None for r in records.values())
+        divides = bool(self.dp) and self._divides_by_local_count(op)
         for dim, placement in enumerate(given):
             if placement is None:
                 found = local_placement(op.name, shapes, [p[dim] for p, _ in inputs], out_shape)
+                if found == "R" and loss_gradient and dim in self.dp:
+                    found = self._broadcast_back(op, position, dim) or found
+                elif found == "P(sum)" and divides:
+                    found = "P(avg)"  # a sum over the slice divided by its count: the slice's mean
                 agree = self._agree_along(records, dim)
                 if found is None or (found.startswith("P") and agree):
                     found = "R" if agree else "?"
@@ -495,7 +522,9 @@ class _Folder:
                     # Replicated inputs by the rules (buffers without statistics, FSDP2's
                     # copy-in of each rank's shard), unequal results: not known.
                     found = "?"
-                if dim in self.dp and op.index in self.seeds and found != "R":
+                if dim in self.dp and numbers:
+                    scaled = scaled or divides
+                elif dim in self.dp and op.index in self.seeds and found != "R":
                     # The local loss's gradient: the rank's own slice's mean. What backward
                     # computes from it is scaled too (through the inputs); what it computes
                     # from forward values alone (a saved activation's transpose) is not.
@@ -503,6 +532,71 @@ class _Folder:
                 placement = found
             placements.append(placement)
         return tuple(placements), scaled
+
+    def _broadcast_back(self, op: OpRecord, position: int, dim: int) -> str | None:
+        """The placement on data-parallel mesh ``dim`` of the loss's replicated gradient
+        broadcast back over the elements a forward reduction summed (a mean's or a sum's
+        backward ``expand``): that reduction's input's; ``?`` where reductions of that shape
+        had inputs placed otherwise; None: not such a broadcast."""
+        out = op.outputs[position].shape
+        read = max((_numel(t.shape) for t in op.inputs), default=1)
+        if _numel(out) <= read:
+            return None
+        found = self._reductions.get((tuple(out), read), {}).get(dim, set())
+        if len(found) > 1:
+            return "?"
+        return next(iter(found), None)
+
+    def _divides_by_local_count(self, op: OpRecord) -> bool:
+        """Whether ``op`` (a ``div`` or ``mul`` of one tensor by a number, every element of its
+        input and of its result one number on each rank: a scalar, or the loss's gradient)
+        divides by the rank's own count of the batch's elements: the numel, or the size along
+        the sharded dim, of a value it holds a slice of, on every rank, within rounding."""
+        if base_name(op.name) not in ("div", "mul") or len(op.inputs) != 1 or len(op.outputs) != 1:
+            return False
+        dtype = getattr(torch, op.outputs[0].dtype, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            return False
+        inputs, outputs = self._records(op, "input", 0), self._records(op, "output", 0)
+        for rank in self.ranks:
+            before = _constant(inputs.get(rank))
+            after = _constant(outputs.get(rank))
+            if before is None or after is None or after == 0.0:
+                return False
+            ratio = abs(before / after)
+            count = round(ratio)
+            if count < 2 or abs(ratio - count) > ROUNDING_ULPS * eps(dtype) * count \
+                    or count not in self._local_counts.get(rank, set()):
+                return False
+        return True
+
+    def _note_forward(self, op: OpRecord, known: list[tuple[World, bool]], placed: list[World]) -> None:
+        """What the loss's backward is folded by: each rank's counts of its slice of the batch
+        (:attr:`_local_counts`), and the reductions (:attr:`_reductions`); ``known``: the
+        placements of ``op``'s inputs, ``placed``: of its outputs."""
+        for position, placements in enumerate(placed):
+            for dim in self.dp:
+                d = shard_dim(placements[dim])
+                if d is None:
+                    continue
+                for rank, record in self._records(op, "output", position).items():
+                    if record.shape:
+                        counts = self._local_counts.setdefault(rank, set())
+                        counts.update((_numel(record.shape), record.shape[d % len(record.shape)]))
+        if op.inputs and known and op.outputs and _numel(op.outputs[0].shape) < _numel(op.inputs[0].shape):
+            key = (tuple(op.inputs[0].shape), _numel(op.outputs[0].shape))
+            by_dim = self._reductions.setdefault(key, {})
+            for dim in self.dp:
+                if known[0][0][dim] != "?":
+                    by_dim.setdefault(dim, set()).add(known[0][0][dim])
+
+    def _loss_gradient(self, op: OpRecord, sources: list[tuple[int, int] | None]) -> bool:
+        """Whether ``op`` computes the loss's gradient from autograd's seed and numbers alone: the
+        first op of a backward pass, or a backward op reading only numbers (``sources``: its
+        inputs' producers; :attr:`_numbers`)."""
+        if op.phase != "backward" or not op.inputs:
+            return False
+        return op.index in self.seeds or all(s in self._numbers for s in sources)
 
     def fold(self) -> LogicalStep:
         ops = self.ops[self.lead]
@@ -616,10 +710,17 @@ class _Folder:
                 inputs.append(record)
                 known.append((placement, False))
             outputs = []
+            loss_gradient = self._loss_gradient(op, [value_of(t.source) for t in op.inputs])
             for position in range(len(op.outputs)):
-                placement, scaled = self._infer(op, position, self._given(layout, "output", position), known)
+                placement, scaled = self._infer(op, position, self._given(layout, "output", position), known,
+                                                loss_gradient)
                 placed[(op.index, position)] = (placement, scaled)
-                outputs.append(self.fold_tensor(op, "output", position, placement, scaled))
+                outputs.append(self.fold_tensor(op, "output", position, placement, scaled, loss_gradient))
+                numbers = loss_gradient or (op.phase == "forward" and _numel(op.outputs[position].shape) == 1
+                                            and all(p == "R" for p in placement))
+                if numbers and all(_constant(r) is not None
+                                   for r in self._records(op, "output", position).values()):
+                    self._numbers.add((op.index, position))
             if op.inputs and op.outputs and "?" in known[0][0] and op.inputs[0].source is None \
                     and op.outputs[0].mutated and op.inputs[0].shape == op.outputs[0].shape \
                     and "?" not in placed[(op.index, 0)][0]:
@@ -654,6 +755,8 @@ class _Folder:
                 continue
             kept[op.index] = len(folded)
             origins[len(folded)] = op.index
+            if op.phase == "forward" and self.dp:
+                self._note_forward(op, known, [placed[(op.index, k)][0] for k in range(len(op.outputs))])
             for position in range(len(op.outputs)):
                 self._remember(op, position, placed[(op.index, position)][0])
                 parts = self._partial_sums(placed[(op.index, position)][0], known)
@@ -871,6 +974,15 @@ class _Folder:
         reduced = "S(0)" if "reduce_scatter" in op.name else "R"
         placements = tuple(reduced if dim in dims else p for dim, p in enumerate(value[0]))
         return self.fold_tensor(op, "output", 0, placements, value[1])
+
+
+def _constant(record: TensorRecord | None) -> float | None:
+    """The one finite number every element of a recorded tensor holds; None when not so or not known."""
+    stats = record.stats if record is not None and _numel(record.shape) else None
+    if stats is None or stats.get("min") is None or stats["min"] != stats["max"] \
+            or not math.isfinite(stats["min"]):  # type: ignore[arg-type]
+        return None
+    return float(stats["min"])  # type: ignore[arg-type]
 
 
 def _adopt_detached_gradients(folded: list[OpRecord]) -> None:

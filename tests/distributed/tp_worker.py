@@ -174,6 +174,24 @@ MANUAL_PARTITIONS = {"0.up": "colwise", "0.down": "rowwise", "1.up": "colwise", 
 """The ``megatron`` model's partitions, as ``probe.compare(..., partitions=)`` takes them."""
 
 
+def _cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy written out: each row's target class is where its ``y`` is largest."""
+    target = y.argmax(-1, keepdim=True)
+    return -out.log_softmax(-1).gather(-1, target).mean()
+
+
+LOSSES = {
+    "mse_loss": nn.functional.mse_loss,
+    # Losses written by hand as means over this rank's slice of the batch: their backward
+    # broadcasts the scalar loss's gradient back to the slice.
+    "mean_square": lambda out, y: out.sub(y).square().mean(),
+    "sum_over_count": lambda out, y: out.sub(y).square().sum() / out.numel(),
+    "mean_abs": lambda out, y: out.sub(y).abs().mean(),
+    "cross_entropy": _cross_entropy,
+}
+"""``--loss``: the loss of the model's output and the target, each rank's own slice's mean."""
+
+
 def build(kind: str = "mlp") -> nn.Module:
     torch.manual_seed(0)
     if kind == "transformer":
@@ -219,6 +237,7 @@ def main() -> None:
     parser.add_argument("--model", choices=["mlp", "transformer", "megatron"], default="mlp")
     parser.add_argument("--halve", default=None, help="RANK:MODULE")
     parser.add_argument("--dump", action="store_true", help="record the dump mode beside the statistics")
+    parser.add_argument("--loss", choices=sorted(LOSSES), default="mse_loss")
     args = parser.parse_args()
 
     if (args.plan == "manual") != (args.model == "megatron") and args.plan != "single":
@@ -266,7 +285,7 @@ def main() -> None:
             for x, y in batches("mlp" if args.model == "megatron" else args.model)]
     with probe.mode(["stats", "dump"] if args.dump else "stats", out=args.out) as session:
         for x, y in data:
-            loss = nn.functional.mse_loss(trained(x), y)
+            loss = LOSSES[args.loss](trained(x), y)
             loss.backward()
             opt.step()
             opt.zero_grad()
