@@ -254,6 +254,18 @@ class DeviceCostMode(TorchDispatchMode):
         self.tally.ops.append(OpCost(name, _device_bytes(inputs), _device_bytes(outputs), launches, 0,
                                      self.caller))
 
+    def count_call(self, name: str, inputs: list[Any], outputs: list[Any], frame: Any,
+                   launches: int = 1) -> None:
+        """Count a modelled kernel call (no aten op this mode sees) made from ``frame``: in a
+        session, only where probe code made it; elsewhere while the engine runs."""
+        if self.attribute:
+            caller = probe_caller(None, frame)
+            if caller is not None:
+                self.caller = caller
+                self.count(name, inputs, outputs, launches)
+        elif self.counting:
+            self.count(name, inputs, outputs, launches)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self.silent:
@@ -313,13 +325,7 @@ def _accelerator_path(mode: DeviceCostMode, multi_tensor: bool = True) -> Iterat
                 out = kernel._fallback(*args)
         finally:
             mode.silent = silent
-        if mode.attribute:
-            caller = probe_caller(None, sys._getframe(1))
-            if caller is not None:
-                mode.caller = caller
-                mode.count(f"compiled {kernel._fn.__name__}", list(args), tree_flatten(out)[0])
-        elif mode.counting:
-            mode.count(f"compiled {kernel._fn.__name__}", list(args), tree_flatten(out)[0])
+        mode.count_call(f"compiled {kernel._fn.__name__}", list(args), tree_flatten(out)[0], sys._getframe(1))
         return out
 
     def modelled_rows(xs: list[torch.Tensor], threshold: float) -> torch.Tensor:
@@ -330,13 +336,7 @@ def _accelerator_path(mode: DeviceCostMode, multi_tensor: bool = True) -> Iterat
             out = torch.empty((len(xs), reduce.WIDTH), dtype=torch.float64, device=xs[0].device)
         finally:
             mode.silent = silent
-        if mode.attribute:
-            caller = probe_caller(None, sys._getframe(1))
-            if caller is not None:
-                mode.caller = caller
-                mode.count("multi-tensor rows", list(xs), [out], launches=MULTI_TENSOR_LAUNCHES)
-        elif mode.counting:
-            mode.count("multi-tensor rows", list(xs), [out], launches=MULTI_TENSOR_LAUNCHES)
+        mode.count_call("multi-tensor rows", list(xs), [out], sys._getframe(1), MULTI_TENSOR_LAUNCHES)
         return out
 
     CompiledKernel.__call__ = modelled  # type: ignore[method-assign]
