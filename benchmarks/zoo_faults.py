@@ -8,7 +8,8 @@ input's rounding) is not a fault the comparison could be asked to find. The kind
 - ``scale-output``: a module's output multiplied by (1 + delta), from step k on;
 - ``cast-matmul``, ``cast-norm``, ``cast-softmax``: an explicit cast to bf16 of the inputs of
   the matmuls called in a module, of a norm module's input, or of a softmax's input (computed
-  in bf16), from step k on;
+  in bf16), from step k on (``cast-matmul`` is not applicable under bf16 autocast, which runs
+  matmuls in bf16 itself: :meth:`FaultKind.not_applicable`);
 - ``bitflip-mantissa``, ``bitflip-exponent``: one bit of one weight element flipped before
   step k (k >= 1: between steps), outside the trace;
 - ``eps``: a norm's eps changed;
@@ -60,11 +61,21 @@ class FaultKind:
     """Both runs clip gradients every step (run A without a bound)."""
     between_steps: bool = False
     """Planted between steps (its step is at least 1)."""
+    autocast_casts: bool = False
+    """Its cast (to bf16) is one autocast makes itself (matmuls are on autocast's lower-precision
+    list): under autocast to bf16 the planted computation is autocast's own, no fault."""
+
+    def not_applicable(self, pair: Pair) -> str | None:
+        """Why planting this kind in ``pair``'s run B plants nothing that policy does not do itself
+        (None: it is a fault there)."""
+        if self.autocast_casts and pair.autocast == LOW:
+            return f"{pair.name} runs matmuls in bf16 itself: the cast is autocast's own, no fault"
+        return None
 
 
 KINDS = {k.name: k for k in [
     FaultKind("scale-output"),
-    FaultKind("cast-matmul"),
+    FaultKind("cast-matmul", autocast_casts=True),
     FaultKind("cast-norm"),
     FaultKind("cast-softmax", attn="eager"),
     FaultKind("bitflip-mantissa", between_steps=True),

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="transformers is an optional test dependency")
 
-from benchmarks.zoo import Case, Reference, run_case
+from benchmarks.zoo import Case, Reference, applies, run_case
 from benchmarks.zoo_architectures import (
     LAYERS,
     Architecture,
@@ -107,3 +107,12 @@ def test_a_slice_killed_half_way_resumes_from_its_records(tmp_path: Path):
     assert load_results(table.with_suffix(".jsonl")) == first
     seconds = first[0].outcomes[0].seconds
     assert f"| cnn/cnn-batchnorm/fp32/healthy |  | none | {seconds:.1f} |" in table.read_text()
+
+
+def test_a_cast_the_run_b_policy_makes_itself_is_not_applicable(llama, tmp_path: Path):
+    # bf16 autocast runs matmuls in bf16: a bf16 cast before them is autocast's own computation,
+    # not a miss to count. Under fp16 autocast the cast (to bf16) is still one autocast never makes.
+    skipped = run_case(Case(llama.arch, "bf16-autocast", "cast-matmul"), llama, tmp_path, {})
+    assert skipped.skipped is not None and "autocast" in skipped.skipped, skipped
+    assert applies(Case(llama.arch, "fp16-autocast", "cast-matmul"), llama) is None
+    assert applies(Case(llama.arch, "bf16-autocast", "cast-softmax"), llama) is None
