@@ -10,6 +10,7 @@ import torch
 from hf_models import assert_trained_alike, tiny_llama, train_steps
 
 import probe
+from probe.modes.monitor.file_names import MONITOR_DISTRIBUTION_FILE
 from probe.rundir import layout
 
 pytest.importorskip("transformers", reason="transformers is an optional test dependency")
@@ -169,7 +170,7 @@ def test_monitor_without_the_option_has_no_distribution(tmp_path):
         train_steps(model, session, steps=1)
     series = probe.load(tmp_path / "r").monitor(0)
     assert series and all(m.distribution is None and m.histogram is None for m in series)
-    assert not (tmp_path / "r" / "rank0" / "step0" / layout.MONITOR_DISTRIBUTION_FILE).exists()
+    assert not (tmp_path / "r" / "rank0" / "step0" / MONITOR_DISTRIBUTION_FILE).exists()
 
 
 @pytest.mark.parametrize("option", ["distribution", "histogram"])

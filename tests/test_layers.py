@@ -10,7 +10,10 @@ docs/architecture.md ("Layers").
 from __future__ import annotations
 
 import ast
+import typing
 from pathlib import Path
+
+from probe.rundir.mode_files import ModeReader, registered_mode_files
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -218,4 +221,50 @@ def test_exporters_name_no_mode() -> None:
     found = [f"{module} -> {target} (line {line})" for module, imported in sorted(import_graph().items())
              if _within(module, "probe.exporters") for target, line in sorted(imported.items())
              if _mode_of(target)]
+    assert found == []
+
+
+def _string_constants(path: Path) -> set[str]:
+    return {node.value for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+
+
+def test_a_modes_files_are_named_in_its_package_only() -> None:
+    # Issue 34: a mode's reader declares its files (ModeFiles.file_names), and no module of rundir
+    # names one: rundir/layout.py holds the files every run has, not the monitor's or the checks'.
+    owned = {name: mode for mode, files in registered_mode_files().items() if files is not None
+             for name in files.file_names}
+    assert {owned.get("monitor.csv"), owned.get("checks.jsonl")} == {"monitor", "free_benchmark"}
+    found = [f"{path.name} names {name!r}, a file of mode {owned[name]!r}"
+             for path in sorted((ROOT / "probe" / "rundir").glob("*.py"))
+             for name in sorted(_string_constants(path)) if name in owned]
+    assert found == []
+
+
+def _returned_classes(method: typing.Any) -> set[type]:
+    """The classes a method's return annotation names (``list[X]`` names X)."""
+    pending, found = [typing.get_type_hints(method).get("return")], set()
+    while pending:
+        hint = pending.pop()
+        if isinstance(hint, type) and not typing.get_args(hint):
+            found.add(hint)
+        pending += typing.get_args(hint)
+    return found
+
+
+def _package_of(cls: type) -> str:
+    return cls.__module__.rpartition(".")[0]
+
+
+def test_a_modes_records_are_defined_in_its_package() -> None:
+    # Issue 34: what run.mode(name) returns is the mode's own (its records beside its reader), not
+    # a type of rundir/records.py; rundir reads the records every run has.
+    readers = {mode: files.run_reader for mode, files in registered_mode_files().items()
+               if files is not None and files.run_reader is not ModeReader}
+    assert {"monitor", "free_benchmark"} <= set(readers)
+    found = [f"{mode}: {reader.__name__}.{name} returns {cls.__module__}.{cls.__qualname__}"
+             for mode, reader in sorted(readers.items()) for name in dir(reader)
+             if not name.startswith("_") and name not in vars(ModeReader)
+             for cls in _returned_classes(getattr(reader, name))
+             if cls.__module__.startswith("probe.") and not _within(cls.__module__, _package_of(reader))]
     assert found == []

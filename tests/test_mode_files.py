@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 import probe
@@ -19,6 +20,8 @@ from probe import ProbeWarning
 from probe.analysis.summary import lost_steps, tails
 from probe.cli import main
 from probe.modes.base import SessionPlugin
+from probe.modes.free_benchmark.files import CHECKS_FILE
+from probe.modes.monitor.file_names import ANOMALIES_FILE, MONITOR_FILE
 from probe.modes.registry import MODES, register_mode
 from probe.modes.stats.mode import StatsFiles
 from probe.rundir import layout
@@ -178,9 +181,34 @@ def test_the_run_reader_knows_no_mode_and_no_mode_imports_it():
     for path in (package / "rundir").glob("*.py"):
         assert not {m for m in _module_level_imports(path) if m.startswith("probe.modes")}, path.name
     reader = (package / "rundir" / "run.py").read_text()
-    for name in (layout.STATS_FILE, layout.CHECKS_FILE, layout.MONITOR_FILE, layout.ANOMALIES_FILE,
+    for name in (layout.STATS_FILE, CHECKS_FILE, MONITOR_FILE, ANOMALIES_FILE,
                  layout.TENSOR_INDEX_FILE, "STATS_FILE", "CHECKS_FILE", "MONITOR_FILE", "ANOMALIES_FILE",
                  "TENSOR_INDEX_FILE"):
         assert name not in reader, name
     for path in (package / "modes").rglob("*.py"):
         assert "probe.rundir.run" not in _all_imports(path), path.name
+
+
+def test_run_mode_reads_a_real_runs_monitor_records(tmp_path):
+    # Issue 34: run.mode(name) is the mode's own reader over the run; run.monitor() is its alias.
+    from conftest import SharedBlockNet, train_steps
+
+    torch.manual_seed(0)
+    model = SharedBlockNet()
+    options = {"targets": ["head"], "wg_distribution": True}  # the weight gradients' series too
+    with probe.mode("monitor", out=tmp_path / "run", model=model, **options) as session:
+        _, last_grads = train_steps(model, 2, session=session)
+    run = probe.load(tmp_path / "run")
+    monitor = run.mode("monitor")
+    series = monitor.series(1, 0)
+    grads = {r.name: r.norm for r in series if r.kind == "weight_grad"}
+    assert set(grads) == set(last_grads)
+    for name, norm in grads.items():  # the norm of the gradient the optimizer applied at step 1
+        assert norm == pytest.approx(last_grads[name].double().norm().item(), rel=1e-6)
+    assert {(r.step, r.rank) for r in monitor.series()} == {(0, 0), (1, 0)}
+    assert [(r.step, r.kind, r.name, r.norm) for r in monitor.series()] == \
+        [(r.step, r.kind, r.name, r.norm) for r in run.monitor()]
+    assert monitor.anomalies() == run.anomalies() == []
+    assert run.mode("free_benchmark").checks() == run.checks() == []  # a mode the run did not use
+    with pytest.raises(probe.ProbeError, match=r"no mode 'monitr' to read: the registered .*monitor"):
+        run.mode("monitr")

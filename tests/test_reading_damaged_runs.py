@@ -26,6 +26,8 @@ from probe.cli import main
 from probe.demo.train import DemoTraining, train
 from probe.exporters.compare_report import csv_safe
 from probe.exporters.console import LOG_WIDTH, make_console, render_step
+from probe.modes.free_benchmark.files import CHECKS_FILE
+from probe.modes.monitor.file_names import ANOMALIES_FILE, MONITOR_FILE
 from probe.rundir import layout
 from probe.rundir.records import first_nonfinite_in
 from probe.rundir.run import STEPS_KEPT
@@ -183,9 +185,9 @@ METADATA = [
     ("demo", f"rank0/step0/{layout.STATS_FILE}", STATS_DAMAGE, True),
     ("demo", f"rank0/step0/{layout.STATS_INDEX_FILE}", INDEX_DAMAGE, True),
     ("demo", f"rank0/{layout.RANK_FILE}", DAMAGE, False),
-    ("checked", f"rank0/step0/{layout.CHECKS_FILE}", DAMAGE, False),
-    ("checked", f"rank0/step1/{layout.ANOMALIES_FILE}", DAMAGE, False),
-    ("checked", f"rank0/step0/{layout.MONITOR_FILE}", CSV_DAMAGE, False),
+    ("checked", f"rank0/step0/{CHECKS_FILE}", DAMAGE, False),
+    ("checked", f"rank0/step1/{ANOMALIES_FILE}", DAMAGE, False),
+    ("checked", f"rank0/step0/{MONITOR_FILE}", CSV_DAMAGE, False),
 ]
 CASES = [(run, name, kind) for run, name, kinds, _ in METADATA for kind in kinds]
 MUST_REFUSE = {name for _, name, _, refused in METADATA if refused}

@@ -21,13 +21,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
+from probe.analysis.mode_records import Alert, AlertReader
 from probe.analysis.summary import StepSummary, ranked
 from probe.errors import ProbeError
 from probe.rundir.layout import ESCALATED_KEY, ESCALATION_REFUSED_KEY
-from probe.rundir.run import AnomalyRecord, OpRecord, Run
-from probe.rundir.untrusted_reads import record_from_row
+from probe.rundir.run import OpRecord, Run
 
 TOP_JUMPS = 3
 
@@ -110,7 +110,7 @@ class _TracedStep:
     step: int
     first_nonfinite: OpRecord | None
     has_stats: bool
-    alerts: list[AnomalyRecord]
+    alerts: list[Alert]
     root_values: dict[tuple[int, int], tuple[float, bool]]
     """(incident rank, step) -> the root series' metric in this step and whether it was non-finite."""
     jumps: dict[tuple[int, int], list[Jump]]
@@ -125,7 +125,7 @@ class _Window:
     first: int
     last: int
     trace_modes: list[str]
-    incidents: dict[int, tuple[AnomalyRecord, float | None]] = field(default_factory=dict)
+    incidents: dict[int, tuple[Alert, float | None]] = field(default_factory=dict)
     """Incident step -> its root alert and the turbulence threshold in force."""
     steps: list[_TracedStep] = field(default_factory=list)
 
@@ -134,7 +134,7 @@ class _Window:
 class IncidentLink:
     """One incident and what the steps traced after it found."""
 
-    root: AnomalyRecord
+    root: Alert
     traced: list[int]
     """The steps traced for it (empty: never traced)."""
     recurred: bool | None
@@ -196,12 +196,12 @@ def _span(steps: list[int]) -> str:
     return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
 
 
-def _module_of(root: AnomalyRecord) -> str:
+def _module_of(root: Alert) -> str:
     """The module an alert is about: its series' module, or the module holding its parameter."""
     return root.module if root.kind == "activation" else root.module.rpartition(".")[0]
 
 
-def _root_series_value(run: Run, step: int, rank: int, root: AnomalyRecord) -> tuple[float, bool] | None:
+def _root_series_value(run: Run, step: int, rank: int, root: Alert) -> tuple[float, bool] | None:
     label, _, metric = root.metric.rpartition(".")
     for series in run.monitor(step, rank):
         if (series.kind == root.kind and series.name == root.module and series.call == root.call
@@ -218,7 +218,7 @@ class EscalationLinks:
 
     def __init__(self, run: Run) -> None:
         self.run = run
-        self._roots: list[AnomalyRecord] = []
+        self._roots: list[Alert] = []
         self._windows: dict[tuple[int, int], _Window] = {}
         self._escalated: set[tuple[int, int]] = set()
         self._refused: dict[tuple[int, int], int | None] = {}
@@ -237,7 +237,7 @@ class EscalationLinks:
                      summary.has_stats, [] if parameters is None else parameters.describe())
             yield summary
 
-    def add(self, step: int, rank: int, alerts: list[AnomalyRecord], first_nonfinite: OpRecord | None,
+    def add(self, step: int, rank: int, alerts: list[Alert], first_nonfinite: OpRecord | None,
             has_stats: bool, parameters: list[str] | None = None) -> None:
         for alert in alerts:
             if alert.incident in (None, alert.step):
@@ -277,7 +277,7 @@ class EscalationLinks:
             window = self._windows.setdefault((rank, first), _Window(rank, first, last,
                                                                      list(marker.get("trace_modes", []))))
             for row in marker.get("incidents", []):
-                root = record_from_row(AnomalyRecord, row)
+                root = cast(AlertReader, self.run.mode("monitor")).alert(row)
                 threshold = row.get("threshold")
                 known = float(threshold) if isinstance(threshold, (int, float)) else None
                 window.incidents.setdefault(root.step, (root, known))
@@ -308,7 +308,7 @@ class EscalationLinks:
             links.append(self._link(root, window, inside))
         return links
 
-    def _link(self, root: AnomalyRecord, window: _Window, inside: bool) -> IncidentLink:
+    def _link(self, root: Alert, window: _Window, inside: bool) -> IncidentLink:
         threshold = window.incidents.get(root.step, (root, None))[1]
         steps = [s for s in window.steps if s.step >= root.step]
         link = IncidentLink(root, [s.step for s in steps], False, in_traced_step=inside)
@@ -337,7 +337,7 @@ class EscalationLinks:
         return link
 
 
-def _out_of_band(root: AnomalyRecord, value: float, threshold: float | None) -> bool:
+def _out_of_band(root: Alert, value: float, threshold: float | None) -> bool:
     """Whether ``value`` is still anomalous by the turbulence rule that raised ``root``."""
     if root.rule != "turbulence" or threshold is None or root.baseline is None or not root.baseline > 0:
         return False

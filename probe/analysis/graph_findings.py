@@ -17,9 +17,9 @@ from typing import Any
 
 import networkx as nx
 
+from probe.analysis.mode_records import Check
 from probe.analysis.verdicts import SEVERITY
 from probe.errors import ProbeError
-from probe.rundir.run import CheckRecord
 
 CHECK_SEVERITY = {"skip": 0, "pass": 1, "fail": 2}
 COMPARE_METRICS = ("cosine", "max_abs_err", "max_rel_err", "max_ulp")
@@ -46,11 +46,11 @@ AGGREGATES: dict[str, Callable[[list[Any]], Any]] = {
 
 
 def findings_by_op(
-    checks: Iterable[CheckRecord] = (),
+    checks: Iterable[Check] = (),
     comparisons: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Op id -> the finding attributes its node gets (see :func:`annotate`), for the ops with any."""
-    by_op: dict[str, list[CheckRecord]] = {}
+    by_op: dict[str, list[Check]] = {}
     for check in checks:
         by_op.setdefault(check.op_id, []).append(check)
     found: dict[str, dict[str, Any]] = {}
@@ -70,12 +70,12 @@ def findings_by_op(
 
 def annotate(
     graph: nx.DiGraph,
-    checks: Iterable[CheckRecord] = (),
+    checks: Iterable[Check] = (),
     comparisons: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> nx.DiGraph:
     """Adds free-benchmark and comparison findings to ``graph``'s nodes, in place.
 
-    ``checks`` are the step's :class:`CheckRecord` s; ``comparisons`` maps op id
+    ``checks`` are the step's checks (``run.checks(step, rank)``); ``comparisons`` maps op id
     (of this run) to a comparison row (``Report.overlay()`` for this step and rank).
     Nodes get ``check_verdict`` (worst over the op's outputs: fail, pass, skip),
     ``check_excess`` (largest measured deviation over its bound: above 1 failed),

@@ -14,12 +14,13 @@ import numpy as np
 import torch
 
 from probe.analysis.bookkeeping import model_outputs
+from probe.analysis.mode_records import Alert, Check
 from probe.errors import ProbeError
 from probe.rewind.verdict import read_verdicts
 from probe.rundir import layout
 from probe.rundir.loss_scaler import ScalerStep, handled_by_scaler
 from probe.rundir.records import NonfiniteParameterRecord, TensorRecord, nonfinite_origins_in
-from probe.rundir.run import AnomalyRecord, CheckRecord, OpRecord, Run
+from probe.rundir.run import OpRecord, Run
 from probe.rundir.step_section import StepSection
 from probe.rundir.untrusted_reads import expect, reading
 
@@ -47,14 +48,14 @@ class StepSummary:
     largest_norm: list[Extreme]
     check_counts: dict[str, int]
     """Free-benchmark verdicts (empty without that mode)."""
-    failed_checks: list[CheckRecord]
+    failed_checks: list[Check]
     """The failed checks, worst (largest deviation over its bound) first."""
     nonfinite_parameters: NonfiniteParameterRecord | None = None
     """Parameters non-finite at the step's start, gradients before its optimizer step (stats mode)."""
     sections: dict[str, StepSection] = field(default_factory=dict)
     """Mode name -> what its reader says of the step (``probe.rundir.step_section``), for the
     modes that say something, in the manifest's order."""
-    anomalies: list[AnomalyRecord] = field(default_factory=list)
+    anomalies: list[Alert] = field(default_factory=list)
     unmeasured: int = 0
     """Tensors recorded without statistics, their memory freed before it was read (stats mode)."""
     loss_scaler: ScalerStep | None = None

@@ -1,4 +1,6 @@
-"""Where things live in a run directory. The one place that knows file names.
+"""Where things live in a run directory: the files every run has. A mode's own files are named in
+its package (``probe.modes.monitor.file_names``, the free benchmark's ``files.CHECKS_FILE``), which
+its reader declares (``ModeFiles.file_names``).
 
 See docs/format.md for the full description; bump FORMAT_VERSION on any change
 a reader of an older version could misread.
@@ -33,14 +35,6 @@ FP8_SCALES_FILE = "fp8_scales.jsonl"
 """Stats mode: the scales fp8 ops were given, one object per op."""
 TENSOR_INDEX_FILE = "tensors.json"
 CALLS_FILE = "calls.jsonl"
-CHECKS_FILE = "checks.jsonl"
-MONITOR_FILE = "monitor.csv"
-ANOMALIES_FILE = "anomalies.jsonl"
-MONITOR_DISTRIBUTION_FILE = "monitor_distribution.npy"
-"""Monitor, distribution=True: the shares per series, rows in ``monitor.csv``'s order."""
-MONITOR_HISTOGRAM_FILE = "monitor_histogram.npy"
-"""Monitor, histogram=True: (series row, binary exponent, count) entries."""
-ANOMALY_TENSORS_FILE = "anomaly_tensors.safetensors"
 CHECKSUMS_FILE = "checksums.json"
 """Per step, with model=: checksums of the parameters, the model's inputs and the RNG states."""
 TENSORS_DIR = "tensors"

@@ -42,10 +42,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-from probe.rundir.records import MonitorRecord, OpRecord, TensorRecord
+from probe.rundir.records import OpRecord, TensorRecord
 
 SCALER_OP_PREFIX = "aten._amp_"
 """Names of the loss scaler's own aten ops start with this."""
@@ -188,7 +189,15 @@ def scaler_step(step: int, rank: int, scaler_ops: Iterable[OpRecord],
     return ScalerStep(step, rank, overflowed, scale, next_scale, frozenset(ops))
 
 
-def scaler_step_monitored(step: int, rank: int, series: Iterable[MonitorRecord]) -> ScalerStep | None:
+class ScalerSeries(Protocol):
+    """What :func:`scaler_step_monitored` reads of a monitored series (the monitor's records)."""
+
+    kind: str
+    name: str
+    mean: float
+
+
+def scaler_step_monitored(step: int, rank: int, series: Iterable[ScalerSeries]) -> ScalerStep | None:
     """What the loss scaler did in one step, from the monitor's ``loss_scale`` and
     ``loss_scale_skipped`` series (``scaler=``); None without them."""
     scale = skipped = None

@@ -8,6 +8,11 @@ step, rank) when asked, keeps those of a few recent steps, and calls :meth:`Mode
 while decoding the step's op records. So the run reader knows no mode's files: a new mode
 (a plug-in registered anywhere) is read back without touching it.
 
+Over a whole run, a mode is read through ``run.mode(name)``: a :class:`ModeReader`, or the
+subclass the mode's step reader names as ``run_reader`` (the monitor's ``series()`` and
+``anomalies()``, the free benchmark's ``checks()``). A mode's file names and record types are its
+own (its package); the reader declares the names as ``file_names``.
+
 A reader reads nothing when it is made (a step's readers are made whenever its ops are
 decoded); it reads its files when asked, through :mod:`probe.rundir.untrusted_reads`, so damage is
 a ``ProbeError`` naming the file.
@@ -19,13 +24,10 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from probe.rundir.records import (
-    AnomalyRecord,
-    CheckRecord,
     DumpedTensor,
-    MonitorRecord,
     NonfiniteParameterRecord,
     OpRecord,
     StepChecksums,
@@ -55,10 +57,54 @@ class StepFiles:
     """The record of op #i (decoded on first use): what a mode checks its own index against."""
 
 
+T = TypeVar("T")
+
+
+class RunSteps(Protocol):
+    """What a :class:`ModeReader` asks of the run it reads (``probe.rundir.run.Run``)."""
+
+    def mode_files(self, mode: str, step: int | None = None, rank: int | None = None) -> ModeFiles | None: ...
+
+    def across_steps(self, read: Callable[[int, int], list[T]], by_step: bool = False) -> list[T]: ...
+
+
+class ModeReader:
+    """One mode's files over a whole run: what ``run.mode(name)`` returns. Subclasses (a step
+    reader's ``run_reader``) add the mode's run-wide accessors, built with :meth:`gather`."""
+
+    def __init__(self, run: RunSteps, name: str) -> None:
+        self.run = run
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+    def files(self, step: int | None = None, rank: int | None = None) -> ModeFiles | None:
+        """The mode's reader of one step (default: the first step, rank 0), or None when the step's
+        manifest does not list the mode or it writes no files."""
+        return self.run.mode_files(self.name, step, rank)
+
+    def gather(self, read: Callable[[Any], list[T]], step: int | None = None, rank: int | None = None,
+               by_step: bool = False) -> list[T]:
+        """``read(step reader)`` of one step; of every step of every rank when ``step`` and ``rank``
+        are both None (rank then step, or step then rank with ``by_step``), a damaged step passed
+        over with a warning. A step without the mode's files gives nothing."""
+        if step is None and rank is None:
+            return self.run.across_steps(lambda s, r: self.gather(read, s, r), by_step)
+        files = self.files(step, rank)
+        return [] if files is None else read(files)
+
+
 class ModeFiles:
     """One mode's files of one step. Subclasses add the accessors of their mode
     (``checks()``, ``series()``, ...) and, when the mode knows something of each op,
     :meth:`attach`."""
+
+    file_names: ClassVar[tuple[str, ...]] = ()
+    """The names of the files this mode writes in a step directory (its own: no other module
+    names them)."""
+    run_reader: ClassVar[type[ModeReader]] = ModeReader
+    """What ``run.mode(name)`` returns for this mode."""
 
     def __init__(self, where: StepFiles) -> None:
         self.where = where
@@ -66,6 +112,11 @@ class ModeFiles:
     def attach(self, records: dict[int, OpRecord]) -> None:
         """Add to the step's op records (op index -> record; all of them, or the few being
         decoded) what this mode recorded of them. The default adds nothing."""
+
+    def read_whole(self) -> None:
+        """Read every file of the step, so that damage is found now (``run.damaged_steps()``): a
+        :class:`ProbeError` naming the file. The default reads nothing (what :meth:`attach` reads
+        is read with the op records)."""
 
     def section(self) -> StepSection | None:
         """What this mode says of the step in ``probe summary`` (``probe.rundir.step_section``),
@@ -103,20 +154,6 @@ def registered_mode_files() -> dict[str, type[ModeFiles] | None]:
 
 
 # -- what the run reader and the analyses call on the built-in modes' readers -------------
-
-
-class ChecksReader(Protocol):
-    """free_benchmark's files of a step."""
-
-    def checks(self) -> list[CheckRecord]: ...
-
-
-class MonitorReader(Protocol):
-    """The monitor's files of a step."""
-
-    def series(self) -> list[MonitorRecord]: ...
-
-    def anomalies(self) -> list[AnomalyRecord]: ...
 
 
 class StatsReader(Protocol):

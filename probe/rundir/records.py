@@ -1,5 +1,6 @@
-"""The records a run holds, as ``probe.load`` returns them: ops, their tensors, checks,
-monitor series and alerts, step manifests, steps the writer gave up.
+"""The records every run holds, as ``probe.load`` returns them: ops, their tensors, step
+manifests, steps the writer gave up. A mode's own records (the monitor's series, the free
+benchmark's checks) live in its package, beside the reader that makes them.
 
 Plain data with no reading logic, so the reader, the op graph and every analysis
 share them without depending on one another.
@@ -153,104 +154,6 @@ class OpRecord:
 
     def __repr__(self) -> str:
         return f"OpRecord({self.id!r}, step={self.step}, rank={self.rank})"
-
-
-@dataclass(slots=True)
-class CheckRecord:
-    """One free-benchmark check of one op output (``run.checks()``)."""
-
-    step: int
-    rank: int
-    op_index: int
-    op_id: str
-    name: str
-    module: str
-    phase: str
-    perturb: str
-    verdict: str
-    """"pass", "fail" or "skip"."""
-    output: int | None = None
-    dtype: str | None = None
-    shape: tuple[int, ...] | None = None
-    ratio: float | None = None
-    """Largest output deviation, relative to ``max(|original|, rms(original))``."""
-    threshold: float | None = None
-    input_change: float | None = None
-    nonfinite_mismatch: int = 0
-    sign_flips: int = 0
-    reason: str | None = None
-    """Why a check was skipped."""
-
-
-@dataclass(slots=True)
-class MonitorRecord:
-    """One monitored series at one step (``run.monitor()``): metrics in fp64."""
-
-    step: int
-    rank: int
-    kind: str
-    """activation, weight_grad, weight, exp_avg, exp_avg_sq, update or update_ratio."""
-    name: str
-    """Module FQN (activations) or parameter name."""
-    slot: str
-    """input, output, input_grad or output_grad for activations; "" otherwise."""
-    call: int
-    min: float
-    max: float
-    mean: float
-    norm: float
-    zeros: float
-    nan: float
-    """NaN count (``nans`` before run format 4; that name still reads)."""
-    inf: float
-    """+Inf and -Inf count (``infs`` before run format 4; that name still reads)."""
-    numel: float
-    posinf: float | None = None
-    """+Inf count; None in runs before format 4 where ``inf`` is not 0 (the sign was not recorded)."""
-    neginf: float | None = None
-    """-Inf count; as ``posinf``."""
-    distribution: dict[str, float | None] | None = None
-    """With the monitor's ``distribution=True`` (or ``histogram=True``): shares of ``zeros``,
-    ``underflow`` and ``near_overflow`` of the series' dtype (see ``TensorRecord.distribution``);
-    None when not recorded."""
-    histogram: dict[str, Any] | None = None
-    """With ``histogram=True``: as ``TensorRecord.histogram``; None when not recorded."""
-
-    @property
-    def nans(self) -> float:
-        """``nan`` by its name before run format 4."""
-        return self.nan
-
-    @property
-    def infs(self) -> float:
-        """``inf`` by its name before run format 4."""
-        return self.inf
-
-@dataclass(slots=True)
-class AnomalyRecord:
-    """One monitor alert (``run.anomalies()``)."""
-
-    step: int
-    rank: int
-    module: str
-    metric: str
-    """``<slot or kind>.<metric>``, e.g. ``output_grad.norm``."""
-    value: float
-    baseline: float | None
-    rule: str
-    """nonfinite, turbulence or ``rule:<name>`` of a user rule."""
-    kind: str
-    call: int = 0
-    reason: str = ""
-    incident: int | None = None
-    """The step its incident began at (the incident's id within the rank); None in runs
-    written before incidents existed."""
-
-    def describe(self) -> str:
-        base = "" if self.baseline is None else f" (baseline {self.baseline:.4g})"
-        why = f": {self.reason}" if self.reason else ""
-        return (f"step {self.step} rank {self.rank} {self.rule}: {self.module} {self.metric} = "
-                f"{self.value:.4g}{base}{why}")
 
 
 @dataclass(slots=True)

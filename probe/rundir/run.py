@@ -10,8 +10,9 @@ and found through the mode registry (:mod:`probe.rundir.mode_files`): the stats 
 reader attaches statistics to the op records (an input that was produced by a traced
 op in the same step shares that op's output statistics even when input statistics
 were not collected), free_benchmark's reads the checks, monitor's the series and
-alerts, dump's the dump index. A step listing a mode the registry does not know is
-read without that mode's files, with one warning.
+alerts, dump's the dump index. ``run.mode(name)`` reads one mode over the whole run (the mode's
+``run_reader``); ``checks``, ``monitor`` and ``anomalies`` are aliases of it. A step listing a mode
+the registry does not know is read without that mode's files, with one warning.
 
 Every file is read through :mod:`probe.rundir.untrusted_reads`: damage to a run's metadata
 is a :class:`ProbeError` naming the file, never another exception. A run is untrusted input:
@@ -46,10 +47,9 @@ from probe.rundir.loss_scaler import (
     scaler_step_monitored,
 )
 from probe.rundir.mode_files import (  # the modes sit above: their readers are found in a registry
-    ChecksReader,
     DumpReader,
     ModeFiles,
-    MonitorReader,
+    ModeReader,
     StatsReader,
     StepFiles,
     registered_mode_files,
@@ -60,9 +60,6 @@ from probe.rundir.op_record_json import decode as decode_op_record
 from probe.rundir.op_record_json import layout_record as encode_layout
 from probe.rundir.rank_origin import RankOrigin, rank_origin
 from probe.rundir.records import (
-    AnomalyRecord,
-    CheckRecord,
-    MonitorRecord,
     NonfiniteParameterRecord,
     OpRecord,
     StepInfo,
@@ -80,9 +77,7 @@ from probe.rundir.untrusted_reads import (
     record_from_row,
 )
 
-__all__ = ["AnomalyRecord", "CheckRecord", "DamagedStep", "MonitorRecord", "OpRecord", "Run", "StepInfo",
-           "TensorRecord",
-           "WriteFailure", "load"]
+__all__ = ["DamagedStep", "OpRecord", "Run", "StepInfo", "TensorRecord", "WriteFailure", "load"]
 
 STEPS_KEPT = 8
 """How many (step, rank) entries of each per-step cache a Run keeps (least recently used goes)."""
@@ -186,6 +181,7 @@ class Run:
         # Per step: each mode's reader, made when first asked for (None: the step has no such files).
         self._files = _Recent[_Place, dict[str, ModeFiles | None]](lambda place: {})
         self._damage: dict[tuple[int, int], str | None] = {}
+        self._readers: dict[str, ModeReader] = {}
         """(step, rank) -> why it cannot be read (None: read whole), for the steps checked so far."""
 
     def __repr__(self) -> str:
@@ -258,9 +254,10 @@ class Run:
     def _read_whole(self, step: int, rank: int) -> None:
         self.step_info(step, rank)
         self.ops(step, rank)  # with every mode's files attached to them (statistics, checks)
-        self.checks(step, rank)
-        self.monitor(step, rank)
-        self.anomalies_of(step, rank)
+        for mode in self.step_info(step, rank).manifest.get("modes", {}):
+            files = self.mode_files(mode, step, rank)
+            if files is not None:
+                files.read_whole()
         if self.has_dump(step, rank):
             self.dump(step, rank)
 
@@ -303,6 +300,31 @@ class Run:
         return StepInfo(place.step, place.rank, complete, reason, manifest)
 
     # -- the modes' files ------------------------------------------------------------
+
+    def mode(self, name: str) -> ModeReader:
+        """The reader of mode ``name`` over this run: the class its step reader names as
+        ``run_reader`` (``run.mode("monitor").series(step, rank)``, ``.anomalies()``;
+        ``run.mode("free_benchmark").checks()``), else a :class:`ModeReader` (``.files(step,
+        rank)``: the mode's reader of one step). Any registered mode may be named, a plug-in's too;
+        another name is a :class:`ProbeError` listing them."""
+        if name not in self._readers:
+            registered = registered_mode_files()
+            if name not in registered:
+                raise ProbeError(f"no mode {name!r} to read: the registered modes are "
+                                 f"{', '.join(sorted(registered))} (a plug-in's module must be imported)")
+            files = registered[name]
+            self._readers[name] = (ModeReader if files is None else files.run_reader)(self, name)
+        return self._readers[name]
+
+    def across_steps(self, read: Callable[[int, int], list[V]], by_step: bool = False) -> list[V]:
+        """``read(step, rank)`` of every flushed step of every rank, joined: rank then step, or
+        step then rank with ``by_step``. A damaged step is passed over with a warning (see
+        :meth:`damaged_steps`)."""
+        if by_step:
+            places = [(s, r) for s in self.steps for r in self.ranks if self.has_step(s, r)]
+        else:
+            places = [(s, r) for r in self.ranks for s in self.steps_of(r)]
+        return [item for s, r in places for item in self._readable(s, r, read) or []]
 
     def mode_files(self, mode: str, step: int | None = None, rank: int | None = None) -> ModeFiles | None:
         """The reader of mode ``mode``'s files of one step (the class its plug-in names as
@@ -398,31 +420,28 @@ class Run:
         """
         return build_graph(self.iter_ops(step, rank), phases)
 
-    def checks(self, step: int | None = None, rank: int | None = None) -> list[CheckRecord]:
-        """Free-benchmark checks, in execution order (every step and rank when not given)."""
-        if step is None and rank is None:
-            return [c for r in self.ranks for s in self.steps_of(r)
-                    for c in self._readable(s, r, self.checks) or []]
-        files = cast("ChecksReader | None", self.mode_files("free_benchmark", step, rank))
-        return [] if files is None else files.checks()
+    # Aliases of run.mode(...) kept from before it (docs/api: run.checks(), run.monitor(),
+    # run.anomalies()); the records are the modes' own (CheckRecord, MonitorRecord, AnomalyRecord).
 
-    def monitor(self, step: int | None = None, rank: int | None = None) -> list[MonitorRecord]:
-        """The monitor's series, per step in collection order (every step and rank when not given)."""
-        if step is None and rank is None:
-            return [m for r in self.ranks for s in self.steps_of(r)
-                    for m in self._readable(s, r, self.monitor) or []]
-        files = cast("MonitorReader | None", self.mode_files("monitor", step, rank))
-        return [] if files is None else files.series()
+    def checks(self, step: int | None = None, rank: int | None = None) -> list[Any]:
+        """Free-benchmark checks (``CheckRecord``), in execution order (every step and rank when
+        not given): ``run.mode("free_benchmark").checks(step, rank)``."""
+        return cast("Any", self.mode("free_benchmark")).checks(step, rank)
 
-    def anomalies(self) -> list[AnomalyRecord]:
-        """The monitor's alerts, in step order, then rank, then detection order."""
-        return [a for step in self.steps for rank in self.ranks if self.has_step(step, rank)
-                for a in self._readable(step, rank, self.anomalies_of) or []]
+    def monitor(self, step: int | None = None, rank: int | None = None) -> list[Any]:
+        """The monitor's series (``MonitorRecord``), per step in collection order (every step and
+        rank when not given): ``run.mode("monitor").series(step, rank)``."""
+        return cast("Any", self.mode("monitor")).series(step, rank)
 
-    def anomalies_of(self, step: int, rank: int) -> list[AnomalyRecord]:
-        """The monitor's alerts of one step and rank, in detection order."""
-        files = cast("MonitorReader | None", self.mode_files("monitor", step, rank))
-        return [] if files is None else files.anomalies()
+    def anomalies(self) -> list[Any]:
+        """The monitor's alerts (``AnomalyRecord``), in step order, then rank, then detection
+        order: ``run.mode("monitor").anomalies()``."""
+        return cast("Any", self.mode("monitor")).anomalies()
+
+    def anomalies_of(self, step: int, rank: int) -> list[Any]:
+        """The monitor's alerts of one step and rank, in detection order:
+        ``run.mode("monitor").anomalies(step, rank)``."""
+        return cast("Any", self.mode("monitor")).anomalies(step, rank)
 
     def module_types(self, step: int | None = None, rank: int | None = None) -> dict[str, str]:
         """Module FQN -> class name for the modules of one step."""

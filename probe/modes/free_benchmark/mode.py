@@ -38,7 +38,7 @@ import torch
 from probe.modes.base import Mode
 from probe.modes.free_benchmark.cpu_reference import cpu_reference
 from probe.modes.free_benchmark.deviation import DeviationQueue
-from probe.modes.free_benchmark.files import ChecksFiles
+from probe.modes.free_benchmark.files import CHECKS_FILE, ChecksFiles
 from probe.modes.free_benchmark.options import FreeBenchmark
 from probe.modes.free_benchmark.perturbations import (
     BITS_BOUND,
@@ -55,7 +55,6 @@ from probe.modes.free_benchmark.perturbations import (
 )
 from probe.modes.registry import register_mode
 from probe.modes.rerunnable import eligible
-from probe.rundir import layout
 from probe.rundir.writer import StepWriter
 from probe.tracer.dispatch_mode import dtype_name
 from probe.tracer.op_call import OpCall
@@ -307,7 +306,7 @@ class ChecksStep:
                 self._judge(entry, record, values)
             counts[record["verdict"]] += 1
             records.append(record)
-        writer.write_jsonl(layout.CHECKS_FILE, records)
+        writer.write_jsonl(CHECKS_FILE, records)
         return {"checks": len(records), **counts, "perturb": self.perturb, "handler": self.handler}
 
     def _judge(self, entry: dict[str, Any], record: dict[str, Any], values: np.ndarray) -> None:

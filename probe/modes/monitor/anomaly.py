@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from probe.modes.monitor.records import AnomalyRecord as Anomaly  # what load() reads back
 from probe.modes.statistics.columns import LEGACY_NAMES, MONITOR_COLUMNS
-from probe.rundir.records import AnomalyRecord as Anomaly  # what the monitor writes is what load() reads
 from probe.rundir.untrusted_reads import read_jsonl, reading, record_from_row
 
 if TYPE_CHECKING:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from probe.modes.monitor.file_names import MONITOR_DISTRIBUTION_FILE, MONITOR_HISTOGRAM_FILE
 from probe.modes.sinks import Histogram, SeriesSink
 from probe.modes.statistics.distribution import (
     HIST_NONFINITE,
@@ -29,7 +30,6 @@ from probe.modes.statistics.distribution import (
     read_histograms,
     read_shares,
 )
-from probe.rundir import layout
 from probe.rundir.untrusted_reads import read_npy, reading
 
 TENSORBOARD_SHARES = ("zeros_share", "underflow", "near_overflow")
@@ -56,9 +56,9 @@ def write_step(writer: Any, pending: PendingDistribution, series: list[Any], sin
     """Write a step's distribution files and its values to the live-output ``sinks`` (TensorBoard;
     on the writer thread); the manifest entry."""
     shares, histogram = pending.to_host(len(series))
-    writer.write_array(layout.MONITOR_DISTRIBUTION_FILE, shares)
+    writer.write_array(MONITOR_DISTRIBUTION_FILE, shares)
     if histogram is not None:
-        writer.write_array(layout.MONITOR_HISTOGRAM_FILE, histogram)
+        writer.write_array(MONITOR_HISTOGRAM_FILE, histogram)
     if sinks:
         prefixes = [s.tag for s in series]
         known = ~np.isnan(shares)
@@ -87,10 +87,10 @@ def attach_series(directory: Path, records: list[Any], run: Path | None = None) 
     """Give a step's monitor records (``monitor.csv`` order) their ``distribution``/``histogram``
     where the step has the files (None otherwise: not recorded); ``run``: the run directory,
     which the files must lie in."""
-    path = directory / layout.MONITOR_DISTRIBUTION_FILE
+    path = directory / MONITOR_DISTRIBUTION_FILE
     if not records or not path.exists():
         return
-    histogram_path = directory / layout.MONITOR_HISTOGRAM_FILE
+    histogram_path = directory / MONITOR_HISTOGRAM_FILE
     shares = read_npy(path, run=run)
     histogram = read_npy(histogram_path, run=run) if histogram_path.exists() else None
     with reading(path):

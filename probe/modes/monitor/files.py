@@ -1,23 +1,24 @@
 """The monitor's files of one step, read back: ``monitor.csv``, ``anomalies.jsonl`` and the series'
-distributions (the reader half of the mode; ``mode.py`` is the writer)."""
+distributions (the reader half of the mode; ``mode.py`` is the writer), and over a whole run
+(``run.mode("monitor")``)."""
 
 from __future__ import annotations
 
 import csv
+from typing import Any, cast
 
 import probe.modes.monitor.distribution as monitor_distribution
 from probe.modes.monitor.anomaly import (
-    Anomaly,
     incidents,
     read_anomalies,
 )
+from probe.modes.monitor.file_names import ANOMALIES_FILE, FILE_NAMES, MONITOR_FILE
+from probe.modes.monitor.records import AnomalyRecord, MonitorRecord
 from probe.modes.statistics.columns import MONITOR_COLUMNS, canonical
-from probe.rundir import layout
 from probe.rundir.confined_files import open_in_run
-from probe.rundir.mode_files import ModeFiles
-from probe.rundir.records import MonitorRecord
+from probe.rundir.mode_files import ModeFiles, ModeReader
 from probe.rundir.step_section import FollowedSeries, SectionLine, StepSection
-from probe.rundir.untrusted_reads import reading
+from probe.rundir.untrusted_reads import reading, record_from_row
 
 
 def _metrics_read(row: dict[str, str]) -> dict[str, float | None]:
@@ -37,12 +38,35 @@ def _metrics_read(row: dict[str, str]) -> dict[str, float | None]:
     return metrics
 
 
+class MonitorReader(ModeReader):
+    """The monitor's series and alerts over a run: ``run.mode("monitor")``."""
+
+    def series(self, step: int | None = None, rank: int | None = None) -> list[MonitorRecord]:
+        """The series of one step in collection order (default: the first step of ``rank``, or of
+        rank 0); of every step and rank, rank then step, when neither is given."""
+        return self.gather(lambda files: cast(MonitorFiles, files).series(), step, rank)
+
+    def anomalies(self, step: int | None = None, rank: int | None = None) -> list[AnomalyRecord]:
+        """The alerts of one step in detection order; of every step and rank, in step order, then
+        rank, then detection order, when neither is given."""
+        return self.gather(lambda files: cast(MonitorFiles, files).anomalies(), step, rank, by_step=True)
+
+    @staticmethod
+    def alert(row: dict[str, Any]) -> AnomalyRecord:
+        """An alert from its JSON object (a line of ``anomalies.jsonl``, an incident an escalation
+        marker names); keys a reader does not know are ignored."""
+        return record_from_row(AnomalyRecord, row)
+
+
 class MonitorFiles(ModeFiles):
     """``monitor.csv`` and ``anomalies.jsonl`` of one step (written by :class:`MonitorStep`), read back."""
 
+    file_names = FILE_NAMES
+    run_reader = MonitorReader
+
     def series(self) -> list[MonitorRecord]:
         """The step's series in collection order (metrics in fp64)."""
-        path = self.where.directory / layout.MONITOR_FILE
+        path = self.where.directory / MONITOR_FILE
         if not path.exists():
             return []
         step, rank = self.where.step, self.where.rank
@@ -56,9 +80,13 @@ class MonitorFiles(ModeFiles):
         monitor_distribution.attach_series(self.where.directory, records, self.where.run)
         return records
 
-    def anomalies(self) -> list[Anomaly]:
+    def anomalies(self) -> list[AnomalyRecord]:
         """The step's alerts in detection order."""
-        return read_anomalies(self.where.directory / layout.ANOMALIES_FILE, self.where.run)
+        return read_anomalies(self.where.directory / ANOMALIES_FILE, self.where.run)
+
+    def read_whole(self) -> None:
+        self.series()
+        self.anomalies()
 
     def section(self) -> StepSection | None:
         """The step in ``probe summary``: its series and alerts, one line per incident that began

@@ -65,6 +65,7 @@ from probe.modes.monitor.anomaly import (
     incidents,
 )
 from probe.modes.monitor.config import Target, describe_value
+from probe.modes.monitor.file_names import ANOMALIES_FILE, ANOMALY_TENSORS_FILE, MONITOR_FILE
 from probe.modes.monitor.files import MonitorFiles
 from probe.modes.monitor.options import Monitor
 from probe.modes.registry import register_mode
@@ -294,12 +295,12 @@ class MonitorStep:
         lines = ["kind,name,slot,call," + ",".join(MONITOR_COLUMNS)]
         for s, row in zip(series, values.tolist(), strict=True):
             lines.append(_csv_line(s, row))
-        writer.write_text(layout.MONITOR_FILE, "\n".join(lines) + "\n")
-        writer.write_jsonl(layout.ANOMALIES_FILE, (anomaly_json(a) for a in self.anomalies))
+        writer.write_text(MONITOR_FILE, "\n".join(lines) + "\n")
+        writer.write_jsonl(ANOMALIES_FILE, (anomaly_json(a) for a in self.anomalies))
         if self.dumped:
             from safetensors.torch import save
 
-            writer.write_bytes(layout.ANOMALY_TENSORS_FILE, save(self.dumped))
+            writer.write_bytes(ANOMALY_TENSORS_FILE, save(self.dumped))
         # One line per incident (a gradient explosion is dozens of alerts); the rest at INFO.
         for incident in incidents(self.anomalies):
             if incident.first_step == self.step:
@@ -439,7 +440,7 @@ class MonitorMode(SessionPlugin):
         series = Series("rewind", verdict)
         one = {"min": 1.0, "max": 1.0, "mean": 1.0, "norm": 1.0, "numel": 1.0}  # the counts: 0
         row = np.array([[one.get(column, 0.0) for column in MONITOR_COLUMNS]])
-        path = layout.step_dir(out, self.rank, step) / layout.MONITOR_FILE
+        path = layout.step_dir(out, self.rank, step) / MONITOR_FILE
         if path.is_file():
             line = _csv_line(series, row[0].tolist())
             text = path.read_text()
