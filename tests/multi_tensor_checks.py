@@ -78,6 +78,22 @@ def main(device: str) -> None:
         rows = multi_tensor.rows([x for _, x in batch], 0.5).cpu().tolist()
         for (name, x), row in zip(batch, rows, strict=True):
             check(row, exact(x, 0.5), name)
+    # Strided views read in place (reduce.strided_layout): an attention head's half (two levels),
+    # a slice in two dims of a 3-d tensor (three levels), with a contiguous tensor in the batch.
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float32):
+        half = torch.randn(4, 4, 128, 64, generator=g).to(dtype)[..., :32]
+        corner = torch.randn(4, 8, 64, generator=g).to(dtype)[:, :4, :32]
+        corner[1, 2, 3] = math.nan
+        plain = torch.randn(1000, generator=g).to(dtype)
+        turned = torch.randn(4, 4, 64, 128, generator=g).to(dtype)[:, :, :32].transpose(-1, -2)
+        assert reduce.strided_layout(half)[0] == 4 * 4 * 128 and reduce.strided_layout(corner)[0] == 4
+        assert reduce.strided_layout(turned)[:2] == (16, 32 * 128)
+        batch = [x.to(device) for x in (half, corner, plain, turned)]
+        rows = multi_tensor.rows(batch, 0.5).cpu().tolist()
+        for x, row, name in zip(batch, rows, ("half", "corner", "plain", "turned"), strict=True):
+            check(row, exact(x, 0.5), f"strided {dtype} {name}")
+    assert reduce.strided_layout(torch.randn(4, 8, 8, 64)[:, :4, :4, :32]) is None  # four levels
     # The engine's routing: device_row_list sends contiguous float tensors to the kernel (any
     # dtype mix, one launch pair per dtype), the rest (a strided view, an int tensor) elsewhere.
     if device == "cpu":
@@ -86,7 +102,9 @@ def main(device: str) -> None:
     x32 = torch.randn(5000, device=device)
     strided = torch.randn(300, 40, device=device)[:, ::3]
     unaligned = torch.randn(50001, device=device)[1:]  # 4 bytes past an aligned address
-    mixed = [x32, x32.bfloat16(), strided, torch.arange(7, device=device, dtype=torch.float64), unaligned]
+    half = torch.randn(4, 4, 128, 64, device=device)[..., :32]
+    fp64 = torch.arange(7, device=device, dtype=torch.float64)
+    mixed = [x32, x32.bfloat16(), strided, fp64, unaligned, half]
     assert stats.uses_multi_tensor(x32) and not stats.uses_multi_tensor(strided)
     calls = []
     kernel = reduce.multi_tensor_kernel(x32.device)
@@ -97,12 +115,12 @@ def main(device: str) -> None:
 
     with reduce.multi_tensor_kernel_replaced(counted):
         rows = reduce.device_row_list(mixed, eps=0.25, stats=stats)
-        # fp32, bf16, fp64 and the unaligned fp32: one launch pair each.
-        assert sorted(map(len, calls)) == [1, 1, 1, 1], calls
+        # fp32, bf16, fp64, the unaligned fp32 and the strided fp32: one launch pair each.
+        assert sorted(map(len, calls)) == [1, 1, 1, 1, 1], calls
         for x, row in zip(mixed, rows, strict=True):
             check(row.cpu().tolist(), exact(x, reduce.zeros_threshold(x.dtype, 0.25)), f"routed {x.dtype}")
         check(stats.row(x32).cpu().tolist(), exact(x32, 0.0), "TensorStats.row")
-        assert len(calls) == 5
+        assert len(calls) == 6
     print("ok", len(cases), "tensors")
 
 

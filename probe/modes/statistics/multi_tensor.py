@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from probe.modes.statistics.reduce import strided_layout
+
 BLOCK = 2048
 """Elements a program reads per iteration (8 per thread of 8 warps: 16-byte loads of bf16)."""
 MAX_PROGRAMS = 1024
@@ -41,15 +43,20 @@ _ELEMENT = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float3
 DTYPES = frozenset(_ELEMENT)
 
 
-def _partials(addresses, numels, partials, threshold, iterations, ELEMENT: tl.constexpr,
-              WIDE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+def _partials(table, count, partials, threshold, iterations, ELEMENT: tl.constexpr,
+              WIDE: tl.constexpr, ALIGNED: tl.constexpr, STRIDED: tl.constexpr, BLOCK: tl.constexpr):
     tensor = tl.program_id(0)
     program = tl.program_id(1)
     programs = tl.num_programs(1)
-    base = tl.load(addresses + tensor).to(tl.pointer_type(ELEMENT))
+    base = tl.load(table + tensor).to(tl.pointer_type(ELEMENT))
     if ALIGNED:  # 16-byte aligned (the host checked): vector loads (an address loaded from memory
         base = tl.multiple_of(base, 16)  # has no alignment the compiler can see)
-    n = tl.load(numels + tensor)
+    n = tl.load(table + count + tensor)
+    if STRIDED:  # (blocks, rows, cols) with unit stride along cols (see reduce.strided_layout)
+        cols = tl.load(table + 2 * count + tensor)
+        rows = tl.load(table + 3 * count + tensor)
+        row_stride = tl.load(table + 4 * count + tensor)
+        block_stride = tl.load(table + 5 * count + tensor)
     lanes = tl.arange(0, BLOCK)
     low = tl.full([BLOCK], float("inf"), WIDE)
     high = tl.full([BLOCK], float("-inf"), WIDE)
@@ -65,12 +72,18 @@ def _partials(addresses, numels, partials, threshold, iterations, ELEMENT: tl.co
         start = (i * programs + program).to(tl.int64) * BLOCK
         if start < n:
             offsets = start + lanes
+            if STRIDED:
+                row = offsets // cols
+                block = row // rows
+                where = block * block_stride + (row - block * rows) * row_stride + (offsets - row * cols)
+            else:
+                where = offsets
             if start + BLOCK <= n:  # a whole block: unmasked (a mask against a loaded bound
                 inside = lanes < BLOCK  # would make every load a scalar one)
-                x = tl.load(base + offsets).to(WIDE)
+                x = tl.load(base + where).to(WIDE)
             else:
                 inside = offsets < n
-                x = tl.load(base + offsets, mask=inside, other=0.0).to(WIDE)
+                x = tl.load(base + where, mask=inside, other=0.0).to(WIDE)
             low = tl.minimum(low, tl.where(inside, x, float("inf")))
             high = tl.maximum(high, tl.where(inside, x, float("-inf")))
             wide = x.to(tl.float64)
@@ -126,8 +139,9 @@ def programs_for(numels: Sequence[int]) -> int:
 
 
 def rows(xs: Sequence[torch.Tensor], threshold: float = 0.0) -> torch.Tensor:
-    """Raw rows ``[len(xs), 8]`` in fp64 of contiguous tensors of one dtype in :data:`DTYPES`
-    and one device, where they are, in two launches and one host-to-device copy of the table.
+    """Raw rows ``[len(xs), 8]`` in fp64 of tensors of one dtype in :data:`DTYPES` and one
+    device, each contiguous or of a :func:`strided_layout`, where they are, in two launches and
+    one host-to-device copy of the table.
 
     ``threshold``: ``|x| < threshold`` is counted (0 counts none); Triton takes it as fp32.
     """
@@ -135,7 +149,15 @@ def rows(xs: Sequence[torch.Tensor], threshold: float = 0.0) -> torch.Tensor:
     device, dtype = first.device, first.dtype
     addresses = [x.data_ptr() for x in xs]
     numels = [x.numel() for x in xs]
-    table = torch.tensor([addresses, numels], dtype=torch.int64)
+    strided = not all(x.is_contiguous() for x in xs)
+    columns = [addresses, numels]
+    if strided:
+        layouts = [(1, n, 0, 0) if x.is_contiguous() else strided_layout(x)
+                   for x, n in zip(xs, numels, strict=True)]
+        if None in layouts:
+            raise ValueError("multi_tensor.rows: a tensor neither contiguous nor of a strided_layout")
+        columns += [[layout[i] for layout in layouts] for i in (1, 0, 2, 3)]  # type: ignore[index]
+    table = torch.tensor(columns, dtype=torch.int64)
     if device.type != "cpu":
         table = table.pin_memory().to(device, non_blocking=True)
     programs = programs_for(numels)
@@ -146,8 +168,9 @@ def rows(xs: Sequence[torch.Tensor], threshold: float = 0.0) -> torch.Tensor:
     elsewhere = device.type == "cuda" and device.index != torch.cuda.current_device()
     with torch.cuda.device(device) if elsewhere else contextlib.nullcontext():
         partial[(len(xs), programs)](
-            table[0], table[1], partials, float(threshold), math.ceil(max(numels) / (programs * BLOCK)),
+            table, len(xs), partials, float(threshold), math.ceil(max(numels) / (programs * BLOCK)),
             ELEMENT=_ELEMENT[dtype], WIDE=tl.float64 if dtype == torch.float64 else tl.float32,
-            ALIGNED=all(a % 16 == 0 for a in addresses), BLOCK=BLOCK, num_warps=8)
+            ALIGNED=not strided and all(a % 16 == 0 for a in addresses), STRIDED=strided, BLOCK=BLOCK,
+            num_warps=8)
         combine[(len(xs),)](partials, out, programs, PROGRAMS=triton.next_power_of_2(programs))
     return out

@@ -102,6 +102,31 @@ def compact_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return t, multiplicity
 
 
+def strided_layout(x: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """``x`` as (rows, cols, row stride, block stride) in elements, its values read in storage
+    order as blocks of ``rows`` rows of ``cols`` contiguous values, or None where it is not
+    (no unit stride, or more than three levels once mergeable dims are merged). The slices of an
+    attention head (``rotate_half``'s halves, a q/k split, transposed or not) are such a layout."""
+    # In the order of the strides (statistics do not depend on the order values are read in):
+    # a transposed slice is a slice.
+    dims = sorted(((size, stride) for size, stride in zip(x.shape, x.stride(), strict=True) if size != 1),
+                  key=lambda dim: dim[1], reverse=True)
+    if not dims or dims[-1][1] != 1:
+        return None
+    merged = [dims[-1]]
+    for size, stride in reversed(dims[:-1]):
+        inner_size, inner_stride = merged[-1]
+        if stride == inner_size * inner_stride:
+            merged[-1] = (size * inner_size, inner_stride)
+        else:
+            merged.append((size, stride))
+    if len(merged) > 3:
+        return None
+    merged += [(1, 0)] * (3 - len(merged))
+    (cols, _), (rows, row_stride), (_, block_stride) = merged
+    return rows, cols, row_stride, block_stride
+
+
 def as_real(t: torch.Tensor) -> torch.Tensor:
     """The values ``t`` holds, as a real tensor to reduce.
 
@@ -270,10 +295,11 @@ class TensorStats:
         return self.backend == "compiled" or x.numel() >= COMPILED_MIN_NUMEL
 
     def uses_multi_tensor(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` goes to the multi-tensor kernel (``"auto"``, CUDA, Triton): contiguous
-        floating-point tensors of any size, read once in place."""
-        return (self.backend == "auto" and x.dtype in _COMPILED_DTYPES and x.is_contiguous()
-                and multi_tensor_kernel(x.device) is not None)
+        """Whether ``x`` goes to the multi-tensor kernel (``"auto"``, CUDA, Triton): floating-point
+        tensors of any size, contiguous or of a :func:`strided_layout`, read once in place."""
+        return (self.backend == "auto" and x.dtype in _COMPILED_DTYPES
+                and multi_tensor_kernel(x.device) is not None
+                and (x.is_contiguous() or strided_layout(x) is not None))
 
     def reads_in_place(self, x: torch.Tensor) -> bool:
         """Whether :meth:`row` reduces ``x`` in one fused pass over its memory, copying nothing."""
@@ -452,8 +478,9 @@ def device_row_list(xs: list[torch.Tensor], eps: float | None = None, stats: Ten
     if multi:
         out: list[torch.Tensor | None] = [None] * len(xs)
         # One launch pair per dtype, and apart the tensors not 16-byte aligned (a view at an
-        # odd offset), whose loads cannot be vectorized.
-        kinds = {i: (xs[i].dtype, xs[i].data_ptr() % 16 == 0) for i in multi}
+        # odd offset), whose loads cannot be vectorized, and the strided ones (their addresses
+        # are computed per value).
+        kinds = {i: (xs[i].dtype, xs[i].data_ptr() % 16 == 0, xs[i].is_contiguous()) for i in multi}
         for kind in set(kinds.values()):
             group = [i for i in multi if kinds[i] == kind]
             rows = _multi_tensor_rows([xs[i] for i in group], eps)
