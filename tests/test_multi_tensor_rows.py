@@ -43,3 +43,31 @@ def test_multi_tensor_rows_are_exact_under_the_triton_interpreter() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_multi_tensor_rows_are_exact_on_cuda() -> None:
     assert "ok" in _run_checks("cuda", interpret=False)
+
+
+def test_a_failing_strided_form_turns_off_only_strided_views(monkeypatch):
+    # A Triton that cannot build the kernel's strided form here: strided views go back to the
+    # compiled and eager kernels, with one warning; contiguous batches stay on the kernel.
+    from probe.modes.statistics import reduce
+    from probe.modes.statistics.columns import raw_row
+
+    monkeypatch.setattr(reduce, "MULTI_TENSOR_DEVICES", ("cpu",))
+    monkeypatch.setattr(reduce, "_multi_tensor_strided", True)
+    batches = []
+
+    def kernel(xs, threshold):
+        batches.append(len(xs))
+        if not all(x.is_contiguous() for x in xs):
+            raise RuntimeError("strided form unavailable")
+        return torch.stack([raw_row(x.double().reshape(-1), threshold) for x in xs])
+
+    plain = torch.randn(5000)
+    half = torch.randn(4, 4, 128, 64)[..., :32]
+    stats = reduce.TensorStats()
+    with reduce.multi_tensor_kernel_replaced(kernel), pytest.warns(UserWarning, match="strided views"):
+        rows = reduce.device_row_list([plain, half], stats=stats)
+    for x, row in zip([plain, half], rows, strict=True):
+        want = raw_row(x.double().reshape(-1), 0.0)
+        assert torch.allclose(row.double(), want, rtol=1e-7), (row, want)
+    with reduce.multi_tensor_kernel_replaced(kernel):
+        assert stats.uses_multi_tensor(plain) and not stats.uses_multi_tensor(half)

@@ -223,6 +223,10 @@ def multi_tensor_kernel(device: torch.device) -> MultiTensorRows | None:
     return _multi_tensor
 
 
+_multi_tensor_strided = True
+"""Whether strided views go to the multi-tensor kernel (off once its strided form failed)."""
+
+
 def _turn_off_multi_tensor() -> None:
     global _multi_tensor, _multi_tensor_tried
     _multi_tensor, _multi_tensor_tried = None, True
@@ -242,8 +246,9 @@ def multi_tensor_kernel_replaced(kernel: MultiTensorRows | None) -> Iterator[Non
 
 
 def _multi_tensor_rows(xs: Sequence[torch.Tensor], eps: float | None) -> list[torch.Tensor] | None:
-    """Rows of contiguous floating-point tensors of one device and dtype through the multi-tensor
-    kernel, or None where it failed (turned off for the process, after one warning)."""
+    """Rows of floating-point tensors of one device and dtype, contiguous or all strided, through
+    the multi-tensor kernel, or None where it failed (that form turned off for the process, after
+    one warning)."""
     kernel = multi_tensor_kernel(xs[0].device)
     if kernel is None:
         return None
@@ -252,10 +257,16 @@ def _multi_tensor_rows(xs: Sequence[torch.Tensor], eps: float | None) -> list[to
         with torch.no_grad():
             return list(kernel(xs, threshold).unbind(0))
     except Exception as error:  # a Triton that cannot build it here (a GPU without fp64, say)
-        _turn_off_multi_tensor()
+        global _multi_tensor_strided
+        if not all(x.is_contiguous() for x in xs):  # only its strided form: that one off
+            _multi_tensor_strided = False
+            what = "strided views are reduced by the compiled kernels"
+        else:
+            _turn_off_multi_tensor()
+            what = "statistics are reduced by the compiled kernels"
         warn_once("multi-tensor-kernel-failed",
-                  f"the multi-tensor statistics kernel failed ({type(error).__name__}: {error}); "
-                  "statistics are reduced by the compiled kernels from now on")
+                  f"the multi-tensor statistics kernel failed ({type(error).__name__}: {error}); {what} "
+                  "from now on")
         return None
 
 
@@ -299,7 +310,7 @@ class TensorStats:
         tensors of any size, contiguous or of a :func:`strided_layout`, read once in place."""
         return (self.backend == "auto" and x.dtype in _COMPILED_DTYPES
                 and multi_tensor_kernel(x.device) is not None
-                and (x.is_contiguous() or strided_layout(x) is not None))
+                and (x.is_contiguous() or (_multi_tensor_strided and strided_layout(x) is not None)))
 
     def reads_in_place(self, x: torch.Tensor) -> bool:
         """Whether :meth:`row` reduces ``x`` in one fused pass over its memory, copying nothing."""
