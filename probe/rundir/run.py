@@ -258,8 +258,6 @@ class Run:
             files = self.mode_files(mode, step, rank)
             if files is not None:
                 files.read_whole()
-        if self.has_dump(step, rank):
-            self.dump(step, rank)
 
     def _readable(self, step: int, rank: int, read: Callable[[int, int], V]) -> V | None:
         """``read(step, rank)``, or None with a warning naming the step when it cannot be read: a

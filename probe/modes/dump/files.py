@@ -99,6 +99,9 @@ class DumpIndex(ModeFiles):
         """Whether every blob of the step was written."""
         return self._index[0]
 
+    def read_whole(self) -> None:
+        self._index  # noqa: B018  (the index: a tensor's bytes are read when it is asked for)
+
     @property
     def entries(self) -> Mapping[tuple[int, str, int], DumpedTensor]:
         """(op index, "input"/"output", position) -> its entry."""
