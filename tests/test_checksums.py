@@ -14,9 +14,8 @@ from hf_models import tiny_llama
 import probe
 from probe import ProbeError
 from probe.modes.checksums.bit_checksum import ChecksumCache, checksums, hex_checksum
-from probe.modes.checksums.files import step_checksums
+from probe.modes.checksums.files import CHECKSUMS_FILE, step_checksums
 from probe.modes.checksums.mode import _Queued, _rng_states
-from probe.rundir import layout
 from tests.test_no_host_sync import SyncSentinel
 
 pytest.importorskip("transformers", reason="transformers is an optional test dependency")
@@ -120,7 +119,7 @@ def test_parameters_each_step_and_kinds_are_options(tmp_path):
     assert a["lm_head.weight"].checksum != b["lm_head.weight"].checksum  # the optimizer stepped
     _train(tmp_path / "off", checksums=False)
     assert step_checksums(probe.load(tmp_path / "off"), 0, 0) is None
-    assert not list((tmp_path / "off").rglob(layout.CHECKSUMS_FILE))
+    assert not list((tmp_path / "off").rglob(CHECKSUMS_FILE))
     with pytest.raises(ProbeError, match="option 'checksums'"):
         probe.mode("stats", out=tmp_path / "bad", checksums=["weights"])
 
@@ -181,7 +180,7 @@ def test_no_host_sync_inside_the_step(tmp_path):
 
 def test_a_damaged_checksums_file_is_a_probe_error_naming_it(tmp_path):
     _train(tmp_path / "r", steps=1, modes="checksums")
-    path = tmp_path / "r" / "rank0" / "step0" / layout.CHECKSUMS_FILE
+    path = tmp_path / "r" / "rank0" / "step0" / CHECKSUMS_FILE
     data = json.loads(path.read_text())
     data["parameters"]["checksums"] = data["parameters"]["checksums"][:-1]
     path.write_text(json.dumps(data))

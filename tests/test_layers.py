@@ -234,7 +234,8 @@ def test_a_modes_files_are_named_in_its_package_only() -> None:
     # names one: rundir/layout.py holds the files every run has, not the monitor's or the checks'.
     owned = {name: mode for mode, files in registered_mode_files().items() if files is not None
              for name in files.file_names}
-    assert {owned.get("monitor.csv"), owned.get("checks.jsonl")} == {"monitor", "free_benchmark"}
+    assert {owned.get("monitor.csv"), owned.get("checks.jsonl"), owned.get("checksums.json")} == {
+        "monitor", "free_benchmark", "checksums"}
     found = [f"{path.name} names {name!r}, a file of mode {owned[name]!r}"
              for path in sorted((ROOT / "probe" / "rundir").glob("*.py"))
              for name in sorted(_string_constants(path)) if name in owned]
@@ -261,7 +262,7 @@ def test_a_modes_records_are_defined_in_its_package() -> None:
     # a type of rundir/records.py; rundir reads the records every run has.
     readers = {mode: files.run_reader for mode, files in registered_mode_files().items()
                if files is not None and files.run_reader is not ModeReader}
-    assert {"monitor", "free_benchmark"} <= set(readers)
+    assert {"monitor", "free_benchmark", "checksums"} <= set(readers)
     found = [f"{mode}: {reader.__name__}.{name} returns {cls.__module__}.{cls.__qualname__}"
              for mode, reader in sorted(readers.items()) for name in dir(reader)
              if not name.startswith("_") and name not in vars(ModeReader)

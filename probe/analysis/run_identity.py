@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from probe.analysis.mode_records import ChecksumsOfRun, StepChecksums, TensorChecksum
 from probe.errors import ProbeError
 from probe.hparams import flatten
-from probe.rundir.mode_files import ChecksumsReader
-from probe.rundir.records import StepChecksums, TensorChecksum
 from probe.rundir.run import Run
 from probe.vocabulary.csv_cells import csv_safe
 
@@ -302,8 +301,7 @@ def _tensor_differences(a: dict[str, TensorChecksum], b: dict[str, TensorChecksu
 def _step_checksums(run: Run, step: int, rank: int) -> StepChecksums | None:
     """The checksums a run recorded for one step, or None without them (read through the reader
     the checksums mode registered: the modes sit above the analyses)."""
-    files = cast("ChecksumsReader | None", run.mode_files("checksums", step, rank))
-    return None if files is None else files.checksums()
+    return cast(ChecksumsOfRun, run.mode("checksums")).checksums(step, rank)
 
 
 class _Steps:

@@ -1,5 +1,6 @@
 """Where things live in a run directory: the files every run has. A mode's own files are named in
-its package (``probe.modes.monitor.file_names``, the free benchmark's ``files.CHECKS_FILE``), which
+its package (``probe.modes.monitor.file_names``, ``CHECKS_FILE`` and ``CHECKSUMS_FILE`` in the free
+benchmark's and the checksums' ``files``), which
 its reader declares (``ModeFiles.file_names``).
 
 See docs/format.md for the full description; bump FORMAT_VERSION on any change
@@ -35,8 +36,6 @@ FP8_SCALES_FILE = "fp8_scales.jsonl"
 """Stats mode: the scales fp8 ops were given, one object per op."""
 TENSOR_INDEX_FILE = "tensors.json"
 CALLS_FILE = "calls.jsonl"
-CHECKSUMS_FILE = "checksums.json"
-"""Per step, with model=: checksums of the parameters, the model's inputs and the RNG states."""
 TENSORS_DIR = "tensors"
 LOCK_FILE = ".lock"
 """In each rank directory: the advisory lock of its one writer, naming the holder's host and pid."""

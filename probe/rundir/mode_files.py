@@ -30,7 +30,6 @@ from probe.rundir.records import (
     DumpedTensor,
     NonfiniteParameterRecord,
     OpRecord,
-    StepChecksums,
 )
 from probe.rundir.step_section import StepSection
 
@@ -177,8 +176,3 @@ class DumpReader(Protocol):
 
     def call(self, op: int) -> dict[str, Any]: ...
 
-
-class ChecksumsReader(Protocol):
-    """The checksums of a step (``checksums.json``)."""
-
-    def checksums(self) -> StepChecksums: ...

@@ -1,13 +1,16 @@
-"""``checksums.json`` of one step, read back (the reader half of the mode; ``mode.py`` is the writer)."""
+"""``checksums.json`` of one step, read back (the reader half of the mode; ``mode.py`` is the writer),
+and over a whole run (``run.mode("checksums")``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
-from probe.rundir import layout
-from probe.rundir.mode_files import ModeFiles
-from probe.rundir.records import InputCall, StepChecksums, TensorChecksum
+from probe.modes.checksums.records import InputCall, StepChecksums, TensorChecksum
+from probe.rundir.mode_files import ModeFiles, ModeReader
 from probe.rundir.untrusted_reads import expect, read_json, reading
+
+CHECKSUMS_FILE = "checksums.json"
+"""Per step, with model=: checksums of the parameters, the model's inputs and the RNG states."""
 
 
 def _tensor_list(data: dict[str, Any], what: str) -> list[TensorChecksum]:
@@ -25,14 +28,27 @@ def _tensor_list(data: dict[str, Any], what: str) -> list[TensorChecksum]:
             for n, d, s, c in zip(names, dtypes, shapes, values, strict=True)]
 
 
+class ChecksumsReader(ModeReader):
+    """The checksums over a run: ``run.mode("checksums")``."""
+
+    def checksums(self, step: int | None = None, rank: int | None = None) -> StepChecksums | None:
+        """What one step recorded (default: the first step of ``rank``, or of rank 0), or None
+        when it recorded no checksums."""
+        files = self.files(step, rank)
+        return None if files is None else cast(ChecksumsFiles, files).checksums()
+
+
 class ChecksumsFiles(ModeFiles):
     """``checksums.json`` of one step, read back."""
+
+    file_names = (CHECKSUMS_FILE,)
+    run_reader = ChecksumsReader
 
     _read: StepChecksums | None = None
 
     def checksums(self) -> StepChecksums:
         if self._read is None:
-            path = self.where.directory / layout.CHECKSUMS_FILE
+            path = self.where.directory / CHECKSUMS_FILE
             data = read_json(path, run=self.where.run)
             with reading(path):
                 parameters = inputs = rng = buffers = None
@@ -55,6 +71,6 @@ class ChecksumsFiles(ModeFiles):
 
 
 def step_checksums(run: Any, step: int, rank: int) -> StepChecksums | None:
-    """The checksums a run recorded for one step (``probe.load(...)``'s Run), or None without them."""
-    files = run.mode_files("checksums", step, rank)
-    return files.checksums() if isinstance(files, ChecksumsFiles) else None
+    """The checksums a run recorded for one step (``probe.load(...)``'s Run), or None without them:
+    ``run.mode("checksums").checksums(step, rank)``."""
+    return cast(ChecksumsReader, run.mode("checksums")).checksums(step, rank)

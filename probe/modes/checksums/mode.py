@@ -49,10 +49,9 @@ from probe.modes.checksums.bit_checksum import (
     local,
     row_sums,
 )
-from probe.modes.checksums.files import ChecksumsFiles
+from probe.modes.checksums.files import CHECKSUMS_FILE, ChecksumsFiles
 from probe.modes.checksums.options import Checksums
 from probe.modes.registry import register_mode
-from probe.rundir import layout
 from probe.rundir.writer import StepWriter
 from probe.tracer.mode_stack import untraced
 from probe.vocabulary.option_values import DEFAULT_CHECKSUMS, IntSet
@@ -179,7 +178,7 @@ class ChecksumsStep:
             data["inputs"] = [{"module": c.module, "call": c.call, **c.inputs.to_json()} for c in self.calls]
         if self.rng is not None:
             data["rng"] = {kind: _digest(state) for kind, state in self.rng.items()}
-        writer.write_json(layout.CHECKSUMS_FILE, data)
+        writer.write_json(CHECKSUMS_FILE, data)
         if self.on_written is not None:
             self.on_written()
         return {"parameters": len(self.parameters.names) if self.parameters is not None else None,
