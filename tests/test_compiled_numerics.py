@@ -118,3 +118,32 @@ def test_healthy_compiled_run_against_its_eager_twin_has_no_divergence(tmp_path:
     assert report.divergence is None, report.conclusion
     assert report.conclusion.startswith("no divergence"), report.conclusion
     assert report.counts["pass"] > 100 and sorted({s.step for s in report.steps}) == [0, 1, 2]
+
+
+def _conv_bn(out: Path, compiled: bool) -> None:
+    """A convolution with a bias before BatchNorm, 2 AdamW steps; compiled: traced with 'keep'."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    torch._dynamo.reset()
+    runner = torch.compile(model) if compiled else model
+    with probe.mode("stats", out=out, model=model, **({"compiled": "keep"} if compiled else {})) as session:
+        for _ in range(2):
+            x, y = torch.randn(4, 3, 16, 16, generator=gen), torch.randint(0, 4, (4,), generator=gen)
+            torch.nn.functional.cross_entropy(runner(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            session.step()
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)`:UserWarning")
+def test_a_compiled_region_is_bounded_by_the_rounding_of_the_eager_ops_it_replaced(tmp_path: Path) -> None:
+    """The compiled forward and backward are two opaque ops; the gradients they leave are judged by
+    the eager run's chain of the ops they replaced: its sums over the batch and positions, and the
+    conv bias's gradient before BatchNorm, zero in exact arithmetic (each run's is rounding)."""
+    _conv_bn(tmp_path / "a", compiled=False)
+    _conv_bn(tmp_path / "b", compiled=True)
+    report = probe.compare(tmp_path / "a", tmp_path / "b")
+    assert report.divergence is None, report.conclusion

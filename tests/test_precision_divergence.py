@@ -263,3 +263,32 @@ def test_tokens_counted_per_expert_under_autocast_are_no_divergence(tmp_path):
     assert topk[0].outputs[1].stats != topk[1].outputs[1].stats  # the choices differ
     report = probe.compare(*runs)
     assert report.first_divergence is None and report.ok, report.conclusion
+
+
+def test_the_gradient_of_a_bias_before_batch_norm_is_rounding_alone(tmp_path):
+    """A convolution's bias before BatchNorm has a gradient that is zero in exact arithmetic (the
+    norm removes each channel's mean): each run's is its own rounding, so bf16 autocast against
+    fp32 is no divergence there."""
+    def record(out, autocast):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                    torch.nn.ReLU(), torch.nn.Conv2d(8, 16, 3, stride=2, padding=1),
+                                    torch.nn.BatchNorm2d(16),
+                                    torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                    torch.nn.Linear(16, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(1)
+        with probe.mode("stats", out=str(out), model=model) as session:
+            for _ in range(2):
+                x, y = torch.randn(4, 3, 16, 16, generator=gen), torch.randint(0, 4, (4,), generator=gen)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    logits = model(x)
+                torch.nn.functional.cross_entropy(logits.float(), y).backward()
+                opt.step()
+                opt.zero_grad()
+                session.step()
+
+    record(tmp_path / "a", False)
+    record(tmp_path / "b", True)
+    report = probe.compare(tmp_path / "a", tmp_path / "b")
+    assert report.divergence is None, report.conclusion

@@ -41,8 +41,9 @@ from probe.analysis import precision
 from probe.analysis.compare_pieces import run_pieces
 from probe.analysis.compiled_regions import compare_notes, opened_regions, replayed_ops
 from probe.analysis.layouts import LogicalRun, LogicalStep, layout_notes, logical_pair, partial_sums
-from probe.analysis.matching import Match, match_ops
+from probe.analysis.matching import MICRO_BATCHES, Match, mapped_id, match_ops, rename_module
 from probe.analysis.metrics import stats_metrics, tensor_metrics
+from probe.analysis.micro_batches import MicroBatches, accumulation_end, micro_batches
 from probe.analysis.overwrites import overwritten_inputs
 from probe.analysis.replay import recompute
 from probe.analysis.report_writers import write_report
@@ -980,7 +981,7 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
         if difference is None:
             continue
         on_data = views[0].side.dump is not None and views[1].side.dump is not None
-        rounding = sum(precision.rounding(_chain_precision(op.inputs[position], w[0]), len(w[0]) + 1,
+        rounding = sum(precision.rounding(_chain_precision(op.inputs[position], w[0]), _chain_terms(w[0]),
                                           floor=on_data)
                        for op, w in zip(ops, walks, strict=True) if w is not None)
         changed = _changed_between_steps(ops, position, walks, carry)
@@ -1098,6 +1099,22 @@ def _reads_outside(ops: tuple[OpRecord, OpRecord], position: int,
     return False
 
 
+def _chain_terms(producers: list[OpRecord]) -> int:
+    """The roundings a chain of one run's ops makes in the value it ends in, as terms of one sum
+    (``precision.rounding`` takes sqrt of them: roundings of random sign add as a random walk).
+
+    Each op rounds once per term it sums (a contraction's, a sum's), amplified by its condition
+    where it cancels (``precision.condition``: a bias gradient before a normalisation, zero in
+    exact arithmetic); the value read rounds once more. A chain of plain ops counts one each.
+    A compiled region's opaque op counts as one: the other run's chain of the ops it replaced is
+    the model of what it computes."""
+    terms = 1.0
+    for op in producers:
+        amplified = max(precision.condition(op), 1.0)
+        terms += max(_reduction(op), precision.summed_terms(op), 1) * amplified * amplified
+    return int(min(terms, 2.0 ** 62))
+
+
 def _chain_precision(record: TensorRecord, producers: list[OpRecord]) -> torch.dtype:
     """The lowest precision a value was held in on its way through ``producers`` to ``record``:
     a cast to bf16 and back rounds as bf16 even though both ends are fp32."""
@@ -1134,10 +1151,12 @@ def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
     by_index = {c.a.index: c for c in comparisons if c.a is not None}
     views = (
         _RunView(side_a, {op.index: op for op in side_a.ops}, by_index,
-                 {c.a.index for c in comparisons if c.a is not None and c.b is None}),
+                 {c.a.index for c in comparisons if c.a is not None and c.b is None
+                  and c.match != MICRO_BATCHES}),
         _RunView(side_b, {op.index: op for op in side_b.ops},
                  {c.b.index: c for c in comparisons if c.b is not None},
-                 {c.b.index for c in comparisons if c.b is not None and c.a is None}),
+                 {c.b.index for c in comparisons if c.b is not None and c.a is None
+                  and c.match != MICRO_BATCHES}),
     )
     # Ops a divergence reached, by index in each run (through errors or warnings).
     reached_a: set[int] = set()
@@ -1317,6 +1336,22 @@ def _divergence(run_a: Run, step: int, rank: int, comparisons: list[OpComparison
     return None
 
 
+def _micro_batch_rows(ops_a: list[OpRecord], ops_b: list[OpRecord], structure: MicroBatches, step: int,
+                      rank: int, module_map: dict[str, str] | None) -> list[OpComparison]:
+    """The rows of the micro-batches' ops: "not compared", with the reason. An op of run A is
+    shown beside run B's op of its id (the first micro-batch's) for reading, not measured."""
+    by_id = {mapped_id(op, module_map or {}): op for op in ops_b}
+    rows = []
+    for a in ops_a:
+        b = by_id.pop(a.id, None)
+        rows.append(OpComparison(step, rank, a, b, MICRO_BATCHES, NOT_COMPARED, structure.reason,
+                                 rule=RULE_NOT_COMPARED))
+    unpaired = {id(b) for b in by_id.values()}  # the later micro-batches', in run B's order
+    rows += [OpComparison(step, rank, None, b, MICRO_BATCHES, NOT_COMPARED, structure.reason,
+                          rule=RULE_NOT_COMPARED) for b in ops_b if id(b) in unpaired]
+    return rows
+
+
 @dataclass
 class MatchedStep:
     """One step of one rank read, matched and measured but not judged yet: what a piece of work
@@ -1338,14 +1373,23 @@ def match_step(run_a: Run, run_b: Run, step: int, rank: int, module_map: dict[st
     """The part of :func:`compare_step` that reads this step alone: the ops matched and each
     pair measured, and the precision each run computed in."""
     side_a, side_b = _Side(run_a, step, rank), _Side(run_b, step, rank)
-    matches = match_ops(side_a.ops, side_b.ops, module_map, *replayed_ops(run_b, step, rank))
-    comparisons = []
+    structure = micro_batches(side_a.ops, side_b.ops, lambda module: rename_module(module, module_map or {}))
+    comparisons: list[OpComparison] = []
+    ops_a, ops_b = side_a.ops, side_b.ops
+    if structure is not None:  # the micro-batches' forward and backward: not compared op for op
+        end_a, end_b = accumulation_end(ops_a), accumulation_end(ops_b)
+        comparisons = _micro_batch_rows(ops_a[:end_a], ops_b[:end_b], structure, step, rank, module_map)
+        ops_a, ops_b = ops_a[end_a:], ops_b[end_b:]
+        if on_op is not None:
+            for _ in range(end_a):
+                on_op()
+    matches = match_ops(ops_a, ops_b, module_map, *replayed_ops(run_b, step, rank))
     for m in matches:
         comparisons.append(_compare_pair(side_a, side_b, m, step, rank))
         if on_op is not None and m.a is not None:
             on_op()
     partner_of_b = {m.b.index: m.a for m in matches if m.a is not None and m.b is not None}
-    lowerings = precision.lowered_precision(side_a.ops, side_b.ops, partner_of_b)
+    lowerings = precision.lowered_precision(ops_a, ops_b, partner_of_b)
     # A compiled region whose graph was re-run node by node is judged at its nodes' ops.
     opened = opened_regions(run_b, step, rank)
     lowerings = {i: low for i, low in lowerings.items() if low.op.id not in opened}

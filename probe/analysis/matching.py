@@ -24,23 +24,29 @@ class Match:
     a: OpRecord | None
     b: OpRecord | None
     how: str
-    """"id", "aligned" or "unmatched"."""
+    """"id", "aligned" or "unmatched" (or ``MICRO_BATCHES`` on a row compare shows unmeasured)."""
 
 
-def _rename(module: str, module_map: dict[str, str]) -> str:
+MICRO_BATCHES = "micro-batches"
+"""How a row of a step's micro-batches is matched: shown beside its twin, not compared
+(:mod:`probe.analysis.micro_batches`)."""
+
+
+def rename_module(module: str, module_map: dict[str, str]) -> str:
+    """Run B's module ``module`` in run A's names (the longest key of ``module_map`` it is in)."""
     for old in sorted(module_map, key=len, reverse=True):
         if module == old or module.startswith(old + "."):
             return module_map[old] + module[len(old):]
     return module
 
 
-def _mapped_id(op: OpRecord, module_map: dict[str, str]) -> str:
+def mapped_id(op: OpRecord, module_map: dict[str, str]) -> str:
     """B's op id with its module renamed into A's names (ids are ``phase:fqn[call]:name:n``)."""
     if not module_map or not op.module:
         return op.id
     phase, rest = op.id.split(":", 1)
     frame, name, n = rest.rsplit(":", 2)
-    renamed = _rename(op.module, module_map) + frame[len(op.module):]
+    renamed = rename_module(op.module, module_map) + frame[len(op.module):]
     return f"{phase}:{renamed}:{name}:{n}"
 
 
@@ -55,7 +61,7 @@ def _input_shapes(op: OpRecord) -> list[tuple[int, ...]]:
 
 
 def _group_key(op: OpRecord, module_map: dict[str, str] | None = None) -> tuple[str, str, int]:
-    module = _rename(op.module, module_map) if module_map else op.module
+    module = rename_module(op.module, module_map) if module_map else op.module
     return op.phase, module, op.module_call
 
 
@@ -84,7 +90,7 @@ def match_ops(
     module_map = module_map or {}
     shapes_only = shapes_only or set()
     unpaired = unpaired or set()
-    by_id = {_mapped_id(op, module_map): op for op in ops_b if op.index not in unpaired}
+    by_id = {mapped_id(op, module_map): op for op in ops_b if op.index not in unpaired}
     partner: dict[int, OpRecord] = {}
     how: dict[int, str] = {}
     taken: set[int] = set()

@@ -579,6 +579,11 @@ _SUMS = frozenset({"sum", "mean", "nansum", "cumsum"})
 _ADDS = frozenset({"add", "sub", "add_", "sub_", "rsub"})
 _SOFTMAX = frozenset({"_softmax", "softmax", "_log_softmax", "log_softmax", "logsumexp"})
 _NORMS = frozenset({"native_layer_norm"})
+_PER_CHANNEL_GRADIENTS = frozenset({"convolution_backward", "native_batch_norm_backward",
+                                    "cudnn_batch_norm_backward", "miopen_batch_norm_backward",
+                                    "native_group_norm_backward"})
+"""Backward ops whose weight and bias gradients (one value per channel, dim 1 of the output
+gradient, their first input) sum the output gradient over the batch and the positions."""
 
 
 def _sum_condition(x: TensorRecord, y: TensorRecord, mean: bool) -> float:
@@ -591,9 +596,14 @@ def _sum_condition(x: TensorRecord, y: TensorRecord, mean: bool) -> float:
 
 
 def summed_terms(op: OpRecord) -> int:
-    """Terms per element of a sum's (or mean's) first output, from the recorded sizes (1 for
+    """Terms per element of a sum's (or mean's) first output, or of the per-channel weight and
+    bias gradients of a convolution's or a batch norm's backward, from the recorded sizes (1 for
     other ops)."""
-    if short_name(op.name) not in _SUMS or not op.inputs or not op.outputs or not op.outputs[0].numel:
+    short = short_name(op.name)
+    if short in _PER_CHANNEL_GRADIENTS and op.inputs and len(op.inputs[0].shape) >= 2 \
+            and op.inputs[0].shape[1]:
+        return max(op.inputs[0].numel // op.inputs[0].shape[1], 1)
+    if short not in _SUMS or not op.inputs or not op.outputs or not op.outputs[0].numel:
         return 1
     return max(op.inputs[0].numel // op.outputs[0].numel, 1)
 
@@ -630,6 +640,14 @@ def condition(op: OpRecord) -> float:
         # normalised input, which the weight's multiplies it by, has rms 1).
         grad = op.inputs[0]
         return max(_sum_condition(grad, out, mean=False) for out in op.outputs[1:3])
+    if short in _PER_CHANNEL_GRADIENTS:
+        # As layer norm's, over the batch and the positions: a bias before a normalisation (a
+        # convolution's before BatchNorm) has a gradient that is zero in exact arithmetic, so
+        # each run's is its rounding alone.
+        grad = op.inputs[0]
+        channels = [out for out in op.outputs
+                    if len(grad.shape) >= 2 and len(out.shape) == 1 and out.shape[0] == grad.shape[1]]
+        return max((_sum_condition(grad, out, mean=False) for out in channels), default=1.0)
     if short in _SOFTMAX:
         magnitude = _magnitude(op.inputs[0])
         return 2.0 * magnitude if magnitude is not None else 1.0

@@ -409,6 +409,9 @@ def _input_differences(a: StepChecksums, b: StepChecksums) -> tuple[list[str], b
     """(what differs, comparable) between two steps' input calls."""
     assert a.inputs is not None and b.inputs is not None
     if len(a.inputs) != len(b.inputs):
+        fewer, more = sorted((len(a.inputs), len(b.inputs)))
+        if fewer and more % fewer == 0:  # micro-batches: each call holds a slice of the other's batch
+            return [], False
         return [f"{len(a.inputs)} calls of the model vs {len(b.inputs)}"], True
     differ: list[str] = []
     comparable = True
@@ -427,6 +430,7 @@ def _per_step(steps: _Steps, plan: dict[int, list[int]], what: str) -> StartChec
     part = "inputs" if what == "inputs" else "rng"
     label = "inputs" if what == "inputs" else "RNG state"
     checked, first_checked, incomparable = 0, None, False
+    calls: tuple[int, int] | None = None  # (run A's, run B's) calls of the model, where micro-batches differ
     found: StartCheck | None = None
     for step in sorted({s for ss in plan.values() for s in ss}):
         for rank in sorted(r for r, ss in plan.items() if step in ss):
@@ -439,6 +443,8 @@ def _per_step(steps: _Steps, plan: dict[int, list[int]], what: str) -> StartChec
             where = f"step {step}" + (f" rank {rank}" if len(plan) > 1 else "")
             if what == "inputs":
                 differ, comparable = _input_differences(a, b)
+                if len(part_a) != len(part_b) and calls is None:
+                    calls = (len(part_a), len(part_b))
             else:
                 kinds = sorted(set(part_a) & set(part_b))
                 differ, comparable = [k for k in kinds if part_a[k] != part_b[k]], bool(kinds)
@@ -461,6 +467,10 @@ def _per_step(steps: _Steps, plan: dict[int, list[int]], what: str) -> StartChec
     if not checked:
         return StartCheck(what, NOT_RECORDED, f"{label} not recorded: {steps.lacking(plan, part)}")
     steps_word = f"{checked} step{'s' if checked > 1 else ''} compared"
+    if calls is not None:
+        return StartCheck(what, NOT_COMPARABLE, f"{label} not compared bit for bit (micro-batches: "
+                          f"{calls[0]} call(s) of the model in run A vs {calls[1]} in run B; {steps_word})",
+                          first_checked, None, [], checked)
     if incomparable:
         return StartCheck(what, NOT_COMPARABLE, f"{label} not compared bit for bit (held in other dtypes "
                           f"or without a checksum; {steps_word})", first_checked, None, [], checked)
