@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from probe.modes.statistics.reduce import strided_layout
+from probe.modes.statistics.strided import strided_layout
 
 BLOCK = 2048
 """Elements a program reads per iteration (8 per thread of 8 warps: 16-byte loads of bf16)."""
@@ -52,7 +52,7 @@ def _partials(table, count, partials, threshold, iterations, ELEMENT: tl.constex
     if ALIGNED:  # 16-byte aligned (the host checked): vector loads (an address loaded from memory
         base = tl.multiple_of(base, 16)  # has no alignment the compiler can see)
     n = tl.load(table + count + tensor)
-    if STRIDED:  # (blocks, rows, cols) with unit stride along cols (see reduce.strided_layout)
+    if STRIDED:  # (blocks, rows, cols) with unit stride along cols (see strided.strided_layout)
         cols = tl.load(table + 2 * count + tensor)
         rows = tl.load(table + 3 * count + tensor)
         row_stride = tl.load(table + 4 * count + tensor)

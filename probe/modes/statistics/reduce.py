@@ -50,6 +50,7 @@ from probe.compiled import CompiledKernel, StandaloneCpuKernel
 from probe.errors import warn_once
 from probe.modes.statistics import pieces
 from probe.modes.statistics.columns import RAW_COLUMNS
+from probe.modes.statistics.strided import strided_layout
 
 BACKENDS = ("auto", "compiled", "eager")
 WIDTH = len(RAW_COLUMNS)
@@ -100,31 +101,6 @@ def compact_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
         if permuted.is_contiguous():
             t = permuted
     return t, multiplicity
-
-
-def strided_layout(x: torch.Tensor) -> tuple[int, int, int, int] | None:
-    """``x`` as (rows, cols, row stride, block stride) in elements, its values read in storage
-    order as blocks of ``rows`` rows of ``cols`` contiguous values, or None where it is not
-    (no unit stride, or more than three levels once mergeable dims are merged). The slices of an
-    attention head (``rotate_half``'s halves, a q/k split, transposed or not) are such a layout."""
-    # In the order of the strides (statistics do not depend on the order values are read in):
-    # a transposed slice is a slice.
-    dims = sorted(((size, stride) for size, stride in zip(x.shape, x.stride(), strict=True) if size != 1),
-                  key=lambda dim: dim[1], reverse=True)
-    if not dims or dims[-1][1] != 1:
-        return None
-    merged = [dims[-1]]
-    for size, stride in reversed(dims[:-1]):
-        inner_size, inner_stride = merged[-1]
-        if stride == inner_size * inner_stride:
-            merged[-1] = (size * inner_size, inner_stride)
-        else:
-            merged.append((size, stride))
-    if len(merged) > 3:
-        return None
-    merged += [(1, 0)] * (3 - len(merged))
-    (cols, _), (rows, row_stride), (_, block_stride) = merged
-    return rows, cols, row_stride, block_stride
 
 
 def as_real(t: torch.Tensor) -> torch.Tensor:
