@@ -6,12 +6,13 @@ hundreds of values. ``torch.compile``'s kernel for one tensor is several launche
 back, 0.54 ms against the 0.05 ms of one read; 230 us of host time per call), and a step of a
 7B-wide model calls it 470 times. Here a batch of tensors of one dtype is one launch of
 :func:`_partials` over a table of their addresses (as apex's ``multi_tensor_apply`` and
-PyTorch's ``_foreach`` kernels take a list of pointers), each program reading a strided share
-of one tensor once and keeping its partial row in registers: min and max in the tensor's
-precision widened to fp32 (exact), sum and sum of squares in fp64 (within 1e-7 of exact, as on
-every other path), NaN, Inf, -Inf and ``|x| < threshold`` counted in int32 lanes. A second
-launch (:func:`_combine`) folds each tensor's partials into its row; a NaN anywhere makes its
-min and max NaN, as ``amin``/``amax`` do.
+PyTorch's ``_foreach`` kernels take a list of pointers), each program of a flat grid reading a
+strided share of one tensor once (each tensor its own number of programs: a batch's small
+tensors do not run as many as its largest) and keeping its partial row in registers: min and max
+in the tensor's precision widened to fp32 (exact), sum and sum of squares in fp64 (within 1e-7
+of exact, as on every other path), NaN, Inf, -Inf and ``|x| < threshold`` counted in int32
+lanes. A second launch (:func:`_combine`) folds each tensor's partials into its row; a NaN
+anywhere makes its min and max NaN, as ``amin``/``amax`` do.
 
 The table goes to the device from pinned host memory without a sync. The kernels are
 plain Triton and run under Triton's interpreter on CPU tensors, which is how CI checks them
@@ -25,6 +26,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -43,20 +45,22 @@ _ELEMENT = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float3
 DTYPES = frozenset(_ELEMENT)
 
 
-def _partials(table, count, partials, threshold, iterations, ELEMENT: tl.constexpr,
+def _partials(table, count, owners_at, partials, threshold, iterations, ELEMENT: tl.constexpr,
               WIDE: tl.constexpr, ALIGNED: tl.constexpr, STRIDED: tl.constexpr, BLOCK: tl.constexpr):
-    tensor = tl.program_id(0)
-    program = tl.program_id(1)
-    programs = tl.num_programs(1)
+    # One program of a flat grid: the table says whose (``owners``) and which of its programs.
+    pid = tl.program_id(0)
+    tensor = tl.load(table + owners_at + pid)
+    programs = tl.load(table + 2 * count + tensor)
+    program = pid - tl.load(table + 3 * count + tensor)
     base = tl.load(table + tensor).to(tl.pointer_type(ELEMENT))
     if ALIGNED:  # 16-byte aligned (the host checked): vector loads (an address loaded from memory
         base = tl.multiple_of(base, 16)  # has no alignment the compiler can see)
     n = tl.load(table + count + tensor)
     if STRIDED:  # (blocks, rows, cols) with unit stride along cols (see strided.strided_layout)
-        cols = tl.load(table + 2 * count + tensor)
-        rows = tl.load(table + 3 * count + tensor)
-        row_stride = tl.load(table + 4 * count + tensor)
-        block_stride = tl.load(table + 5 * count + tensor)
+        cols = tl.load(table + 4 * count + tensor)
+        rows = tl.load(table + 5 * count + tensor)
+        row_stride = tl.load(table + 6 * count + tensor)
+        block_stride = tl.load(table + 7 * count + tensor)
     lanes = tl.arange(0, BLOCK)
     low = tl.full([BLOCK], float("inf"), WIDE)
     high = tl.full([BLOCK], float("-inf"), WIDE)
@@ -66,8 +70,8 @@ def _partials(table, count, partials, threshold, iterations, ELEMENT: tl.constex
     nonfinite = tl.zeros([BLOCK], tl.int32)
     ninf = tl.zeros([BLOCK], tl.int32)
     small = tl.zeros([BLOCK], tl.int32)
-    # A host-given count of iterations (the batch's largest tensor's), not a loop to ``n``: the
-    # interpreter cannot loop to a loaded bound; a smaller tensor's programs skip the rest.
+    # A host-given count of iterations (the batch's longest), not a loop to ``n``: Triton's
+    # interpreter cannot loop to a loaded bound; a shorter tensor's programs skip the rest.
     for i in range(0, iterations):
         start = (i * programs + program).to(tl.int64) * BLOCK
         if start < n:
@@ -94,7 +98,7 @@ def _partials(table, count, partials, threshold, iterations, ELEMENT: tl.constex
             nonfinite += (spread != spread).to(tl.int32)
             ninf += (x == float("-inf")).to(tl.int32)
             small += (inside & (tl.abs(x) < threshold)).to(tl.int32)
-    out = partials + (tensor.to(tl.int64) * programs + program) * 8
+    out = partials + pid.to(tl.int64) * 8
     tl.store(out + 0, tl.min(low, 0).to(tl.float64))
     tl.store(out + 1, tl.max(high, 0).to(tl.float64))
     tl.store(out + 2, tl.sum(total, 0))
@@ -105,11 +109,12 @@ def _partials(table, count, partials, threshold, iterations, ELEMENT: tl.constex
     tl.store(out + 7, tl.sum(small, 0).to(tl.float64))
 
 
-def _combine(partials, rows, programs, PROGRAMS: tl.constexpr):
+def _combine(table, count, partials, rows, PROGRAMS: tl.constexpr):
     tensor = tl.program_id(0)
+    programs = tl.load(table + 2 * count + tensor)
     index = tl.arange(0, PROGRAMS)
     inside = index < programs
-    part = partials + (tensor.to(tl.int64) * programs + index) * 8
+    part = partials + (tl.load(table + 3 * count + tensor) + index) * 8
     nan = tl.sum(tl.load(part + 4, mask=inside, other=0.0), 0)
     low = tl.min(tl.load(part + 0, mask=inside, other=float("inf")), 0)
     high = tl.max(tl.load(part + 1, mask=inside, other=float("-inf")), 0)
@@ -131,11 +136,11 @@ def _kernels() -> tuple[Callable, Callable]:
     return triton.jit(_partials), triton.jit(_combine)
 
 
-def programs_for(numels: Sequence[int]) -> int:
-    """Programs per tensor for a batch whose largest tensor has ``max(numels)`` elements: enough
-    to fill the device for one large tensor, few for a batch of small ones."""
-    blocks = math.ceil(max(numels) / (BLOCK * MIN_BLOCKS_PER_PROGRAM))
-    return max(1, min(MAX_PROGRAMS, blocks))
+def programs_for(numel: int) -> int:
+    """Programs for a tensor of ``numel`` elements: one per ``MIN_BLOCKS_PER_PROGRAM`` blocks, at
+    most :data:`MAX_PROGRAMS` (a small tensor's one program is not made to wait on a large one's:
+    each tensor has its own count in the flat grid)."""
+    return max(1, min(MAX_PROGRAMS, math.ceil(numel / (BLOCK * MIN_BLOCKS_PER_PROGRAM))))
 
 
 def rows(xs: Sequence[torch.Tensor], threshold: float = 0.0) -> torch.Tensor:
@@ -150,27 +155,30 @@ def rows(xs: Sequence[torch.Tensor], threshold: float = 0.0) -> torch.Tensor:
     addresses = [x.data_ptr() for x in xs]
     numels = [x.numel() for x in xs]
     strided = not all(x.is_contiguous() for x in xs)
-    columns = [addresses, numels]
+    counts = np.array([programs_for(n) for n in numels], dtype=np.int64)
+    firsts = np.cumsum(counts) - counts
+    columns = [addresses, numels, counts, firsts]
     if strided:
         layouts = [(1, n, 0, 0) if x.is_contiguous() else strided_layout(x)
                    for x, n in zip(xs, numels, strict=True)]
         if None in layouts:
             raise ValueError("multi_tensor.rows: a tensor neither contiguous nor of a strided_layout")
         columns += [[layout[i] for layout in layouts] for i in (1, 0, 2, 3)]  # type: ignore[index]
-    table = torch.tensor(columns, dtype=torch.int64)
+    owners = np.repeat(np.arange(len(xs), dtype=np.int64), counts)
+    table = torch.from_numpy(np.concatenate([np.asarray(columns, dtype=np.int64).reshape(-1), owners]))
     if device.type != "cpu":
         table = table.pin_memory().to(device, non_blocking=True)
-    programs = programs_for(numels)
-    partials = torch.empty((len(xs), programs, WIDTH), dtype=torch.float64, device=device)
+    iterations = int(np.max(-(-np.asarray(numels, dtype=np.int64) // (counts * BLOCK))))
+    partials = torch.empty((len(owners), WIDTH), dtype=torch.float64, device=device)
     out = torch.empty((len(xs), WIDTH), dtype=torch.float64, device=device)
     partial, combine = _kernels()
     # Triton launches on the current device: made the tensors' own (a rank's second GPU).
     elsewhere = device.type == "cuda" and device.index != torch.cuda.current_device()
     with torch.cuda.device(device) if elsewhere else contextlib.nullcontext():
-        partial[(len(xs), programs)](
-            table, len(xs), partials, float(threshold), math.ceil(max(numels) / (programs * BLOCK)),
+        partial[(len(owners),)](
+            table, len(xs), len(columns) * len(xs), partials, float(threshold), iterations,
             ELEMENT=_ELEMENT[dtype], WIDE=tl.float64 if dtype == torch.float64 else tl.float32,
             ALIGNED=not strided and all(a % 16 == 0 for a in addresses), STRIDED=strided, BLOCK=BLOCK,
             num_warps=8)
-        combine[(len(xs),)](partials, out, programs, PROGRAMS=triton.next_power_of_2(programs))
+        combine[(len(xs),)](table, len(xs), partials, out, PROGRAMS=triton.next_power_of_2(int(counts.max())))
     return out
