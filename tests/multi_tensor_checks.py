@@ -94,6 +94,17 @@ def main(device: str) -> None:
         for x, row, name in zip(batch, rows, ("half", "corner", "plain", "turned"), strict=True):
             check(row, exact(x, 0.5), f"strided {dtype} {name}")
     assert reduce.strided_layout(torch.randn(4, 8, 8, 64)[:, :4, :4, :32]) is None  # four levels
+    # Integers and bool, widened to fp64 in the kernel (exact below 2^53), one dtype per batch.
+    assert multi_tensor.DTYPES == reduce.MULTI_TENSOR_DTYPES
+    integers = [torch.arange(-5, 100000, dtype=torch.int64) * 3,
+                torch.randint(0, 255, (5000,), dtype=torch.uint8),
+                torch.rand(3000, generator=g) > 0.5,
+                torch.randint(-100, 100, (77,), dtype=torch.int8),
+                torch.randint(-1000, 1000, (4099,), dtype=torch.int16),
+                torch.arange(70000, dtype=torch.int32)]
+    for x in integers:
+        x = x.to(device)
+        check(multi_tensor.rows([x, x[: len(x) // 2]], 0.5)[0].cpu().tolist(), exact(x, 0.5), f"{x.dtype}")
     # The engine's routing: device_row_list sends contiguous float tensors to the kernel (any
     # dtype mix, one launch pair per dtype), the rest (a strided view, an int tensor) elsewhere.
     if device == "cpu":

@@ -77,9 +77,9 @@ def test_a_stats_session_reduces_each_value_in_one_launch_and_copies_only_staged
     if multi_tensor:
         # The inputs a foreach op writes are reduced in one batch before it (StepRows.hold), and
         # small values join a batch instead of a staging copy each: a launch per value again (the
-        # optimizer's 32 reads one by one, a staging copy per activation) fails here. (Measured:
-        # 45 launches for 344 values; 344 before.)
-        assert tally.launches <= tally.values / 4, tally.by_caller()
+        # optimizer's 32 reads one by one, a staging copy per activation or integer) fails here.
+        # (Measured: 36 launches for 344 values with foreach, 27 for 295 fused; 344 before.)
+        assert tally.launches <= tally.values / 8, tally.by_caller()
     else:
         # One launch per value at most (its pass or its staging copy; a value read again, a
         # weight read by several ops, reuses its row).

@@ -371,19 +371,21 @@ class StepRows:
             if version is not None and key not in self.volatile:
                 self._watch(x, owner, version + version_moves, key)
             now = True
-        batched = self._held is not None if now else self._queue_on
+        # The multi-tensor kernel (CUDA with Triton) reduces a batch in one launch whatever its
+        # tensors' sizes and dtypes: small ones and integers join batches there instead of a
+        # staging copy each (one launch per tensor).
+        multi = not x.is_cpu and self._stats.uses_multi_tensor(x)  # (is_cpu first: the hot path)
+        batched = multi and (self._held is not None if now else self._queue_on)
         if self._stage and numel <= STAGE_MAX_NUMEL and self._staged + numel <= STAGE_BUDGET_NUMEL \
-                and not (batched and self._stats.uses_multi_tensor(x)):
-            # (Not where the multi-tensor kernel reduces the batch it would join: many small
-            # tensors are one launch there, a staging copy is one launch per tensor.)
+                and not batched:
             rows.append((*self._stage_into_chunk(x), numel, multiplicity))
             self._staged += numel
-        elif (now and self._held is not None and x.dtype in QUEUED_DTYPES
+        elif (now and self._held is not None and (multi or x.dtype in QUEUED_DTYPES)
               and (version := _version(owner)) is not None):
             rows.append((-1, 0, numel, multiplicity))  # filled in by release()
             self._held.append(Queued(x, len(rows) - 1, owner, version, x.untyped_storage().data_ptr(),
                                      x.untyped_storage()._cdata if key is None else key))
-        elif (self._queue_on and not now and x.dtype in QUEUED_DTYPES
+        elif (self._queue_on and not now and (multi or x.dtype in QUEUED_DTYPES)
               and (key := x.untyped_storage()._cdata if key is None else key) not in self.volatile
               and (version := _version(owner)) is not None):
             rows.append((-1, 0, numel, multiplicity))  # filled in when its batch is reduced

@@ -41,8 +41,13 @@ MIN_BLOCKS_PER_PROGRAM = 4
 WIDTH = 8
 
 _ELEMENT = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
-            torch.float64: tl.float64}
+            torch.float64: tl.float64, torch.int8: tl.int8, torch.uint8: tl.uint8, torch.int16: tl.int16,
+            torch.int32: tl.int32, torch.int64: tl.int64,
+            torch.bool: tl.int8}  # (one byte of 0 or 1: read as int8, not Triton's i1)
 DTYPES = frozenset(_ELEMENT)
+_WIDENED_TO_FP32 = frozenset({torch.float16, torch.bfloat16, torch.float32})
+"""``reduce.MULTI_TENSOR_DTYPES``: integers are widened to fp64 (exact below 2^53, as the staged
+copies were), floating-point values below fp64 to fp32 (exact)."""
 
 
 def _partials(table, count, owners_at, partials, threshold, iterations, ELEMENT: tl.constexpr,
@@ -177,7 +182,7 @@ def rows(xs: Sequence[torch.Tensor], threshold: float = 0.0) -> torch.Tensor:
     with torch.cuda.device(device) if elsewhere else contextlib.nullcontext():
         partial[(len(owners),)](
             table, len(xs), len(columns) * len(xs), partials, float(threshold), iterations,
-            ELEMENT=_ELEMENT[dtype], WIDE=tl.float64 if dtype == torch.float64 else tl.float32,
+            ELEMENT=_ELEMENT[dtype], WIDE=tl.float32 if dtype in _WIDENED_TO_FP32 else tl.float64,
             ALIGNED=not strided and all(a % 16 == 0 for a in addresses), STRIDED=strided, BLOCK=BLOCK,
             num_warps=8)
         combine[(len(xs),)](table, len(xs), partials, out, PROGRAMS=triton.next_power_of_2(int(counts.max())))

@@ -173,6 +173,11 @@ def _fused_raw(flat: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
 _COMPILED = CompiledKernel(_fused_raw)
 _COMPILED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
+MULTI_TENSOR_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
+                                 torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool})
+"""Dtypes the multi-tensor kernel reads (``multi_tensor.DTYPES``; named here, where no Triton is
+imported, for the routing)."""
+
 MULTI_TENSOR_DEVICES = ("cuda",)
 """Device types whose tensors the multi-tensor Triton kernel reduces where Triton imports (read
 at call time: the device cost model, ``benchmarks.device_cost``, adds the device it simulates)."""
@@ -282,9 +287,10 @@ class TensorStats:
         return self.backend == "compiled" or x.numel() >= COMPILED_MIN_NUMEL
 
     def uses_multi_tensor(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` goes to the multi-tensor kernel (``"auto"``, CUDA, Triton): floating-point
-        tensors of any size, contiguous or of a :func:`strided_layout`, read once in place."""
-        return (self.backend == "auto" and x.dtype in _COMPILED_DTYPES
+        """Whether ``x`` goes to the multi-tensor kernel (``"auto"``, CUDA, Triton): tensors of
+        :data:`MULTI_TENSOR_DTYPES` of any size, contiguous or of a :func:`strided_layout`, read
+        once in place."""
+        return (self.backend == "auto" and x.dtype in MULTI_TENSOR_DTYPES
                 and multi_tensor_kernel(x.device) is not None
                 and (x.is_contiguous() or (_multi_tensor_strided and strided_layout(x) is not None)))
 
