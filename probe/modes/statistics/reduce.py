@@ -61,7 +61,8 @@ COMPILED_MIN_NUMEL = 1 << 15
 COMPILED_MAX_NUMEL = 1 << 31  # its int32 counters could overflow beyond
 
 QUEUED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
-"""Dtypes whose tensors are queued; others (integers, bool, fp8) are reduced one by one."""
+"""Dtypes whose tensors are queued; others (integers, bool, fp8) are reduced one by one, except
+where the multi-tensor kernel reads them (:data:`MULTI_TENSOR_DTYPES`: integers and bool too)."""
 
 
 FP64_DEVICES = ("cpu", "cuda")
