@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -141,13 +140,6 @@ def _kernels() -> tuple[Callable, Callable]:
     return triton.jit(_partials), triton.jit(_combine)
 
 
-def programs_for(numel: int) -> int:
-    """Programs for a tensor of ``numel`` elements: one per ``MIN_BLOCKS_PER_PROGRAM`` blocks, at
-    most :data:`MAX_PROGRAMS` (a small tensor's one program is not made to wait on a large one's:
-    each tensor has its own count in the flat grid)."""
-    return max(1, min(MAX_PROGRAMS, math.ceil(numel / (BLOCK * MIN_BLOCKS_PER_PROGRAM))))
-
-
 def rows(xs: Sequence[torch.Tensor], threshold: float = 0.0) -> torch.Tensor:
     """Raw rows ``[len(xs), 8]`` in fp64 of tensors of one dtype in :data:`DTYPES` and one
     device, each contiguous or of a :func:`strided_layout`, where they are, in two launches and
@@ -158,14 +150,15 @@ def rows(xs: Sequence[torch.Tensor], threshold: float = 0.0) -> torch.Tensor:
     first = xs[0]
     device, dtype = first.device, first.dtype
     addresses = [x.data_ptr() for x in xs]
-    numels = [x.numel() for x in xs]
+    numels = np.array([x.numel() for x in xs], dtype=np.int64)
     strided = not all(x.is_contiguous() for x in xs)
-    counts = np.array([programs_for(n) for n in numels], dtype=np.int64)
+    # Each tensor's own number of programs: one per MIN_BLOCKS_PER_PROGRAM blocks, at most
+    # MAX_PROGRAMS (a small tensor's one program does not wait on a large one's).
+    counts = np.clip(-(-numels // (BLOCK * MIN_BLOCKS_PER_PROGRAM)), 1, MAX_PROGRAMS)
     firsts = np.cumsum(counts) - counts
     columns = [addresses, numels, counts, firsts]
     if strided:
-        layouts = [(1, n, 0, 0) if x.is_contiguous() else strided_layout(x)
-                   for x, n in zip(xs, numels, strict=True)]
+        layouts = [(1, x.numel(), 0, 0) if x.is_contiguous() else strided_layout(x) for x in xs]
         if None in layouts:
             raise ValueError("multi_tensor.rows: a tensor neither contiguous nor of a strided_layout")
         columns += [[layout[i] for layout in layouts] for i in (1, 0, 2, 3)]  # type: ignore[index]
@@ -173,7 +166,7 @@ def rows(xs: Sequence[torch.Tensor], threshold: float = 0.0) -> torch.Tensor:
     table = torch.from_numpy(np.concatenate([np.asarray(columns, dtype=np.int64).reshape(-1), owners]))
     if device.type != "cpu":
         table = table.pin_memory().to(device, non_blocking=True)
-    iterations = int(np.max(-(-np.asarray(numels, dtype=np.int64) // (counts * BLOCK))))
+    iterations = int(np.max(-(-numels // (counts * BLOCK))))
     partials = torch.empty((len(owners), WIDTH), dtype=torch.float64, device=device)
     out = torch.empty((len(xs), WIDTH), dtype=torch.float64, device=device)
     partial, combine = _kernels()
