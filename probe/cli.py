@@ -545,10 +545,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
-    from probe.modes.recipes.ranking import write_plan
+    from probe.modes.registry import RUN_COMMANDS
     from probe.rundir.run import load
 
-    made, path = write_plan(load(args.run), args.recipe, args.output, args.keep_fraction, args.rank)
+    made, path = RUN_COMMANDS["plan"](load(args.run), args.recipe, args.output, args.keep_fraction, args.rank)
     for entry in made.ranking[: args.top]:
         kept = "keep" if entry["op"] in made.keep else "    "
         console.print(f"{kept}  {entry['reason']}", highlight=False, markup=False)

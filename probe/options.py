@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from probe.errors import ProbeError
-from probe.modes.config import CONFIGS, ModeConfig
+from probe.modes.config import CONFIG_FILE_FORMS, CONFIGS, ModeConfig
 from probe.rundir import layout
 from probe.tracer.rank import current_rank, world_size
 from probe.vocabulary.option_fields import option_specs
@@ -141,7 +141,6 @@ def _parse_modes(modes: Any) -> tuple[tuple[str, ...], dict[str, ModeConfig]]:
 
 def _config_options(config: Any) -> dict[str, Any]:
     """``config=``: a JSON file (or a dict) of options, or of msprobe's config or monitor config."""
-    from probe.modes.monitor.config import from_msprobe_monitor, is_monitor_config
     from probe.msprobe_config import from_msprobe, is_msprobe_config
 
     data = _read_config(config)
@@ -153,8 +152,9 @@ def _config_options(config: Any) -> dict[str, Any]:
                          "configs do not nest: merge the two into one file")
     if is_msprobe_config(data):
         return from_msprobe(data)
-    if is_monitor_config(data):
-        return from_msprobe_monitor(data)
+    for form in CONFIG_FILE_FORMS:  # registered by the modes (importing probe.modes.config imports them)
+        if form.recognises(data):
+            return form.options(data)
     return data
 
 

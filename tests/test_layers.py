@@ -269,3 +269,34 @@ def test_a_modes_records_are_defined_in_its_package() -> None:
              for cls in _returned_classes(getattr(reader, name))
              if cls.__module__.startswith("probe.") and not _within(cls.__module__, _package_of(reader))]
     assert found == []
+
+
+# The package facade re-exports each mode's public classes (probe.Stats, probe.AnomalyStop, ...):
+# API.md's names, bound lazily by name; it runs nothing of a mode.
+FACADE = "probe"
+
+
+def mode_package_imports(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Imports of a mode's package from outside ``probe/modes/`` (the facade aside): code outside
+    the modes reaches a mode through the registry (``probe.modes.registry``, ``probe.modes.config``)."""
+    return [f"{module} -> {target} (line {line})" for module, imported in sorted(graph.items())
+            if module != FACADE and not _within(module, "probe.modes")
+            for target, line in sorted(imported.items()) if _mode_of(target)]
+
+
+def test_nothing_outside_modes_imports_a_mode_package() -> None:
+    # Issue 34: the session, the options, the CLI, analysis and exporters name no mode's code.
+    assert mode_package_imports(import_graph()) == []
+
+
+def test_the_mode_package_check_finds_a_lazy_import_of_a_mode(tmp_path: Path) -> None:
+    _write(tmp_path, {
+        "probe/__init__.py": "from probe.modes.stats import Stats\n",
+        "probe/cli.py": ("def f():\n    from probe.modes.stats.mode import X\n"
+                         "    from probe.modes import registry\n"),
+        "probe/modes/__init__.py": "",
+        "probe/modes/registry.py": "",
+        "probe/modes/stats/__init__.py": "",
+        "probe/modes/stats/mode.py": "X = 1\n",
+    })
+    assert mode_package_imports(import_graph(tmp_path)) == ["probe.cli -> probe.modes.stats.mode (line 2)"]

@@ -15,7 +15,7 @@ The option table in ``docs/options.md`` is generated from the fields (``probe/op
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -26,6 +26,21 @@ from probe.vocabulary.option_values import same_value
 
 CONFIGS: dict[str, type[ModeConfig]] = {}
 """Mode name -> its config class, filled as each mode's subpackage defines it."""
+
+
+@dataclass(frozen=True)
+class ConfigFileForm:
+    """Another tool's config file that a mode reads as ``probe.mode`` options (msprobe's monitor
+    ``config.json``), registered by the mode so that ``config=`` reads it without naming the mode."""
+
+    recognises: Callable[[Mapping[str, Any]], bool]
+    """Whether a config file's contents are in this form."""
+    options: Callable[[Mapping[str, Any]], dict[str, Any]]
+    """The ``probe.mode`` options it stands for (a ``ProbeError`` for what cannot be honoured)."""
+
+
+CONFIG_FILE_FORMS: list[ConfigFileForm] = []
+"""The forms the modes registered, in the order they did."""
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

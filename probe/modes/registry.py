@@ -5,6 +5,8 @@ session looks it up, and the run reader finds the mode's file reader (registered
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 from probe.errors import ProbeError
 from probe.modes.base import SessionPlugin
@@ -12,6 +14,11 @@ from probe.modes.config import ModeConfig
 from probe.rundir.mode_files import register_mode_files
 
 MODES: dict[str, type[SessionPlugin]] = {}
+
+RUN_COMMANDS: dict[str, Callable[..., Any]] = {}
+"""``probe`` subcommand -> what a mode does with a written run it is handed (``"plan"``: the
+recipes' ranking writes a plan file). Registered by the mode, so the CLI runs it by name without
+importing the mode's package."""
 
 
 def _same_class(a: type, b: type) -> bool:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from probe.errors import ProbeError, warn_once
-from probe.modes.config import CONFIGS, configs_for
+from probe.modes.config import CONFIG_FILE_FORMS, CONFIGS, ConfigFileForm, configs_for
 from probe.modes.statistics.columns import LEGACY_NAMES
 from probe.vocabulary.option_values import IntSet, parse_bool, parse_choice, parse_int, parse_number, show
 
@@ -390,3 +390,6 @@ def parse_scaler(value: Any) -> Any:
         return value
     raise ProbeError("monitor option 'scaler': expected the torch.amp.GradScaler the training loop uses "
                      f"(its scale becomes the series loss_scale/scaler), got {show(value)}")
+
+
+CONFIG_FILE_FORMS.append(ConfigFileForm(is_monitor_config, from_msprobe_monitor))

@@ -12,7 +12,8 @@ from probe.modes.recipes.files import OperandWhatIf, WhatIfFiles
 from probe.modes.recipes.formats import RECIPES, Recipe
 from probe.modes.recipes.options import FakeQuant, WhatIf
 from probe.modes.recipes.plan_file import Plan
+from probe.modes.recipes.ranking import write_plan  # registers ``probe plan``
 from probe.modes.recipes.whatif import WhatIfMode
 
 __all__ = ["RECIPES", "FakeQuant", "FakeQuantMode", "OperandWhatIf", "Plan", "Recipe", "WhatIf",
-           "WhatIfFiles", "WhatIfMode"]
+           "WhatIfFiles", "WhatIfMode", "write_plan"]

@@ -7,9 +7,13 @@ has more than :data:`UNDERFLOW_LIMIT` of its nonzero values quantized to 0 is fl
 (TransformerEngine's ``AutoswitchGemm`` moves a GEMM to high precision at the same 5%), since
 values lost whole bias what the matmul computes in a way one step's error does not show (the MX
 spikes of arXiv 2506.20752 come from such bias). Within each group, matmuls go by their
-predicted relative output error, sqrt(sum over operands of the relative squared error of
-quantize-dequantize): independent rounding errors of the operands add in the product's square
-(benchmarks/recipes.py measures how well it orders the real output errors). Statistics are
+predicted relative output error: the expected squared error each operand's rounding alone puts
+into the product (its errors per reduction index weighted by the other operand's values there,
+:func:`~probe.modes.recipes.quantize.product_error_energy`), summed over the operands, over the
+output's sum of squares. Where the operands do not pair up (a convolution's backward), it falls
+back to sqrt(sum over operands of their relative squared errors), which takes the product to
+mix its operands evenly: it misses the cancellation of a product and what an outlier weighs
+(benchmarks/recipes.py measures how well each orders the real output errors). Statistics are
 pooled over the run's steps (counts and squared sums added) before shares are taken.
 """
 
@@ -24,6 +28,7 @@ from probe.errors import ProbeError
 from probe.modes.recipes.files import OperandWhatIf, QuantizationLosses, WhatIfFiles
 from probe.modes.recipes.formats import Recipe
 from probe.modes.recipes.plan_file import Plan
+from probe.modes.registry import RUN_COMMANDS
 
 UNDERFLOW_LIMIT = 0.05
 """The share of an operand's nonzero values quantized to 0 above which its matmul is flagged."""
@@ -41,6 +46,9 @@ class OperandRisk(QuantizationLosses):
     error_sq: float = 0.0
     signal_sq: float = 0.0
     block_range_log2: float = 0.0
+    output_error_sq: float = 0.0
+    """Summed over the steps; NaN once a step did not measure it."""
+    output_sq: float = 0.0
 
     def add(self, row: OperandWhatIf) -> None:
         self.nonzero += row.nonzero
@@ -49,6 +57,8 @@ class OperandRisk(QuantizationLosses):
         self.error_sq += row.error_sq
         self.signal_sq += row.signal_sq
         self.block_range_log2 = max(self.block_range_log2, row.block_range_log2)
+        self.output_error_sq += row.output_error_sq
+        self.output_sq += row.output_sq
 
     @property
     def rounding_loss(self) -> float:
@@ -68,9 +78,17 @@ class MatmulRisk:
 
     @property
     def predicted_error(self) -> float:
-        """The predicted relative L2 error of the output: sqrt(sum of the operands' relative
-        squared errors)."""
-        return math.sqrt(sum(o.rounding_loss for o in self.operands.values()))
+        """The predicted relative L2 error of the output: the operands' expected squared errors in
+        the product over its sum of squares; where they were not measured, sqrt(sum of the
+        operands' relative squared errors). A NaN or Inf operand: the worst."""
+        operands = self.operands.values()
+        if any(math.isinf(o.rounding_loss) for o in operands):
+            return math.inf
+        output_sq = next(iter(operands)).output_sq
+        in_output = [o.output_error_sq for o in operands]
+        if all(math.isfinite(e) for e in in_output) and math.isfinite(output_sq) and output_sq > 0:
+            return math.sqrt(sum(in_output) / output_sq)
+        return math.sqrt(sum(o.rounding_loss for o in operands))
 
     @property
     def underflow_share(self) -> float:
@@ -162,3 +180,6 @@ def write_plan(run: Any, recipe: str, out: str | Path | None = None, keep_fracti
     handed, never loads one), written to ``out`` (default ``RUN/plan.json``)."""
     made = plan(run, recipe, keep_fraction, rank)
     return made, made.save(Path(out) if out is not None else Path(run.path) / "plan.json")
+
+
+RUN_COMMANDS["plan"] = write_plan
