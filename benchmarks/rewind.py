@@ -113,7 +113,7 @@ def measure_cost(config: LlamaConfig, batch: int, seq: int, steps: int) -> dict[
             start.keep(index, b)
         loss = fn(b)
         if kept:
-            nonfinite_after_step(loss, list(model.parameters()))
+            nonfinite_after_step(loss, start.parameters)
         else:
             loss.item()  # the plain loop reads its loss too (a logged loss): the same one sync
         if index >= 4:  # warm-up

@@ -53,28 +53,48 @@ class RngStates:
 
 
 class HostCopies:
-    """Host copies of a list of tensors, in buffers reused while shapes and dtypes stay the same."""
+    """Host copies of a list of tensors, in buffers allocated once and reused every step.
+
+    The (source, buffer) pairs are grouped by device and dtype once; a step's :meth:`take` checks that
+    the tensors are the ones paired last with the same dtype, shape and device (a parameter's
+    ``.data`` may have been rebound: the pair holds the parameter itself, so its new storage is read)
+    and copies each group with one ``torch._foreach_copy_``. Per step that is one list comparison
+    and one C++ call per group, no per-tensor Python beyond the comparison."""
 
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor] = []
+        self._signature: list[tuple[torch.dtype, torch.Size, torch.device]] = []
+        self._groups: list[tuple[bool, list[torch.Tensor], list[torch.Tensor]]] = []
+        """(on the CPU, targets, sources) per device and dtype."""
+        self._sources: list[torch.Tensor] = []
 
     def take(self, tensors: list[torch.Tensor]) -> None:
-        if len(self.buffers) != len(tensors) or any(
-                b.shape != t.shape or b.dtype != t.dtype for b, t in zip(self.buffers, tensors, strict=True)):
-            self.buffers = [torch.empty(t.shape, dtype=t.dtype, device="cpu",
-                                        pin_memory=t.device.type != "cpu" and torch.cuda.is_available())
-                            for t in tensors]
-        by_device: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for buffer, tensor in zip(self.buffers, tensors, strict=True):
-            sources, targets = by_device.setdefault((tensor.device, tensor.dtype), ([], []))
-            sources.append(tensor.detach())
-            targets.append(buffer)
-        for (device, _), (sources, targets) in by_device.items():
-            if device.type == "cpu":
+        """Copy ``tensors`` into the buffers (under ``torch.no_grad()``: sources are not detached)."""
+        signature = [(t.dtype, t.shape, t.device) for t in tensors]
+        if signature != self._signature:
+            self.buffers = [torch.empty(shape, dtype=dtype, device="cpu",
+                                        pin_memory=device.type != "cpu" and torch.cuda.is_available())
+                            for dtype, shape, device in signature]
+            self._signature = signature
+            self._pair(tensors)
+        elif any(a is not b for a, b in zip(tensors, self._sources, strict=True)):
+            self._pair(tensors)  # other tensors of the same layout (a batch, a rebound buffer)
+        for on_cpu, targets, sources in self._groups:
+            if on_cpu:
                 torch._foreach_copy_(targets, sources)
             else:  # stream-ordered before the step's kernels: no sync, the start's values are read
                 for target, source in zip(targets, sources, strict=True):
                     target.copy_(source, non_blocking=True)
+
+    def _pair(self, tensors: list[torch.Tensor]) -> None:
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for buffer, tensor in zip(self.buffers, tensors, strict=True):
+            targets, sources = groups.setdefault((tensor.device, tensor.dtype), ([], []))
+            targets.append(buffer)
+            sources.append(tensor)
+        self._groups = [(device.type == "cpu", targets, sources)
+                        for (device, _), (targets, sources) in groups.items()]
+        self._sources = list(tensors)
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
@@ -136,7 +156,8 @@ class StepStart:
         self.keep_grads = keep_grads
         # Walked once (a module walk is half of a small model's keep): parameters are updated in
         # place or through .data, and buffers are read from their slot, so a rebound buffer is seen.
-        self._param_list = list(model.parameters())
+        self.parameters = list(model.parameters())
+        """The model's parameters, walked once (``nonfinite_after_step`` reads them after each step)."""
         self._buffer_slots = _buffer_slots(model)
         self.step: int | None = None
         self._params = HostCopies()
@@ -145,6 +166,10 @@ class StepStart:
         """(parameter index, state key) of each tensor of the optimizer's state, in order."""
         self._optimizer_other: list[tuple[int, str, Any]] = []
         """Non-tensor entries of the optimizer's state."""
+        self._optimizer_values: list[Any] = []
+        """The optimizer state's values as last seen: the layout is walked again when they change."""
+        self._optimizer_live: list[torch.Tensor] = []
+        self._optimizer_other_slots: list[tuple[int, str]] = []
         self._groups: list[dict[str, Any]] = []
         self._grads = HostCopies()
         self._had_grad: list[bool] = []
@@ -160,7 +185,7 @@ class StepStart:
     # -- what is kept -------------------------------------------------------------
 
     def _state_tensors(self) -> list[torch.Tensor]:
-        return [*self._param_list, *(module._buffers[name] for module, name in self._buffer_slots)]
+        return [*self.parameters, *(module._buffers[name] for module, name in self._buffer_slots)]
 
     def _optimizer_params(self) -> list[torch.Tensor]:
         if self.optimizer is None:
@@ -171,7 +196,7 @@ class StepStart:
         """Take the start of ``step`` (the batch it runs on, when given)."""
         with torch.no_grad():
             self._params.take(self._state_tensors())
-            params = self._param_list
+            params = self.parameters
             self._had_grad = [p.grad is not None for p in params]
             if self.keep_grads:
                 self._grads.take([p.grad for p in params if p.grad is not None])
@@ -194,17 +219,24 @@ class StepStart:
     def _keep_optimizer(self) -> None:
         if self.optimizer is None:
             return
-        layout, tensors, other = [], [], []
-        for index, param in enumerate(self._optimizer_params()):
-            for key, value in self.optimizer.state.get(param, {}).items():
-                if isinstance(value, torch.Tensor):
-                    layout.append((index, key))
-                    tensors.append(value)
-                else:
-                    other.append((index, key, copy.deepcopy(value)))
-        self._optimizer_layout, self._optimizer_other = layout, other
-        self._optimizer_tensors.take(tensors)
-        self._groups = [{k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+        state = self.optimizer.state
+        values = [v for p in self._optimizer_params() for v in state.get(p, _NO_STATE).values()]
+        if not _same_tensors(values, self._optimizer_values):  # state made (the first step) or replaced
+            layout, tensors, other = [], [], []
+            for index, param in enumerate(self._optimizer_params()):
+                for key, value in state.get(param, _NO_STATE).items():
+                    if isinstance(value, torch.Tensor):
+                        layout.append((index, key))
+                        tensors.append(value)
+                    else:
+                        other.append((index, key))
+            self._optimizer_layout, self._optimizer_live, self._optimizer_other_slots = layout, tensors, other
+            self._optimizer_values = values
+        params = self._optimizer_params() if self._optimizer_other_slots else []
+        self._optimizer_other = [(index, key, copy.deepcopy(state[params[index]][key]))
+                                 for index, key in self._optimizer_other_slots]
+        self._optimizer_tensors.take(self._optimizer_live)
+        self._groups = [{k: _copied(v) for k, v in group.items() if k != "params"}
                         for group in self.optimizer.param_groups]
 
     def nbytes(self) -> int:
@@ -215,7 +247,7 @@ class StepStart:
     def equals_live(self) -> bool:
         """Whether the live parameters, buffers, gradients, optimizer state, the scaler's state and the
         RNG states equal the kept ones bit for bit (the batch aside)."""
-        params = self._param_list
+        params = self.parameters
         grads = [p.grad for p in params if p.grad is not None] if self.keep_grads else []
         live = [*self._state_tensors(), *grads]
         kept = [*self._params.buffers, *self._grads.buffers]
@@ -244,7 +276,7 @@ class StepStart:
             torch.cuda.synchronize()  # the non-blocking copies have landed
         with torch.no_grad():
             buffers = self._params.buffers
-            params = self._param_list
+            params = self.parameters
             for param, kept in zip(params, buffers, strict=False):
                 _put(param, kept)
             for (module, name), kept in zip(self._buffer_slots, buffers[len(params):], strict=True):
@@ -292,6 +324,26 @@ class StepStart:
         live.update(fresh)
         for group, kept_group in zip(self.optimizer.param_groups, self._groups, strict=True):
             group.update(copy.deepcopy(kept_group))
+
+
+_NO_STATE: dict[str, Any] = {}
+_IMMUTABLE = (int, float, bool, str, bytes, type(None))
+
+
+def _same_tensors(values: list[Any], before: list[Any]) -> bool:
+    """The same tensor objects in the same places (other values, a step kept as an int, may differ)."""
+    return len(values) == len(before) and all(
+        a is b or (not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor))
+        for a, b in zip(values, before, strict=True))
+
+
+def _copied(value: Any) -> Any:
+    """A hyper-parameter as it is now: immutable ones (nearly all: floats, betas tuples) shared, the
+    rest (a tensor learning rate) deep-copied; per step, deepcopy's dispatch was a third of a keep."""
+    if isinstance(value, _IMMUTABLE) or (isinstance(value, tuple)
+                                         and all(isinstance(v, _IMMUTABLE) for v in value)):
+        return value
+    return copy.deepcopy(value)
 
 
 def _buffer_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
