@@ -69,6 +69,10 @@ def test_bit_flip_once_is_transient_and_the_op_it_reached_is_named(tmp_path: Pat
     assert verdict.located is not None
     assert (verdict.located["module"], verdict.located["name"]) == ("1", "aten.relu.default")
     assert verdict.reruns[0].bitwise_equal is False and verdict.reruns[0].nonfinite is None
+    # A second rerun equals the first: the original alone differed, a one-off.
+    assert verdict.cause == "hardware", verdict.evidence
+    assert [(r.kind, r.bitwise_equal) for r in verdict.reruns] == [("same", False), ("same again", True)]
+    assert "transient (hardware)" in verdict.line()
 
 
 def test_fp16_overflow_float64_avoids_is_precision_named_at_the_op_that_overflowed(tmp_path: Path) -> None:
@@ -235,3 +239,39 @@ def test_the_verdict_is_a_series_in_the_monitors_csv_and_tensorboard(tmp_path: P
     events.Reload()
     assert [(s.step, s.value) for s in events.Scalars("rewind/data/mean")] == [(BAD_STEP, 1.0)]
     assert len(events.Scalars("activation/0/output/mean")) == len(batches)  # the step's own series stay
+
+
+class _ReadsAGlobalCounter(nn.Module):
+    """Adds a value that changes every forward, from outside anything a step's start holds (a Python
+    global, as the clock or an unseeded generator would be); ``kernel_like``: only while torch's
+    deterministic algorithms are off, as an atomic-add reduction on an accelerator."""
+
+    forwards = 0
+
+    def __init__(self, kernel_like: bool) -> None:
+        super().__init__()
+        self.body = _mlp()
+        self.kernel_like = kernel_like
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _ReadsAGlobalCounter.forwards += 1
+        if self.kernel_like and torch.are_deterministic_algorithms_enabled():
+            return self.body(x)
+        return self.body(x) + 1e-3 * _ReadsAGlobalCounter.forwards
+
+
+@pytest.mark.parametrize(("kernel_like", "cause"), [(False, "non-determinism (program)"),
+                                                     (True, "non-determinism (kernel)")])
+def test_a_step_that_does_not_reproduce_itself_is_non_determinism_kernel_or_program(
+        tmp_path: Path, kernel_like: bool, cause: str) -> None:
+    verdicts = _train(_ReadsAGlobalCounter(kernel_like), _batches(), tmp_path / "run", rewind_after=1)
+    verdict = verdicts[0]
+    assert (verdict.step, verdict.verdict, verdict.cause) == (1, "transient", cause), verdict.evidence
+    assert [(r.kind, r.bitwise_equal) for r in verdict.reruns] == [
+        ("same", False), ("same again", False), ("deterministic", None),
+        ("deterministic again", kernel_like)]
+    # The op named is the first whose values differ between the two reruns: the add reading the counter.
+    assert verdict.located is not None
+    assert (verdict.located["name"], verdict.located["module"]) == ("aten.add.Tensor", ""), verdict.located
+    assert "between the two reruns" in verdict.located["how"]
+    assert not torch.are_deterministic_algorithms_enabled()  # the flag as it was

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from probe.errors import ProbeError, warn_once
+from probe.rewind.determinism import HARDWARE, KERNEL, PROGRAM, deterministic_algorithms
 from probe.rewind.precision import float64_step
 from probe.rewind.start import Batch, StepStart, leaves, rebuild, same_bits
 from probe.rewind.verdict import Rerun, Verdict, rewind_dir
@@ -62,23 +63,31 @@ class _Original:
     nonfinite: str | None
 
 
+_SUM_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+"""What a parameter's finiteness sum accumulates in, where not its own dtype (fp32 or wider)."""
+
+
 def nonfinite_after_step(loss: Any, params: list[torch.Tensor]) -> str | None:
     """Why a step's result is anomalous (a non-finite loss, or non-finite parameters after the
     optimizer took a non-finite gradient), or None. One host sync: the checks are gathered on one
     device and read together."""
     with torch.no_grad():
-        floating = [p.detach() for p in params if p.is_floating_point()]
         is_loss = isinstance(loss, torch.Tensor)
-        device = loss.device if is_loss else floating[0].device if floating else None
-        if device is None:
+        checks = [torch.isfinite(loss).all().reshape(1)] if is_loss else []
+        # A sum is non-finite where one value is, and accumulated in fp32 (fp64 for fp64) only a
+        # sum past 3.4e38 overflows (a 2-norm squares, past 1.8e19); the fastest of the
+        # reductions on the CPU benchmark (the inf-norm and isfinite().all() were 9x slower,
+        # _foreach_norm and _foreach_powsum slower still on the CPU).
+        sums = [p.sum(dtype=_SUM_DTYPE.get(p.dtype, p.dtype)) for p in params if p.is_floating_point()]
+        if not checks and not sums:
             return None
-        checks = [torch.isfinite(loss.detach()).all().reshape(1)] if is_loss else []
-        if floating:
-            # A sum is non-finite where one value is, and accumulated in fp32 (fp64 for fp64) only a
-            # sum past 3.4e38 overflows (a 2-norm squares, past 1.8e19); the fastest of the
-            # reductions on the CPU benchmark (the inf-norm and isfinite().all() were 9x slower).
-            sums = [p.sum(dtype=torch.promote_types(p.dtype, torch.float32)).to(device) for p in floating]
-            checks.append(torch.isfinite(torch.stack(sums)).all().reshape(1))
+        device = loss.device if is_loss else sums[0].device
+        if sums:
+            try:
+                stacked = torch.stack(sums)
+            except RuntimeError:  # parameters on several devices (a pipeline's stages): gathered on one
+                stacked = torch.stack([s.to(device) for s in sums])
+            checks.append(torch.isfinite(stacked).all().reshape(1).to(device))
         finite = torch.cat(checks).tolist()
     if is_loss and not finite[0]:
         return "non-finite loss"
@@ -153,7 +162,8 @@ class Rewinder:
         parameter, the first of a run of such steps: the ones after inherit its values), or None;
         the caller ends the step (``session.step()``), then calls :meth:`step_ended` with it."""
         with untraced():
-            nonfinite = nonfinite_after_step(loss, list(self._model().parameters()))
+            nonfinite = nonfinite_after_step(loss, self.start.parameters if self.start is not None
+                                             else list(self._model().parameters()))
             kept = loss.detach().clone() if isinstance(loss, torch.Tensor) else None
         began_here = nonfinite is not None and (self.last is None or self.last.nonfinite is None)
         self.last = _Original(self.session.step_index, fn, kept, nonfinite)
@@ -236,6 +246,20 @@ class Rewinder:
         return verdict
 
 
+@dataclass
+class _End:
+    """How a run of the step ended: its loss and its end state, for a rerun to be compared with."""
+
+    loss: torch.Tensor | None
+    state: StepStart
+
+    def equals(self, loss: Any) -> bool:
+        """Whether a run that just returned ``loss`` ended as this one, bit for bit."""
+        if self.loss is None or not isinstance(loss, torch.Tensor):
+            return self.loss is None and not isinstance(loss, torch.Tensor) and self.state.equals_live()
+        return same_bits(self.loss, loss) and self.state.equals_live()
+
+
 class _Classification:
     """The reruns of one rewind and the verdict they lead to."""
 
@@ -245,6 +269,9 @@ class _Classification:
         self.rank, self.trigger = rank, trigger
         self.out = Path(rewinder.session.out)
         self.reruns: list[Rerun] = []
+        self.same_end: _End | None = None
+        """How the first rerun ended (a second rerun is compared with it)."""
+        self.deterministic_end: _End | None = None
 
     def verdict(self, kind: str, why: str, located: dict[str, Any] | None = None) -> Verdict:
         return Verdict(self.original.step, self.rank, self.trigger, kind, why, located, reruns=self.reruns)
@@ -254,10 +281,7 @@ class _Classification:
         if same.error is not None:
             return self.verdict("not classified", f"the rerun raised {same.error}")
         if not same.bitwise_equal:
-            located = self.first_difference(same)
-            return self.verdict("transient", "the same step from the same start ended differently bit for "
-                                "bit (a hardware fault or non-determinism)" + ("" if located else
-                                "; no op named: the original step was not traced"), located)
+            return self.transient(same)
         if self.original.nonfinite is None:
             return self.verdict("reproducible", "the rerun equals the original bit for bit and nothing in it "
                                 "is non-finite: no cause to look for")
@@ -279,12 +303,61 @@ class _Classification:
             return self.data_verdict("recurs in float64; some samples alone are finite, others not")
         return self.verdict("code", "recurs in float64 and in every sample alone", located)
 
+    def transient(self, same: Rerun) -> Verdict:
+        """The rerun ended differently from the original: its cause, by a second rerun (and, where the
+        two reruns differ, two under deterministic algorithms); see ``probe.rewind.determinism``."""
+        located = self.first_difference(same)
+        if located is None:
+            why = "the same step from the same start ended differently bit for bit; no op named: the " \
+                  "original step was not traced"
+        else:
+            why = "the same step from the same start ended differently bit for bit"
+        verdict = self.verdict("transient", why, located)
+        assert self.same_end is not None
+        again = self.rerun("same again", self.start.batch.get(), against=self.same_end)
+        if again.error is not None:
+            verdict.evidence = f"cause not told: the second rerun raised {again.error}"
+            return verdict
+        if again.bitwise_equal:
+            verdict.cause = HARDWARE
+            verdict.evidence = ("one-off: two reruns from the kept start agree bit for bit and the original "
+                                "alone differs (a hardware fault, or non-determinism too rare for two reruns "
+                                "to show)")
+            return verdict
+        between = self.first_difference(again, self.out / (same.run or ""), 0)
+        if between is not None:
+            verdict.located = {**between, "how": "the first op whose recorded values differ between the "
+                               "two reruns"}
+        first = self.rerun("deterministic", self.start.batch.get(), deterministic=True, traced=False,
+                           keep_end=True)
+        second = (self.rerun("deterministic again", self.start.batch.get(), deterministic=True, traced=False,
+                             against=self.deterministic_end) if first.error is None else first)
+        differs = "the two reruns from the kept start differ from each other too"
+        if second.error is not None:
+            verdict.evidence = f"{differs}; kernel or program not told: a deterministic rerun raised " \
+                               f"{second.error}"
+        elif second.bitwise_equal:
+            verdict.cause = KERNEL
+            verdict.evidence = (f"{differs}; two under torch.use_deterministic_algorithms(True) agree bit "
+                                "for bit: a kernel's non-determinism, which the flag removes")
+        else:
+            verdict.cause = PROGRAM
+            verdict.evidence = (f"{differs}, and under torch.use_deterministic_algorithms(True) too: the "
+                                "step reads something its kept start does not hold (a global counter, the "
+                                "clock, an unseeded generator, Python state)")
+        return verdict
+
     # -- reruns ---------------------------------------------------------------------------
 
-    def rerun(self, kind: str, batch: Batch, float64: bool = False, traced: bool = True) -> Rerun:
-        """The step again from its start, on ``batch``, traced by the stats mode into its own run."""
+    def rerun(self, kind: str, batch: Batch, float64: bool = False, traced: bool = True,
+              deterministic: bool = False, against: _End | None = None, keep_end: bool = False) -> Rerun:
+        """The step again from its start, on ``batch``, traced by the stats mode into its own run;
+        compared bit for bit with ``against`` (the "same" rerun: with the original's end), and its own
+        end kept for a later rerun to be compared with (the "same" rerun always)."""
         session, start = self.rewinder.session, self.start
-        directory = rewind_dir(self.out, self.rank, self.original.step) / kind.replace(" ", "")
+        if kind == "same":
+            against, keep_end = _End(self.original.loss, self.end), True
+        directory = rewind_dir(self.out, self.rank, self.original.step) / kind.replace(" ", "_")
         result = Rerun(kind, None, None, run=str(directory.relative_to(self.out)) if traced else None)
         self.reruns.append(result)
         with session.set_aside(), contextlib.ExitStack() as stack:
@@ -293,6 +366,8 @@ class _Classification:
             try:
                 if float64:
                     batch = stack.enter_context(float64_step(start.model, start.optimizer, batch))
+                if deterministic:
+                    stack.enter_context(deterministic_algorithms())
                 if traced:
                     stack.enter_context(session.rerun_session(directory, start.model))
                 loss = self.original.fn(batch)
@@ -301,19 +376,19 @@ class _Classification:
                 return result
             with untraced():
                 result.nonfinite = nonfinite_after_step(loss, list(start.model.parameters()))
-                same = kind == "same" and self.same_as_original(loss)
+                if against is not None:
+                    result.bitwise_equal = against.equals(loss)
+                if keep_end:
+                    end = StepStart(start.model, start.optimizer, start.scaler, keep_grads=True)
+                    end.keep(self.original.step)
+                    kept = _End(loss.detach().clone() if isinstance(loss, torch.Tensor) else None, end)
+                    if deterministic:
+                        self.deterministic_end = kept
+                    else:
+                        self.same_end = kept
         if isinstance(loss, torch.Tensor):
             result.loss = float(loss.detach().double().mean())
-        if kind == "same":
-            result.bitwise_equal = same
         return result
-
-    def same_as_original(self, loss: Any) -> bool:
-        """Whether a rerun's loss and end state equal the original's bit for bit."""
-        original = self.original.loss
-        if original is None or not isinstance(loss, torch.Tensor):
-            return original is None and not isinstance(loss, torch.Tensor) and self.end.equals_live()
-        return same_bits(original, loss) and self.end.equals_live()
 
     def sample_losses(self) -> list[float | None]:
         """Each sample's loss alone (the step re-run on it from its start, untraced)."""
@@ -349,11 +424,14 @@ class _Classification:
         bad = load(self.out / rerun.run).first_nonfinite()
         return None if bad is None else _located(bad, "the first non-finite op of the rerun")
 
-    def first_difference(self, rerun: Rerun) -> dict[str, Any] | None:
-        """The first op of the original step whose recorded values the rerun does not reproduce;
-        None when the original step recorded no ops (not traced: not compared)."""
+    def first_difference(self, rerun: Rerun, run: Path | None = None, step: int | None = None
+                         ) -> dict[str, Any] | None:
+        """The first op of a run's step (the original step; or step ``step`` of ``run``, another
+        rerun) whose recorded values the rerun does not reproduce; None when that step recorded no
+        ops (not traced: not compared)."""
         try:
-            original = load(self.out).ops(step=self.original.step, rank=self.rank)
+            original = load(run or self.out).ops(step=self.original.step if step is None else step,
+                                                 rank=self.rank)
         except (ProbeError, OSError, KeyError, ValueError):
             return None
         if not original or rerun.run is None:

@@ -33,13 +33,15 @@ class Rerun:
     """One rerun of the step: how it ran and what it ended with."""
 
     kind: str
-    """"same" (the original's precision and batch), "float64", "previous_batch", or "sample <i>"."""
+    """"same" (the original's precision and batch), "same again" and "deterministic" (twice) for a
+    transient's cause, "float64", "previous_batch", or "sample <i>"."""
     loss: float | None
     nonfinite: str | None
     """Why the rerun counts as anomalous (a non-finite loss or parameter), or None."""
     bitwise_equal: bool | None = None
-    """Whether it ended with the original's loss, parameters and optimizer state bit for bit
-    (asked of the "same" rerun only)."""
+    """Whether it ended with the loss, parameters and optimizer state of the run it is compared with,
+    bit for bit: "same" with the original, "same again" with "same", the second "deterministic"
+    with the first (None for the others)."""
     run: str | None = None
     """Its traced run, relative to the run directory (None when untraced)."""
     error: str | None = None
@@ -59,6 +61,11 @@ class Verdict:
     sample_losses: list[float | None] = field(default_factory=list)
     reruns: list[Rerun] = field(default_factory=list)
     seconds: float = 0.0
+    cause: str | None = None
+    """Transient verdicts: "hardware" (a one-off), "non-determinism (kernel)" or "non-determinism
+    (program)" (``probe.rewind.determinism``); None where not told."""
+    evidence: str | None = None
+    """Transient verdicts: what the reruns showed that tells the cause."""
 
     def line(self) -> str:
         """One line a person reads first."""
@@ -69,7 +76,8 @@ class Verdict:
         if self.samples:
             where = f": sample(s) {', '.join(map(str, self.samples))} of the batch"
         head = f"step {self.step} rank {self.rank}: rewound ({self.trigger})"
-        return f"{head}: {self.verdict}{where}; {self.why}"
+        kind = f"{self.verdict} ({self.cause})" if self.cause else self.verdict
+        return f"{head}: {kind}{where}; {self.why}"
 
     def write(self, out: Path) -> Path:
         step_directory = layout.step_dir(out, self.rank, self.step)
