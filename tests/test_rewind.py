@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -275,3 +279,26 @@ def test_a_step_that_does_not_reproduce_itself_is_non_determinism_kernel_or_prog
     assert (verdict.located["name"], verdict.located["module"]) == ("aten.add.Tensor", ""), verdict.located
     assert "between the two reruns" in verdict.located["how"]
     assert not torch.are_deterministic_algorithms_enabled()  # the flag as it was
+
+
+def test_ranks_rewind_together_and_the_verdict_names_the_rank(tmp_path: Path) -> None:
+    """Two gloo ranks, gradients all-reduced inside the step: rank 1's poisoned sample makes rank 1's
+    loss and both ranks' parameters non-finite; both rewind together (their reruns' all-reduces meet:
+    no hang) and both name rank 1's sample."""
+    pytest.importorskip("torch.distributed")
+    worker = Path(__file__).parent / "distributed" / "rewind_worker.py"
+    report = tmp_path / "report"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(worker), "--out", str(tmp_path / "run"), "--report", str(report)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=180, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for rank in (0, 1):
+        [verdict] = json.loads((report / f"rank{rank}.json").read_text())["verdicts"]
+        assert (verdict["step"], verdict["rank"], verdict["verdict"]) == (2, rank, "data"), verdict["why"]
+        assert verdict["ranks"] == [1]
+        assert verdict["samples"] == ([3] if rank == 1 else [])
+        assert verdict["trigger"] == ("non-finite parameter after the step on rank 0, "
+                                      "non-finite loss on rank 1")
+    [written] = [v for v in read_verdicts(tmp_path / "run") if v.rank == 1]
+    assert "data on rank 1: sample(s) 3 of the batch" in written.line()

@@ -36,6 +36,7 @@ import torch
 from probe.errors import ProbeError, warn_once
 from probe.rewind.determinism import HARDWARE, KERNEL, PROGRAM, deterministic_algorithms
 from probe.rewind.precision import float64_step
+from probe.rewind.ranks import Ranks
 from probe.rewind.start import Batch, StepStart, leaves, rebuild, same_bits
 from probe.rewind.verdict import Rerun, Verdict, rewind_dir
 from probe.rundir.run import load
@@ -96,6 +97,14 @@ def nonfinite_after_step(loss: Any, params: list[torch.Tensor]) -> str | None:
     return None
 
 
+TRIGGERS = ("non-finite loss", "non-finite parameter after the step", "monitor")
+"""What makes a rank rewind, as it tells the other ranks (a code: the index + 1)."""
+
+
+def _reason(code: int) -> str:
+    return TRIGGERS[code - 1] if code <= len(TRIGGERS) else "a rewind"
+
+
 class Rewinder:
     """A session's rewind: the kept start, the step last run, the verdicts (one per session)."""
 
@@ -106,6 +115,8 @@ class Rewinder:
         self.verdicts: list[Verdict] = []
         self._heard: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._listening = False
+        self.ranks: Ranks | None = None
+        """The job's ranks, read at the first kept start (the process group may come after the session)."""
 
     @property
     def session(self) -> Session:
@@ -146,6 +157,8 @@ class Rewinder:
                 model, optimizer, scaler, keep_grads):
             start = self.start = StepStart(model, optimizer, scaler, keep_grads)
         self._listen()
+        if self.ranks is None:
+            self.ranks = Ranks()
         with untraced():  # the probe's own copies are no ops of the step
             start.keep(session.step_index, batch)
 
@@ -186,8 +199,18 @@ class Rewinder:
         the rerun is compared with."""
         if trigger is None:
             trigger = self._alert_trigger()
-        if trigger is not None:
-            self.rewind(trigger)
+        ranks = self.ranks or Ranks()
+        if not ranks.distributed:
+            if trigger is not None:
+                self.rewind(trigger)
+            return
+        # Every rank rewinds together, or none: one all_reduce of why each rank would (0: it would not).
+        reason = 0 if trigger is None else next(
+            (i for i, r in enumerate(TRIGGERS, 1) if trigger.startswith(r)), len(TRIGGERS) + 1)
+        codes = ranks.codes(reason)
+        if any(codes):
+            self.rewind(", ".join(f"{trigger if r == ranks.rank else _reason(c)} on rank {r}"
+                                  for r, c in enumerate(codes) if c))
 
     def _alert_trigger(self) -> str | None:
         """A monitor alert about the step run last, as a rewind's trigger. The monitor's rules run
@@ -222,9 +245,10 @@ class Rewinder:
         with untraced():
             end.keep(last.step)
         rank = session._tracer.rank if session._tracer is not None else 0
+        ranks = self.ranks or Ranks()
         try:
             with session.set_aside():  # nothing of the rewind is an op of the step the session is in
-                verdict = _Classification(self, last, start, end, rank, trigger).run()
+                verdict = _Classification(self, last, start, end, rank, ranks, trigger).run()
         except Exception as e:  # the probe never raises into training: the failure is the verdict
             verdict = Verdict(last.step, rank, trigger, "not classified", f"{type(e).__name__}: {e}")
         finally:
@@ -264,46 +288,54 @@ class _Classification:
     """The reruns of one rewind and the verdict they lead to."""
 
     def __init__(self, rewinder: Rewinder, original: _Original, start: StepStart, end: StepStart,
-                 rank: int, trigger: str) -> None:
+                 rank: int, ranks: Ranks, trigger: str) -> None:
         self.rewinder, self.original, self.start, self.end = rewinder, original, start, end
-        self.rank, self.trigger = rank, trigger
+        self.rank, self.ranks, self.trigger = rank, ranks, trigger
         self.out = Path(rewinder.session.out)
         self.reruns: list[Rerun] = []
         self.same_end: _End | None = None
         """How the first rerun ended (a second rerun is compared with it)."""
         self.deterministic_end: _End | None = None
 
-    def verdict(self, kind: str, why: str, located: dict[str, Any] | None = None) -> Verdict:
-        return Verdict(self.original.step, self.rank, self.trigger, kind, why, located, reruns=self.reruns)
+    def verdict(self, kind: str, why: str, located: dict[str, Any] | None = None,
+                ranks: list[int] | None = None) -> Verdict:
+        """``ranks``: where the cause was found (every rank, where not said)."""
+        world = self.ranks.world
+        return Verdict(self.original.step, self.rank, self.trigger, kind, why, located, reruns=self.reruns,
+                       ranks=list(range(world)) if ranks is None else ranks, world=world)
 
     def run(self) -> Verdict:
+        # Each decision is every rank's (Ranks): the ranks run the same reruns, their collectives meet.
+        ranks = self.ranks
         same = self.rerun("same", self.start.batch.get())
-        if same.error is not None:
-            return self.verdict("not classified", f"the rerun raised {same.error}")
-        if not same.bitwise_equal:
-            return self.transient(same)
-        if self.original.nonfinite is None:
+        if ranks.any(same.error is not None):
+            return self.verdict("not classified", f"the rerun raised {same.error or 'on another rank'}")
+        differed = ranks.where(not same.bitwise_equal)
+        if differed:
+            return self.transient(same, differed)
+        if not ranks.any(self.original.nonfinite is not None):
             return self.verdict("reproducible", "the rerun equals the original bit for bit and nothing in it "
                                 "is non-finite: no cause to look for")
         located = self.first_nonfinite(same)
         wide = self.rerun("float64", self.start.batch.get(), float64=True)
-        if wide.error is not None:
-            return self.verdict("not classified", f"the float64 rerun raised {wide.error}", located)
-        if wide.nonfinite is None:
+        if ranks.any(wide.error is not None):
+            raised = wide.error or "on another rank"
+            return self.verdict("not classified", f"the float64 rerun raised {raised}", located)
+        if not ranks.any(wide.nonfinite is not None):
             return self.verdict("precision", "recurs in the original precision, vanishes in float64", located)
         if self.start.previous_step is not None:
             before = self.rerun("previous_batch", self.start.previous_batch.get())
-            if before.error is None and before.nonfinite is None:
-                return self.data_verdict("recurs in float64, vanishes on the batch before")
-            if before.error is None:
+            if not ranks.any(before.error is not None):
+                if not ranks.any(before.nonfinite is not None):
+                    return self.data_verdict("recurs in float64, vanishes on the batch before")
                 return self.verdict("code", "recurs in float64 and on the batch before", located)
         samples = self.sample_losses()  # no batch before (the first step): the samples alone decide
-        if any(loss is not None and math.isfinite(loss) for loss in samples) and any(
-                loss is None or not math.isfinite(loss) for loss in samples):
+        if ranks.any(any(loss is not None and math.isfinite(loss) for loss in samples)) and ranks.any(any(
+                loss is None or not math.isfinite(loss) for loss in samples)):
             return self.data_verdict("recurs in float64; some samples alone are finite, others not")
         return self.verdict("code", "recurs in float64 and in every sample alone", located)
 
-    def transient(self, same: Rerun) -> Verdict:
+    def transient(self, same: Rerun, differed: list[int]) -> Verdict:
         """The rerun ended differently from the original: its cause, by a second rerun (and, where the
         two reruns differ, two under deterministic algorithms); see ``probe.rewind.determinism``."""
         located = self.first_difference(same)
@@ -312,13 +344,13 @@ class _Classification:
                   "original step was not traced"
         else:
             why = "the same step from the same start ended differently bit for bit"
-        verdict = self.verdict("transient", why, located)
-        assert self.same_end is not None
+        verdict = self.verdict("transient", why, located, differed)
+        ranks = self.ranks
         again = self.rerun("same again", self.start.batch.get(), against=self.same_end)
-        if again.error is not None:
-            verdict.evidence = f"cause not told: the second rerun raised {again.error}"
+        if ranks.any(again.error is not None):
+            verdict.evidence = f"cause not told: the second rerun raised {again.error or 'on another rank'}"
             return verdict
-        if again.bitwise_equal:
+        if ranks.all(bool(again.bitwise_equal)):
             verdict.cause = HARDWARE
             verdict.evidence = ("one-off: two reruns from the kept start agree bit for bit and the original "
                                 "alone differs (a hardware fault, or non-determinism too rare for two reruns "
@@ -330,13 +362,14 @@ class _Classification:
                                "two reruns"}
         first = self.rerun("deterministic", self.start.batch.get(), deterministic=True, traced=False,
                            keep_end=True)
-        second = (self.rerun("deterministic again", self.start.batch.get(), deterministic=True, traced=False,
-                             against=self.deterministic_end) if first.error is None else first)
+        second = first if ranks.any(first.error is not None) else self.rerun(
+            "deterministic again", self.start.batch.get(), deterministic=True, traced=False,
+            against=self.deterministic_end)
         differs = "the two reruns from the kept start differ from each other too"
-        if second.error is not None:
+        if ranks.any(second.error is not None):
             verdict.evidence = f"{differs}; kernel or program not told: a deterministic rerun raised " \
-                               f"{second.error}"
-        elif second.bitwise_equal:
+                               f"{second.error or 'on another rank'}"
+        elif ranks.all(bool(second.bitwise_equal)):
             verdict.cause = KERNEL
             verdict.evidence = (f"{differs}; two under torch.use_deterministic_algorithms(True) agree bit "
                                 "for bit: a kernel's non-determinism, which the flag removes")
@@ -395,7 +428,7 @@ class _Classification:
         batch = self.start.batch.get()
         size = _batch_size(batch)
         losses: list[float | None] = []
-        for index in range(min(size, MAX_SAMPLES)):
+        for index in range(self.ranks.minimum(min(size, MAX_SAMPLES))):
             rerun = self.rerun(f"sample {index}", _sample(batch, index, size), traced=False)
             self.reruns.pop()
             losses.append(rerun.loss)
@@ -404,14 +437,14 @@ class _Classification:
     def data_verdict(self, why: str) -> Verdict:
         losses = self.sample_losses()
         bad = [i for i, loss in enumerate(losses) if loss is None or not math.isfinite(loss)]
-        if not bad:
+        if not self.ranks.any(bool(bad)):  # no rank holds a non-finite sample: the outliers are named
             finite = sorted(x for x in losses if x is not None)
             if finite:
                 median = finite[len(finite) // 2]
                 spread = 1.4826 * sorted(abs(x - median) for x in finite)[len(finite) // 2]
                 bad = [i for i, loss in enumerate(losses)
                        if loss is not None and spread > 0 and loss > median + OUTLIER_MADS * spread]
-        verdict = self.verdict("data", why)
+        verdict = self.verdict("data", why, ranks=self.ranks.where(bool(bad)))
         verdict.samples = bad
         verdict.sample_losses = [None if x is None or not math.isfinite(x) else x for x in losses]
         return verdict

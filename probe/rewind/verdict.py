@@ -66,6 +66,11 @@ class Verdict:
     (program)" (``probe.rewind.determinism``); None where not told."""
     evidence: str | None = None
     """Transient verdicts: what the reruns showed that tells the cause."""
+    ranks: list[int] = field(default_factory=list)
+    """Where the cause was found: a transient's ranks whose rerun differed from their original, a
+    data verdict's ranks holding the samples, every rank otherwise (one rank: ``[rank]``)."""
+    world: int = 1
+    """The job's ranks, which rewound together."""
 
     def line(self) -> str:
         """One line a person reads first."""
@@ -77,6 +82,8 @@ class Verdict:
             where = f": sample(s) {', '.join(map(str, self.samples))} of the batch"
         head = f"step {self.step} rank {self.rank}: rewound ({self.trigger})"
         kind = f"{self.verdict} ({self.cause})" if self.cause else self.verdict
+        if self.world > 1 and self.ranks:
+            kind += f" on rank{'s' if len(self.ranks) > 1 else ''} {', '.join(map(str, self.ranks))}"
         return f"{head}: {kind}{where}; {self.why}"
 
     def write(self, out: Path) -> Path:
