@@ -15,7 +15,12 @@ time per step, and the host bytes kept against one copy of parameters + buffers 
 steps after the bad step ``k = 1 + seed % 3`` under ``probe.mode("monitor")`` with
 ``session.step_fn``; the non-finite step is rewound on its own. Kinds: *transient*, bit 30 of one
 element of ``layers.<l>.mlp.up_proj``'s output (one in [1, 2), which the flip makes inf) flipped
-once at step k by a forward hook, out of sight of the probe (no op made it); *precision*, the fp16
+once at step k by a forward hook, out of sight of the probe (no op made it), right when its cause is
+*hardware*; *non-determinism*, ``up_proj``'s output plus 1e-3 times a forward counter held outside
+the model (even seeds: always, the program's non-determinism; odd seeds: only while torch's
+deterministic algorithms are off, a kernel's), step k rewound by ``session.rewind()``, right when the
+transient verdict's cause is that one and the first op differing between the reruns is in
+``layers.<l>.mlp``; *precision*, the fp16
 model (AdamW eps 1e-4, fp16's smallest normal being above 1e-8) whose ``layers.<l>.mlp.up_proj``
 weight was scaled x1e5 before step k, its activations past fp16's 65504; *data*, sample j's loss
 weight set to inf in batch k; *code*, the loss scaled by ``sqrt(k - 0.5 - calls)`` with ``calls`` a
@@ -47,7 +52,7 @@ from benchmarks.overhead import machine_line
 from probe.demo.model import LlamaConfig, TinyLlama, synthetic_batch
 from probe.rewind import StepStart, nonfinite_after_step
 
-KINDS = ("transient", "precision", "data", "code")
+KINDS = ("transient", "non-determinism", "precision", "data", "code")
 SIZES = {
     "demo (hidden 64, 2 layers, batch 4x32)": (LlamaConfig(), 4, 32),
     "hidden 256, 4 layers, batch 4x128": (LlamaConfig(hidden_size=256, intermediate_size=688, num_layers=4,
@@ -160,6 +165,19 @@ def run_case(kind: str, seed: int, out: Path) -> Case:
     if kind == "data":
         data[bad][1][sample] = float("inf")
     calls = []
+    if kind == "non-determinism":
+        # Even seeds: the program's (a value from a global counter, every run different); odd seeds:
+        # a kernel's (the same, only while torch's deterministic algorithms are off).
+        kernel_like = seed % 2 == 1
+        forwards = [0]
+
+        def counter(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+            forwards[0] += 1
+            if kernel_like and torch.are_deterministic_algorithms_enabled():
+                return output
+            return output + 1e-3 * forwards[0]
+
+        model.model.layers[layer].mlp.up_proj.register_forward_hook(counter)
     if kind == "transient":
         def flip_once(module: nn.Module, args: Any, output: torch.Tensor) -> None:
             calls.append(1)
@@ -179,7 +197,8 @@ def run_case(kind: str, seed: int, out: Path) -> Case:
 
     fn = training_step(model, optimizer)
     began = time.perf_counter()
-    modes: dict[str, Any] = ({"modes": "stats"} if kind == "transient" else
+    traced = kind in ("transient", "non-determinism")  # the op that differed is named from the traces
+    modes: dict[str, Any] = ({"modes": "stats"} if traced else
                              {"modes": "monitor", "targets": ["model.layers.?"]})
     with probe.mode(**modes, out=out, model=model) as session:
         for step, b in enumerate(data):
@@ -187,6 +206,8 @@ def run_case(kind: str, seed: int, out: Path) -> Case:
                 with torch.no_grad():
                     model.model.layers[layer].mlp.up_proj.weight.mul_(1e5)
             session.step_fn(fn, b, optimizer=optimizer)
+            if kind == "non-determinism" and step == bad:
+                session.rewind()  # the user's call: nothing non-finite, the step merely suspect
     verdicts = probe.rewind.read_verdicts(out)
     seconds = time.perf_counter() - began
     if not verdicts:
@@ -195,14 +216,20 @@ def run_case(kind: str, seed: int, out: Path) -> Case:
     located = verdict.located or {}
     named = (f"samples {verdict.samples}" if kind == "data" else
              f"{located.get('name', '-')} in {located.get('module', '-')}")
+    if verdict.cause is not None:
+        named += f" ({verdict.cause})"
+    cause = {"transient": "hardware",
+             "non-determinism": "non-determinism (kernel)" if seed % 2 else "non-determinism (program)"}
     place = {
-        "transient": f"model.layers.{layer}" in located.get("module", ""),
+        "transient": f"model.layers.{layer}" in located.get("module", "") and verdict.cause == cause[kind],
+        "non-determinism": (f"model.layers.{layer}.mlp" in located.get("module", "")
+                            and verdict.cause == cause[kind]),
         "precision": f"model.layers.{layer}.mlp" in located.get("module", ""),
         "data": verdict.samples == [sample],
         "code": located.get("name") == "aten.sqrt.default",
     }[kind]
-    return Case(kind, seed, verdict.verdict, named, verdict.verdict == kind and verdict.step == bad and place,
-                seconds)
+    right = verdict.verdict == ("transient" if kind == "non-determinism" else kind) and verdict.step == bad
+    return Case(kind, seed, verdict.verdict, named, right and place, seconds)
 
 
 # -- report -------------------------------------------------------------------------------
@@ -225,7 +252,7 @@ def report(costs: dict[str, dict[str, float]], cases: list[Case]) -> str:
     lines += ["", "## Right label over planted faults (demo model, CPU)", "",
               "| kind | right | verdicts | named (seed 0) | seconds per case (median) |",
               "| --- | ---: | --- | --- | ---: |"]
-    for kind in KINDS:
+    for kind in dict.fromkeys(c.kind for c in cases):
         mine = [c for c in cases if c.kind == kind]
         verdicts = ", ".join(sorted({c.verdict for c in mine}))
         lines.append(f"| {kind} | {sum(c.right for c in mine)}/{len(mine)} | {verdicts} | {mine[0].named} "
@@ -250,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: steadier on a shared machine)")
     parser.add_argument("--markdown", type=Path, default=None)
+    parser.add_argument("--kinds", default=",".join(KINDS), help="planted kinds, comma-separated")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     torch.set_num_threads(args.threads)
@@ -257,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
              for name, (config, batch, seq) in SIZES.items()}
     cases = []
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in KINDS:
+        for kind in args.kinds.split(","):
             for seed in range(args.seeds):
                 cases.append(run_case(kind, seed, Path(tmp) / f"{kind}-{seed}"))
                 print(cases[-1], file=sys.stderr)
