@@ -1,7 +1,10 @@
 """A probe session: the context manager ``probe.mode(...)`` returns.
 
-It owns the tracer, the modes and the run writer, and drives the step cycle:
-``step()`` ends the current step and starts the next. The ended step's records
+It is the lifecycle: start, the step cycle, pause, stop, a forked child's copy. Its parts are
+collaborators, each in a module of its own: the plug-ins (``probe.session_plugins``: the modes,
+made, driven and closed together), the writer (``probe.session_writer``: each ended step's files)
+and the escalation (``probe.escalation``: trace modes armed after an anomaly); the tracer sees
+the ops. ``step()`` ends the current step and starts the next. The ended step's records
 are handed to a writer thread (``async_flush=True``, the default), which
 encodes them, moves statistics to the host and commits the step directory
 while the next step runs; at most one step is in flight, so when ``step()``
@@ -26,39 +29,24 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import torch
-
 from probe.errors import ProbeError, warn_once
 from probe.escalation import Escalation
-from probe.lifecycle import build_modes, start_modes, traced
-from probe.modes.base import OpObserver, SessionPlugin, StepResult
-from probe.modes.registry import MODES
-from probe.npu import read_and_clear_overflow_flag
+from probe.lifecycle import traced
+from probe.modes.base import SessionPlugin
 from probe.options import Options, parse_options, show
-from probe.rundir import layout
-from probe.rundir.background import BackgroundWriter
-from probe.rundir.op_record_json import encode
-from probe.rundir.writer import RunWriter
 from probe.seeding import seeded
+from probe.session_plugins import SessionPlugins
+from probe.session_writer import SessionWriter, StepContext
 from probe.tracer.compat import check_dispatch_features
 from probe.tracer.dispatch_mode import Tracer
 from probe.tracer.mode_stack import untraced
-from probe.tracer.op_call import (
-    RECORD_AUTOCAST,
-    RECORD_CALLSITE,
-    RECORD_MODULE,
-    RECORD_PHASE,
-    OpRecordTuple,
-)
 from probe.tracer.rank import current_rank, process_info
 from probe.tracer.region_files import RegionFiles
 from probe.version import __version__
@@ -68,19 +56,6 @@ _active: Session | None = None
 
 def default_out_dir() -> Path:
     return Path("probe_runs") / time.strftime(f"run-%Y%m%d-%H%M%S-{os.getpid()}")
-
-
-def _build_modes(options: Options) -> list[SessionPlugin]:
-    modes = build_modes(options.mode_configs)
-    # Plug-ins the session adds itself (with model=, the checksums: what each step started from).
-    for cls in list(MODES.values()):
-        added = cls.added_by_session(options, modes)
-        if added is not None:
-            modes.append(added)
-    replacing = [m.name for m in modes if (o := m.observer()) is not None and o.replaces_execution]
-    if len(replacing) > 1:
-        raise ProbeError(f"modes {replacing} each replace op execution; combine at most one of them")
-    return modes
 
 
 def _options_summary(options: Options) -> dict[str, Any]:
@@ -107,15 +82,14 @@ class Session:
 
     def __init__(self, modes: Any = None, **kwargs: Any) -> None:
         self.options = parse_options(modes, kwargs)
-        self.modes = _build_modes(self.options)
-        self._observers: list[OpObserver] = [o for m in self.modes if (o := m.observer()) is not None]
+        self._plugins = SessionPlugins(self.options)
+        self.modes: list[SessionPlugin] = self._plugins.modes
         # The monitor's on_anomaly="trace": per-op modes armed for a few steps after an anomaly.
-        self._escalation = Escalation.of(self.modes, self.options, self._observers)
+        self._escalation = Escalation.of(self.modes, self.options, self._plugins.observers)
         self.out = self.options.out if self.options.out is not None else default_out_dir()
         self.step_index = 0
         self._tracer: Tracer | None = None
-        self._writer: RunWriter | None = None
-        self._background: BackgroundWriter | None = None
+        self._writer = SessionWriter()
         self._exit_stack: ExitStack | None = None
         self._stopped_between_steps = False
         self._held: tuple[bool, bool] | None = None
@@ -147,16 +121,16 @@ class Session:
         check_dispatch_features()
         process = process_info()
         rank = process["rank"]
-        self._check_collectives_on_every_rank(process["world_size"])
+        self._plugins.check_collectives_on_every_rank(process["world_size"], self.options)
         escalated = [self._escalation.observer] if self._escalation is not None else []
-        tracer = Tracer(self.options, self._observers + escalated, rank)
+        tracer = Tracer(self.options, self._plugins.observers + escalated, rank)
         if self.options.compiled == "keep":
             tracer.region_files = RegionFiles(self.out, rank, self.options.compiled_inputs
                                               or "dump" in self.options.modes)
         if rank in self.options.ranks:
             # Locks the rank directory and writes its first files: an unwritable directory
             # is a ProbeError here, before anything is traced.
-            self._writer = RunWriter(
+            self._writer.open(
                 self.out,
                 process,
                 self.options.overwrite,
@@ -170,16 +144,16 @@ class Session:
             )
         stack = ExitStack()
         try:
-            if self._writer is not None:
-                start_modes(self.modes, self.options.model, self.out, rank)
-            if self._writer is not None and self.options.async_flush:
-                self._background = BackgroundWriter(max_pending=1)
-                stack.callback(self._background.close)
-            if self._writer is not None and self._escalation is not None:
+            writing = self._writer.run is not None
+            if writing:
+                self._plugins.start(self.options.model, self.out, rank)
+            if writing and self.options.async_flush:
+                self._writer.start_thread(stack)
+            if writing and self._escalation is not None:
                 self._escalation.start(tracer, self.out, rank)
                 stack.callback(self._escalation.disarm)  # before the writer's close: LIFO
             # An unselected rank runs its steps untraced: no dispatch mode, no hooks.
-            if self._writer is not None and self._observers:
+            if writing and self._plugins.observers:
                 traced(stack, tracer, self.options.compiled, self._compiled_ran_eagerly,
                        gc_freeze=self.options.gc_freeze)
         except BaseException:
@@ -211,7 +185,7 @@ class Session:
             try:
                 raised_in_step = exc is not None and not self._stopped_between_steps
                 if (tracer.records or raised_in_step or tracer.modules.untraced_calls
-                        or any(mode.has_pending() for mode in self.modes)):
+                        or self._plugins.has_pending()):
                     reason = None if exc is None else f"{type(exc).__name__}: {exc}"
                     # After a normal end, what the last step() left behind is a tail, not a step.
                     tail = exc is None and self.step_index > 0
@@ -220,8 +194,7 @@ class Session:
                 try:
                     stack.close()  # waits for the writer thread
                 finally:
-                    self._background = None
-                    self._warn_write_failures()
+                    self._writer.warn_failures()
                     self._warn_steps_not_reached()
                     self._close_modes_and_writer()
         except BaseException as probe_failure:
@@ -240,38 +213,18 @@ class Session:
     def _close_modes_and_writer(self) -> None:
         """Close every mode and free the rank's lock, whichever of them fails; then raise the
         first failure."""
-        failure: BaseException | None = None
-        for mode in self.modes:
-            try:
-                mode.close()
-            except BaseException as e:
-                failure = failure or e
+        failure = self._plugins.close()
         if self._escalation is not None:
             try:
                 self._escalation.close()
             except BaseException as e:
                 failure = failure or e
-        writer, self._writer = self._writer, None
         try:
-            if writer is not None:
-                writer.close()
+            self._writer.close()
         except BaseException as e:
             failure = failure or e
         if failure is not None:
             raise failure
-
-    def _check_collectives_on_every_rank(self, world: int) -> None:
-        """A mode that reduces across ranks each step would hang the job if only some ranks ran it."""
-        ranks = self.options.ranks
-        if world <= 1 or all(rank in ranks for rank in range(world)):
-            return
-        for mode in self.modes:
-            if mode.collective_each_step:
-                raise ProbeError(
-                    f"mode {mode.name!r} reduces across ranks every step, but option 'ranks' selects "
-                    f"{ranks.to_json()} of {world}: the other ranks would never join it; select every rank "
-                    "or turn the reduction off"
-                )
 
     # -- without a with block ----------------------------------------------------
 
@@ -330,8 +283,7 @@ class Session:
             return
         self._held = (tracer.recording, tracer.modules.enabled)
         tracer.recording = tracer.modules.enabled = False
-        for mode in self.modes:
-            mode.pause()
+        self._plugins.pause()
 
     def resume(self) -> None:
         """Record again after :meth:`pause` (from where the step was); no-op when not paused."""
@@ -340,8 +292,7 @@ class Session:
         if held is None or self._forked_from is not None:  # a forked child's copy records nothing
             return
         tracer.recording, tracer.modules.enabled = held
-        for mode in self.modes:
-            mode.resume()
+        self._plugins.resume()
 
     @property
     def is_paused(self) -> bool:
@@ -399,8 +350,7 @@ class Session:
             raise
         self._next_step()
         try:
-            for mode in self.modes:
-                mode.after_step()
+            self._plugins.after_step()
         except BaseException:
             self._stopped_between_steps = True  # the next step has not run: nothing to write
             raise
@@ -440,8 +390,7 @@ class Session:
 
     def _wait_for_writer(self) -> None:
         """Until every ended step is on disk."""
-        if self._background is not None:
-            self._background.drain()
+        self._writer.drain()
 
     def _next_step(self) -> None:
         self.step_index += 1
@@ -452,8 +401,7 @@ class Session:
         self._tracer.begin_step(self.step_index, rank)
         if self._escalation is not None:  # arms or disarms the trace modes, begins their step
             self._escalation.begin_step(self.step_index)
-        for mode in self.modes:
-            mode.begin_step(self.step_index)
+        self._plugins.begin_step(self.step_index)
         self.step_kind = None
         self._compiled_eager = 0
         if self._held is not None:  # paused across step(): the new step starts paused too
@@ -482,173 +430,47 @@ class Session:
                 interrupted = e
                 with contextlib.suppress(BaseException):
                     tracer.end_step(wait=False)  # collectives still in flight are dropped
-            ended: list[tuple[SessionPlugin, StepResult | None]] = []
             escalated = self._escalation.modes_of(step) if self._escalation is not None else []
-            for mode in [*self.modes, *escalated]:
-                try:
-                    if tail or not complete or interrupted is not None:
-                        mode.ending_alone()
-                    ended.append((mode, mode.end_step(step)))
-                except BaseException as e:
-                    interrupted = interrupted or e
-                    # What the broken-off end_step left (half handed over) must not open the
-                    # next step: a second end_step hands it over, and it is dropped.
-                    with contextlib.suppress(BaseException):
-                        mode.ending_alone()
-                        mode.end_step(step)
+            ended, failed = self._plugins.end_step(step, tail or not complete or interrupted is not None,
+                                                   escalated)
+            interrupted = interrupted or failed
             if interrupted is not None:
                 complete = False
                 reason = f"{type(interrupted).__name__} during the step hand-over: {interrupted}"
+            context = StepContext(self._step_started, self.step_kind, self._escalation_links,
+                                  self._compiled_eager)
             try:
-                job = self._step_job(step, tail, records, ended, complete, reason)
+                job = self._writer.step_job(step, tail, tracer, records, ended, complete, reason, context)
             except BaseException as e:
                 if interrupted is None:  # the job is plain data: made again, the step marked broken off
                     interrupted, complete = e, False
                     reason = f"{type(e).__name__} during the step hand-over: {e}"
-                job = self._step_job(step, tail, records, ended, complete, reason)
+                job = self._writer.step_job(step, tail, tracer, records, ended, complete, reason, context)
         try:
             if job is not None:
-                self._hand_to_writer(job, wait=not complete)
+                self._writer.hand_over(job, wait=not complete)
         except BaseException:
             if interrupted is None:
                 raise
             # The hand-over's own exception is the one the user sees.
         finally:
-            self._warn_write_failures()
+            self._writer.warn_failures()
         if interrupted is not None:
             raise interrupted
 
-    def _step_job(
-        self,
-        step: int,
-        tail: bool,
-        records: list[OpRecordTuple],
-        ended: list[tuple[SessionPlugin, StepResult | None]],
-        complete: bool,
-        reason: str | None,
-    ) -> Callable[[], None] | None:
-        """The write of one ended step as plain data, or None when there is nothing to write."""
-        tracer = self._tracer
-        assert tracer is not None
-        results = [(mode.name, result) for mode, result in ended]
-        # Per-op modes have nothing without op records; hook-based ones say so themselves (a plug-in
-        # the session added on its own, the checksums of model=, only adds to steps written anyway).
-        collected = any(result is not None for mode, result in ended
-                        if mode.observer() is None and not mode.implicit)
-        # Ops that ran on a thread the dispatch mode does not see: said in the manifest, even
-        # of a step that recorded none (training in a threading.Thread).
-        untraced = dict(tracer.modules.untraced_calls)
-        if self._writer is None or not (records or collected or untraced or not complete):
-            return None
-        types = tracer.modules.names.types
-        module_types = {fqn: types[fqn] for fqn in {r[RECORD_MODULE] for r in records} if fqn in types}
-        sites = tracer.call_sites
-        used_sites = (
-            {i: sites.stacks[i] for i in {r[RECORD_CALLSITE] for r in records} if i is not None}
-            if sites is not None
-            else None
-        )
-        manifest: dict[str, Any] = {
-            "complete": complete,
-            "reason": reason,
-            "ops": len(records),
-            "phases": dict(Counter(r[RECORD_PHASE] for r in records)),
-            "seconds": round(time.perf_counter() - self._step_started, 6),
-            "torch_version": torch.__version__,
-        }
-        if tail:
-            manifest["tail"] = True
-        elif self._escalation is not None:
-            # Traced because of an anomaly, or not for the trace limit: the links probe summary reads.
-            manifest.update(self._escalation.manifest(step))
-        if not tail and self.step_kind is not None:
-            manifest["kind"] = self.step_kind
-        if tracer.modules.names.parallel is not None:
-            manifest["parallel"] = tracer.modules.names.parallel
-        if self._compiled_eager:
-            manifest[layout.COMPILED_EAGER_KEY] = self._compiled_eager
-        if untraced:
-            manifest[layout.UNTRACED_THREADS_KEY] = untraced
-        if tracer.mode_failures:
-            manifest[layout.MODE_FAILURES_KEY] = dict(tracer.mode_failures)
-        used_policies = {r[RECORD_AUTOCAST] for r in records}
-        manifest[layout.AUTOCAST_KEY] = tracer.modules.policies.manifest(used_policies)
-        if tracer.opened_regions:
-            manifest[layout.COMPILED_OPENED_KEY] = {op_id: [start, end] for op_id, start, end
-                                                    in tracer.opened_regions}
-        if tracer.region_files is not None and (region_files := tracer.region_files.take(step)):
-            manifest[layout.COMPILED_FILES_KEY] = region_files
-        npu_overflow = read_and_clear_overflow_flag()
-        if npu_overflow is not None:
-            manifest["npu_overflow"] = npu_overflow
-
-        def write() -> None:
-            self._write_step(step, tail, records, results, used_sites, module_types, manifest)
-
-        return write
+    def _escalation_links(self, step: int) -> dict[str, Any]:
+        return self._escalation.manifest(step) if self._escalation is not None else {}
 
     def _compiled_ran_eagerly(self) -> None:
         if self._tracer is not None and self._tracer.recording:
             self._compiled_eager += 1
-
-    def _hand_to_writer(self, job: Callable[[], None], wait: bool) -> None:
-        if self._background is None:
-            with untraced():  # the writer thread has none; here the user's may be on
-                job()
-            return
-        once = _Once(job)
-        try:
-            self._background.submit(once)
-        except BaseException:
-            # Interrupted (Ctrl-C) before the job was surely queued: write the step here, after
-            # the steps before it, unless the writer thread has taken it; then let it go on.
-            with contextlib.suppress(BaseException):
-                self._background.drain()
-            with contextlib.suppress(BaseException), untraced():
-                once()
-            raise
-        if wait:  # the block is raising: be on disk before it propagates
-            self._background.drain()
-
-    def _write_step(
-        self,
-        step: int,
-        tail: bool,
-        records: list[OpRecordTuple],
-        results: list[tuple[str, StepResult | None]],
-        sites: dict[int, list[str]] | None,
-        module_types: dict[str, str],
-        manifest: dict[str, Any],
-    ) -> None:
-        """Write one step (on the writer thread if any). A failed write is recorded in the run
-        and given up, never raised: training goes on."""
-        run_writer = self._writer
-        assert run_writer is not None
-        try:
-            writer = run_writer.step(step, tail)
-            writer.write_jsonl(layout.OPS_FILE, (encode(r) for r in records))
-            writer.write_json(layout.MODULES_FILE, module_types)
-            if sites is not None:
-                writer.write_json(layout.CALLSITES_FILE, {str(i): s for i, s in sorted(sites.items())})
-            modes = {name: result.write(writer) for name, result in results if result is not None}
-            writer.commit({**manifest, "modes": modes})
-        except OSError as e:
-            failure = run_writer.record_failure(step, tail, e, len(records), [name for name, _ in results])
-            # A mode may ask for write failures to stop training (base.StepResult).
-            stopping = [name for name, result in results
-                        if getattr(result, "stops_training_on_write_failure", False)]
-            if stopping:
-                raise ProbeError(
-                    f"cannot write step {step} ({failure['file']}: {failure['error']}); mode "
-                    f"{stopping[0]!r} has on_error='raise'"
-                ) from e
 
     def _warn_steps_not_reached(self) -> None:
         """Say which selected steps the session ended before (``steps=[100]`` in a 10-step run
         would otherwise leave an empty run without a word). A step ends at ``session.step()``:
         the one open at the end (a tail at most) is not reached either."""
         selected, reached = self.options.steps.ranges, self.step_index
-        if self._writer is None or selected is None:  # an unselected rank records nothing anyway
+        if self._writer.run is None or selected is None:  # an unselected rank records nothing anyway
             return
         missed = []
         for r in selected:
@@ -666,23 +488,6 @@ class Session:
             f"steps= selected step(s) {', '.join(missed)} that never ended: the session ran {ran} "
             f"(a step ends at session.step()){nothing}",
         )
-
-    def _warn_write_failures(self) -> None:
-        """One warning per run for steps the writer gave up (said on the training thread)."""
-        if self._writer is None:
-            return
-        failures = self._writer.new_failures()
-        if not failures:
-            return
-        first = failures[0]
-        what = f"the tail after step {first['step'] - 1}" if first["tail"] else f"step {first['step']}"
-        warn_once(
-            f"write-failed:{self._writer.rank_path}",
-            f"cannot write {what} to {str(self._writer.rank_path)!r} ({first['file']}: {first['error']}); "
-            f"training goes on; the step is left unfinished ({first['directory']}) and every step given up "
-            f"is listed in {layout.WRITE_FAILURES_FILE} there",
-        )
-
 
     # -- a forked child's copy ----------------------------------------------------
 
@@ -704,12 +509,8 @@ class Session:
         if tracer is not None:
             tracer.recording = tracer.modules.enabled = False
         self._held = None
-        for mode in self.modes:
-            mode.pause()
-        writer, self._writer = self._writer, None
-        self._background = None
-        if writer is not None:
-            writer.abandon_in_forked_child()
+        self._plugins.pause()
+        self._writer.abandon_in_forked_child()
 
     def _say_forked(self) -> None:
         warn_once(
@@ -742,21 +543,6 @@ def _detach_in_forked_child() -> None:
 
 if hasattr(os, "register_at_fork"):  # (no fork, no hook: Windows)
     os.register_at_fork(after_in_child=_detach_in_forked_child)
-
-
-class _Once:
-    """A step's write, run by whichever thread calls it first (the writer thread, or the training
-    thread when handing it over was interrupted); later calls do nothing."""
-
-    def __init__(self, job: Callable[[], None]) -> None:
-        self._job: Callable[[], None] | None = job
-        self._lock = threading.Lock()
-
-    def __call__(self) -> None:
-        with self._lock:
-            job, self._job = self._job, None
-        if job is not None:
-            job()
 
 
 def active_session() -> Session | None:

@@ -31,7 +31,7 @@ from probe.modes.stats.mode import StatsMode
 from probe.modes.structure.mode import StructureMode
 from probe.rundir.background import BackgroundWriter
 from probe.rundir.writer import StepWriter
-from probe.session import Session
+from probe.session_writer import SessionWriter
 from probe.tracer.dispatch_mode import Tracer
 from probe.tracer.value_ids import ValueIndex
 
@@ -95,7 +95,7 @@ STAGES = [
           step_of=lambda args, kwargs: args[1]),
     Stage("mode end_step done", lambda m: MODE_CLASSES[m], "end_step", "after",
           step_of=lambda args, kwargs: args[1]),
-    Stage("step job", lambda m: Session, "_step_job", "after", step_of=lambda args, kwargs: args[1]),
+    Stage("step job", lambda m: SessionWriter, "step_job", "after", step_of=lambda args, kwargs: args[1]),
     Stage("submit", lambda m: BackgroundWriter, "submit", "before", only_async=True, handed_over=True),
     Stage("submitted", lambda m: BackgroundWriter, "submit", "after", only_async=True, handed_over=True),
     # The writer (on the writer thread with async_flush): a file, and the commit.

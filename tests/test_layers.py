@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("analysis", ("probe.analysis",)),
     ("exporters", ("probe.exporters",)),
     ("session", ("probe.options", "probe.lifecycle", "probe.escalation",
-                 "probe.session")),
+                 "probe.session", "probe.session_plugins", "probe.session_writer")),
     ("integrations", ("probe.integrations",)),
     ("cli", ("probe.cli",)),
 ]
