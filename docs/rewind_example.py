@@ -62,6 +62,19 @@ def transient(out: Path) -> None:
     train(model, batches(), out)
 
 
+def non_determinism(out: Path) -> None:
+    """An add fed by a counter outside the model (as the clock, or a racing kernel, would be): each
+    run of a step differs, and in the original step 2 the value it added was inf."""
+    model, forwards = mlp(), [0]
+
+    def counter(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        forwards[0] += 1
+        return output + (float("inf") if forwards[0] == BAD + 1 else 1e-3 * forwards[0])
+
+    model[0].register_forward_hook(counter)
+    train(model, batches(), out)
+
+
 def precision(out: Path) -> None:
     """fp16 whose squared error passes 65504 at step 2; float64 holds it."""
     data = batches(torch.float16)
@@ -99,6 +112,6 @@ def code(out: Path) -> None:
 
 if __name__ == "__main__":
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/rewind")
-    for case in (transient, precision, data_fault, code):
+    for case in (transient, non_determinism, precision, data_fault, code):
         case(root / case.__name__)
     sys.exit(cli_main(["summary", str(root / "code")]))
