@@ -88,7 +88,7 @@ STAGES = [
     # The tracer's own per-op work (every mode that traces ops): outputs registered, record not yet.
     Stage("tracer op", lambda m: None if m == "monitor" else ValueIndex, "register_outputs", "after", nth=40),
     # The monitor works from hooks: one series recorded.
-    Stage("monitor record", lambda m: MonitorMode if m == "monitor" else None, "_record", "after", nth=3),
+    Stage("monitor record", lambda m: MonitorMode if m == "monitor" else None, "record", "after", nth=3),
     # The step's hand-over in session.step().
     Stage("tracer end_step", lambda m: Tracer, "end_step", "after"),
     Stage("mode end_step", lambda m: MODE_CLASSES[m], "end_step", "before",

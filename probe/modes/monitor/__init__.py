@@ -2,9 +2,11 @@
 parameters, gradients and optimizer state, collected from module and optimizer hooks (no
 dispatch mode, no per-op work), with anomaly alerts and escalation's trigger.
 
-``mode`` is the plug-in and writer, ``files`` the reader, ``options`` the options object;
-``config`` reads msprobe's monitor config, ``anomaly`` the detectors and alerts, ``distribution``
-the series' value distributions.
+``mode`` is the plug-in, ``hooks`` where series are captured (module, gradient and optimizer
+hooks), ``series`` a step's rows and the derived series (Adam's update ratio, the loss scale),
+``reduction`` the cross-rank reduction, ``step`` a collected step resolved and written; ``files``
+the reader, ``options`` the options object; ``config`` reads msprobe's monitor config,
+``anomaly`` the detectors and alerts, ``distribution`` the series' value distributions.
 """
 
 from __future__ import annotations
