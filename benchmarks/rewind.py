@@ -221,9 +221,10 @@ def run_case(kind: str, seed: int, out: Path) -> Case:
     cause = {"transient": "hardware",
              "non-determinism": "non-determinism (kernel)" if seed % 2 else "non-determinism (program)"}
     place = {
-        "transient": f"model.layers.{layer}" in located.get("module", "") and verdict.cause == cause[kind],
+        "transient": (f"model.layers.{layer}" in located.get("module", "")
+                      and verdict.cause == cause.get(kind)),
         "non-determinism": (f"model.layers.{layer}.mlp" in located.get("module", "")
-                            and verdict.cause == cause[kind]),
+                            and verdict.cause == cause.get(kind)),
         "precision": f"model.layers.{layer}.mlp" in located.get("module", ""),
         "data": verdict.samples == [sample],
         "code": located.get("name") == "aten.sqrt.default",

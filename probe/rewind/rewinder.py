@@ -70,29 +70,27 @@ _SUM_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 def nonfinite_after_step(loss: Any, params: list[torch.Tensor]) -> str | None:
     """Why a step's result is anomalous (a non-finite loss, or non-finite parameters after the
-    optimizer took a non-finite gradient), or None. One host sync: the checks are gathered on one
-    device and read together."""
+    optimizer took a non-finite gradient), or None. One host sync: one value per tensor, stacked,
+    checked and read together."""
     with torch.no_grad():
-        is_loss = isinstance(loss, torch.Tensor)
-        checks = [torch.isfinite(loss).all().reshape(1)] if is_loss else []
+        is_loss = isinstance(loss, torch.Tensor) and loss.is_floating_point()
+        # The loss times 0, summed: 0 where every value is finite, NaN where one is not (any shape).
+        values = [(loss * 0).sum(dtype=_SUM_DTYPE.get(loss.dtype, loss.dtype))] if is_loss else []
         # A sum is non-finite where one value is, and accumulated in fp32 (fp64 for fp64) only a
         # sum past 3.4e38 overflows (a 2-norm squares, past 1.8e19); the fastest of the
         # reductions on the CPU benchmark (the inf-norm and isfinite().all() were 9x slower,
         # _foreach_norm and _foreach_powsum slower still on the CPU).
-        sums = [p.sum(dtype=_SUM_DTYPE.get(p.dtype, p.dtype)) for p in params if p.is_floating_point()]
-        if not checks and not sums:
+        values += [p.sum(dtype=_SUM_DTYPE.get(p.dtype, p.dtype)) for p in params if p.is_floating_point()]
+        if not values:
             return None
-        device = loss.device if is_loss else sums[0].device
-        if sums:
-            try:
-                stacked = torch.stack(sums)
-            except RuntimeError:  # parameters on several devices (a pipeline's stages): gathered on one
-                stacked = torch.stack([s.to(device) for s in sums])
-            checks.append(torch.isfinite(stacked).all().reshape(1).to(device))
-        finite = torch.cat(checks).tolist()
+        try:
+            stacked = torch.stack(values)
+        except RuntimeError:  # parameters on several devices (a pipeline's stages): gathered on one
+            stacked = torch.stack([v.to(values[0].device) for v in values])
+        finite = torch.isfinite(stacked).tolist()
     if is_loss and not finite[0]:
         return "non-finite loss"
-    if not finite[-1]:
+    if not all(finite[1:] if is_loss else finite):
         return "non-finite parameter after the step"
     return None
 
