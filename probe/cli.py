@@ -90,6 +90,7 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     import torch
 
     import probe
+    from probe.analysis.run_summary import RunSummary
     from probe.analysis.summary import summarize
     from probe.demo.train import DemoTraining, train
     from probe.exporters.console import progress_bar, render_run
@@ -124,7 +125,7 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     if "upcast" in modes:
         _show_upcast(console, args.steps, losses)
     run = probe.load(out)
-    render_run(console, run, summarize(run, top=args.top))
+    render_run(console, RunSummary(run, summarize(run, top=args.top)))
     return EXIT_OK
 
 
@@ -150,6 +151,7 @@ def _show_upcast(console: Console, steps: int, upcast: list[float]) -> None:
 
 def _cmd_summary(args: argparse.Namespace, console: Console) -> int:
     import probe
+    from probe.analysis.run_summary import RunSummary
     from probe.analysis.summary import summarize
     from probe.exporters.console import render_run
 
@@ -164,7 +166,7 @@ def _cmd_summary(args: argparse.Namespace, console: Console) -> int:
         raise ProbeError("--step and --rank choose the step to plot: give --plot FILE.png or FILE.svg")
     run = probe.load(args.run)
     place = run.resolve(_one_int(args.step), _one_int(args.rank)) if plot is not None else None
-    render_run(console, run, summarize(run, top=args.top))
+    render_run(console, RunSummary(run, summarize(run, top=args.top)))
     if plot is not None and place is not None:
         _write_module_plot(console, run, plot, *place)
     return EXIT_OK

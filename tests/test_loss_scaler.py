@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import probe
+from probe.analysis.run_summary import RunSummary
 from probe.analysis.summary import summarize
 from probe.exporters.console import render_run
 from probe.vocabulary.op_class import classify
@@ -72,7 +73,7 @@ def _train_llama(model: nn.Module, scaler: torch.amp.GradScaler, session=None) -
 
 def _summary_text(run: probe.rundir.run.Run) -> str:
     buffer = io.StringIO()
-    render_run(Console(file=buffer, width=250), run, summarize(run))
+    render_run(Console(file=buffer, width=250), RunSummary(run, summarize(run)))
     return buffer.getvalue()
 
 

@@ -13,6 +13,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from conftest import SharedBlockNet, train_steps
 from test_layers import imports_of, probe_modules
 
 import probe
@@ -44,11 +45,8 @@ def toy() -> Iterator[ModuleType]:
 
 def _train(session: probe.Session, steps: int) -> None:
     torch.manual_seed(0)
-    w = torch.randn(4, 4, requires_grad=True)
     with session:
-        for _ in range(steps):
-            torch.tanh(torch.randn(2, 4) @ w).sum().backward()
-            session.step()
+        train_steps(SharedBlockNet(), steps, session=session)
 
 
 def test_a_toy_mode_writes_its_file_and_reads_it_back_through_probe_load(tmp_path, toy):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import sys
 from collections import Counter
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from rich.console import Console
@@ -14,14 +13,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from probe.analysis.compare import Report
-from probe.analysis.compiled_regions import not_observed_note
-from probe.analysis.consistency import ConsistencyReport, check_consistency
-from probe.analysis.escalations import EscalationLinks
+from probe.analysis.consistency import ConsistencyReport
 from probe.analysis.run_identity import Identity
-from probe.analysis.summary import Extreme, StepSummary, lost_steps, rewinds, tails
+from probe.analysis.run_summary import RunSummary
+from probe.analysis.summary import Extreme, StepSummary
 from probe.analysis.verdicts import NOT_COMPARED, VERDICTS
-from probe.errors import ProbeError
-from probe.rundir.run import OpRecord, Run
+from probe.rundir.run import OpRecord
 from probe.vocabulary.option_values import PHASES
 
 LOG_WIDTH = 200
@@ -199,16 +196,16 @@ def _step_line(summary: StepSummary) -> str:
     return " | ".join(parts)
 
 
-def render_run(console: Console, run: Run, summaries: Iterable[StepSummary]) -> None:
-    """The run's header, then each step's summary as it comes (steps are read one at a time)."""
+def render_run(console: Console, summary_of_run: RunSummary) -> None:
+    """The run's header, then each step's summary as it comes (steps are read one at a time), then
+    the findings over the run (``probe.analysis.run_summary``)."""
+    run = summary_of_run.run
     modes = run.info.get("modes")
     pairs = sum(len(run.steps_of(rank)) for rank in run.ranks)
     console.print(f"[bold]{run.path}[/bold]  modes {modes}  ranks {run.ranks}  steps {_ranges(run.steps)}")
     detailed_nonfinite = False
-    links = EscalationLinks(run)  # on_anomaly="trace": each incident -> what its traced steps found
-    unreadable: list[StepSummary] = []
     followed: dict[tuple[str, str], _Followed] = {}  # (mode, title) -> its series over the run
-    for summary in _followed(links, summaries, unreadable):
+    for summary in summary_of_run.steps():
         _follow(followed, summary)
         if pairs <= DETAILED_STEPS:
             render_step(console, summary)
@@ -218,31 +215,32 @@ def render_run(console: Console, run: Run, summaries: Iterable[StepSummary]) -> 
         if summary.fault is not None and not detailed_nonfinite:
             detailed_nonfinite = True
             render_step(console, summary)
-    for link in links.links():
+    found = summary_of_run.findings()
+    for link in found.links:
         console.print(link.describe(), style="red" if link.recurred else None, markup=False, highlight=False)
     for table in followed.values():
         render_series(console, table.values, table.title, table.read_all)
-    for line in lost_steps(run):
+    for line in found.lost:
         console.print(line, style="red", markup=False, highlight=False)
-    if unreadable:
-        console.print(f"{len(unreadable)} step(s) unreadable, skipped: "
-                      + ", ".join(f"step {s.step} rank {s.rank}" for s in unreadable),
+    if found.unreadable:
+        console.print(f"{len(found.unreadable)} step(s) unreadable, skipped: "
+                      + ", ".join(f"step {s.step} rank {s.rank}" for s in found.unreadable),
                       style="red", markup=False, highlight=False)
-    for line in tails(run):
+    for line in found.tails:
         console.print(line, markup=False, highlight=False)
-    for line in rewinds(run):
+    for line in found.rewinds:
         console.print(line, style="red", markup=False, highlight=False)
-    compiled = not_observed_note(run, "this run")
-    if compiled is not None:  # "no non-finite value" must not stand for code that was not observed
-        console.print(compiled, style="yellow", markup=False, highlight=False)
-    if len(run.ranks) > 1:
-        try:
-            origin = run.first_nonfinite_ranks()  # which rank a NaN started on, before it spread
-            if origin is not None:
-                console.print(origin.describe(), style="red", markup=False, highlight=False)
-            render_consistency(console, check_consistency(run), limit=3)
-        except ProbeError as e:  # a damaged step: the steps above are what could be read
-            console.print(f"across ranks: not checked ({e})", style="red", markup=False, highlight=False)
+    if found.not_observed is not None:
+        console.print(found.not_observed, style="yellow", markup=False, highlight=False)
+    ranks = found.across_ranks
+    if ranks is not None:
+        if ranks.origin is not None:  # which rank a NaN started on, before it spread
+            console.print(ranks.origin.describe(), style="red", markup=False, highlight=False)
+        if ranks.consistency is not None:
+            render_consistency(console, ranks.consistency, limit=3)
+        if ranks.not_checked is not None:
+            console.print(f"across ranks: not checked ({ranks.not_checked})", style="red", markup=False,
+                          highlight=False)
 
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -310,18 +308,6 @@ def render_series(console: Console, series: dict[tuple[int, str], dict[int, floa
     console.print(table)
     if len(series) > SERIES_ROWS:
         console.print(f"  ... {len(series) - SERIES_ROWS} more series ({read_all} reads them all)")
-
-
-def _followed(links: EscalationLinks, summaries: Iterable[StepSummary],
-              unreadable: list[StepSummary]) -> Iterator[StepSummary]:
-    """The summaries, each readable one noted by ``links``; the unreadable ones (which hold
-    nothing to link) also gathered in ``unreadable``."""
-    for summary in summaries:
-        if summary.unreadable is not None:
-            unreadable.append(summary)
-            yield summary
-        else:
-            yield from links.follow([summary])
 
 
 def render_identity(console: Console, identity: Identity, limit: int = 10) -> None:
