@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import probe
 from probe import errors
 from probe.errors import ProbeWarning
 
@@ -91,6 +92,19 @@ def train_steps(model: nn.Module, steps: int, session=None, seed: int = 0, optim
         if session is not None:
             session.step()
     return losses, grads
+
+
+def run_modes(out, modes, steps: int = 2, seed: int = 0, tail: bool = False, **options) -> probe.Session:
+    """``steps`` training steps (:func:`train_steps`) of a fresh SharedBlockNet under
+    ``probe.mode(modes, out=out, model=model, **options)``; the session, ended. ``tail``: then
+    ``randn(3).exp().sum().item()`` after the last ``step()``, the run's tail."""
+    torch.manual_seed(seed)
+    model = SharedBlockNet()
+    with probe.mode(modes, out=out, model=model, **options) as session:
+        train_steps(model, steps, session=session)
+        if tail:
+            torch.randn(3).exp().sum().item()
+    return session
 
 
 def train_under(session_factory, seed: int, checkpointed: bool = True):

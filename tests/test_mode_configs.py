@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-import torch
+from conftest import run_modes
 
 import probe
 from probe.modes.base import Mode
@@ -17,24 +17,10 @@ from probe.rundir.mode_files import _READERS
 from probe.vocabulary.option_fields import integer, option
 
 
-def _train(out, modes):
-    """Two SGD steps of a small MLP under ``probe.mode(modes)``."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with probe.mode(modes, out=out, model=model) as session:
-        for i in range(2):
-            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(i))).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            session.step()
-    return session
-
-
 @pytest.mark.parametrize(("stats", "monitor"), [(True, False), (False, True)])
 def test_two_modes_keep_their_own_value_of_a_shared_option(tmp_path, stats, monitor):
-    session = _train(tmp_path / "run", [probe.Stats(distribution=stats),
-                                        probe.Monitor(targets=["0", "2"], distribution=monitor)])
+    session = run_modes(tmp_path / "run", [probe.Stats(distribution=stats),
+                                           probe.Monitor(targets=["inp", "head"], distribution=monitor)])
     by_name = {m.name: m.config for m in session.modes}
     assert (by_name["stats"].distribution, by_name["monitor"].distribution) == (stats, monitor)
     run = probe.load(tmp_path / "run")
@@ -45,7 +31,7 @@ def test_two_modes_keep_their_own_value_of_a_shared_option(tmp_path, stats, moni
     assert all((t.distribution is not None) is stats for t in outputs)
     assert all((s.distribution is not None) is monitor for s in series)
     assert session.options.mode_options == {"stats.distribution": stats, "monitor.distribution": monitor,
-                                            "targets": ["0", "2"]}
+                                            "targets": ["inp", "head"]}
 
 
 def test_a_keyword_option_still_goes_to_every_mode_that_declares_it(tmp_path):

@@ -4,24 +4,9 @@ the flat form, each option checked where it is given, and conflicting values ref
 from __future__ import annotations
 
 import pytest
-import torch
+from conftest import run_modes
 
 import probe
-
-
-def _train(out, modes, **options):
-    """Two SGD steps of a small MLP under ``probe.mode(modes, **options)``."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    with probe.mode(modes, out=out, model=model, **options) as session:
-        for batch in data:
-            model(batch).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            session.step()
-    return session
 
 
 def _input_stats(run, step):
@@ -30,8 +15,8 @@ def _input_stats(run, step):
 
 
 def test_objects_record_the_same_run_as_the_flat_form(tmp_path):
-    flat = _train(tmp_path / "flat", ["stats", "dump"], inputs=True, tensors="outputs")
-    objects = _train(tmp_path / "objects", [probe.Stats(inputs=True), probe.Dump(tensors="outputs")])
+    flat = run_modes(tmp_path / "flat", ["stats", "dump"], inputs=True, tensors="outputs")
+    objects = run_modes(tmp_path / "objects", [probe.Stats(inputs=True), probe.Dump(tensors="outputs")])
     assert objects.options.modes == flat.options.modes == ("stats", "dump")
     assert objects.options.mode_options == flat.options.mode_options
     a, b = probe.load(tmp_path / "flat"), probe.load(tmp_path / "objects")
@@ -47,9 +32,9 @@ def test_objects_record_the_same_run_as_the_flat_form(tmp_path):
 
 
 def test_an_object_alone_and_a_name_beside_objects_are_accepted(tmp_path):
-    alone = _train(tmp_path / "alone", probe.Stats())
+    alone = run_modes(tmp_path / "alone", probe.Stats())
     assert alone.options.modes == ("stats",)
-    mixed = _train(tmp_path / "mixed", ["structure", probe.Stats(inputs=False)])
+    mixed = run_modes(tmp_path / "mixed", ["structure", probe.Stats(inputs=False)])
     assert mixed.options.modes == ("structure", "stats")
     assert mixed.options.mode_options == {"inputs": False}
     # inputs=False is honoured: inputs from outside the step (weights, the batch) have no

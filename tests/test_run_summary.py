@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 
-import torch
+from conftest import run_modes
 from rich.console import Console
 
 import probe
@@ -15,12 +15,7 @@ from probe.exporters.console import render_run
 
 
 def _run_with_a_tail(out) -> probe.Run:
-    w = torch.randn(4, 4)
-    with probe.mode("stats", out=out) as session:
-        for _ in range(2):
-            torch.tanh(torch.randn(2, 4) @ w).sum()
-            session.step()
-        torch.randn(3).exp().sum().item()  # after the last step(): the tail
+    run_modes(out, "stats", tail=True)
     return probe.load(out)
 
 
