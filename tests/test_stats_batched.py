@@ -293,3 +293,46 @@ def test_an_unsafe_view_takes_its_input_row(tmp_path):
     assert view.outputs[0].stats["max"] == (base * 2).max().item()
     assert mul_.outputs[0].stats["max"] == (base * 6).max().item()
     assert _stats_summary(tmp_path / "r")["rows"] == 3  # base, y (= z), z after mul_
+
+
+def _c_calls_during(fn, name: str) -> int:
+    """How many times the C method ``name`` is called while ``fn()`` runs (``sys.setprofile``)."""
+    import sys
+
+    count = 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        if event == "c_call" and getattr(arg, "__name__", None) == name:
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def test_a_queued_tensor_storage_is_looked_up_once_at_capture_and_once_when_reduced():
+    # Per-tensor host work of the capture queue: the storage is read at capture (its identity and
+    # address, kept in the queue entry) and at reduction (are the bytes still there); every other
+    # use reads the entry. It was five lookups a tensor, on the hot path of every op's result.
+    from probe.modes.statistics.capture import StepRows
+    from probe.modes.statistics.reduce import TensorStats
+
+    rows = StepRows(TensorStats(), stage=False, saturation=False, queue=True)
+    xs = [torch.randn(STAGE_MAX_NUMEL + 1) for _ in range(5)]
+    rows.add(xs[0])
+    rows.flush()  # the kernel's first use compiles it (which reads storages of its own)
+    ids: list[int | None] = []
+
+    def capture_and_reduce() -> None:
+        ids.extend(rows.add(x) for x in xs)
+        rows.flush()
+
+    assert _c_calls_during(capture_and_reduce, "untyped_storage") == 2 * len(xs)
+    raw, numel, _ = rows.end_step().to_host()
+    for i, x in zip(ids, xs, strict=True):  # still each tensor's own statistics
+        assert raw[i, 0] == x.min().item() and raw[i, 1] == x.max().item()
+        assert numel[i] == x.numel()

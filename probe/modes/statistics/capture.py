@@ -212,6 +212,8 @@ class Queued(NamedTuple):
     version: int  # what ``owner._version`` is once the op returns: an unseen write changes it
     data_ptr: int  # where the storage's bytes were: moved or freed (FSDP2's resharding) shows
     key: Hashable  # made volatile when the tensor is lost
+    storage: int  # its ``StorageImpl`` (``_cdata``), looked up once at capture
+    nbytes: int  # what holding it keeps alive
 
 
 class ReductionQueue:
@@ -239,12 +241,16 @@ class ReductionQueue:
         x = queued.tensor
         device = x.device
         self.batches.setdefault((device, x.dtype), []).append(queued)
-        self.storages[x.untyped_storage()._cdata] = device
-        held = self.bytes.get(device, 0) + x.numel() * x.element_size()
+        self.storages[queued.storage] = device
+        held = self.bytes.get(device, 0) + queued.nbytes
         self.bytes[device] = held
-        budget = self.budget if self.budget is not None else \
-            QUEUE_BUDGET_BYTES.get(device.type, DEFAULT_QUEUE_BUDGET_BYTES)
-        return held >= budget
+        return held >= self.budget_of(device)
+
+    def budget_of(self, device: torch.device) -> int:
+        """Bytes held on ``device`` before its batches are reduced."""
+        if self.budget is not None:
+            return self.budget
+        return QUEUE_BUDGET_BYTES.get(device.type, DEFAULT_QUEUE_BUDGET_BYTES)
 
     def take(self, device: torch.device) -> list[list[Queued]]:
         """The batches of ``device`` (one per dtype), no longer held."""
@@ -252,7 +258,7 @@ class ReductionQueue:
         self.bytes.pop(device, None)
         for batch in taken:
             for queued in batch:
-                self.storages.pop(queued.tensor.untyped_storage()._cdata, None)
+                self.storages.pop(queued.storage, None)
         return taken
 
 
@@ -303,7 +309,6 @@ class StepRows:
         self._eps = eps
         self._on_changed = on_changed
         self._queue = ReductionQueue(budget)
-        self._budget = budget
         self.due: set[torch.device] = set()
         """Devices whose queue spent its budget: reduced by :meth:`settle`, before the next op."""
         self.volatile: set[Hashable] = set()
@@ -383,14 +388,17 @@ class StepRows:
         elif (now and self._held is not None and (multi or x.dtype in QUEUED_DTYPES)
               and (version := _version(owner)) is not None):
             rows.append((-1, 0, numel, multiplicity))  # filled in by release()
-            self._held.append(Queued(x, len(rows) - 1, owner, version, x.untyped_storage().data_ptr(),
-                                     x.untyped_storage()._cdata if key is None else key))
+            storage = x.untyped_storage()
+            self._held.append(Queued(x, len(rows) - 1, owner, version, storage.data_ptr(),
+                                     storage._cdata if key is None else key, storage._cdata,
+                                     numel * x.element_size()))
         elif (self._queue_on and not now and (multi or x.dtype in QUEUED_DTYPES)
-              and (key := x.untyped_storage()._cdata if key is None else key) not in self.volatile
+              and (storage := x.untyped_storage()) is not None
+              and (key := storage._cdata if key is None else key) not in self.volatile
               and (version := _version(owner)) is not None):
             rows.append((-1, 0, numel, multiplicity))  # filled in when its batch is reduced
-            queued = Queued(x, len(rows) - 1, owner, version + version_moves,
-                            x.untyped_storage().data_ptr(), key)
+            queued = Queued(x, len(rows) - 1, owner, version + version_moves, storage.data_ptr(), key,
+                            storage._cdata, numel * x.element_size())
             if self._queue.add(queued):
                 # Reduced before the next op (settle): the op in dispatch has not returned, and
                 # autograd counts its in-place writes only then.
@@ -426,9 +434,8 @@ class StepRows:
     def _watch(self, x: torch.Tensor, owner: torch.Tensor, version: int, key: Hashable) -> None:
         self._watched.append((owner, version, key))
         self._watched_bytes += x.numel() * x.element_size()
-        budget = self._budget if self._budget is not None else \
-            QUEUE_BUDGET_BYTES.get(x.device.type, DEFAULT_QUEUE_BUDGET_BYTES)
-        if self._watched_bytes >= budget:  # held only to be checked: bounded as the queue is
+        # Held only to be checked: bounded as the queue is.
+        if self._watched_bytes >= self._queue.budget_of(x.device):
             self._check_watched()
 
     def _check_watched(self) -> None:

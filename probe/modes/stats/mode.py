@@ -47,12 +47,12 @@ could skip): the output reuses its input's row as a view's does."""
 
 def _same_elements(view: torch.Tensor, base: torch.Tensor) -> bool:
     """Whether ``view`` holds exactly the values of ``base`` (a conjugate or negative view
-    of it holds others)."""
+    of it holds others). Of one dtype, the same first element's address is the same storage
+    and offset (no storage is looked up: this runs for every view op)."""
     return (
         view.dtype == base.dtype
         and view.numel() == base.numel()
-        and view.storage_offset() == base.storage_offset()
-        and view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+        and view.data_ptr() == base.data_ptr()
         and view.is_conj() == base.is_conj()
         and view.is_neg() == base.is_neg()
     )
@@ -129,21 +129,25 @@ class StatsMode(Mode):
     def before(self, call: OpCall) -> None:
         if self._rows.due:
             self._rows.settle()
-        self._input_rows = {}
-        if call.info.mutates:
+        if self._input_rows:
+            self._input_rows = {}
+        info = call.info
+        if info.mutates:
             # Queued results about to be overwritten are reduced first (see statistics.capture).
             self._rows.before_write(call.written())
-        # Read now, and their rows describe no later read (``OpCall.written_unannounced``).
-        unannounced_tensors = call.written_unannounced()
-        unannounced = self._storages(unannounced_tensors) if unannounced_tensors else ()
-        if unannounced:
-            self._rows.before_write(unannounced_tensors)
+        # Read now, and their rows describe no later read (``OpCall.written_unannounced``: a
+        # collective's inputs, none for any other op).
+        unannounced: Any = ()
+        if info.is_collective:
+            unannounced_tensors = call.written_unannounced()
+            unannounced = self._storages(unannounced_tensors) if unannounced_tensors else ()
+            if unannounced:
+                self._rows.before_write(unannounced_tensors)
         if not self.inputs or (self.inputs == "external" and call.uninitialized):
             return  # a view into memory nothing wrote yet (FSDP2's reallocated buffers): garbage
         every = self.inputs is True
         # An input the op writes is read now: queued, its statistics would be the op's result's.
-        written = {w.untyped_storage()._cdata for w in call.written()} if call.info.mutates else ()
-        info = call.info
+        written = {w.untyped_storage()._cdata for w in call.written()} if info.mutates else ()
         overwrites = bool(written) and (info.is_out or info.is_collective or info.namespace != "aten"
                                         or info.short in _OVERWRITING)
         if written or unannounced:
@@ -194,23 +198,27 @@ class StatsMode(Mode):
             return
         outputs = call.output_tensors or ()
         inputs = call.input_tensors or ()
+        info = call.info
         self._fp8.add(call.index, call.func, call.args, call.kwargs, inputs)
         reuse_base = (
-            (call.info.is_view or call.info.short in _UNSAFE_VIEWS) and inputs
-            and call.info.short not in _NOT_SAME_ELEMENTS
+            (info.is_view or info.short in _UNSAFE_VIEWS) and inputs
+            and info.short not in _NOT_SAME_ELEMENTS
         )
-        if call.info.memory_managed_outside:
+        if info.memory_managed_outside:
             # FSDP2 reallocates what its ops write between uses, outside any op, where
             # before_write cannot see it: never queued.
             self._rows.unstable(outputs)
         skipped = call.skipped
         if skipped and reuse_base and call.skip_reason("in", 0) is not None:
             reuse_base = False
-        if reuse_base and inputs[0].untyped_storage()._cdata in self._rows.volatile:
+        volatile = self._rows.volatile
+        if reuse_base and volatile and inputs[0].untyped_storage()._cdata in volatile:
             # Memory the program frees and refills outside any op (FSDP2's unsharded
             # parameters): the value it held when its row was taken may be another one now.
             reuse_base = False
-        moving = call.versions_moving()
+        # Only an op that writes (or a deferred collective's, inside the op that completes it)
+        # moves a version counter.
+        moving = call.versions_moving() if info.mutates or call.writes_in_flight is not None else ()
         for position, t in enumerate(outputs):
             if skipped and call.skip_reason("out", position) is not None:
                 continue
