@@ -198,3 +198,72 @@ def test_sparse_operands_are_left_alone(tmp_path):
             session.step()
         assert product.shape == (4, 4)
     assert [m.name for m in rank_matmuls(probe.load(tmp_path / "whatif"), "mxfp8")] == ["aten.mm.default"]
+
+
+_SUBSPACE = torch.randn(8, 48, generator=torch.Generator().manual_seed(2))
+
+
+class _Products(torch.nn.Module):
+    """Products whose output error an operand's own relative error misjudges: an outlier channel,
+    a product that cancels (its input near a subspace its weight is orthogonal to), a batched
+    product, and a strided grouped convolution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.w = torch.nn.Parameter(torch.randn(64, 48, generator=g))
+        rows = torch.linalg.qr(_SUBSPACE.T).Q  # (48, 8): an orthonormal basis of the input's rows
+        weight = torch.randn(64, 48, generator=g)
+        self.cancelling = torch.nn.Parameter(weight - weight @ rows @ rows.T)
+        self.conv = torch.nn.Conv2d(8, 6, 3, stride=2, groups=2, bias=False)
+
+    def forward(self, x: torch.Tensor, near: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                image: torch.Tensor) -> list:
+        return [torch.nn.functional.linear(x, self.w), torch.nn.functional.linear(near, self.cancelling),
+                torch.bmm(q, k), self.conv(image)]
+
+
+def _product_inputs() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(128, 48, generator=g)
+    x[:, 0] *= 1000  # an outlier channel
+    near = torch.randn(128, 8, generator=g) @ _SUBSPACE + 1e-2 * torch.randn(128, 48, generator=g)
+    return (x, near, torch.randn(4, 16, 64, generator=g), torch.randn(4, 64, 16, generator=g),
+            torch.randn(2, 8, 9, 9, generator=g))
+
+
+@pytest.mark.parametrize("recipe", ["fp8-e4m3", "mxfp8"])
+def test_predicted_error_is_the_products_measured_error(tmp_path, recipe):
+    model = _Products()
+    inputs = _product_inputs()
+    with torch.no_grad(), probe.mode("whatif", out=str(tmp_path), model=model, recipes=[recipe]) as session:
+        model(*inputs)
+        session.step()
+    run = probe.load(tmp_path)
+    by_op = {m.op: m for m in rank_matmuls(run, recipe)}
+    in_order = [by_op[op.id] for op in run.ops(0) if op.id in by_op]  # linear, linear, bmm, conv
+    assert [m.name.split(".")[1] for m in in_order] == ["mm", "mm", "bmm", "convolution"]
+    predicted = [m.predicted_error for m in in_order]
+    x, near, q, k, image = inputs
+
+    def quantized(t: torch.Tensor, reduction_dim: int = -1) -> torch.Tensor:
+        """``t`` quantized-dequantized in blocks along ``reduction_dim``."""
+        return fake_quantize(t.movedim(reduction_dim, -1), RECIPES[recipe]).movedim(-1, reduction_dim)
+
+    def relative(exact: torch.Tensor, approximate: torch.Tensor) -> float:
+        return float((approximate.double() - exact.double()).norm() / exact.double().norm())
+
+    with torch.no_grad():
+        w, cancelling, weight = model.w, model.cancelling, model.conv.weight
+        measured = [relative(x @ w.T, quantized(x) @ quantized(w).T),
+                    relative(near @ cancelling.T, quantized(near) @ quantized(cancelling).T),
+                    relative(torch.bmm(q, k), torch.bmm(quantized(q), quantized(k, reduction_dim=1))),
+                    relative(model.conv(image), torch.nn.functional.conv2d(
+                        quantized(image, reduction_dim=1), quantized(weight, reduction_dim=1),
+                        stride=2, groups=2))]
+    # Rounding errors are nearly independent: the expectation lands within 30% of each product.
+    assert predicted == pytest.approx(measured, rel=0.3)
+    # An operand's own relative error alone misses the cancellation: the product's error is
+    # its inputs' errors, not shrunk with the product.
+    alone = math.sqrt(sum(o.relative_mse for o in in_order[1].operands.values()))
+    assert measured[1] > 10 * alone

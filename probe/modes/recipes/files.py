@@ -4,6 +4,7 @@ position, role of each operand)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,8 @@ from probe.rundir.mode_files import ModeFiles
 from probe.rundir.untrusted_reads import read_npy, reading
 
 STATS_FILE = "whatif.npy"
+_COLUMNS_BEFORE_PRODUCTS = 6
+"""Runs written before the product columns hold the first six :data:`STAT_COLUMNS`."""
 INDEX_FILE = "whatif_index.npy"
 
 
@@ -63,6 +66,11 @@ class OperandWhatIf(QuantizationLosses):
     error_sq: float
     signal_sq: float
     block_range_log2: float
+    output_error_sq: float = math.nan
+    """The expected squared error this operand's rounding alone puts into the op's output; NaN
+    where it was not measured (its operands do not pair up, or a run written before)."""
+    output_sq: float = math.nan
+    """The op's output's sum of squares (NaN: not measured)."""
 
 
 class WhatIfFiles(ModeFiles):
@@ -80,7 +88,7 @@ class WhatIfFiles(ModeFiles):
         recipes = self.recipes()
         with reading(stats_path):
             expected = (len(index), len(recipes), len(STAT_COLUMNS))
-            if stats.shape != expected:
+            if stats.shape != expected and stats.shape != (*expected[:2], _COLUMNS_BEFORE_PRODUCTS):
                 raise ValueError(f"what-if statistics of shape {stats.shape}, expected {expected} (operands, "
                                  "recipes, columns)")
         with reading(index_path):

@@ -9,6 +9,7 @@ into these in dispatch; SDPA's products are seen where attention is computed eag
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,35 @@ MATMUL_OPERANDS: dict[str, tuple[tuple[int, Layout], ...]] = {
 }
 """Matmul-like aten ops (short names) -> (argument position, view with the reduction dimension
 last) of each operand; biases are not multiplied and stay out."""
+
+_BATCHED_PRODUCTS = {"bmm", "baddbmm", "addbmm"}
+_PLAIN_PRODUCTS = {"mm", "addmm", "linear"}
+
+
+def paired_views(short: str, args: tuple[Any, ...], views: list[torch.Tensor]
+                 ) -> list[tuple[torch.Tensor, int]] | None:
+    """The two operands' reduction-last ``views`` of a product, each with the leading dimensions to
+    keep apart (batches), shaped so that their energies per (batch, reduction index) pair up index
+    for index once flattened; None where the op's operands do not pair that way (a transposed
+    convolution, a convolution's backward: three operands, two products)."""
+    if len(views) != 2:
+        return None
+    a, b = views
+    if short in _PLAIN_PRODUCTS:
+        return [(a, 0), (b, 0)]
+    if short in _BATCHED_PRODUCTS:
+        return [(a, 1), (b, 1)] if a.dim() == b.dim() == 3 else None
+    if short == "convolution" and len(args) > 8 and not args[6]:
+        # Input channel c meets weight input channel c mod (C / groups) of its group's filters.
+        groups, channels = int(args[8]), b.shape[-1]
+        return [(a, 0), (b.reshape(groups, -1, channels), 1)]
+    return None
+
+
+def positions(shape: torch.Size) -> int:
+    """The spatial positions of a channels-first convolution operand or output (1 for a matmul's)."""
+    return math.prod(shape[2:]) if len(shape) >= 3 else 1
+
 
 ROLES = ("input", "weight", "grad_output")
 INPUT, WEIGHT, GRAD_OUTPUT = range(3)

@@ -26,11 +26,15 @@ import torch
 
 from probe.modes.recipes.formats import E2M1_VALUES, ELEMENT_FORMATS, Recipe
 
-STAT_COLUMNS = ("nonzero", "underflow", "saturated", "error_sq", "signal_sq", "block_range_log2")
+STAT_COLUMNS = ("nonzero", "underflow", "saturated", "error_sq", "signal_sq", "block_range_log2",
+                "output_error_sq", "output_sq")
 """The what-if statistics of one operand under one recipe: nonzero values, those that quantize to
 0, those beyond the element format's largest value after scaling (clamped), the sum of squared
-quantize-dequantize errors and of squared values, and the largest log2(max / min nonzero |x|) of
-a block (of the tensor, for a per-tensor recipe)."""
+quantize-dequantize errors and of squared values, the largest log2(max / min nonzero |x|) of a
+block (of the tensor, for a per-tensor recipe); then the expected squared error this operand's
+rounding alone puts into the op's output (:func:`product_error_energy`; NaN where the op's
+operands do not pair up, as a transposed convolution's or a convolution's backward) and the
+output's own sum of squares."""
 
 _F32_MIN_NORMAL = torch.finfo(torch.float32).tiny
 _E4M3 = ELEMENT_FORMATS["e4m3"]
@@ -115,21 +119,21 @@ def quantize_blocks(blocks: torch.Tensor, recipe: Recipe, amax: torch.Tensor | N
     return _round_elements(scaled.clamp(-element.max, element.max), recipe) / scale, saturated
 
 
-def fake_quantize(x: torch.Tensor, recipe: Recipe, amax: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` (reduction dimension last) quantized and dequantized under ``recipe``, in ``x``'s dtype."""
-    blocks = blocks_of(x, recipe.block)
-    values, _ = quantize_blocks(blocks, recipe, amax)
+def _unblocked(values: torch.Tensor, x: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """Rows of :func:`blocks_of` (padding dropped) back in ``x``'s shape."""
     if recipe.block and x.dim():
         width = x.shape[-1]
-        values = values.reshape(-1, blocks.numel() // (x.numel() // width))[:, :width]
-    return values.reshape(x.shape).to(x.dtype)
+        values = values.reshape(x.numel() // width, -1)[:, :width]
+    return values.reshape(x.shape)
 
 
-def what_if(x: torch.Tensor, recipe: Recipe, amax: torch.Tensor | None = None) -> torch.Tensor:
-    """The :data:`STAT_COLUMNS` of quantizing ``x`` (reduction dimension last) under ``recipe``:
-    one float64 tensor on ``x``'s device (no host sync)."""
-    blocks = blocks_of(x, recipe.block)
-    values, saturated = quantize_blocks(blocks, recipe, amax)
+def fake_quantize(x: torch.Tensor, recipe: Recipe, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` (reduction dimension last) quantized and dequantized under ``recipe``, in ``x``'s dtype."""
+    values, _ = quantize_blocks(blocks_of(x, recipe.block), recipe, amax)
+    return _unblocked(values, x, recipe).to(x.dtype)
+
+
+def _statistics(blocks: torch.Tensor, values: torch.Tensor, saturated: torch.Tensor) -> torch.Tensor:
     nonzero = blocks != 0
     magnitude = blocks.abs()
     smallest = torch.where(nonzero, magnitude, torch.inf).amin(-1)
@@ -141,6 +145,40 @@ def what_if(x: torch.Tensor, recipe: Recipe, amax: torch.Tensor | None = None) -
         nonzero.sum().double(), (nonzero & (values == 0)).sum().double(), saturated.sum().double(),
         error, blocks.double().square().sum(), block_range.double(),
     ])
+
+
+def what_if(x: torch.Tensor, recipe: Recipe, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """The first six :data:`STAT_COLUMNS` of quantizing ``x`` (reduction dimension last) under
+    ``recipe``: one float64 tensor on ``x``'s device (no host sync)."""
+    blocks = blocks_of(x, recipe.block)
+    return _statistics(blocks, *quantize_blocks(blocks, recipe, amax))
+
+
+def what_if_energies(x: torch.Tensor, recipe: Recipe, amax: torch.Tensor | None = None, batch_dims: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`what_if`'s statistics, and the squared quantize-dequantize errors and squared values
+    of ``x`` (reduction dimension last) summed over every dimension but the reduction dimension and
+    the first ``batch_dims``: two float64 tensors of shape ``x.shape[:batch_dims] + x.shape[-1:]``,
+    what a product's error is made of (:func:`product_error_energy`)."""
+    blocks = blocks_of(x, recipe.block)
+    values, saturated = quantize_blocks(blocks, recipe, amax)
+    exact = x.detach().double()
+    error = (_unblocked(values, x, recipe).double() - exact).square()
+    signal = exact.square()
+    summed = tuple(range(batch_dims, x.dim() - 1))
+    if summed:  # sum(dim=()) would sum everything
+        error, signal = error.sum(summed), signal.sum(summed)
+    return _statistics(blocks, values, saturated), error, signal
+
+
+def product_error_energy(error: torch.Tensor, other_signal: torch.Tensor) -> torch.Tensor:
+    """The expected squared error of a product whose one operand carries rounding errors of
+    energy ``error`` per (batch, reduction index) and whose other operand is exact, of energy
+    ``other_signal`` there: E||dA B||^2 = sum over b, k of ||dA[b, :, k]||^2 ||B[b, k, :]||^2
+    for errors independent of each other (rounding errors nearly are). Unlike an operand's
+    relative error alone, it weighs each error by what it is multiplied with: the neighbours of
+    an outlier channel, or a column the other operand zeroes, count for what they change."""
+    return (error * other_signal).sum()
 
 
 class AmaxHistory:
