@@ -171,6 +171,7 @@ def measure(family: Family, recipes: list[str], root: Path, gradient_error: bool
         rows.append({
             "family": family.name, "recipe": recipe, "matmuls": len(ranking),
             "planted_first": top.module.startswith(block + "."), "top": top.reason(recipe),
+            "top_is_worst": worst == 0,
             "worst_output": f"{ranking[worst].module} ({ranking[worst].phase})",
             "spearman_output": _spearman([m.predicted_error for m in ranking], output_errors),
             "spearman_gradient": (_spearman([m.predicted_error for m in ranking], gradient_errors)
@@ -186,18 +187,21 @@ def _rho(value: float | None) -> str:
 
 def report(rows: list[dict[str, Any]], seconds: float, markdown: Path | None) -> str:
     lines = [
-        "| family | recipe | matmuls | planted layer first | Spearman: predicted vs output error | ranking "
-        "order vs output error | predicted vs gradient error | top-ranked (reason) | largest output error |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| family | recipe | matmuls | planted layer first | top-ranked has the largest output error "
+        "| Spearman: predicted vs output error | ranking order vs output error "
+        "| predicted vs gradient error | top-ranked (reason) | largest output error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        first = "yes" if r["planted_first"] else "no"
+        first, worst = ("yes" if r[key] else "no" for key in ("planted_first", "top_is_worst"))
         rhos = " | ".join(_rho(r[key]) for key in ("spearman_output", "spearman_order", "spearman_gradient"))
-        lines.append(f"| {r['family']} | {r['recipe']} | {r['matmuls']} | {first} | {rhos} | {r['top']} "
-                     f"| {r['worst_output']} |")
+        lines.append(f"| {r['family']} | {r['recipe']} | {r['matmuls']} | {first} | {worst} | {rhos} "
+                     f"| {r['top']} | {r['worst_output']} |")
     first_count = sum(r["planted_first"] for r in rows)
     good = sum(r["spearman_output"] >= 0.7 for r in rows)
-    summary = (f"planted layer first in {first_count} of {len(rows)}; Spearman of predicted vs output error "
+    top_worst = sum(r["top_is_worst"] for r in rows)
+    summary = (f"planted layer first in {first_count} of {len(rows)}; the top-ranked matmul has the largest "
+               f"output error in {top_worst} of {len(rows)}; Spearman of predicted vs output error "
                f">= 0.7 in {good} of {len(rows)}; {seconds:.0f} s, torch {torch.__version__}, "
                f"{torch.get_num_threads()} threads")
     text = "\n".join(lines) + "\n\n" + summary + "\n"
