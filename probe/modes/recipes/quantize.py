@@ -133,25 +133,34 @@ def fake_quantize(x: torch.Tensor, recipe: Recipe, amax: torch.Tensor | None = N
     return _unblocked(values, x, recipe).to(x.dtype)
 
 
-def _statistics(blocks: torch.Tensor, values: torch.Tensor, saturated: torch.Tensor) -> torch.Tensor:
+def _statistics(blocks: torch.Tensor, values: torch.Tensor, saturated: torch.Tensor,
+                error_sq: torch.Tensor, signal_sq: torch.Tensor) -> torch.Tensor:
     nonzero = blocks != 0
     magnitude = blocks.abs()
     smallest = torch.where(nonzero, magnitude, torch.inf).amin(-1)
     # Difference of logs: the ratio of a denormal to a large value overflows fp32.
     spread = magnitude.amax(-1).log2() - smallest.log2()
     block_range = torch.where(torch.isfinite(smallest), spread, 0.0).amax()
-    error = (values.double() - blocks.double()).square().sum()
     return torch.stack([
         nonzero.sum().double(), (nonzero & (values == 0)).sum().double(), saturated.sum().double(),
-        error, blocks.double().square().sum(), block_range.double(),
+        error_sq, signal_sq, block_range.double(),
     ])
+
+
+def _squares(x: torch.Tensor, dims: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Squares of fp32 ``x`` summed in float64 (over ``dims``; all when None)."""
+    squared = x.square()
+    if dims is None:
+        return squared.sum(dtype=torch.float64)
+    return squared.sum(dims, dtype=torch.float64) if dims else squared.double()
 
 
 def what_if(x: torch.Tensor, recipe: Recipe, amax: torch.Tensor | None = None) -> torch.Tensor:
     """The first six :data:`STAT_COLUMNS` of quantizing ``x`` (reduction dimension last) under
     ``recipe``: one float64 tensor on ``x``'s device (no host sync)."""
     blocks = blocks_of(x, recipe.block)
-    return _statistics(blocks, *quantize_blocks(blocks, recipe, amax))
+    values, saturated = quantize_blocks(blocks, recipe, amax)
+    return _statistics(blocks, values, saturated, _squares(values - blocks), _squares(blocks))
 
 
 def what_if_energies(x: torch.Tensor, recipe: Recipe, amax: torch.Tensor | None = None, batch_dims: int = 0
@@ -162,13 +171,10 @@ def what_if_energies(x: torch.Tensor, recipe: Recipe, amax: torch.Tensor | None 
     what a product's error is made of (:func:`product_error_energy`)."""
     blocks = blocks_of(x, recipe.block)
     values, saturated = quantize_blocks(blocks, recipe, amax)
-    exact = x.detach().double()
-    error = (_unblocked(values, x, recipe).double() - exact).square()
-    signal = exact.square()
     summed = tuple(range(batch_dims, x.dim() - 1))
-    if summed:  # sum(dim=()) would sum everything
-        error, signal = error.sum(summed), signal.sum(summed)
-    return _statistics(blocks, values, saturated), error, signal
+    error = _squares(_unblocked(values - blocks, x, recipe), summed)
+    signal = _squares(x.detach().to(torch.float32), summed)
+    return _statistics(blocks, values, saturated, error.sum(), signal.sum()), error, signal
 
 
 def product_error_energy(error: torch.Tensor, other_signal: torch.Tensor) -> torch.Tensor:
