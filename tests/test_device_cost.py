@@ -52,11 +52,11 @@ def test_counter_sees_a_widening_copy_the_engine_makes_inside_an_op():
 
 # What a real stats session may issue on the device: the engine's one fused pass per value
 # (``TensorStats.row``) or, on CUDA with Triton, one multi-tensor call per batch
-# (``_multi_tensor_rows``), and the staging copy of a small value into its chunk
+# (``_multi_tensor_block``), and the staging copy of a small value into its chunk
 # (``StageChunk.add``). Anything else per value (a snapshot copy of a value about to be written
 # in place, a widened or contiguous copy, a cast inside a reduction, a stack per queued batch)
 # is a new (op, issuing function) here.
-SESSION_OPS = {("compiled _fused_raw", "row"), ("copy_", "add"), ("multi-tensor rows", "_multi_tensor_rows")}
+SESSION_OPS = {("compiled _fused_raw", "row"), ("copy_", "add"), ("multi-tensor rows", "_multi_tensor_block")}
 
 
 @pytest.mark.parametrize("multi_tensor", [True, False], ids=["triton", "no-triton"])

@@ -37,7 +37,7 @@ queued rows are checked in host memory, where they already are), and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -53,7 +53,7 @@ from probe.modes.statistics.reduce import (
     chunk_rows,
     compact_view,
     cpu_rows,
-    device_row_list,
+    device_row_blocks,
 )
 from probe.npu import saturation_mode
 
@@ -104,16 +104,21 @@ class StageChunk:
 
 
 class DeviceRows:
-    """Rows of tensors reduced on one device, each apart until the step's end (one ``cat``)."""
+    """Rows of tensors reduced on one device, in the blocks the kernels returned them (a row
+    alone is a block of one) until the step's end (one ``cat``)."""
 
     def __init__(self) -> None:
-        self.parts: list[torch.Tensor] = []  # [1, columns] each
+        self.parts: list[torch.Tensor] = []  # [rows, columns] each
         self.size = 0
 
     def add_row(self, row: torch.Tensor) -> int:
-        self.parts.append(row.reshape(1, -1))
-        self.size += 1
-        return self.size - 1
+        return self.add_block(row.reshape(1, -1))
+
+    def add_block(self, block: torch.Tensor) -> int:
+        """Add ``[rows, columns]`` rows; the first one's position."""
+        self.parts.append(block)
+        self.size += len(block)
+        return self.size - len(block)
 
     def on_device(self) -> torch.Tensor:
         if not self.parts:
@@ -514,16 +519,19 @@ class StepRows:
         device = xs[0].device
         if device.type == "cpu":
             source, first = self._append_host_rows(cpu_rows(xs, eps=self._eps))
+            positions: Sequence[int] = range(first, first + len(kept))
         else:
             source = self._device_source(device)
             rows = self._sources[source]
             assert isinstance(rows, DeviceRows)
-            first = rows.size
-            for row in device_row_list(xs, eps=self._eps, stats=self._stats):
-                rows.add_row(row)
-        for i, queued in enumerate(kept):
+            at = [0] * len(kept)
+            for indices, block in device_row_blocks(xs, eps=self._eps, stats=self._stats):
+                for position, i in enumerate(indices, rows.add_block(block)):
+                    at[i] = position
+            positions = at
+        for queued, position in zip(kept, positions, strict=True):
             _, _, numel, multiplicity = table[queued.row]
-            table[queued.row] = (source, first + i, numel, multiplicity)
+            table[queued.row] = (source, position, numel, multiplicity)
 
     def _stage_into_chunk(self, x: torch.Tensor) -> tuple[int, int]:
         dtype = torch.float32 if x.dtype in _FP32_EXACT else torch.float64

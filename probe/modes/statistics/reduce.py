@@ -227,17 +227,17 @@ def multi_tensor_kernel_replaced(kernel: MultiTensorRows | None) -> Iterator[Non
         _multi_tensor, _multi_tensor_tried = saved
 
 
-def _multi_tensor_rows(xs: Sequence[torch.Tensor], eps: float | None) -> list[torch.Tensor] | None:
+def _multi_tensor_block(xs: Sequence[torch.Tensor], eps: float | None) -> torch.Tensor | None:
     """Rows of floating-point tensors of one device and dtype, contiguous or all strided, through
-    the multi-tensor kernel, or None where it failed (that form turned off for the process, after
-    one warning)."""
+    the multi-tensor kernel (``[len(xs), WIDTH]``), or None where it failed (that form turned off
+    for the process, after one warning)."""
     kernel = multi_tensor_kernel(xs[0].device)
     if kernel is None:
         return None
     threshold = 0.0 if eps is None else zeros_threshold(xs[0].dtype, eps)
     try:
         with torch.no_grad():
-            return list(kernel(xs, threshold).unbind(0))
+            return kernel(xs, threshold)
     except Exception as error:  # a Triton that cannot build it here (a GPU without fp64, say)
         global _multi_tensor_strided
         if not all(x.is_contiguous() for x in xs):  # only its strided form: that one off
@@ -320,9 +320,9 @@ class TensorStats:
                 extra[RAW_COLUMNS.index("ninf")] = (x == -top).sum()
                 return row + extra
         if self.uses_multi_tensor(x):
-            row = _multi_tensor_rows([x], eps)
-            if row is not None:
-                return row[0].to(acc)
+            block = _multi_tensor_block([x], eps)
+            if block is not None:
+                return block[0].to(acc)
         if self.uses_compiled(x):
             flat = (x if x.is_contiguous() else x.contiguous()).view(-1)
             if flat.dtype not in _COMPILED_DTYPES:
@@ -472,37 +472,51 @@ def device_rows(xs: list[torch.Tensor], eps: float | None = None, stats: TensorS
 
 def device_row_list(xs: list[torch.Tensor], eps: float | None = None, stats: TensorStats | None = None
                     ) -> list[torch.Tensor]:
-    """As :func:`device_rows`, one row per tensor and no stack: the capture queue keeps the rows
-    apart until the step's end, where one ``cat`` gathers them (a stack per queued batch was a
-    launch per batch: 74 a step of the 7B-wide model, ``benchmarks.device_cost``)."""
+    """As :func:`device_rows`, one row per tensor and no stack (from :func:`device_row_blocks`)."""
+    out: list[torch.Tensor | None] = [None] * len(xs)
+    for indices, block in device_row_blocks(xs, eps, stats):
+        for i, row in zip(indices, block.unbind(0), strict=True):
+            out[i] = row
+    return out  # type: ignore[return-value]
+
+
+RowBlock = tuple[list[int], torch.Tensor]
+"""Rows of some of a batch's tensors: their positions in the batch, and ``[len, WIDTH]`` rows."""
+
+
+def device_row_blocks(xs: list[torch.Tensor], eps: float | None = None, stats: TensorStats | None = None
+                      ) -> list[RowBlock]:
+    """The rows of :func:`device_rows` as the kernels return them, a block per kernel call: the
+    capture queue keeps the blocks until the step's end, where one ``cat`` gathers them (a stack
+    per queued batch was a launch per batch: 74 a step of the 7B-wide model,
+    ``benchmarks.device_cost``; a view per row, host work per tensor)."""
     stats = stats if stats is not None else TensorStats()
+    blocks: list[RowBlock] = []
     multi = [i for i, x in enumerate(xs) if stats.uses_multi_tensor(x)]
+    rest = list(range(len(xs)))
     if multi:
-        out: list[torch.Tensor | None] = [None] * len(xs)
         # One launch pair per dtype, and apart the tensors not 16-byte aligned (a view at an
         # odd offset), whose loads cannot be vectorized, and the strided ones (their addresses
         # are computed per value).
         kinds = {i: (xs[i].dtype, xs[i].data_ptr() % 16 == 0, xs[i].is_contiguous()) for i in multi}
         for kind in set(kinds.values()):
             group = [i for i in multi if kinds[i] == kind]
-            rows = _multi_tensor_rows([xs[i] for i in group], eps)
-            if rows is None:  # failed, and off from now on: the paths below
-                return device_row_list(xs, eps, stats)
-            for i, row in zip(group, rows, strict=True):
-                out[i] = row
-        rest = [i for i in range(len(xs)) if out[i] is None]
-        if rest:
-            for i, row in zip(rest, device_row_list([xs[i] for i in rest], eps, stats), strict=True):
-                out[i] = row
-        return out  # type: ignore[return-value]
+            block = _multi_tensor_block([xs[i] for i in group], eps)
+            if block is None:  # failed, and off from now on: the paths below
+                return device_row_blocks(xs, eps, stats)
+            blocks.append((group, block))
+        taken = set(multi)
+        rest = [i for i in rest if i not in taken]
+    if not rest:
+        return blocks
     # The foreach reductions make negated copies and masks of each tensor: one of more than a
     # piece goes to ``stats.row``, which reduces it piece by piece.
-    alone = [stats.uses_compiled(x) or pieces.too_large(x) for x in xs]
-    if not any(alone):
-        return list(_foreach_rows(xs, eps).unbind(0))
-    small = [x for x, a in zip(xs, alone, strict=True) if not a]
-    rest = iter(_foreach_rows(small, eps).unbind(0) if small else ())
-    return [stats.row(x, eps=eps) if a else next(rest) for x, a in zip(xs, alone, strict=True)]
+    alone = {i for i in rest if stats.uses_compiled(xs[i]) or pieces.too_large(xs[i])}
+    together = [i for i in rest if i not in alone]
+    if together:
+        blocks.append((together, _foreach_rows([xs[i] for i in together], eps)))
+    blocks += [([i], stats.row(xs[i], eps=eps).reshape(1, -1)) for i in rest if i in alone]
+    return blocks
 
 
 def _foreach_rows(xs: list[torch.Tensor], eps: float | None) -> torch.Tensor:
