@@ -60,12 +60,19 @@ class _Mlp(nn.Module):
         return self.down(F.gelu(h))
 
 
+class _ScaledLinear(nn.Linear):
+    """A linear whose output is 1.25 times what it should be."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 1.25
+
+
 class _Model(nn.Module):
     def __init__(self, fault: str | None = None) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
         self.attn, self.mlp = _Attention(fault), _Mlp(fault)
-        self.head = nn.Linear(HIDDEN, VOCAB)
+        self.head = (_ScaledLinear if fault == "head" else nn.Linear)(HIDDEN, VOCAB)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
@@ -74,8 +81,8 @@ class _Model(nn.Module):
         return self.head(x)
 
 
-def _run(out, autocast: bool, fault: str | None = None):
-    """Two AdamW steps of the tiny model (seeded alike in every run)."""
+def _run(out, autocast: bool, fault: str | None = None, dtype: torch.dtype = torch.bfloat16):
+    """Two AdamW steps of the tiny model (seeded alike in every run), under autocast to ``dtype``."""
     torch.manual_seed(0)
     model = _Model(fault)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -83,7 +90,7 @@ def _run(out, autocast: bool, fault: str | None = None):
     with probe.mode("stats", out=out, model=model) as session:
         for _ in range(2):
             ids = torch.randint(0, VOCAB, (2, 12), generator=gen)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with torch.autocast("cpu", dtype=dtype, enabled=autocast):
                 loss = F.cross_entropy(model(ids).float().flatten(0, 1), ids.flatten())
             loss.backward()
             opt.step()
@@ -128,3 +135,31 @@ def test_a_qk_norm_casting_back_under_autocast_is_no_divergence(tmp_path):
     report = probe.compare(_run(tmp_path / "a", False), _run(tmp_path / "b", True))
     assert report.first_divergence is None and report.ok, report.conclusion
     assert report.conclusion == "no divergence: differences consistent with bf16 autocast"
+
+
+def test_a_bf16_matmul_under_fp16_autocast_is_lowered_precision(tmp_path):
+    # fp16 autocast rounds a matmul's inputs to 11 bits of mantissa; the model's own cast to bf16
+    # before it rounds them to 8: coarser than the policy recorded with the op, so not autocast's.
+    report = probe.compare(_run(tmp_path / "a", False),
+                           _run(tmp_path / "b", True, fault="matmul", dtype=torch.float16))
+    d = report.divergence
+    assert d is not None, report.conclusion
+    assert (d.rule, d.op.module, d.step) == ("lowered precision", "mlp", 0)
+    assert "float32 -> bfloat16 by an explicit cast" in d.comparison.message
+    assert "coarser than the autocast region's float16" in d.comparison.message
+
+
+def test_an_fp16_autocast_pair_is_no_divergence(tmp_path):
+    report = probe.compare(_run(tmp_path / "a", False), _run(tmp_path / "b", True, dtype=torch.float16))
+    assert report.first_divergence is None and report.ok, report.conclusion
+    assert report.conclusion == "no divergence: differences consistent with fp16 autocast"
+
+
+def test_a_scaled_output_cast_up_for_the_loss_is_blamed_on_its_module(tmp_path):
+    # Under autocast the head's bf16 logits are cast up to float32 for the loss, outside any module,
+    # a cast run A does not have. That cast widens, which is exact: the difference the loss reads
+    # entered at the head's scaling, the other op of run B only on its way.
+    report = probe.compare(_run(tmp_path / "a", False), _run(tmp_path / "b", True, fault="head"))
+    d = report.divergence
+    assert d is not None, report.conclusion
+    assert (d.rule, d.op.module, d.step, d.op_b.name) == ("unmatched producer", "head", 0, "aten.mul.Tensor")

@@ -975,6 +975,8 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
                     for view, w in zip(views, walks, strict=True)]
         if any(w is None for w in walks) or any(u is None for u in upstream):
             continue  # a chain too long to bound, or an input of it unknown: judged as before
+        if not _made_from_shared_values(walks, views):
+            continue  # not one quantity in the two runs: the op's outputs are judged
         sources = [op.inputs[position].source for op in ops]
         difference = _edge_error(views[0].side, views[1].side, c, position,
                                  (views[0].output_record(sources[0]), views[1].output_record(sources[1])))
@@ -1014,8 +1016,11 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
             continue
         k = 1 if walks[1] and walks[1][0] else 0  # run B's re-implementation when both runs have some
         producers = walks[k][0]  # type: ignore[index]
-        module = _common_module([p.module for p in producers])
-        blamed = next((p for p in producers if p.module == module), producers[0])
+        # An exact op (a view, a cast that widens) moves no value: the difference entered at one of
+        # the others (a module's output scaled, then cast up to float32 for the loss outside it).
+        suspects = [p for p in producers if precision.faithful_rounding(p) != 0.0] or producers
+        module = _common_module([p.module for p in suspects])
+        blamed = next((p for p in suspects if p.module == module), suspects[0])
         names = ", ".join(sorted({p.name for p in producers}))
         message = (f"input {position} of {c.a.id} differs by {difference:.3g} (relative), beyond "
                    f"{factor:g} x the {worst_upstream:.3g} of the matched ops upstream + "
@@ -1023,6 +1028,25 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
                    f"{'AB'[k]} only ({len(producers)} op(s): {names}, in {module or '<outside modules>'})")
         return views[k].comparisons[blamed.index], message
     return None
+
+
+def _made_from_shared_values(walks: list[tuple[list[OpRecord], list[tuple[int, int]]] | None],
+                             views: tuple[_RunView, _RunView]) -> bool:
+    """Whether the two runs' values of one input are computed from a matched value in common: some
+    matched output run B's value is read from, or made from by ops of its own (a walk's boundary),
+    is the partner of one run A's is. Where they share none, the input position holds other
+    quantities in the two runs, and nothing entered there: a sum grouped otherwise (a bf16 model's
+    norm casts its input to fp32, so autograd sums the norm's gradients of that input before the
+    cast back, and adds the residual's after, where the fp32 run adds the three in turn). True when
+    either value comes from outside the step only, or its walk was too long (nothing to say)."""
+    reached_a, reached_b = ({tuple(s[:2]) for s in walk[1]} if walk is not None else set() for walk in walks)
+    if not reached_a or not reached_b:
+        return True
+    for index, position in reached_b:
+        row = views[1].comparisons.get(index)
+        if row is not None and row.a is not None and (row.a.index, position) in reached_a:
+            return True
+    return False
 
 
 FAITHFUL_MARGIN = 2.0

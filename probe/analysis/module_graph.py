@@ -25,6 +25,22 @@ def module_call_key(op_id: str) -> str:
     return op_id.rsplit(":", 2)[0]
 
 
+def common_module(modules: list[str]) -> str:
+    """The innermost module holding all of ``modules`` ('' when none does)."""
+    parts = [m.split(".") if m else [] for m in modules]
+    common: list[str] = []
+    for names in zip(*parts, strict=False):  # stops at the shortest
+        if len(set(names)) != 1:
+            break
+        common.append(names[0])
+    return ".".join(common)
+
+
+def within(module: str, scope: str) -> bool:
+    """Whether ``module`` is ``scope`` or inside it (every module is inside '')."""
+    return not scope or module == scope or module.startswith(scope + ".")
+
+
 def module_namespace(module: str, call: int) -> list[str]:
     """The module hierarchy an op (or module call) sits in, outermost first.
 

@@ -127,10 +127,15 @@ def _dtype_word(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def autocast_enabled(op: OpRecord) -> bool | None:
-    """Whether autocast was enabled when run B's ``op`` ran, as the tracer recorded it; None where
-    it is not known (ops other than forward ones, runs written before it): the dtypes decide."""
-    return None if op.autocast is None else bool(op.autocast)
+def autocast_lowers_to(op: OpRecord, dtype: torch.dtype) -> bool | None:
+    """Whether autocast, as recorded for ``op``, explains a result in ``dtype``: ``dtype`` is no
+    coarser than a dtype the policy computes in. False where autocast was off, or where its policy
+    rounds only to finer dtypes (a bf16 result under fp16 autocast: an 8-bit mantissa where autocast
+    rounds to 11 bits); None where the policy is not known (the dtypes decide)."""
+    if op.autocast is None:
+        return None
+    lowered = [d for d in map(_floating, op.autocast.values()) if d is not None]
+    return any(not _lower(dtype, d) for d in lowered)
 
 
 def kept_fp32(op: OpRecord) -> bool:
@@ -158,6 +163,9 @@ class Lowering:
             why = "outside any autocast region (recorded), and run B's model dtype does not explain it"
         elif self.op.autocast and kept_fp32(self.op):
             why = "inside an autocast region, which keeps this op in float32"
+        elif self.op.autocast and not autocast_lowers_to(self.op, self.after):
+            policy = ", ".join(sorted(set(self.op.autocast.values())))
+            why = f"coarser than the autocast region's {policy}, and run B's model dtype does not explain it"
         else:
             why = "which neither autocast nor run B's model dtype explains"
         return (f"precision lowered in {where}: {_dtype_word(self.before)} -> {_dtype_word(self.after)} "
@@ -232,7 +240,9 @@ def lowered_precision(ops_a: list[OpRecord], ops_b: list[OpRecord],
         reference = output_precision(partner) if partner is not None else inp
         if reference is None or not _lower(out, reference):
             continue  # run A lowers here too
-        autocast = autocast_enabled(op) is not False  # recorded on, or not recorded
+        # Autocast explains a lowering to its own dtype only: a result rounded coarser than the
+        # recorded policy's dtype (bf16 under fp16 autocast) is some other cast's.
+        autocast = autocast_lowers_to(op, out) is not False  # to its dtype, or not recorded
         if (autocast and short_name(op.name) in AUTOCAST_LOWERED) or (model_lowered and out == dtype_b):
             continue
         targets = _terminal_consumers(op, consumers)

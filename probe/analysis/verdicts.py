@@ -45,6 +45,7 @@ RULE_LOWERED = "lowered precision"    # computed lower than run A, unexplained b
 RULE_CARRIED = "carried"              # downstream of a divergence, beyond the thresholds
 RULE_UNMATCHED_PRODUCER = "unmatched producer"  # entered through ops that exist in one run only
 RULE_REDUCTION_ORDER = "reduction order"  # a sum the layouts split otherwise, within each order's rounding
+RULE_ROUTING = "routing"              # discrete results (indices, masks) of real inputs within precision
 VERDICTS = (PASS, WARNING, ERROR, UNMATCHED, NOT_COMPARED)
 """Every verdict, in the order reports count them."""
 SEVERITY = {PASS: 0, UNMATCHED: 1, WARNING: 2, NOT_COMPARED: 3, ERROR: 4}

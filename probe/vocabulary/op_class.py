@@ -265,6 +265,16 @@ def draws_random(name: str) -> bool | None:
         return None
 
 
+@functools.lru_cache(maxsize=4096)
+def returns_view(name: str) -> bool | None:
+    """Whether the op named ``name`` (``aten.slice.Tensor``) returns a view of an input (its
+    memory, not a copy); None where no op of that name is registered in this process."""
+    try:
+        return classify(resolve_op(name)).is_view
+    except ProbeError:
+        return None
+
+
 def creates_uninitialized(name: str) -> bool:
     """Whether the op named ``name`` returns memory nothing has written yet (``empty_like``, ...):
     whatever it holds is no value of the program."""
