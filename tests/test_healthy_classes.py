@@ -39,7 +39,7 @@ class _SliceFilledQuery(torch.nn.Module):
 class _Experts(torch.nn.Module):
     """A mixture-of-experts block on near-tied logits: ``topk`` picks each token's expert, the
     tokens are counted per expert (``histc``, ``cumsum``) and a sparse mixer masks the scores
-    below their mean with -inf, as PhiMoE's does."""
+    below expert 0's with -inf, as PhiMoE's sparse mixer does."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -53,7 +53,7 @@ class _Experts(torch.nn.Module):
         chosen = logits.topk(1, dim=-1).indices.reshape(-1)
         counts = torch.histc(chosen.float(), bins=4, min=0, max=3)
         offsets = torch.cumsum(counts, 0)
-        kept = logits.masked_fill(logits < logits.mean(-1, keepdim=True), -math.inf).softmax(-1)
+        kept = logits.masked_fill(logits < logits[:, :1], -math.inf).softmax(-1)
         experts = self.experts(x).view(x.shape[0], 4, WIDTH)
         picked = experts[torch.arange(x.shape[0]), chosen] * offsets[chosen].unsqueeze(-1) / x.shape[0]
         return picked * kept.gather(-1, chosen.unsqueeze(-1))
@@ -62,11 +62,12 @@ class _Experts(torch.nn.Module):
 class _Router(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
+        self.inp = torch.nn.Linear(WIDTH, WIDTH)
         self.moe = _Experts()
         self.out = torch.nn.Linear(WIDTH, WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.moe(x))
+        return self.out(self.moe(self.inp(x)))
 
 
 class _MaskFill(torch.nn.Module):
@@ -132,7 +133,10 @@ def test_routing_on_near_tied_logits_differs_consistently_with_precision(tmp_pat
     # bf16 flips some tokens' expert and some scores across the mask's threshold: the counts per
     # expert, their cumulative sums and the -inf fills differ. No numeric bound relates them to
     # the logits' rounding: routing, a warning, never a pass.
-    report = _healthy_and_fault(tmp_path, _Router, "out")
+    # A fault upstream of the router is no routing: found where it enters. (Downstream of the
+    # block, the outputs differ by what the other choices made, 20% here: the propagation bound
+    # on that difference is loose, see docs/compare.md.)
+    report = _healthy_and_fault(tmp_path, _Router, "inp")
     routed = [c for c in report.comparisons if c.rule == "routing"]
     assert routed and all(c.verdict == "warning" for c in routed)
     assert any(c.a.name == "aten.cumsum.default" for c in routed)
