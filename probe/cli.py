@@ -258,7 +258,7 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
         report.to_csv(out / "report.csv")
         report.to_json(out / "report.json")
         report.to_html(out / "report.html")
-        (out / "overlay.json").write_text(json.dumps(report.overlay(), default=str))
+        report.write_overlay(out / "overlay.json")
         if report.identity is not None:
             report.identity.to_csv(out / "identity.csv")
     render_compare(console, report, args.out)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -76,6 +76,7 @@ from probe.analysis.verdicts import (
     worst,
 )
 from probe.errors import ProbeError
+from probe.rundir.compact_step import CompactStep
 from probe.rundir.mode_files import DumpReader
 from probe.rundir.run import OpRecord, Run, TensorRecord
 from probe.rundir.tensor_layouts import STRIDED, dense_values
@@ -90,7 +91,7 @@ REPLAY_LIMIT = 4_000_000
 _WORSE_IS_LOWER = {"cosine", "one_thousandth_ratio", "five_thousandth_ratio"}
 
 
-@dataclass
+@dataclass(slots=True)  # a report holds one an op: no __dict__ each
 class TensorComparison:
     io: str
     position: int
@@ -103,7 +104,7 @@ class TensorComparison:
     """The rule that decided the verdict (``probe.analysis.verdicts.RULE_*``)."""
 
 
-@dataclass
+@dataclass(slots=True)  # a report holds one an op: no __dict__ each
 class OpComparison:
     step: int
     rank: int
@@ -143,6 +144,9 @@ class OpComparison:
         return row
 
 
+_OVERLAY_KEYS = frozenset(("verdict", "message", "op_b", *METRIC_KEYS, *STATS_KEYS))
+"""The fields of a row the graph viewer's overlay shows (:meth:`Report.overlay`)."""
+
 _NOT_IN_DUMP = "not in the dump"
 _NOT_DUMPABLE = "not dumpable"
 
@@ -152,8 +156,12 @@ class _Side:
 
     def __init__(self, run: Run, step: int, rank: int) -> None:
         self.run = run
+        # The step is held in columns (CompactStep), its ops decoded when the judge reads them:
+        # decoded records of both whole steps were ~1.7 KB an op a run, the report keeps them all.
         # A loss scaler's gradients are compared with its scale divided out (precision.unscaled).
-        self.ops, self.loss_scale, self._scaled = precision.unscaled(run.ops(step, rank))
+        stored = CompactStep.of(run.iter_ops(step, rank))
+        ops, self.loss_scale, self._scaled = precision.unscaled(stored)
+        self.ops: Sequence[OpRecord] = stored if ops is stored else CompactStep.of(ops)
         self.held = precision.held_precision(self.ops)
         self.dump: DumpReader | None = run.dump(step, rank) if run.has_dump(step, rank) else None
 
@@ -1613,10 +1621,24 @@ class Report:
             layer = out.setdefault(f"step{s.step}/rank{s.rank}", {})
             for c in s.comparisons:
                 if c.a is not None:
-                    row = c.row()
-                    layer[c.a.id] = {k: v for k, v in row.items() if k in (
-                        "verdict", "message", "op_b", *METRIC_KEYS, *STATS_KEYS)}
+                    layer[c.a.id] = {k: v for k, v in c.row().items() if k in _OVERLAY_KEYS}
         return out
+
+    def write_overlay(self, path: str | Path) -> None:
+        """:meth:`overlay` as JSON, written a row at a time (not held whole: a row an op)."""
+        with open(path, "w") as out:
+            out.write("{")
+            for number, s in enumerate(self.steps):
+                out.write(("," if number else "") + json.dumps(f"step{s.step}/rank{s.rank}") + ":{")
+                written = 0
+                for c in s.comparisons:
+                    if c.a is not None:
+                        cell = {k: v for k, v in c.row().items() if k in _OVERLAY_KEYS}
+                        out.write(("," if written else "") + json.dumps(c.a.id) + ":"
+                                  + json.dumps(cell, default=str))
+                        written += 1
+                out.write("}")
+            out.write("}")
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -1640,7 +1662,7 @@ class Report:
 
     def to_csv(self, path: str | Path) -> None:
         """The rows as CSV, msprobe-like columns (cells escaped against spreadsheet formulas)."""
-        write_report("compare_csv", self.summary, self.rows, Path(path))
+        write_report("compare_csv", self.summary, (c.row() for c in self.comparisons), Path(path))
 
     def to_json(self, path: str | Path) -> None:
         """The summary and the rows as JSON, a row a line: written as the rows are made, so that

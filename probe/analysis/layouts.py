@@ -64,7 +64,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections import Counter
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -76,6 +76,7 @@ from probe.analysis.folded_dumps import FoldedPiece, LogicalDump
 from probe.analysis.local_placements import base_name, local_placement, shard_dim
 from probe.analysis.overwrites import overwritten_inputs
 from probe.errors import ProbeError
+from probe.rundir.compact_step import CompactStep
 from probe.rundir.op_graph import build_graph
 from probe.rundir.run import OpRecord, Run, TensorRecord
 from probe.vocabulary.rounding import ROUNDING_ULPS, eps
@@ -1054,20 +1055,22 @@ def _unwrapped(op_id: str, module: str, module_stack: list[str]) -> tuple[str, s
     return op_id, module, stack
 
 
-def _first_ops(run: Run) -> list[OpRecord]:
-    """The lead rank's first step's ops (none for an empty run)."""
+def _first_ops(run: Run) -> Sequence[OpRecord]:
+    """The lead rank's first step's ops (none for an empty run), held in columns: read whole,
+    ``run.ops`` would keep the decoded step in the run's cache (~1.7 KB an op) all through a
+    compare that reads its steps in columns too."""
     if not run.ranks:
         return []
     rank = run.ranks[0]
     steps = run.steps_of(rank)
-    return run.ops(steps[0], rank) if steps else []
+    return CompactStep.of(run.iter_ops(steps[0], rank)) if steps else []
 
 
-def _plan(run: Run) -> tuple:
+def _plan(run: Run, first_ops: Sequence[OpRecord]) -> tuple:
     """The run's parallel layout, as far as compare needs it: its ranks and the placements its
-    lead rank's first step recorded (op id -> results' placements)."""
+    lead rank's first step (``first_ops``) recorded (op id -> results' placements)."""
     placed = tuple((op.id, str(op.layout["mesh"]), str(op.layout["out"]))
-                   for op in _first_ops(run) if op.layout is not None)
+                   for op in first_ops if op.layout is not None)
     return tuple(run.ranks), placed
 
 
@@ -1233,8 +1236,8 @@ def logical_pair(run_a: Run, run_b: Run,
     ``partitions`` names no module of either run."""
     mapping = normalize_partitions(partitions)
     try:
-        plan_a, plan_b = _plan(run_a), _plan(run_b)
         first = {"A": _first_ops(run_a), "B": _first_ops(run_b)}
+        plan_a, plan_b = _plan(run_a, first["A"]), _plan(run_b, first["B"])
     except ProbeError:  # a damaged first step: compared rank by rank, where it is reported
         return run_a, run_b
     mapped = {label: any(partition_of(mapping, op.module) is not None for op in ops)

@@ -9,7 +9,7 @@ registered yet (``import probe`` binds its names lazily).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +18,9 @@ from probe.errors import ProbeError
 BUILTIN_WRITERS = "probe.exporters.compare_report"
 """The module whose import registers the built-in writers."""
 
-ReportWriter = Callable[[dict[str, Any], list[dict[str, Any]], Path], None]
-"""``writer(summary, rows, path)``: one report's summary and rows written to ``path``."""
+ReportWriter = Callable[[dict[str, Any], Iterable[dict[str, Any]], Path], None]
+"""``writer(summary, rows, path)``: one report's summary and rows written to ``path`` (the rows
+may be made as they are read: a CSV writer reads them once)."""
 
 _WRITERS: dict[str, ReportWriter] = {}
 
@@ -30,7 +31,7 @@ def register_report_writer(name: str, writer: ReportWriter) -> None:
     _WRITERS[name] = writer
 
 
-def write_report(name: str, summary: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
+def write_report(name: str, summary: dict[str, Any], rows: Iterable[dict[str, Any]], path: Path) -> None:
     """Write a report with the writer registered as ``name``."""
     if name not in _WRITERS:
         importlib.import_module(BUILTIN_WRITERS)

@@ -54,8 +54,8 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
-    """One line per row under :data:`CSV_COLUMNS`' headers."""
+def write_csv(rows: Iterable[dict[str, Any]], path: Path) -> None:
+    """One line per row under :data:`CSV_COLUMNS`' headers, each written as it is read."""
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow([header for _, header in CSV_COLUMNS])
