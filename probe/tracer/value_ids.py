@@ -33,8 +33,8 @@ import torch
 
 from probe.tracer.op_call import InputMeta, OutputMeta, Source
 
-ExactKey = tuple[int, torch.Size, tuple[int, ...], int] | tuple[
-    int, torch.Size, tuple[int, ...], int, bool, bool
+ExactKey = tuple[int, tuple[int, ...], tuple[int, ...], int] | tuple[
+    int, tuple[int, ...], tuple[int, ...], int, bool, bool
 ]
 
 
@@ -195,9 +195,12 @@ class ValueIndex:
             dtype = t.dtype
             name, dims = DTYPE_NAMES[dtype], tuple(shape)
             if not counted:
+                # Keyed by the plain tuple ``dims`` (equal to the shape, and hashed alike): a key of
+                # ints and tuples leaves the collector's lists at the first young collection it
+                # meets, where one holding a ``torch.Size`` is walked by every collection after.
                 key: ExactKey = (
-                    (ptr, shape, t.stride(), version, t.is_conj(), t.is_neg()) if math_bits
-                    else (ptr, shape, t.stride(), version)
+                    (ptr, dims, t.stride(), version, t.is_conj(), t.is_neg()) if math_bits
+                    else (ptr, dims, t.stride(), version)
                 )
                 source = (op_index, position, True)
                 exact[key] = (source, weakref.ref(t), dtype, (name, dims, source))
