@@ -273,8 +273,12 @@ def _still_there(queued: Queued) -> bool:
     storage = x.untyped_storage()
     if storage.data_ptr() != queued.data_ptr:
         return False
-    last = x.storage_offset() + sum((n - 1) * stride for n, stride in zip(x.shape, x.stride(), strict=True))
-    return (last + 1) * x.element_size() <= storage.nbytes()
+    if x.is_contiguous():  # most queued tensors (compact views): the last element is numel - 1 on
+        end = x.storage_offset() + x.numel()
+    else:
+        last = sum((n - 1) * stride for n, stride in zip(x.shape, x.stride(), strict=True))
+        end = x.storage_offset() + last + 1
+    return end * x.element_size() <= storage.nbytes()
 
 
 def _version(t: torch.Tensor) -> int | None:
