@@ -40,7 +40,14 @@ import torch
 from probe.analysis import precision
 from probe.analysis.compare_pieces import run_pieces
 from probe.analysis.compiled_regions import compare_notes, opened_regions, replayed_ops
-from probe.analysis.layouts import LogicalRun, LogicalStep, layout_notes, logical_pair, partial_sums
+from probe.analysis.layouts import (
+    LogicalRun,
+    LogicalStep,
+    compact_ops,
+    layout_notes,
+    logical_pair,
+    partial_sums,
+)
 from probe.analysis.matching import MICRO_BATCHES, Match, mapped_id, match_ops, rename_module
 from probe.analysis.metrics import stats_metrics, tensor_metrics
 from probe.analysis.micro_batches import MicroBatches, accumulation_end, micro_batches
@@ -159,7 +166,7 @@ class _Side:
         # The step is held in columns (CompactStep), its ops decoded when the judge reads them:
         # decoded records of both whole steps were ~1.7 KB an op a run, the report keeps them all.
         # A loss scaler's gradients are compared with its scale divided out (precision.unscaled).
-        stored = CompactStep.of(run.iter_ops(step, rank))
+        stored = compact_ops(run, step, rank)
         ops, self.loss_scale, self._scaled = precision.unscaled(stored)
         self.ops: Sequence[OpRecord] = stored if ops is stored else CompactStep.of(ops)
         self.held = precision.held_precision(self.ops)

@@ -1055,6 +1055,12 @@ def _unwrapped(op_id: str, module: str, module_stack: list[str]) -> tuple[str, s
     return op_id, module, stack
 
 
+def compact_ops(run: Run | LogicalRun, step: int, rank: int) -> CompactStep:
+    """A step of a run (folded or not) held in columns (``Run.compact_ops``, kept by the run:
+    compare reads it for the layouts, then to match and judge it)."""
+    return run.compact_ops(step, rank) if isinstance(run, Run) else CompactStep.of(run.iter_ops(step, rank))
+
+
 def _first_ops(run: Run) -> Sequence[OpRecord]:
     """The lead rank's first step's ops (none for an empty run), held in columns: read whole,
     ``run.ops`` would keep the decoded step in the run's cache (~1.7 KB an op) all through a
@@ -1063,7 +1069,7 @@ def _first_ops(run: Run) -> Sequence[OpRecord]:
         return []
     rank = run.ranks[0]
     steps = run.steps_of(rank)
-    return CompactStep.of(run.iter_ops(steps[0], rank)) if steps else []
+    return compact_ops(run, steps[0], rank) if steps else []
 
 
 def _plan(run: Run, first_ops: Sequence[OpRecord]) -> tuple:

@@ -273,17 +273,17 @@ class CompactStep(Sequence[OpRecord]):
         return self._op_other.get(number, {}).get(name)
 
     def _tensor(self, number: int) -> TensorRecord:
-        flags = self._flags[number]
-        row = self._stats_row[number]
-        return TensorRecord(
-            self._words.values[self._dtype[number]],
-            self._shapes.values[self._shape[number]],
-            stats=None if row < 0 else self._stats(row),
-            source=(self._source_op[number], self._source_position[number]) if flags & _HAS_SOURCE else None,
-            mutated=bool(flags & _MUTATED),
-            skipped=self._words.values[self._skipped[number]],
-            **self._tensor_other.get(number, {}),
-        )
+        flags, row, words = self._flags[number], self._stats_row[number], self._words.values
+        tensor = TensorRecord(  # positional: the judge's passes decode every tensor of a step
+            words[self._dtype[number]], self._shapes.values[self._shape[number]],
+            None if row < 0 else self._stats(row),
+            (self._source_op[number], self._source_position[number]) if flags & _HAS_SOURCE else None,
+            bool(flags & _MUTATED), words[self._skipped[number]])
+        other = self._tensor_other.get(number)
+        if other is not None:
+            for name, value in other.items():
+                setattr(tensor, name, value)
+        return tensor
 
     def _stats(self, row: int) -> dict[str, Any]:
         code = self._stats_layout[row]
