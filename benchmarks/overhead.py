@@ -4,7 +4,7 @@ Run from the repository root::
 
     python -m benchmarks.overhead [--quick] [--model demo|llama7b-shaped|hf-llama-small|
                                   hf-llama7b-width|all] [--steps N] [--warmup N]
-                                  [--threads N] [--dtype fp32|bf16] [--peers] [--markdown]
+                                  [--threads N] [--dtype fp32|bf16] [--peers] [--calls] [--markdown]
 
 Configurations (each trains its own model and optimizer, built from the same seed):
 
@@ -25,6 +25,10 @@ Configurations (each trains its own model and optimizer, built from the same see
 - ``debugmode`` (with ``--peers``): inside torch's ``DebugMode`` (an op log), a peer
   measured in the same rounds (msprobe runs in its own venv: ``benchmarks.report``).
 
+With ``--calls``, one more step of each configuration runs under ``cProfile`` and a second
+table gives its Python calls (functions and C methods) per op over the baseline's: host work
+per op counted, which a loaded machine's clock cannot blur.
+
 Each row's overhead (its median minus the baseline's) is also given as a multiple of the
 passthrough's overhead (``x bare ovh``), in wall time and in the main thread's CPU time
 (``time.thread_time``: every dispatch mode's per-op work runs on the main thread, and a CPU
@@ -42,9 +46,11 @@ not timed.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import os
 import platform
+import pstats
 import resource
 import shutil
 import statistics
@@ -55,7 +61,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from rich.console import Console
@@ -127,11 +133,18 @@ class Sample:
 class Timer:
     """Wall and main-thread CPU time of one span: ``start()``, then ``sample(ops)``."""
 
+    profiler: ClassVar[cProfile.Profile | None] = None
+    """While set, each timed span is also profiled (``--calls``: :func:`calls_per_op`)."""
+
     def start(self) -> None:
+        if Timer.profiler is not None:
+            Timer.profiler.enable()
         self._wall, self._cpu = time.perf_counter(), time.thread_time()
 
     def sample(self, ops: int | None) -> Sample:
         wall, cpu = time.perf_counter() - self._wall, time.thread_time() - self._cpu
+        if Timer.profiler is not None:
+            Timer.profiler.disable()
         return Sample(wall, ops, cpu)
 
 
@@ -337,8 +350,10 @@ def summary_row(
 
 def measure(
     spec: ModelSpec | WorkloadSpec, warmup: int, steps: int, eager: bool, only: set[str] | None,
-    console: Console, device: str = "cpu", peers: bool = False,
+    console: Console, device: str = "cpu", peers: bool = False, calls: dict[str, float] | None = None,
 ) -> list[Row]:
+    """The rows of ``spec``'s table; with ``calls`` (a dict), also each configuration's Python
+    calls per op (:func:`calls_per_op`), put there."""
     with tempfile.TemporaryDirectory(prefix="probe-overhead-") as scratch:
         configs = configurations(Path(scratch), eager, peers)
         if only is not None:
@@ -352,9 +367,36 @@ def measure(
                 status.update(f"{spec.name}: round {min(done + 1, rounds)}/{rounds}")
 
             samples = run_rounds(configs, trainers, warmup, steps, on_round)
+        if calls is not None:
+            with console.status(f"{spec.name}: one profiled step each"):
+                calls.update(calls_per_op(configs, trainers))
         del trainers
         gc.collect()
     return summarize(samples)
+
+
+def calls_per_op(configs: Sequence[Config], trainers: Sequence[DemoTraining]) -> dict[str, float]:
+    """Python calls (functions and C methods, as ``cProfile`` counts them) per op in one more
+    timed span of each configuration, over the baseline's calls in its span; by configuration
+    name, those that ran ops (each divided by the ops it recorded, or passed through)."""
+    calls: dict[str, int] = {}
+    ops: dict[str, int | None] = {}
+    for config, trainer in zip(configs, trainers, strict=True):
+        gc.collect()
+        Timer.profiler = cProfile.Profile()
+        try:
+            ops[config.name] = config.run_step(trainer).ops
+            calls[config.name] = pstats.Stats(Timer.profiler).total_calls  # type: ignore[attr-defined]
+        finally:
+            Timer.profiler = None
+    base = calls.pop(Baseline.name)
+    routed = ops.get(Passthrough.name)
+    found = {}
+    for name, n in calls.items():
+        divisor = ops[name] or routed
+        if divisor:
+            found[name] = (n - base) / divisor
+    return found
 
 
 # -- reporting ------------------------------------------------------------------
@@ -484,6 +526,7 @@ class Plan:
     only: set[str] | None
     device: str
     peers: bool = False
+    calls: bool = False
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Plan, int | None]:
@@ -510,6 +553,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Plan, int | None]:
                         help="also time torch's DebugMode in the same rounds")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
                         help="dtype of the HF workloads (default: fp32; hf-llama7b-width: bf16)")
+    parser.add_argument("--calls", action="store_true",
+                        help="also count Python calls per op (cProfile, one more step each)")
     parser.add_argument("--configs", default=None,
                         help="comma-separated configurations to time (baseline and passthrough always)")
     args = parser.parse_args(argv)
@@ -537,7 +582,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Plan, int | None]:
     if only is not None:  # the flags that add rows add them to a selection too
         added = ((DebugModeConfig.name, args.peers), ("probe-stats-eager", args.eager))
         only |= {name for name, asked in added if asked}
-    plan = Plan(models, warmup, steps, args.markdown, args.eager, only, args.device, args.peers)
+    plan = Plan(models, warmup, steps, args.markdown, args.eager, only, args.device, args.peers, args.calls)
     return plan, args.threads
 
 
@@ -552,9 +597,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if plan.warmup == 0:
         console.print("[yellow]--warmup 0: the first probe-stats step includes torch.compile[/]")
     for spec in plan.models:
-        rows = measure(spec, plan.warmup, plan.steps, plan.eager, plan.only, console, plan.device, plan.peers)
+        calls: dict[str, float] | None = {} if plan.calls else None
+        rows = measure(spec, plan.warmup, plan.steps, plan.eager, plan.only, console, plan.device, plan.peers,
+                       calls)
         title = caption(spec, plan.warmup, plan.steps)
         console.print(rich_table(title, rows))
+        if calls:
+            print_measures(console, f"{spec.name}: Python calls per op over the baseline (cProfile)",
+                           [(name, f"{n:.1f}") for name, n in calls.items()], plan.markdown)
         note = ROUTED_NOTE if any(row.per_routed_op for row in rows) else ""
         if note:
             console.print(note)

@@ -61,3 +61,19 @@ def test_the_python_floor_links_each_value_to_the_op_that_made_it():
     assert mul_sources == (None,)  # x came from outside
     assert add_sources == ((mul, 0),) and t_sources == ((add, 0),)
     assert t_shapes == ((4, 4),) == (tuple(z.shape),)
+
+
+def test_overhead_harness_counts_python_calls_per_op(capsys):
+    # Host work per op counted (issue 35): deterministic where a shared machine's clock is not.
+    configs = [overhead.Baseline(), overhead.Passthrough(), overhead.PythonFloor()]
+    trainers = [overhead.MODELS["demo"].trainer() for _ in configs]
+    for config, trainer in zip(configs, trainers, strict=True):
+        config.run_step(trainer)  # warm: the first step builds the optimizer's state
+    calls = overhead.calls_per_op(configs, trainers)
+    assert set(calls) == {"passthrough", "python-floor"}
+    # The floor does all the bare mode does per op, and more: a lookup per input, a record.
+    assert 0 < calls["passthrough"] < calls["python-floor"]
+    assert overhead.main(["--model", "demo", "--steps", "1", "--warmup", "0", "--configs",
+                          "python-floor", "--calls", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert "| measure | value |\n|---|---:|\n| passthrough |" in out
