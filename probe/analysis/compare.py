@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from probe.analysis import precision
+from probe.analysis.assembled import assembled_record, partial_write, written_parts
 from probe.analysis.compare_pieces import run_pieces
 from probe.analysis.compiled_regions import compare_notes, opened_regions, replayed_ops
 from probe.analysis.layouts import (
@@ -51,9 +52,11 @@ from probe.analysis.layouts import (
 from probe.analysis.matching import MICRO_BATCHES, Match, mapped_id, match_ops, rename_module
 from probe.analysis.metrics import stats_metrics, tensor_metrics
 from probe.analysis.micro_batches import MicroBatches, accumulation_end, micro_batches
+from probe.analysis.module_graph import common_module
 from probe.analysis.overwrites import overwritten_inputs
 from probe.analysis.replay import recompute
 from probe.analysis.report_writers import write_report
+from probe.analysis.routing import Routed, decides, discrete
 from probe.analysis.run_identity import Identity, identity
 from probe.analysis.verdicts import (
     ERROR,
@@ -68,6 +71,7 @@ from probe.analysis.verdicts import (
     RULE_PROPAGATION,
     RULE_REDUCTION_ORDER,
     RULE_REPLAY,
+    RULE_ROUTING,
     RULE_SHAPE,
     RULE_STATS,
     RULE_THRESHOLDS,
@@ -241,12 +245,15 @@ def compare_tensors(
     if ta.stats is not None and tb.stats is not None:
         m = stats_metrics(ta.stats, tb.stats)
         stats = (*stats_verdict(m, dtype, ta.stats["norm"] or 0.0, ta.numel), m.as_dict())
-        if (precision.masked(ta.stats) or precision.masked(tb.stats)) and not (m.nan_diff or m.inf_diff):
+        overflowed = bool(m.nan_diff or m.inf_diff) and precision.fills_overflowed(ta.stats, tb.stats)
+        if (precision.masked(ta.stats) or precision.masked(tb.stats)) and (
+                overflowed or not (m.nan_diff or m.inf_diff)):
             # Mask fills dominate the sums: the extremes that are no fill decide.
             error = precision.masked_error(ta.stats, tb.stats)
             verdict = PASS if error <= precision.rounding(dtype) else WARNING
-            stats = (verdict, f"masked: statistics differ by {error:.3g} on the extremes that are no fill",
-                     m.as_dict())
+            note = f" (the mask fill is {m.inf_diff:+g} infinite value(s) in run B)" if overflowed else ""
+            stats = (verdict, f"masked: statistics differ by {error:.3g} on the extremes that are no fill"
+                     f"{note}", {**m.as_dict(), "fills_overflowed": 1.0} if overflowed else m.as_dict())
     # Both runs dumped this step, and the data of this tensor is missing on a side that
     # should hold it: whatever the statistics say, the data was not compared.
     if side_a.dump is not None and side_b.dump is not None and (why_a or why_b) \
@@ -258,7 +265,7 @@ def compare_tensors(
         return TensorComparison(io, position, NOT_COMPARED, message, "none", stats[2] if stats else {},
                                 RULE_NOT_COMPARED)
     if stats is not None:
-        nonfinite = stats[2]["nan_diff"] or stats[2]["inf_diff"]
+        nonfinite = (stats[2]["nan_diff"] or stats[2]["inf_diff"]) and not stats[2].get("fills_overflowed")
         rule = RULE_NONFINITE if nonfinite else RULE_STATS if stats[0] == PASS else RULE_THRESHOLDS
         return TensorComparison(io, position, stats[0], stats[1], "stats", stats[2], rule)
     note = "; ".join(f"run {name}: {why}" for name, why in (("A", why_a), ("B", why_b)) if why)
@@ -658,9 +665,18 @@ def _concentration(side_a: _Side, side_b: _Side, c: OpComparison, position: int)
 def _sources_error(side_a: _Side, side_b: _Side, a: TensorRecord, b: TensorRecord) -> float | None:
     """An input's difference from the statistics each run recorded for it, or else for the
     producer output it is (None when either is unknown)."""
+    parts = [written_parts(side.ops, record) if record.stats is None and partial_write(side.ops, record)
+             else None for side, record in ((side_a, a), (side_b, b))]
+    if parts[0] is not None and parts[1] is not None and len(parts[0]) == len(parts[1]) \
+            and all(x.shape == y.shape for x, y in zip(*parts, strict=True)):
+        # A buffer written in place in parts alike in both runs: each element is one part's.
+        errors = [_stats_difference(x, y) for x, y in zip(*parts, strict=True)]
+        return None if any(e is None for e in errors) else max(errors)  # type: ignore[type-var]
     found = []
-    for side, record in ((side_a, a), (side_b, b)):
-        if record.stats is None and record.source is not None and record.source[0] < len(side.ops) \
+    for side, record, written in ((side_a, a, parts[0]), (side_b, b, parts[1])):
+        if written is not None:
+            record = assembled_record(written, record) or record  # a buffer filled piece by piece
+        elif record.stats is None and record.source is not None and record.source[0] < len(side.ops) \
                 and record.source[1] < len(side.ops[record.source[0]].outputs):
             record = side.ops[record.source[0]].outputs[record.source[1]]
         found.append(record)
@@ -720,8 +736,8 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
             error *= _concentration(side_a, side_b, c, position)
             if summed:
                 error = max(error, _passed_on(by_index, record.source))
-        if error is None and record.source is not None:  # nothing in the input's own record:
-            error = _producer_error(by_index, record.source)  # its producer's output may hold it
+        if error is None and record.source is not None and not partial_write(side_a.ops, record):
+            error = _producer_error(by_index, record.source)  # nothing in its record: its producer's
         if error is None:  # producers that were not matched: their outputs, as each run recorded them
             error = _sources_error(side_a, side_b, record, c.b.inputs[position])
         if error is None:
@@ -1034,7 +1050,7 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
         # An exact op (a view, a cast that widens) moves no value: the difference entered at one of
         # the others (a module's output scaled, then cast up to float32 for the loss outside it).
         suspects = [p for p in producers if precision.faithful_rounding(p) != 0.0] or producers
-        module = _common_module([p.module for p in suspects])
+        module = common_module([p.module for p in suspects])
         blamed = next((p for p in suspects if p.module == module), suspects[0])
         names = ", ".join(sorted({p.name for p in producers}))
         message = (f"input {position} of {c.a.id} differs by {difference:.3g} (relative), beyond "
@@ -1163,17 +1179,6 @@ def _chain_precision(record: TensorRecord, producers: list[OpRecord]) -> torch.d
     return max(held, key=lambda d: torch.finfo(d).eps)
 
 
-def _common_module(modules: list[str]) -> str:
-    """The innermost module holding all of ``modules`` ('' when none does)."""
-    parts = [m.split(".") if m else [] for m in modules]
-    common: list[str] = []
-    for names in zip(*parts, strict=False):  # stops at the shortest
-        if len(set(names)) != 1:
-            break
-        common.append(names[0])
-    return ".".join(common)
-
-
 def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
            lowerings: dict[int, precision.Lowering], replay_limit: int = 0,
            carry: Carry | None = None) -> Carry:
@@ -1200,9 +1205,12 @@ def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
     # Ops a divergence reached, by index in each run (through errors or warnings).
     reached_a: set[int] = set()
     reached_b: set[int] = set()
+    routed = (Routed(side_a.ops), Routed(side_b.ops))
     for c in comparisons:
         tainted = (c.a is not None and (_tainted(c, by_index) or _reads(c.a, reached_a))) \
             or (c.b is not None and _reads(c.b, reached_b))
+        if not tainted and _follows_routing(c, routed, lowerings):
+            continue
         if not tainted and c.a is not None and c.b is not None \
                 and (_reads(c.a, views[0].only) or _reads(c.b, views[1].only)):
             entered = _entered_through_unmatched(c, views, carry)
@@ -1213,6 +1221,8 @@ def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
                 tainted = True
         regime = replace(carry, identical=identical)  # with the state the step before left
         _judge_op(side_a, side_b, c, by_index, lowerings, tainted, replay_limit, regime)
+        if not tainted:
+            _judge_routing_decision(side_a, side_b, c, routed)
         if tainted or c.verdict == ERROR:
             reached_a.update([c.a.index] if c.a is not None else [])
             reached_b.update([c.b.index] if c.b is not None else [])
@@ -1222,6 +1232,77 @@ def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
     explained = carry.explained and not any(c.enters for c in comparisons)
     return Carry(carry.before + 1, identical, explained, written, _state_errors(comparisons, side_a),
                  frozenset(_left_state(side_b.ops)))
+
+
+def _follows_routing(c: OpComparison, routed: tuple[Routed, Routed],
+                     lowerings: dict[int, precision.Lowering]) -> bool:
+    """Whether ``c`` is computed from a routing decision that differs between the runs, inside
+    its scope (:mod:`probe.analysis.routing`): then no numeric bound judges it, its verdict is a
+    warning (never a pass: its statistics may agree by permutation alone), the rule saying why,
+    and what reads it is routed too. An op of one run only is marked routed and left as it is."""
+    found = [r.reads(op) if op is not None else None for r, op in zip(routed, (c.a, c.b), strict=True)]
+    decision = found[0] or found[1]
+    if decision is None or (c.b is not None and c.b.index in lowerings):
+        return False
+    for r, op in zip(routed, (c.a, c.b), strict=True):
+        if op is not None:
+            r.follows(op, decision)
+    if c.a is None or c.b is None or c.verdict == UNMATCHED:
+        return True
+    note = (f"computed from a routing that differs between the runs, consistent with precision: "
+            f"no numeric bound (decided at {decision[1]}; within {decision[0] or '<outside modules>'})")
+    c.verdict, c.rule, c.enters = WARNING, RULE_ROUTING, False
+    c.message = f"{note}; {c.message}" if c.message else note
+    for t in c.outputs:
+        if t.verdict != NOT_COMPARED:  # data missing stays missing
+            t.verdict, t.rule = WARNING, RULE_ROUTING
+    c.verdict = worst([t.verdict for t in c.outputs] + [WARNING])
+    return True
+
+
+def _judge_routing_decision(side_a: _Side, side_b: _Side, c: OpComparison,
+                            routed: tuple[Routed, Routed]) -> None:
+    """Judges again an op making discrete results from real values (``topk``'s indices, a
+    comparison) whose discrete results differ while nothing diverged upstream: when its real
+    inputs differ at all, the routing differs, consistent with precision (a warning), and the
+    ops computed from it are routed (:func:`_follows_routing`). An op that lowered precision,
+    read an outside input or was called with other arguments keeps its verdict."""
+    if c.a is None or c.b is None or c.rule in (RULE_LOWERED, RULE_OUTSIDE, RULE_ARGUMENTS) \
+            or not (decides(c.a) and decides(c.b)):
+        return
+    differing = [t for t in c.outputs if t.verdict != PASS and t.position < len(c.b.outputs)
+                 and discrete(c.a.outputs[t.position]) and discrete(c.b.outputs[t.position])]
+    if not differing:
+        return
+    inputs = _real_inputs_difference(side_a, side_b, c)
+    if not inputs:  # unknown, or the same: a discrete result that differs is no rounding's
+        return
+    note = (f"routing differs, consistent with precision: real inputs differ by {inputs:.3g} "
+            f"(relative) and output(s) {', '.join(str(t.position) for t in differing)} (discrete) "
+            f"with them")
+    c.verdict, c.rule, c.enters = WARNING, RULE_ROUTING, False
+    c.message = f"{note}; {c.message}" if c.message else note
+    for t in c.outputs:
+        if t.verdict in (ERROR, WARNING):
+            t.verdict, t.rule = WARNING, RULE_ROUTING
+    routed[0].decided(c.a)
+    routed[1].decided(c.b)
+
+
+def _real_inputs_difference(side_a: _Side, side_b: _Side, c: OpComparison) -> float | None:
+    """The largest difference of ``c``'s real (floating) inputs, with the rounding one run held
+    them in and the other did not (None when one is unknown)."""
+    assert c.a is not None and c.b is not None
+    worst_error = 0.0
+    for position, record in enumerate(c.a.inputs):
+        if position >= len(c.b.inputs) or not record.floating:
+            continue
+        other = c.b.inputs[position]
+        error = _sources_error(side_a, side_b, record, other)
+        if error is None:
+            return None
+        worst_error = max(worst_error, error, _held_apart(side_a, side_b, record, other))
+    return worst_error
 
 
 def _state_errors(comparisons: list[OpComparison], side_a: _Side) -> dict[tuple, float | None]:
@@ -1591,6 +1672,10 @@ class Report:
             steps = ", ".join(f"step {s.step} rank {s.rank}" for s in self.unreadable[:5])
             more = f" and {len(self.unreadable) - 5} more" if len(self.unreadable) > 5 else ""
             text += f"; {len(self.unreadable)} step(s) not compared, unreadable: {steps}{more}"
+        routed = sum(c.rule == RULE_ROUTING for c in self.comparisons)
+        if routed:
+            text += (f"; routing differs (discrete choices of values within precision): {routed} op(s) "
+                     f"judged by no numeric bound (rule: {RULE_ROUTING})")
         reordered = self.reduction_orders
         if reordered:
             text += (f"; {len(reordered)} sum(s) in a different reduction order across the layouts, each "

@@ -449,7 +449,8 @@ def masked(stats: dict | None) -> bool:
 
 def masked_error(a: dict, b: dict) -> float:
     """Two masked tensors apart, on the extremes that are no fill in either (0 when none is:
-    fills are the program's constants, ``finfo.min`` of one dtype or another)."""
+    fills are the program's constants, ``finfo.min`` of one dtype or another, or the infinity
+    that fill became in a dtype whose range it is beyond: :func:`fills_overflowed`)."""
     worst = 0.0
     for key in ("min", "max"):
         x, y = a.get(key), b.get(key)
@@ -459,6 +460,29 @@ def masked_error(a: dict, b: dict) -> float:
             return math.inf
         worst = max(worst, abs(x - y) / max(abs(x), abs(y)))
     return worst
+
+
+def fills_overflowed(a: dict | None, b: dict | None) -> bool:
+    """Whether every Inf one run's statistics hold beyond the other's is a mask fill of the other
+    (``finfo(float32).min``) become an infinity of its sign: bf16's largest value is 3.39e38,
+    so float32's fill rounds to -inf there (and stays -inf in what is computed from it in any
+    dtype). That is one constant in two dtypes, not a value that became non-finite. A computed
+    value beyond a dtype's range (an fp16 activation past 65504) is no fill: not excused."""
+    if a is None or b is None or a.get("nan") != b.get("nan"):
+        return False
+    extra = False
+    for first, second in ((a, b), (b, a)):
+        for count, key, sign in (("neginf", "min", -1.0), ("posinf", "max", 1.0)):
+            x, y = first.get(count), second.get(count)
+            if x is None or y is None:
+                return False
+            if y <= x:
+                continue
+            fill = first.get(key)
+            if not (_is_fill(fill) and sign * fill > 0 and second.get(key) == sign * math.inf):
+                return False
+            extra = True
+    return extra
 
 
 def stats_error(a: dict, b: dict, numel: int) -> float:
