@@ -10,12 +10,9 @@ its size; the op records' file was held as lines; a step's records were written 
 
 from __future__ import annotations
 
-import gc
 import json
-import pickle
 import sys
 import tracemalloc
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,9 +24,6 @@ import probe.rundir.run as run_module
 from probe.analysis.summary import summarize
 from probe.exporters.graph_export import export_graph, step_graph
 from probe.exporters.graph_formats import read_json
-from probe.rundir import compact_step
-from probe.rundir.compact_step import CompactStep
-from probe.rundir.records import OpRecord, TensorRecord
 from probe.rundir.writer import StepWriter
 from tests.conftest import SharedBlockNet, train_steps
 
@@ -217,70 +211,6 @@ def test_the_json_report_is_written_without_holding_its_rows(tmp_path):
     assert peak < written / 4, f"peak {peak} bytes for a file of {written}"
     back = json.loads(target.read_text())
     assert back["counts"] == report.counts and back["rows"] == json.loads(json.dumps(report.rows))
-
-
-def _live(kind: type) -> int:
-    return sum(type(o) is kind for o in gc.get_objects())
-
-
-def test_compare_holds_its_steps_in_columns_not_as_records(tmp_path, monkeypatch):
-    """``probe compare`` reads each step into a :class:`CompactStep` (columns, a few hundred
-    bytes an op) and its judge and report read ops through it: the decoded records alive after
-    a compare are the few each step keeps of its last reads, whatever the step's size. Before,
-    the report held both runs' records (2 op and 4 tensor records an op here, ~1.7 KB an op a run)."""
-    monkeypatch.setattr(compact_step, "DECODED_KEPT", 50)
-    a, b = _chain_run(tmp_path / "a", 4_000, mode="stats"), _chain_run(tmp_path / "b", 4_000, mode="stats")
-    gc.collect()
-    before = _live(TensorRecord), _live(OpRecord)
-    report = probe.compare(a, b)
-    gc.collect()
-    tensors, ops = _live(TensorRecord) - before[0], _live(OpRecord) - before[1]
-    assert len(report.comparisons) > 4_000 and report.ok
-    assert ops <= 2, ops  # the first divergence's, when there is one
-    assert tensors <= 2 * 50 * 2, tensors  # two steps' last 50 ops, an input and an output each
-    rows = report.rows  # and the rows read the same records
-    assert rows[1]["op_a"] == "forward:[0]:aten.mul.Tensor:0" and rows[1]["dtype_a"] == "float32"
-    assert rows[1]["shape_a"] == [4] and rows[1]["compared"] == "stats"
-
-
-def test_a_compact_step_gives_back_the_records_it_stored(tmp_path):
-    """Every field of every record of a training step (statistics, call sites, shared producer
-    rows, the free benchmark's records) as the run reads it; an op is the same object each time
-    and across a pickle (the judge keeps ops by identity, and judges in other processes)."""
-    torch.manual_seed(0)
-    model = SharedBlockNet()
-    with probe.mode(["stats", "free_benchmark"], out=tmp_path / "run", model=model, stack=True) as session:
-        train_steps(model, 2, session=session)
-    whole = probe.load(tmp_path / "run").ops(1)
-    step = CompactStep.of(probe.load(tmp_path / "run").iter_ops(1))
-    assert len(step) == len(whole) > 100
-    assert [op.record for op in step] == whole
-    for op, record in zip(step, whole, strict=True):
-        assert (op.id, op.name, op.phase, op.module, op.module_stack, op.stack, op.autocast, op.index) == \
-            (record.id, record.name, record.phase, record.module, record.module_stack, record.stack,
-             record.autocast, record.index)
-        assert op.inputs == record.inputs and op.outputs == record.outputs and op == record
-        assert (op.inputs_finite, op.outputs_finite) == (record.inputs_finite, record.outputs_finite)
-    assert step[7] is step[7] and step[7] != step[8]
-    copied, seventh = pickle.loads(pickle.dumps((step, step[7])))
-    assert seventh is copied[7] and copied[7].record == whole[7]
-    renamed = replace(step[7], name="aten.other")
-    assert type(renamed) is OpRecord and renamed.name == "aten.other" and renamed.inputs == whole[7].inputs
-
-
-def test_a_compact_step_keeps_statistics_it_cannot_hold_as_floats_exactly(tmp_path):
-    odd = {"min": -0.0, "max": float("nan"), "mean": None, "norm": 2.5, "nan": 2**60, "inf": True,
-           "posinf": 0, "neginf": None}
-    usual = {"min": -0.0, "max": float("inf"), "mean": None, "norm": 2.5, "nan": 3, "inf": 1,
-             "posinf": 1, "neginf": 0}
-    records = [OpRecord(0, "forward:m:aten.mul.Tensor:0", "aten.mul.Tensor", "forward", "m", 0, ["m"], 0, 0,
-                        [], [TensorRecord("float32", (2,), stats=dict(usual)),
-                             TensorRecord("bfloat16", (), stats=dict(odd), histogram={"zero": 1})])]
-    back = CompactStep.of(records)[0].outputs
-    for got, want in zip(back, (usual, odd), strict=True):
-        assert list(got.stats) == list(want)
-        assert [(type(v), repr(v)) for v in got.stats.values()] == [(type(v), repr(v)) for v in want.values()]
-    assert back[1].histogram == {"zero": 1} and back[0].histogram is None
 
 
 def test_the_csv_report_is_written_without_holding_its_rows(tmp_path):

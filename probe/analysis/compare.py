@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -41,14 +41,7 @@ from probe.analysis import precision
 from probe.analysis.assembled import assembled_record, partial_write, written_parts
 from probe.analysis.compare_pieces import run_pieces
 from probe.analysis.compiled_regions import compare_notes, opened_regions, replayed_ops
-from probe.analysis.layouts import (
-    LogicalRun,
-    LogicalStep,
-    compact_ops,
-    layout_notes,
-    logical_pair,
-    partial_sums,
-)
+from probe.analysis.layouts import LogicalRun, LogicalStep, layout_notes, logical_pair, partial_sums
 from probe.analysis.matching import MICRO_BATCHES, Match, mapped_id, match_ops, rename_module
 from probe.analysis.metrics import stats_metrics, tensor_metrics
 from probe.analysis.micro_batches import MicroBatches, accumulation_end, micro_batches
@@ -87,7 +80,6 @@ from probe.analysis.verdicts import (
     worst,
 )
 from probe.errors import ProbeError
-from probe.rundir.compact_step import CompactStep
 from probe.rundir.mode_files import DumpReader
 from probe.rundir.run import OpRecord, Run, TensorRecord
 from probe.rundir.tensor_layouts import STRIDED, dense_values
@@ -167,12 +159,8 @@ class _Side:
 
     def __init__(self, run: Run, step: int, rank: int) -> None:
         self.run = run
-        # The step is held in columns (CompactStep), its ops decoded when the judge reads them:
-        # decoded records of both whole steps were ~1.7 KB an op a run, the report keeps them all.
         # A loss scaler's gradients are compared with its scale divided out (precision.unscaled).
-        stored = compact_ops(run, step, rank)
-        ops, self.loss_scale, self._scaled = precision.unscaled(stored)
-        self.ops: Sequence[OpRecord] = stored if ops is stored else CompactStep.of(ops)
+        self.ops, self.loss_scale, self._scaled = precision.unscaled(run.ops(step, rank))
         self.held = precision.held_precision(self.ops)
         self.dump: DumpReader | None = run.dump(step, rank) if run.has_dump(step, rank) else None
 

@@ -76,7 +76,6 @@ from probe.analysis.folded_dumps import FoldedPiece, LogicalDump
 from probe.analysis.local_placements import base_name, local_placement, shard_dim
 from probe.analysis.overwrites import overwritten_inputs
 from probe.errors import ProbeError
-from probe.rundir.compact_step import CompactStep
 from probe.rundir.op_graph import build_graph
 from probe.rundir.run import OpRecord, Run, TensorRecord
 from probe.vocabulary.rounding import ROUNDING_ULPS, eps
@@ -1055,21 +1054,13 @@ def _unwrapped(op_id: str, module: str, module_stack: list[str]) -> tuple[str, s
     return op_id, module, stack
 
 
-def compact_ops(run: Run | LogicalRun, step: int, rank: int) -> CompactStep:
-    """A step of a run (folded or not) held in columns (``Run.compact_ops``, kept by the run:
-    compare reads it for the layouts, then to match and judge it)."""
-    return run.compact_ops(step, rank) if isinstance(run, Run) else CompactStep.of(run.iter_ops(step, rank))
-
-
 def _first_ops(run: Run) -> Sequence[OpRecord]:
-    """The lead rank's first step's ops (none for an empty run), held in columns: read whole,
-    ``run.ops`` would keep the decoded step in the run's cache (~1.7 KB an op) all through a
-    compare that reads its steps in columns too."""
+    """The lead rank's first step's ops (none for an empty run)."""
     if not run.ranks:
         return []
     rank = run.ranks[0]
     steps = run.steps_of(rank)
-    return compact_ops(run, steps[0], rank) if steps else []
+    return run.ops(steps[0], rank) if steps else []
 
 
 def _plan(run: Run, first_ops: Sequence[OpRecord]) -> tuple:

@@ -37,7 +37,6 @@ import torch
 from probe.errors import ProbeError, warn_once
 from probe.rundir import layout
 from probe.rundir.call_site_table import CallSiteTable
-from probe.rundir.compact_step import CompactStep
 from probe.rundir.confined_files import check_directory
 from probe.rundir.loss_scaler import (
     SCALER_OP_PREFIX,
@@ -176,8 +175,6 @@ class Run:
         with reading(run_file):
             expect(self.info.get("modes", []), list, "modes")
         self._ops = _Recent[_Place, list[OpRecord]](self._load_ops)
-        self._compact = _Recent[_Place, CompactStep](
-            lambda place: CompactStep.of(self.iter_ops(place.step, place.rank)))
         self._step_info = _Recent[_Place, StepInfo](self._load_step_info)
         self._lines = _Recent[_Place, OpLines](self._index_op_lines)
         self._sites = _Recent[_Place, CallSiteTable | None](self._load_call_sites)
@@ -369,12 +366,6 @@ class Run:
             records = self._decode_ops(place, batch)
             for number in batch:
                 yield records[number]
-
-    def compact_ops(self, step: int | None = None, rank: int | None = None) -> CompactStep:
-        """The records :meth:`ops` returns, held in columns (:class:`CompactStep`, a few hundred
-        bytes an op, each op decoded when read) and kept for the last few steps read so: what
-        ``probe compare`` reads a step as, more than once (the runs' layouts, then the ops)."""
-        return self._compact(_Place(*self.resolve(step, rank)))
 
     def op_count(self, step: int | None = None, rank: int | None = None) -> int:
         """How many op records one step holds, counted without decoding them (its line index)."""
