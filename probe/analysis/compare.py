@@ -994,8 +994,11 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
                     for view, w in zip(views, walks, strict=True)]
         if any(w is None for w in walks) or any(u is None for u in upstream):
             continue  # a chain too long to bound, or an input of it unknown: judged as before
-        if not _made_from_shared_values(walks, views):
-            continue  # not one quantity in the two runs: the op's outputs are judged
+        if c.a.phase == "backward" and not _made_from_shared_values(walks, views):
+            # Not one quantity in the two runs: autograd grouped a gradient's sum otherwise (the
+            # engine's order, not the program's); the op's outputs are judged. In forward, the
+            # program computes the input: ops of one run only there are the program's own.
+            continue
         sources = [op.inputs[position].source for op in ops]
         difference = _edge_error(views[0].side, views[1].side, c, position,
                                  (views[0].output_record(sources[0]), views[1].output_record(sources[1])))
