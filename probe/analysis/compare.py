@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -149,6 +149,13 @@ class OpComparison:
 
 _OVERLAY_KEYS = frozenset(("verdict", "message", "op_b", *METRIC_KEYS, *STATS_KEYS))
 """The fields of a row the graph viewer's overlay shows (:meth:`Report.overlay`)."""
+
+
+def _overlay_cells(step: StepComparison) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(run A's op id, the row's fields the graph viewer shows) of each op of ``step`` run A has."""
+    for c in step.comparisons:
+        if c.a is not None:
+            yield c.a.id, {k: v for k, v in c.row().items() if k in _OVERLAY_KEYS}
 
 _NOT_IN_DUMP = "not in the dump"
 _NOT_DUMPABLE = "not dumpable"
@@ -1701,10 +1708,7 @@ class Report:
         """Per step/rank, op id (run A) -> verdict and metrics, for the graph viewer."""
         out: dict[str, dict[str, Any]] = {}
         for s in self.steps:
-            layer = out.setdefault(f"step{s.step}/rank{s.rank}", {})
-            for c in s.comparisons:
-                if c.a is not None:
-                    layer[c.a.id] = {k: v for k, v in c.row().items() if k in _OVERLAY_KEYS}
+            out.setdefault(f"step{s.step}/rank{s.rank}", {}).update(_overlay_cells(s))
         return out
 
     def write_overlay(self, path: str | Path) -> None:
@@ -1713,13 +1717,9 @@ class Report:
             out.write("{")
             for number, s in enumerate(self.steps):
                 out.write(("," if number else "") + json.dumps(f"step{s.step}/rank{s.rank}") + ":{")
-                written = 0
-                for c in s.comparisons:
-                    if c.a is not None:
-                        cell = {k: v for k, v in c.row().items() if k in _OVERLAY_KEYS}
-                        out.write(("," if written else "") + json.dumps(c.a.id) + ":"
-                                  + json.dumps(cell, default=str))
-                        written += 1
+                for written, (op_id, cell) in enumerate(_overlay_cells(s)):
+                    out.write(("," if written else "") + json.dumps(op_id) + ":"
+                              + json.dumps(cell, default=str))
                 out.write("}")
             out.write("}")
 

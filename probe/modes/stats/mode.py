@@ -135,14 +135,11 @@ class StatsMode(Mode):
         if info.mutates:
             # Queued results about to be overwritten are reduced first (see statistics.capture).
             self._rows.before_write(call.written())
-        # Read now, and their rows describe no later read (``OpCall.written_unannounced``: a
-        # collective's inputs, none for any other op).
-        unannounced: Any = ()
-        if info.is_collective:
-            unannounced_tensors = call.written_unannounced()
-            unannounced = self._storages(unannounced_tensors) if unannounced_tensors else ()
-            if unannounced:
-                self._rows.before_write(unannounced_tensors)
+        # Read now, and their rows describe no later read (``OpCall.written_unannounced``).
+        unannounced_tensors = call.written_unannounced()
+        unannounced = self._storages(unannounced_tensors) if unannounced_tensors else ()
+        if unannounced:
+            self._rows.before_write(unannounced_tensors)
         if not self.inputs or (self.inputs == "external" and call.uninitialized):
             return  # a view into memory nothing wrote yet (FSDP2's reallocated buffers): garbage
         every = self.inputs is True
@@ -216,9 +213,7 @@ class StatsMode(Mode):
             # Memory the program frees and refills outside any op (FSDP2's unsharded
             # parameters): the value it held when its row was taken may be another one now.
             reuse_base = False
-        # Only an op that writes (or a deferred collective's, inside the op that completes it)
-        # moves a version counter.
-        moving = call.versions_moving() if info.mutates or call.writes_in_flight is not None else ()
+        moving = call.versions_moving()
         for position, t in enumerate(outputs):
             if skipped and call.skip_reason("out", position) is not None:
                 continue
