@@ -264,10 +264,21 @@ class _ReadsAGlobalCounter(nn.Module):
         return self.body(x) + 1e-3 * _ReadsAGlobalCounter.forwards
 
 
+@pytest.fixture(params=[False, True], ids=["flags-free", "flags-frozen"])
+def backend_flags(request: pytest.FixtureRequest) -> Any:
+    """The backend flags as a fresh process has them, and frozen as torch's test utilities (imported
+    by torch.distributed's fake process group, say) leave them: assigning ``cudnn.benchmark`` raises."""
+    frozen = torch.backends.flags_frozen()
+    if request.param:
+        torch.backends.disable_global_flags()
+    yield request.param
+    torch.backends.__allow_nonbracketed_mutation_flag = not frozen
+
+
 @pytest.mark.parametrize(("kernel_like", "cause"), [(False, "non-determinism (program)"),
                                                      (True, "non-determinism (kernel)")])
 def test_a_step_that_does_not_reproduce_itself_is_non_determinism_kernel_or_program(
-        tmp_path: Path, kernel_like: bool, cause: str) -> None:
+        tmp_path: Path, kernel_like: bool, cause: str, backend_flags: bool) -> None:
     verdicts = _train(_ReadsAGlobalCounter(kernel_like), _batches(), tmp_path / "run", rewind_after=1)
     verdict = verdicts[0]
     assert (verdict.step, verdict.verdict, verdict.cause) == (1, "transient", cause), verdict.evidence
@@ -279,6 +290,7 @@ def test_a_step_that_does_not_reproduce_itself_is_non_determinism_kernel_or_prog
     assert (verdict.located["name"], verdict.located["module"]) == ("aten.add.Tensor", ""), verdict.located
     assert "between the two reruns" in verdict.located["how"]
     assert not torch.are_deterministic_algorithms_enabled()  # the flag as it was
+    assert not torch.backends.cudnn.benchmark
 
 
 def test_ranks_rewind_together_and_the_verdict_names_the_rank(tmp_path: Path) -> None:

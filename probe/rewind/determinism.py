@@ -32,10 +32,13 @@ def deterministic_algorithms() -> Iterator[None]:
     enabled = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     benchmark = torch.backends.cudnn.benchmark
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = False
+    # Set inside the try: a setting that raises must not leave the other one on for the whole process.
     try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        # set_flags, not the attribute: it raises once torch.backends.disable_global_flags() ran
+        # (torch's test utilities call it on import, torch.distributed's fake process group among them).
+        torch.backends.cudnn.set_flags(_benchmark=False)
         yield
     finally:
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-        torch.backends.cudnn.benchmark = benchmark
+        torch.backends.cudnn.set_flags(_benchmark=benchmark)
