@@ -27,17 +27,17 @@ from probe.modes.base import SessionPlugin, StepResult
 from probe.npu import read_and_clear_overflow_flag
 from probe.rundir import layout
 from probe.rundir.background import BackgroundWriter
-from probe.rundir.op_record_json import encode
-from probe.rundir.writer import RunWriter
-from probe.tracer.dispatch_mode import Tracer
-from probe.tracer.mode_stack import untraced
-from probe.tracer.op_call import (
+from probe.rundir.op_record_fields import (
     RECORD_AUTOCAST,
     RECORD_CALLSITE,
     RECORD_MODULE,
     RECORD_PHASE,
     OpRecordTuple,
 )
+from probe.rundir.op_record_json import encode
+from probe.rundir.writer import RunWriter
+from probe.tracer.dispatch_mode import Tracer
+from probe.tracer.mode_stack import untraced
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 NEVER_IMPORTS: dict[str, tuple[str, ...]] = {
     "probe.tracer": ("probe.modes", "probe.analysis", "probe.exporters", "probe.session", "probe.cli",
                      "probe.integrations", "probe.escalation"),
-    "probe.rundir": ("probe.modes", "probe.analysis", "probe.exporters", "probe.session", "probe.cli"),
+    # Issue 34: rundir is the bottom layer again: the op record's fields are the run format's
+    # (rundir.op_record_fields), which the tracer reads, not the other way round.
+    "probe.rundir": ("probe.tracer", "probe.modes", "probe.analysis", "probe.exporters", "probe.session",
+                     "probe.cli"),
     # Issue 34: modes never import exporters either: they write live output through the sinks the
     # session offers them (probe.modes.sinks), which the exporters implement.
     "probe.modes": ("probe.analysis", "probe.exporters", "probe.session", "probe.cli", "probe.integrations"),

@@ -43,8 +43,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import probe
 from probe.rundir import layout
+from probe.rundir.op_record_fields import RECORD_FIELD_INDEX
 from probe.rundir.op_record_json import decode
-from probe.tracer.op_call import RECORD_FIELD_INDEX
 
 common_methods_invocations = pytest.importorskip(
     "torch.testing._internal.common_methods_invocations",

@@ -13,8 +13,8 @@ import torch
 import probe
 from probe.errors import ProbeError, ProbeWarning
 from probe.rundir import layout
+from probe.rundir.op_record_fields import OP_RECORD_FIELDS, RECORD_FIELD_INDEX
 from probe.rundir.op_record_json import decode, encode
-from probe.tracer.op_call import OP_RECORD_FIELDS, RECORD_FIELD_INDEX
 
 MODES = ["structure", "stats", "dump", "free_benchmark", "upcast"]
 

@@ -1,6 +1,6 @@
 """The JSON form of one op record (a line of ``ops.jsonl``), both directions.
 
-Both are derived from the one field list, ``probe.tracer.op_call.OP_RECORD_FIELDS``:
+Both are derived from the one field list, ``probe.rundir.op_record_fields.OP_RECORD_FIELDS``:
 a field's key names it in JSON, its kind picks a codec here. Tensor lists are
 compact arrays (the tracer's tuples): an input is ``[dtype, shape, source]`` where
 source is ``[producer index, output position, exact]`` or null; an output is
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from probe.errors import ProbeError
-from probe.tracer.op_call import OP_RECORD_FIELDS, SKIP_REASONS, OpRecordTuple
+from probe.rundir.op_record_fields import OP_RECORD_FIELDS, SKIP_REASONS, OpRecordTuple
 
 _MISSING = object()
 _REPEATED = frozenset({"name", "phase", "module"})

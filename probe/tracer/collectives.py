@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from probe.tracer.op_call import GroupMeta, OpCall
+from probe.rundir.op_record_fields import GroupMeta
+from probe.tracer.op_call import OpCall
 from probe.vocabulary.op_class import OpClass
 
 _WAIT_OPS = frozenset({"_c10d_functional.wait_tensor.default"})

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import (
 )
 
 from probe.errors import warn_once
-from probe.tracer.op_call import RECORD_FIELD_INDEX
+from probe.rundir.op_record_fields import RECORD_FIELD_INDEX
 from probe.tracer.region_replay import RegionReplay
 from probe.vocabulary.op_class import OpClass
 

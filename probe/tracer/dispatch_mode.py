@@ -27,13 +27,14 @@ from torch.utils._python_dispatch import (
 )
 
 from probe.errors import warn_once
+from probe.rundir.op_record_fields import InputMeta, OpRecordTuple, OutputMeta, Skipped
 from probe.tracer.call_sites import CallSites
 from probe.tracer.collectives import GroupCache, PendingCollectives, collective_outputs
 from probe.tracer.dtensor_layouts import LayoutLabeller, dtensor_class
 from probe.tracer.frames import Frame
 from probe.tracer.module_tracker import ModuleTracker
 from probe.tracer.observer import OpObserver
-from probe.tracer.op_call import InputMeta, OpCall, OpRecordTuple, OutputMeta, Skipped
+from probe.tracer.op_call import OpCall
 from probe.tracer.region_files import RegionFiles
 from probe.tracer.value_ids import DTYPE_NAMES, UNKEYABLE_ERRORS, ValueIndex, unkeyable
 from probe.tracer.value_ids import dtype_name as dtype_name  # where the modes import it from

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from probe.tracer.op_call import (
+from probe.rundir.op_record_fields import (
     RECORD_FIELD_INDEX,
     RECORD_LAYOUT,
     LayoutMeta,

@@ -31,7 +31,7 @@ import weakref
 
 import torch
 
-from probe.tracer.op_call import InputMeta, OutputMeta, Source
+from probe.rundir.op_record_fields import InputMeta, OutputMeta, Source
 
 ExactKey = tuple[int, tuple[int, ...], tuple[int, ...], int] | tuple[
     int, tuple[int, ...], tuple[int, ...], int, bool, bool
@@ -47,7 +47,8 @@ UNKEYABLE_ERRORS = (RuntimeError, NotImplementedError, Unkeyable)
 
 
 def unkeyable(t: torch.Tensor) -> str | None:
-    """Why ``t`` has no value key (one of ``op_call.SKIP_REASONS``), or None for a plain tensor."""
+    """Why ``t`` has no value key (one of ``probe.rundir.op_record_fields.SKIP_REASONS``), or None
+    for a plain tensor."""
     if t.is_inference():
         return "inference"
     if t.is_nested:
