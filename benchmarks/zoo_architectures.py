@@ -103,9 +103,11 @@ _SMALL = {
     "num_mel_bins": 16, "max_length": 32, "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 64,
     "num_labels": LABELS, "query_pre_attn_scalar": HEAD_DIM, "num_key_value_groups": 2,
     "relative_attention_num_buckets": 8, "relative_attention_max_distance": 32, "conv_kernel": 4,
-    "num_latents": 32,
+    "num_latents": 32, "num_groups": 8, "window_size": 4,
 }
-"""Other sizes, set where a default config has them (an int that is not None)."""
+"""Other sizes, set where a default config has them (an int that is not None): ``num_groups``, a
+group norm's, divides the stage widths (at least 8, below); ``window_size`` fits the last stage of
+the shrunk image (32 / patch 4 / 2)."""
 _ZERO_FLOATS = ("dropout", "pdrop", "drop_path", "layerdrop", "_prob", "dropout_rate", "drop_rate",
                 "router_jitter_noise")
 """Probabilities of dropping something, and SpecAugment's of masking audio frames and features
@@ -122,9 +124,10 @@ def _shrunk_list(key: str, value: list[Any], layers: int | None) -> list[Any]:
     """Per-layer lists (their length is the layer count) keep their first LAYERS entries; lists
     of stage widths are scaled down to at most HIDDEN; stage depths become 1."""
     if layers is not None and len(value) == layers and layers > LAYERS:
-        # The first layer, then the first one unlike it (a hybrid keeps one layer of each kind).
+        # The first layer, then the first one unlike it (a hybrid keeps one layer of each kind);
+        # a list of stages (Swin's depths and heads) is then shrunk as stages below.
         other = next((v for v in value if v != value[0]), value[1])
-        return [value[0], other, *value[1:LAYERS - 1]]
+        value = [value[0], other, *value[1:LAYERS - 1]]
     if not value or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return value
     if key in ("hidden_sizes", "embed_dims", "embed_dim", "neck_hidden_sizes", "stage_out_channels",

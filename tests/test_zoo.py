@@ -77,6 +77,20 @@ def llama() -> Built:
     assert isinstance(built, Built), built
     return built
 
+def test_a_hierarchical_vision_config_shrinks_to_stages_that_divide_its_widths():
+    """Swin's per-stage lists are as long as its stage count (num_layers): kept to LAYERS
+    stages, they still shrink as stages (heads dividing the width), its window fits the
+    shrunk image, and a group norm's groups divide the shrunk channels (BiT)."""
+    swin = shrink_config({"embed_dim": 96, "depths": [2, 2, 6, 2], "num_heads": [3, 6, 12, 24],
+                          "num_layers": 4, "window_size": 7, "image_size": 224, "patch_size": 4})
+    assert swin["num_layers"] == len(swin["depths"]) == len(swin["num_heads"]) == LAYERS
+    assert swin["depths"] == [1] * LAYERS
+    assert all(swin["embed_dim"] % h == 0 for h in swin["num_heads"]), swin
+    assert swin["window_size"] <= swin["image_size"] // swin["patch_size"] // 2 ** (LAYERS - 1)
+    bit = shrink_config({"hidden_sizes": [256, 512, 1024, 2048], "num_groups": 32})
+    assert all(width % bit["num_groups"] == 0 for width in bit["hidden_sizes"]), bit
+
+
 
 def test_a_healthy_case_and_a_planted_fault_run_end_to_end(llama, tmp_path: Path):
     references: dict[Reference, Path] = {}
