@@ -293,18 +293,25 @@ def test_a_step_that_does_not_reproduce_itself_is_non_determinism_kernel_or_prog
     assert not torch.backends.cudnn.benchmark
 
 
-def test_ranks_rewind_together_and_the_verdict_names_the_rank(tmp_path: Path) -> None:
-    """Two gloo ranks, gradients all-reduced inside the step: rank 1's poisoned sample makes rank 1's
-    loss and both ranks' parameters non-finite; both rewind together (their reruns' all-reduces meet:
-    no hang) and both name rank 1's sample."""
+def _rewind_ranks(tmp_path: Path, wrap: str) -> Path:
+    """tests/distributed/rewind_worker.py on two gloo ranks; the directory of their reports."""
     pytest.importorskip("torch.distributed")
     worker = Path(__file__).parent / "distributed" / "rewind_worker.py"
     report = tmp_path / "report"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(worker), "--out", str(tmp_path / "run"), "--report", str(report)]
+               str(worker), "--out", str(tmp_path / "run"), "--report", str(report), "--wrap", wrap]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=180, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return report
+
+
+@pytest.mark.parametrize("wrap", ["none", "ddp"])
+def test_ranks_rewind_together_and_the_verdict_names_the_rank(tmp_path: Path, wrap: str) -> None:
+    """Two gloo ranks, gradients all-reduced inside the step (by hand, or by DDP's reducer): rank 1's
+    poisoned sample makes rank 1's loss and both ranks' parameters non-finite; both rewind together
+    (their reruns' all-reduces meet: no hang) and both name rank 1's sample."""
+    report = _rewind_ranks(tmp_path, wrap)
     for rank in (0, 1):
         [verdict] = json.loads((report / f"rank{rank}.json").read_text())["verdicts"]
         assert (verdict["step"], verdict["rank"], verdict["verdict"]) == (2, rank, "data"), verdict["why"]
@@ -314,3 +321,17 @@ def test_ranks_rewind_together_and_the_verdict_names_the_rank(tmp_path: Path) ->
                                       "non-finite loss on rank 1")
     [written] = [v for v in read_verdicts(tmp_path / "run") if v.rank == 1]
     assert "data on rank 1: sample(s) 3 of the batch" in written.line()
+
+
+def test_fsdp2_sharded_state_is_kept_by_shard_and_the_precision_rerun_refused(tmp_path: Path) -> None:
+    """FSDP2 (fully_shard): parameters, gradients and AdamW's moments are DTensors. Each rank keeps
+    and puts back its own shard (the keep raised into training before), and the reruns run; the
+    float64 rerun cannot upcast sharded parameters in place, so the verdict says so instead of
+    guessing, with rank 1's first non-finite op, the first layer's addmm reading the inf."""
+    report = _rewind_ranks(tmp_path, "fsdp")
+    for rank in (0, 1):
+        [verdict] = json.loads((report / f"rank{rank}.json").read_text())["verdicts"]
+        assert (verdict["step"], verdict["verdict"]) == (2, "not classified"), verdict["why"]
+        assert "fully_shard" in verdict["why"] and "float64" in verdict["why"]
+    located = json.loads((report / "rank1.json").read_text())["verdicts"][0]["located"]
+    assert (located["name"], located["module"]) == ("aten.addmm.default", "0")

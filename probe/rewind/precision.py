@@ -45,7 +45,14 @@ def autocast_off() -> Iterator[None]:
 @contextmanager
 def float64_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: Batch) -> Iterator[Batch]:
     """Upcast ``model`` (and ``optimizer``'s state) in place and give the batch in float64, with
-    autocast off, for the block."""
+    autocast off, for the block. Refused (before anything changes) for a model sharded by FSDP2's
+    ``fully_shard``: its all-gather fills unsharded parameters of the dtype fixed when it was
+    sharded, whatever the shards hold."""
+    sharded = _fully_sharded(model)
+    if sharded is not None:
+        raise NotImplementedError(f"{sharded or 'the model'} is sharded by FSDP2's fully_shard, whose "
+                                  "all-gather keeps the dtype its parameters had when sharded: no "
+                                  "float64 step in place")
     with torch.no_grad():
         for param in model.parameters():
             param.data = _wide(param.data)
@@ -63,3 +70,12 @@ def float64_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, batc
                         state[key] = _wide(value)
     with autocast_off():
         yield rebuild(batch, iter([_wide(t) for t in leaves(batch)]))
+
+
+def _fully_sharded(model: nn.Module) -> str | None:
+    """The name of the first module of ``model`` that FSDP2 shards ("" for the model itself), or None."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without distributed
+        return None
+    return next((name for name, module in model.named_modules() if isinstance(module, FSDPModule)), None)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from probe.errors import ProbeError, warn_once
+from probe.local_part import local_part
 from probe.rewind.determinism import HARDWARE, KERNEL, PROGRAM, deterministic_algorithms
 from probe.rewind.precision import float64_step
 from probe.rewind.ranks import Ranks
@@ -73,6 +74,7 @@ def nonfinite_after_step(loss: Any, params: list[torch.Tensor]) -> str | None:
     optimizer took a non-finite gradient), or None. One host sync: one value per tensor, stacked,
     checked and read together."""
     with torch.no_grad():
+        loss = local_part(loss) if isinstance(loss, torch.Tensor) else loss
         is_loss = isinstance(loss, torch.Tensor) and loss.is_floating_point()
         # The loss times 0, summed: 0 where every value is finite, NaN where one is not (any shape).
         values = [(loss * 0).sum(dtype=_SUM_DTYPE.get(loss.dtype, loss.dtype))] if is_loss else []
@@ -80,7 +82,9 @@ def nonfinite_after_step(loss: Any, params: list[torch.Tensor]) -> str | None:
         # sum past 3.4e38 overflows (a 2-norm squares, past 1.8e19); the fastest of the
         # reductions on the CPU benchmark (the inf-norm and isfinite().all() were 9x slower,
         # _foreach_norm and _foreach_powsum slower still on the CPU).
-        values += [p.sum(dtype=_SUM_DTYPE.get(p.dtype, p.dtype)) for p in params if p.is_floating_point()]
+        # This rank's shard of a sharded parameter: the ranks' verdicts are combined afterwards.
+        values += [local_part(p).sum(dtype=_SUM_DTYPE.get(p.dtype, p.dtype))
+                   for p in params if p.is_floating_point()]
         if not values:
             return None
         try:

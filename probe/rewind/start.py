@@ -10,6 +10,10 @@ step's own kernels, so the copy reads the values the step starts from without a 
 Host memory: one copy of parameters, buffers and optimizer state, plus two batches (the step's
 and the one before, which the rewind's data rerun reads).
 
+Sharded tensors (FSDP2's DTensor parameters, gradients and optimizer state) are kept and put back
+as this rank's shard (:func:`probe.local_part.local_part`): each rank keeps its own start, and a
+copy of the whole tensor would be a collective the program did not issue.
+
 Gradients are put back as zeros (where the start held one) or None, not copied: a step zeroes them
 before its backward (``zero_grad`` in ``fn``) or found them zeroed by the step before, and copying
 them would be a second copy of the parameters. A loop that accumulates gradients across
@@ -27,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from probe.local_part import local_part
 
 Batch = Any
 """A tensor, or lists, tuples and dicts of them (other leaves are kept as they are)."""
@@ -185,7 +191,8 @@ class StepStart:
     # -- what is kept -------------------------------------------------------------
 
     def _state_tensors(self) -> list[torch.Tensor]:
-        return [*self.parameters, *(module._buffers[name] for module, name in self._buffer_slots)]
+        return [*map(local_part, self.parameters),
+                *(local_part(module._buffers[name]) for module, name in self._buffer_slots)]
 
     def _optimizer_params(self) -> list[torch.Tensor]:
         if self.optimizer is None:
@@ -199,7 +206,7 @@ class StepStart:
             params = self.parameters
             self._had_grad = [p.grad is not None for p in params]
             if self.keep_grads:
-                self._grads.take([p.grad for p in params if p.grad is not None])
+                self._grads.take([local_part(p.grad) for p in params if p.grad is not None])
             self._keep_optimizer()
             self._scaler_state = copy.deepcopy(self.scaler.state_dict()) if self.scaler is not None else None
             self._rng = RngStates.now()
@@ -227,7 +234,7 @@ class StepStart:
                 for key, value in state.get(param, _NO_STATE).items():
                     if isinstance(value, torch.Tensor):
                         layout.append((index, key))
-                        tensors.append(value)
+                        tensors.append(local_part(value))
                     else:
                         other.append((index, key))
             self._optimizer_layout, self._optimizer_live, self._optimizer_other_slots = layout, tensors, other
@@ -248,7 +255,7 @@ class StepStart:
         """Whether the live parameters, buffers, gradients, optimizer state, the scaler's state and the
         RNG states equal the kept ones bit for bit (the batch aside)."""
         params = self.parameters
-        grads = [p.grad for p in params if p.grad is not None] if self.keep_grads else []
+        grads = [local_part(p.grad) for p in params if p.grad is not None] if self.keep_grads else []
         live = [*self._state_tensors(), *grads]
         kept = [*self._params.buffers, *self._grads.buffers]
         if [p.grad is not None for p in params] != self._had_grad or len(live) != len(kept):
@@ -259,7 +266,7 @@ class StepStart:
                       for k, v in self.optimizer.state.get(p, {}).items() if isinstance(v, torch.Tensor)]
             if layout != self._optimizer_layout:
                 return False
-            live += [self.optimizer.state[opt_params[i]][k] for i, k in layout]
+            live += [local_part(self.optimizer.state[opt_params[i]][k]) for i, k in layout]
             kept += self._optimizer_tensors.buffers
         if not all(same_bits(a, b) for a, b in zip(live, kept, strict=True)):
             return False
@@ -278,23 +285,21 @@ class StepStart:
             buffers = self._params.buffers
             params = self.parameters
             for param, kept in zip(params, buffers, strict=False):
-                _put(param, kept)
+                restored = _restored(param.data, kept)
+                if restored is not param.data:
+                    param.data = restored
             for (module, name), kept in zip(self._buffer_slots, buffers[len(params):], strict=True):
-                live = module._buffers[name]
-                if live.dtype == kept.dtype and live.shape == kept.shape:
-                    live.copy_(kept)
-                else:
-                    module._buffers[name] = kept.to(live.device, copy=True)
+                module._buffers[name] = _restored(module._buffers[name], kept)
             grads = iter(self._grads.buffers)
             for param, had in zip(params, self._had_grad, strict=True):
                 if had and not self.keep_grads:
                     param.grad = torch.zeros_like(param)
                 elif had:
                     kept = next(grads)
-                    if param.grad is not None and param.grad.dtype == kept.dtype:
-                        param.grad.copy_(kept)
-                    else:
-                        param.grad = kept.to(param.device, copy=True)
+                    grad = param.grad if param.grad is not None else torch.zeros_like(param)
+                    restored = _restored(grad, kept)
+                    if restored is not param.grad:
+                        param.grad = restored
                 else:
                     param.grad = None
             self._restore_optimizer()
@@ -312,12 +317,9 @@ class StepStart:
         for (index, key), kept in zip(self._optimizer_layout, self._optimizer_tensors.buffers, strict=True):
             param = params[index]
             old = live.get(param, {}).get(key)
-            if isinstance(old, torch.Tensor) and old.dtype == kept.dtype and old.shape == kept.shape:
-                old.copy_(kept)  # the same tensor object: fused and foreach optimizers may hold it
-                fresh.setdefault(param, {})[key] = old
-            else:
-                fresh.setdefault(param, {})[key] = kept.to(old.device if isinstance(old, torch.Tensor)
-                                                           else param.device, copy=True)
+            # The same tensor object where it can be: fused and foreach optimizers may hold it.
+            fresh.setdefault(param, {})[key] = (_restored(old, kept) if isinstance(old, torch.Tensor)
+                                                else kept.to(param.device, copy=True))
         for index, key, value in self._optimizer_other:
             fresh.setdefault(params[index], {})[key] = copy.deepcopy(value)
         live.clear()  # state a step created (the first step's moments) is dropped, as at the start
@@ -357,11 +359,16 @@ def _buffer_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
     return slots
 
 
-def _put(param: torch.Tensor, kept: torch.Tensor) -> None:
-    if param.dtype == kept.dtype and param.shape == kept.shape:
-        param.copy_(kept)
-    else:  # a rerun changed its dtype (the upcast rerun): the original tensor is put back
-        param.data = kept.to(param.device, copy=True)
+def _restored(whole: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """``whole`` holding ``kept``'s values: written in place (this rank's shard of a ``DTensor``)
+    where dtype and shape allow, so whoever holds the tensor sees them; else a new tensor."""
+    if whole.dtype != kept.dtype:  # the float64 rerun's upcast undone (a DTensor stays one)
+        whole = whole.to(kept.dtype)
+    live = local_part(whole)
+    if live.shape != kept.shape:  # the step replaced the tensor with one of another shape
+        return kept.to(live.device, copy=True)
+    live.copy_(kept)
+    return whole
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,6 +1,7 @@
-"""Two data-parallel ranks (gradients all-reduced by hand) train a tiny MLP through
-``session.step_fn``; rank 1's batch at step 2 holds an inf in sample 3. Run under torchrun by
-tests/test_rewind.py; each rank writes its verdicts and whether training went on to ``--report``."""
+"""Two data-parallel ranks train a tiny MLP through ``session.step_fn``, gradients all-reduced by
+hand, by DDP (``--wrap ddp``) or reduce-scattered by FSDP2 (``--wrap fsdp``: sharded parameters,
+gradients and optimizer state); rank 1's batch at step 2 holds an inf in sample 3. Run under
+torchrun by tests/test_rewind.py; each rank writes its verdicts to ``--report``."""
 
 from __future__ import annotations
 
@@ -23,19 +24,25 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--report", type=Path, required=True)
+    parser.add_argument("--wrap", choices=["none", "ddp", "fsdp"], default="none")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same weights on every rank
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    if args.wrap == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    elif args.wrap == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         optimizer.zero_grad()
         loss = ((model(batch[0]) - batch[1]) ** 2).mean()
         loss.backward()
-        for p in model.parameters():  # data parallel: every rank's step waits on the others'
+        for p in model.parameters() if args.wrap == "none" else ():  # by hand: ranks wait on each other
             dist.all_reduce(p.grad)
             p.grad /= world
         optimizer.step()
