@@ -16,6 +16,7 @@ import difflib
 from collections import defaultdict
 from dataclasses import dataclass
 
+from probe.analysis.crossed_dataflow import refuse_crossed
 from probe.rundir.run import OpRecord
 
 
@@ -122,6 +123,9 @@ def match_ops(
             for i, j in _align(remaining_a, remaining_b, with_shapes):
                 partner[remaining_a[i].index], how[remaining_a[i].index] = remaining_b[j], "aligned"
                 taken.add(remaining_b[j].index)
+    # Where two decompositions of a module call differ, pairs by position are other values.
+    refuse_crossed(ops_a, ops_b, partner, lambda op: _group_key(op)[1:],
+                   lambda op: _group_key(op, module_map)[1:])
 
     # B-only ops are placed after the A op matched to their nearest earlier B op.
     a_of_b = {other.index: a_index for a_index, other in partner.items()}

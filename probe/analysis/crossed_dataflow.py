@@ -1,0 +1,69 @@
+"""Proposed op pairs whose inputs cross two decompositions of one module call.
+
+Ids and sequence alignment propose pairs by position: the n-th ``view`` of a module call in
+run A with the n-th in run B. Where the two runs decompose the module call the same way
+(the same program, autocast adding casts) that is the op's twin. Where they do not (eager
+against SDPA attention, a fused kernel against its decomposition, a re-implemented module),
+the n-th ``view`` of one is some other value of the other: pairing them compares values of
+different shapes or meanings and calls a healthy pair divergent.
+
+A pair is refused when, inside the module call it runs in, it reads a value that the two runs
+made with ops that do not correspond: both producers are ops of one run only (each run's own
+decomposition), or both are paired, but not with each other. Refusals cascade in execution
+order within the module call, so the part where the decompositions differ stays unpaired on
+both sides: a black box, whose boundary values the unmatched-producer rule judges where a
+paired op outside it reads them. Only producers in the same module call count: a value from
+another module call is that call's boundary, judged there; and an insertion by one run only
+(a cast, a re-implemented activation, a planted roll of a mask) leaves the other run's producer
+paired, so it is never a reason to refuse: it is what the judging rules look at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+from probe.rundir.run import OpRecord
+
+
+def refuse_crossed(ops_a: list[OpRecord], ops_b: list[OpRecord], partner: dict[int, OpRecord],
+                   call_a: Callable[[OpRecord], Hashable], call_b: Callable[[OpRecord], Hashable]
+                   ) -> list[int]:
+    """Removes from ``partner`` (A index -> B op) the pairs that read values the two runs made by
+    non-corresponding ops of the pair's own module call; returns the A indices removed.
+
+    ``call_a``/``call_b``: the module call an op runs in (module path and call index, B's in
+    A's names), whatever its phase: a backward op reading what its module call's forward saved
+    reads from inside the box."""
+    by_index_a = {op.index: op for op in ops_a}
+    by_index_b = {op.index: op for op in ops_b}
+    a_of_b = {b.index: a for a, b in partner.items()}
+    refused: list[int] = []
+    for op in ops_a:
+        other = partner.get(op.index)
+        if other is None or not _crossed(op, other, by_index_a, by_index_b, partner, a_of_b,
+                                         call_a, call_b):
+            continue
+        del partner[op.index]
+        del a_of_b[other.index]
+        refused.append(op.index)
+    return refused
+
+
+def _crossed(a: OpRecord, b: OpRecord, by_index_a: dict[int, OpRecord], by_index_b: dict[int, OpRecord],
+             partner: dict[int, OpRecord], a_of_b: dict[int, int],
+             call_a: Callable[[OpRecord], Hashable], call_b: Callable[[OpRecord], Hashable]) -> bool:
+    call = call_a(a)
+    for ta, tb in zip(a.inputs, b.inputs, strict=False):
+        if ta.source is None or tb.source is None:
+            continue
+        pa, pb = by_index_a.get(ta.source[0]), by_index_b.get(tb.source[0])
+        if pa is None or pb is None or (call_a(pa) != call and call_b(pb) != call):
+            continue  # a value from outside the module call: its boundary, judged where it is read
+        if ta.shape != tb.shape:
+            return True  # another value: what one run inserts on a value (a cast) keeps its shape
+        paired_a, paired_b = pa.index in partner, pb.index in a_of_b
+        if not paired_a and not paired_b:
+            return True  # each run's own ops made it: the decompositions differ here
+        if paired_a and paired_b and (partner[pa.index].index != pb.index or ta.source[1] != tb.source[1]):
+            return True  # paired producers, but not with each other: another value
+    return False
