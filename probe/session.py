@@ -359,8 +359,9 @@ class Session:
         """Run one training step ``fn(batch)`` (forward, backward, optimizer step; returns the loss)
         from a kept start, then end the step as :meth:`step` does; a non-finite loss or parameter, or a
         monitor alert about the step, rewinds it (docs/rewind.md). ``optimizer=``, ``scaler=``: what the
-        step updates besides ``model=``; ``keep_grads=True`` where gradients accumulate across steps.
-        Returns what ``fn`` returned."""
+        step updates besides ``model=``; ``scheduler=``: the learning-rate scheduler ``fn`` steps (or a
+        list of objects with ``state_dict``/``load_state_dict``), put back after the reruns;
+        ``keep_grads=True`` where gradients accumulate across steps. Returns what ``fn`` returned."""
         from probe.rewind import rewinder_of  # the rewind builds sessions of its own: imported late
 
         return rewinder_of(self).step_fn(fn, batch, **state)

@@ -106,6 +106,52 @@ def test_poisoned_sample_is_data_and_named(tmp_path: Path) -> None:
                                                      if i != 3)
 
 
+@pytest.mark.parametrize("given", [True, False])
+def test_a_scheduler_the_step_advances_is_put_back_after_the_reruns(tmp_path: Path, given: bool) -> None:
+    """``fn`` steps a LambdaLR (its rate a function of the steps counted): the rewind's four reruns of
+    step 2 step it too. Given as ``scheduler=``, training after the rewind has the schedule of a run
+    without the probe; not given, a warning says to pass it."""
+    def train(traced: bool) -> tuple[int, float]:
+        model = _mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda steps: 1 / (1 + steps))
+
+        def fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = ((model(batch[0]) - batch[1]) ** 2).mean()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            return loss
+
+        batches = _batches()
+        batches[BAD_STEP][0][3, 1] = float("inf")
+        if not traced:
+            for batch in batches:
+                fn(batch)
+        else:
+            with probe.mode("stats", out=tmp_path / "run", model=model) as session:
+                state = {"optimizer": optimizer, **({"scheduler": scheduler} if given else {})}
+                for batch in batches:
+                    session.step_fn(fn, batch, **state)
+            assert [v.verdict for v in read_verdicts(tmp_path / "run")] == ["data"]
+        return scheduler.last_epoch, optimizer.param_groups[0]["lr"]
+
+    untraced_schedule = train(traced=False)
+    if given:
+        assert train(traced=True) == untraced_schedule == (4, 1e-2 / 5)
+    else:
+        with pytest.warns(probe.ProbeWarning, match="scheduler="):
+            assert train(traced=True) != untraced_schedule
+
+
+def test_scheduler_without_state_dict_is_refused_naming_it(tmp_path: Path) -> None:
+    model = _mlp()
+    with probe.mode("stats", out=tmp_path / "run", model=model) as session, \
+            pytest.raises(probe.ProbeError, match=r"scheduler=.*state_dict"):
+        session.step_fn(lambda batch: None, _batches()[0], scheduler=[object()])
+
+
 class _WarmupThatRunsOut(nn.Module):
     """Scales its output by sqrt(warmup - calls): the code, not the data, goes negative at step 2."""
 

@@ -139,8 +139,13 @@ class Rewinder:
 
     def step_fn(self, fn: Callable[[Batch], Any], batch: Batch,
                 optimizer: torch.optim.Optimizer | None = None, scaler: Any = None,
-                keep_grads: bool = False) -> Any:
-        self.keep_start(batch, optimizer, scaler, keep_grads)
+                keep_grads: bool = False, scheduler: Any = None) -> Any:
+        attached = optimizer is not None and getattr(optimizer.step, "_wrapped_by_lr_sched", False)
+        if scheduler is None and attached:
+            warn_once("rewind-scheduler", "step_fn: a learning-rate scheduler is attached to the optimizer; "
+                      "if fn steps it, pass scheduler=<it> so that a rewind puts it back (each rerun of the "
+                      "step would step it again)")
+        self.keep_start(batch, optimizer, scaler, keep_grads, scheduler)
         loss = fn(batch)
         trigger = self.step_ran(fn, loss)
         self.session.step()
@@ -148,16 +153,19 @@ class Rewinder:
         return loss
 
     def keep_start(self, batch: Batch | None, optimizer: torch.optim.Optimizer | None = None,
-                   scaler: Any = None, keep_grads: bool = False) -> None:
+                   scaler: Any = None, keep_grads: bool = False, scheduler: Any = None) -> None:
         """Before a step the loop runs itself (a framework's callback): keep its start, ``batch``
-        what it will run on (None: given to :meth:`keep_batch` when the step ran)."""
+        what it will run on (None: given to :meth:`keep_batch` when the step ran). ``scheduler``:
+        what else the step advances (one object or several, each with ``state_dict`` and
+        ``load_state_dict``: the learning-rate scheduler ``fn`` steps)."""
         session = self.session
         session._running_tracer("step_fn")
         model = self._model()
+        stateful = _stateful(scheduler)
         start = self.start
-        if start is None or (start.model, start.optimizer, start.scaler, start.keep_grads) != (
-                model, optimizer, scaler, keep_grads):
-            start = self.start = StepStart(model, optimizer, scaler, keep_grads)
+        if start is None or (start.model, start.optimizer, start.scaler, start.keep_grads,
+                             start.stateful) != (model, optimizer, scaler, keep_grads, stateful):
+            start = self.start = StepStart(model, optimizer, scaler, keep_grads, stateful)
         self._listen()
         if self.ranks is None:
             self.ranks = Ranks()
@@ -243,7 +251,8 @@ class Rewinder:
                              "ran through step_fn in this session")
         began = time.perf_counter()
         session._wait_for_writer()  # the original step's records are on disk, to compare with
-        end = StepStart(start.model, start.optimizer, start.scaler, keep_grads=True)  # exact: all of it
+        end = StepStart(start.model, start.optimizer, start.scaler, keep_grads=True,  # exact: all of it
+                        stateful=start.stateful)
         with untraced():
             end.keep(last.step)
         rank = session._tracer.rank if session._tracer is not None else 0
@@ -414,7 +423,8 @@ class _Classification:
                 if against is not None:
                     result.bitwise_equal = against.equals(loss)
                 if keep_end:
-                    end = StepStart(start.model, start.optimizer, start.scaler, keep_grads=True)
+                    end = StepStart(start.model, start.optimizer, start.scaler, keep_grads=True,
+                                    stateful=start.stateful)
                     end.keep(self.original.step)
                     kept = _End(loss.detach().clone() if isinstance(loss, torch.Tensor) else None, end)
                     if deterministic:
@@ -504,6 +514,19 @@ def _sample(batch: Batch, index: int, size: int) -> Batch:
 
 
 _REWINDERS: weakref.WeakKeyDictionary[Session, Rewinder] = weakref.WeakKeyDictionary()
+
+
+def _stateful(scheduler: Any) -> tuple[Any, ...]:
+    """``scheduler=`` as a tuple of objects, each checked for ``state_dict``/``load_state_dict``."""
+    if scheduler is None:
+        return ()
+    items = tuple(scheduler) if isinstance(scheduler, (list, tuple)) else (scheduler,)
+    for item in items:
+        if not all(callable(getattr(item, method, None)) for method in ("state_dict", "load_state_dict")):
+            raise ProbeError(f"step_fn(scheduler={item!r}): the rewind keeps what the step advances by its "
+                             "state_dict() and puts it back by load_state_dict(); this object has no such "
+                             "methods (pass an LR scheduler, or a list of objects that have them)")
+    return items
 
 
 def rewinder_of(session: Session) -> Rewinder:

@@ -2,13 +2,14 @@
 be run again from where it began.
 
 Kept: parameters, buffers, which parameters hold a gradient, optimizer state and its groups'
-hyper-parameters, the GradScaler's state, the RNG states (torch CPU and accelerator, Python
-``random``, NumPy) and the batch. Each tensor is copied into a host buffer allocated once and
-reused every step (one ``torch._foreach_copy_`` per device and dtype group); parameters on an
-accelerator go into pinned memory with non-blocking copies, queued on the stream ahead of the
-step's own kernels, so the copy reads the values the step starts from without a host sync.
-Host memory: one copy of parameters, buffers and optimizer state, plus two batches (the step's
-and the one before, which the rewind's data rerun reads).
+hyper-parameters, the GradScaler's state, the state dicts of what else the step advances (a learning-rate
+scheduler ``fn`` steps: it would count every rerun as a step), the RNG states (torch CPU and
+accelerator, Python ``random``, NumPy) and the batch. Each tensor is copied into a host buffer
+allocated once and reused every step (one ``torch._foreach_copy_`` per device and dtype group);
+parameters on an accelerator go into pinned memory with non-blocking copies, queued on the stream
+ahead of the step's own kernels, so the copy reads the values the step starts from without a host
+sync. Host memory: one copy of parameters, buffers and optimizer state, plus two batches (the
+step's and the one before, which the rewind's data rerun reads).
 
 Sharded tensors (FSDP2's DTensor parameters, gradients and optimizer state) are kept and put back
 as this rank's shard (:func:`probe.local_part.local_part`): each rank keeps its own start, and a
@@ -154,12 +155,15 @@ class StepStart:
     """What one step starts from, kept every step in reused host buffers and put back on demand.
 
     ``model``'s parameters and buffers, ``optimizer``'s state (optional), ``scaler``'s state
-    (a ``torch.amp.GradScaler``, optional); gradient values only with ``keep_grads``."""
+    (a ``torch.amp.GradScaler``, optional), ``stateful``'s state dicts (objects with ``state_dict``
+    and ``load_state_dict``: learning-rate schedulers); gradient values only with ``keep_grads``."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 scaler: Any = None, keep_grads: bool = False) -> None:
+                 scaler: Any = None, keep_grads: bool = False, stateful: tuple[Any, ...] = ()) -> None:
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.keep_grads = keep_grads
+        self.stateful = stateful
+        self._stateful_states: list[dict[str, Any]] = []
         # Walked once (a module walk is half of a small model's keep): parameters are updated in
         # place or through .data, and buffers are read from their slot, so a rebound buffer is seen.
         self.parameters = list(model.parameters())
@@ -209,6 +213,7 @@ class StepStart:
                 self._grads.take([local_part(p.grad) for p in params if p.grad is not None])
             self._keep_optimizer()
             self._scaler_state = copy.deepcopy(self.scaler.state_dict()) if self.scaler is not None else None
+            self._stateful_states = [copy.deepcopy(item.state_dict()) for item in self.stateful]
             self._rng = RngStates.now()
         self.step = step
         if batch is not None:
@@ -272,6 +277,8 @@ class StepStart:
             return False
         if self.scaler is not None and self.scaler.state_dict() != self._scaler_state:
             return False
+        if [item.state_dict() for item in self.stateful] != self._stateful_states:
+            return False
         assert self._rng is not None
         return same_bits(torch.get_rng_state(), self._rng.torch_cpu)
 
@@ -305,6 +312,8 @@ class StepStart:
             self._restore_optimizer()
         if self.scaler is not None and self._scaler_state is not None:
             self.scaler.load_state_dict(copy.deepcopy(self._scaler_state))
+        for item, state in zip(self.stateful, self._stateful_states, strict=True):
+            item.load_state_dict(copy.deepcopy(state))
         assert self._rng is not None
         self._rng.restore()
 
