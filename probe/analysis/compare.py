@@ -739,7 +739,7 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
             return None
         floor = _held_apart(side_a, side_b, record, c.b.inputs[position])
         in_error = max(in_error, error, floor)
-    out_error, out_dtypes = 0.0, (torch.float64, torch.float64)
+    out_error, out_dtypes, underflow = 0.0, (torch.float64, torch.float64), 0.0
     primary = precision.primary_outputs(c.a)
     for t in c.outputs:
         if t.position >= primary:
@@ -755,6 +755,7 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
         if error >= out_error:
             out_error = error
             out_dtypes = (_dtype(c.a.outputs[t.position]), _dtype(c.b.outputs[t.position]))
+            underflow = precision.underflow_rounding(c.a.outputs[t.position], c.b.outputs[t.position])
     cancellation = max(precision.condition(c.a), precision.condition(c.b))
     # An op's own rounding is relative to its terms; where they cancel, relative to its result
     # it grows as its inputs' differences do (a gradient that is zero in exact arithmetic, such
@@ -762,6 +763,8 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
     reductions = terms if terms is not None else (_reduction(c.a), _reduction(c.b))
     rounding = max(cancellation, 1.0) * (precision.rounding(out_dtypes[0], reductions[0], floor=False)
                                          + precision.rounding(out_dtypes[1], reductions[1], floor=False))
+    # A result below its dtype's normal range rounds absolutely, already relative to itself.
+    rounding += underflow
     factor = max(precision.CONDITION, cancellation)
     bound = factor * in_error + rounding
     c.input_error = in_error

@@ -382,6 +382,31 @@ def rounding(dtype: torch.dtype, reduction: int = 1, floor: bool = True) -> floa
     return ROUNDING_ULPS * eps(dtype) * math.sqrt(max(reduction, 1))
 
 
+def underflow_rounding(a: TensorRecord, b: TensorRecord) -> float:
+    """The rounding of two runs' results held below their dtypes' normal range, relative to
+    their statistics.
+
+    Below ``finfo.smallest_normal`` a dtype's spacing stops shrinking with the value: every
+    element is rounded to a multiple of the smallest subnormal (fp16: 6e-8), an absolute error,
+    so the relative rounding grows as the value shrinks, up to a result flushed to zero. fp16
+    reaches there in ordinary training (a product of two 1e-4 activations; Mamba2's chunked
+    scan, 1e-7; a gradient of 1e-10), bf16 and fp32 never in practice (1e-40).
+    ``ROUNDING_ULPS`` such spacings of each run's dtype over the larger rms of the two bound
+    the statistics' relative error (:func:`stats_error` judges the norm against the larger
+    norm, the extremes against at least that rms). 0 without statistics or float dtypes.
+    """
+    rms = [r for r in (_rms(a), _rms(b)) if r is not None]
+    scale = max(rms, default=0.0)
+    if scale <= 0:
+        return 0.0
+    spacing = 0.0
+    for record in (a, b):
+        dtype = _floating(record.dtype)
+        if dtype is not None:
+            spacing += torch.finfo(dtype).smallest_normal * eps(dtype)  # its smallest subnormal
+    return ROUNDING_ULPS * spacing / scale
+
+
 def own_error(result: torch.Tensor, exact: torch.Tensor) -> float:
     """``max |result - exact| / max(|exact|, rms(exact))`` over the finite elements (0 when none).
 

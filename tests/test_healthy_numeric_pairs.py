@@ -1,0 +1,69 @@
+"""Healthy numeric pairs the zoo called divergent outside bf16 autocast (issue 33): fp32 against
+fp16 autocast, a bf16 model, gradient accumulation, one thread. One tiny model per class; each
+pair is no divergence, and a fault planted in it is still found at its module and step."""
+
+from __future__ import annotations
+
+import torch
+
+import probe
+
+TOKENS, WIDTH = 32, 16
+
+
+class _TinyProducts(torch.nn.Module):
+    """Products of two small activations (1e-4 each, 16 terms: about 1e-7), below fp16's
+    smallest normal (6e-5), as a Mamba2 mixer's chunked scan makes them, added to a residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(WIDTH, WIDTH)
+        self.out = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        small = (h * 1e-4).view(2, TOKENS // 2, WIDTH)
+        products = torch.bmm(small, small.transpose(1, 2))  # fp16 under autocast: subnormal
+        return self.out(h + products.sum(-1).reshape(TOKENS, 1))
+
+
+def _fp16_pair(root, build, fault=None):
+    """Two steps of SGD of ``build()`` on fixed data: run A in fp32, run B under fp16 autocast
+    with ``fault`` (a module name: its output scaled by 1.5 at step 1)."""
+    runs = []
+    for name, autocast in (("a", False), ("b", True)):
+        torch.manual_seed(0)
+        model = build()
+        scaled = [False]
+        if fault is not None and autocast:
+            module = model.get_submodule(fault)
+            forward = module.forward
+            module.forward = lambda x, forward=forward, scaled=scaled: forward(x) * (1.5 if scaled[0] else 1)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        x = torch.randn(TOKENS, WIDTH, generator=torch.Generator().manual_seed(1))
+        with probe.mode("stats", out=root / name, model=model) as session:
+            for step in range(2):
+                scaled[0] = step == 1
+                with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+                    loss = model(x).float().square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                session.step()
+        runs.append(root / name)
+    return runs
+
+
+def test_fp16_results_below_the_normal_range_round_absolutely(tmp_path):
+    # The bmm's fp16 result (rms 1e-8) is a few multiples of fp16's smallest subnormal (6e-8):
+    # its statistics differ from fp32's by 20-100%, all of it rounding. Judged relatively (4 ULPs
+    # of its terms) it was a divergence entering at the bmm.
+    report = probe.compare(*_fp16_pair(tmp_path / "healthy", _TinyProducts))
+    assert report.first_divergence is None, report.conclusion
+    assert "fp16 autocast" in report.conclusion
+    bmm = [c for c in report.comparisons if c.a is not None and c.a.name == "aten.bmm.default"
+           and c.a.phase == "forward"]
+    assert bmm and all(c.b is not None and c.b.outputs[0].dtype == "float16" for c in bmm)
+    faulty = probe.compare(*_fp16_pair(tmp_path / "fault", _TinyProducts, "inp"))
+    d = faulty.divergence
+    assert d is not None and d.step == 1 and d.op.module == "inp", faulty.conclusion
