@@ -12,7 +12,7 @@ import probe
 from probe import ProbeError
 from probe.analysis.verdicts import THRESHOLDS, thresholds_for
 from probe.cli import main
-from probe.rundir import layout
+from probe.modes.dump.file_names import tensors_dir
 
 
 class Rounding(nn.Module):
@@ -142,7 +142,7 @@ def test_reports_cli_exit_codes_and_bad_input(tmp_path):
 def test_a_corrupted_shard_makes_its_rows_not_compared_with_the_reason(tmp_path):
     _record(tmp_path / "a")
     _record(tmp_path / "b")
-    shard = next(layout.tensors_dir(tmp_path / "b", 0, 0).glob("shard-*.safetensors"))
+    shard = next(tensors_dir(tmp_path / "b", 0, 0).glob("shard-*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:100])  # truncated
     report = probe.compare(tmp_path / "a", tmp_path / "b")
     uncompared = [row for row in report.rows if row["verdict"] == "not compared"]

@@ -18,30 +18,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from conftest import SharedBlockNet, train_steps
+from conftest import run_modes
 
 import probe
 from probe import ProbeError, cli
 from probe.analysis.verdicts import NOT_COMPARED, PASS
 from probe.errors import ProbeWarning
+from probe.modes.stats.file_names import STATS_INDEX_FILE
 from probe.rundir import layout
 
 STEPS = 3
 DAMAGED = 1
 
 
-def _train(out: Path, modes: list[str]) -> None:
-    torch.manual_seed(0)
-    model = SharedBlockNet()
-    with probe.mode(modes, out=out, model=model) as session:
-        train_steps(model, STEPS, session=session)
-
-
 def _index_past_the_ops(step: Path) -> None:
-    index = np.load(step / layout.STATS_INDEX_FILE)
+    index = np.load(step / STATS_INDEX_FILE)
     index[-1, 0] = 10**6
-    np.save(step / layout.STATS_INDEX_FILE, index)
+    np.save(step / STATS_INDEX_FILE, index)
 
 
 def _cut_short(name: str) -> Callable[[Path], None]:
@@ -52,7 +45,7 @@ def _cut_short(name: str) -> Callable[[Path], None]:
 
 
 DAMAGE = {
-    "stats index past the ops": (_index_past_the_ops, layout.STATS_INDEX_FILE),
+    "stats index past the ops": (_index_past_the_ops, STATS_INDEX_FILE),
     "ops.jsonl cut short": (_cut_short(layout.OPS_FILE), layout.OPS_FILE),
     "manifest cut short": (_cut_short(layout.MANIFEST_FILE), layout.MANIFEST_FILE),
     "tensors.json not JSON": (lambda step: (step / "tensors.json").write_text("{not json"), "tensors.json"),
@@ -74,8 +67,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory, made: dict[str, tuple[Path, P
     key = "+".join(modes)
     if key not in made:
         root = tmp_path_factory.mktemp(key)
-        _train(root / "reference", modes)
-        _train(root / "same", modes)
+        run_modes(root / "reference", modes, steps=STEPS)
+        run_modes(root / "same", modes, steps=STEPS)
         made[key] = (root / "reference", root / "same")
     return made[key]
 

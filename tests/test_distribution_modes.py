@@ -11,6 +11,7 @@ from hf_models import assert_trained_alike, tiny_llama, train_steps
 
 import probe
 from probe.modes.monitor.file_names import MONITOR_DISTRIBUTION_FILE
+from probe.modes.stats.file_names import DISTRIBUTION_FILE
 from probe.rundir import layout
 
 pytest.importorskip("transformers", reason="transformers is an optional test dependency")
@@ -82,7 +83,7 @@ def test_bf16_shares_and_a_run_without_the_option(tmp_path):
     assert op.outputs[0].histogram is None
     (op,) = [op for op in probe.load(tmp_path / "off").ops(0) if op.name == "aten.mul.Tensor"]
     assert op.outputs[0].distribution is None and op.outputs[0].stats is not None
-    assert not (tmp_path / "off" / "rank0" / "step0" / layout.DISTRIBUTION_FILE).exists()
+    assert not (tmp_path / "off" / "rank0" / "step0" / DISTRIBUTION_FILE).exists()
 
 
 def test_version_one_runs_still_load(tmp_path):

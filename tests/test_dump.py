@@ -10,7 +10,8 @@ from safetensors import safe_open
 
 import probe
 from probe import ProbeError
-from probe.rundir import layout, shards
+from probe.modes.dump.file_names import tensors_dir
+from probe.rundir import shards
 from probe.rundir.call_args import decode_args
 from tests.conftest import SharedBlockNet, train_steps, train_under
 
@@ -117,9 +118,9 @@ def test_filters_write_exactly_the_selected_tensors(tmp_path):
     ops = run.ops(1)
     assert [(op.name, op.module) for op in ops] == [("aten.addmm.default", "head")]
     assert list(run.dump(1).entries) == [(0, "output", 0)]
-    shard_dir = layout.tensors_dir(tmp_path / "r", 0, 1)
+    shard_dir = tensors_dir(tmp_path / "r", 0, 1)
     assert [p.name for p in shard_dir.iterdir()] == ["shard-00000.safetensors"]
-    assert not layout.tensors_dir(tmp_path / "r", 0, 0).exists()
+    assert not tensors_dir(tmp_path / "r", 0, 0).exists()
     with pytest.raises(ProbeError, match="was not dumped"):
         run.tensor(ops[0].id, "input", 0, step=1)
 
@@ -129,7 +130,7 @@ def test_shards_are_plain_safetensors_files_of_bounded_size(tmp_path):
         for _ in range(20):
             torch.randn(32, 32).exp()  # 4 KiB per result
         session.step()
-    shard_dir = layout.tensors_dir(tmp_path / "r", 0, 0)
+    shard_dir = tensors_dir(tmp_path / "r", 0, 0)
     files = sorted(shard_dir.iterdir())
     assert len(files) >= 10
     total = 0

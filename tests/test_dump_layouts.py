@@ -24,7 +24,7 @@ from torch import nn
 import probe
 from probe import ProbeError
 from probe.exporters.msprobe import export_msprobe
-from probe.rundir import layout
+from probe.modes.dump.file_names import TENSOR_INDEX_FILE, tensors_dir
 from probe.rundir.shards import read_header
 
 pytestmark = [
@@ -172,7 +172,7 @@ def test_a_layout_the_dump_cannot_store_is_named_and_the_step_reads(tmp_path):
 
 
 def _edit_index(run_dir: Path, edit: Callable[[list[dict]], None]) -> None:
-    path = run_dir / "rank0" / "step0" / layout.TENSOR_INDEX_FILE
+    path = run_dir / "rank0" / "step0" / TENSOR_INDEX_FILE
     index = json.loads(path.read_text())
     edit(index["tensors"])
     path.write_text(json.dumps(index))
@@ -202,9 +202,9 @@ def test_entries_without_strides_from_earlier_probes_read(tmp_path):
 def _indices_past_the_size(run_dir: Path, tensors: list[dict]) -> None:
     """Overwrite the first COO index in its shard with 99 (the tensor is 4 x 6)."""
     entry = next(e for e in tensors if e.get("layout") == "sparse_coo")
-    index = json.loads((run_dir / "rank0" / "step0" / layout.TENSOR_INDEX_FILE).read_text())
+    index = json.loads((run_dir / "rank0" / "step0" / TENSOR_INDEX_FILE).read_text())
     shard_name, blob_name = index["blobs"][str(entry["parts"]["indices"]["blob"])]
-    shard = layout.tensors_dir(run_dir, 0, 0) / shard_name
+    shard = tensors_dir(run_dir, 0, 0) / shard_name
     data_start, header = read_header(shard)
     begin = data_start + header[blob_name]["data_offsets"][0]
     data = bytearray(shard.read_bytes())
@@ -256,7 +256,7 @@ def test_damaged_parts_are_refused_by_name_and_cost_only_their_tensor(stored, tm
                    in (kind, "sparse_xyz"))
     with pytest.raises(ProbeError, match=message) as refused:
         run.tensor(damaged.id, "input", 0)
-    assert layout.TENSOR_INDEX_FILE in str(refused.value) or "safetensors" in str(refused.value)
+    assert TENSOR_INDEX_FILE in str(refused.value) or "safetensors" in str(refused.value)
     assert torch.equal(run.tensor(ops[-1].id, "input", 0), stored[1][-1])  # the rest of the step reads
 
 

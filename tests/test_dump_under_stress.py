@@ -13,6 +13,7 @@ import torch
 import probe
 from probe import ProbeError
 from probe.errors import ProbeWarning
+from probe.modes.dump.file_names import TENSOR_INDEX_FILE
 from probe.rundir import layout, shards
 from tests.conftest import SharedBlockNet, train_steps
 
@@ -33,7 +34,7 @@ def _ops(run, name: str, step: int = 0) -> list:
 
 
 def _index(out: Path, step: int = 0) -> dict:
-    return json.loads((layout.step_dir(out, 0, step) / layout.TENSOR_INDEX_FILE).read_text())
+    return json.loads((layout.step_dir(out, 0, step) / TENSOR_INDEX_FILE).read_text())
 
 
 # -- memory budget --------------------------------------------------------------------

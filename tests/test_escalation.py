@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import probe
 from probe import ProbeError
 from probe.analysis.escalations import escalation_links
+from probe.modes.stats.file_names import STATS_FILE
 from probe.rundir import layout
 from probe.tracer.dispatch_mode import ProbeDispatchMode
 from tests.hf_models import tiny_llama
@@ -98,7 +99,7 @@ def test_an_inf_at_step_3_traces_the_next_n_steps_and_only_those(tmp_path, caplo
     assert _traced_steps(run) == [4, 5]
     for step in run.steps:
         traced = step in (4, 5)
-        assert (layout.step_dir(tmp_path / "r", 0, step) / layout.STATS_FILE).exists() == traced
+        assert (layout.step_dir(tmp_path / "r", 0, step) / STATS_FILE).exists() == traced
         assert bool(run.monitor(step, 0))  # every step keeps its monitor data
         marker = run.step_info(step, 0).manifest.get("escalated")
         assert (marker is not None) == traced

@@ -234,11 +234,13 @@ def _string_constants(path: Path) -> set[str]:
 
 def test_a_modes_files_are_named_in_its_package_only() -> None:
     # Issue 34: a mode's reader declares its files (ModeFiles.file_names), and no module of rundir
-    # names one: rundir/layout.py holds the files every run has, not the monitor's or the checks'.
+    # names one: rundir/layout.py holds the files every run has, not the statistics', the dump's,
+    # the monitor's or the checks'.
     owned = {name: mode for mode, files in registered_mode_files().items() if files is not None
              for name in files.file_names}
-    assert {owned.get("monitor.csv"), owned.get("checks.jsonl"), owned.get("checksums.json")} == {
-        "monitor", "free_benchmark", "checksums"}
+    assert [owned.get(name) for name in ("monitor.csv", "checks.jsonl", "checksums.json", "stats.npy",
+                                         "stats_index.npy", "tensors.json", "calls.jsonl")] == [
+        "monitor", "free_benchmark", "checksums", "stats", "stats", "dump", "dump"]
     found = [f"{path.name} names {name!r}, a file of mode {owned[name]!r}"
              for path in sorted((ROOT / "probe" / "rundir").glob("*.py"))
              for name in sorted(_string_constants(path)) if name in owned]
@@ -265,7 +267,7 @@ def test_a_modes_records_are_defined_in_its_package() -> None:
     # a type of rundir/records.py; rundir reads the records every run has.
     readers = {mode: files.run_reader for mode, files in registered_mode_files().items()
                if files is not None and files.run_reader is not ModeReader}
-    assert {"monitor", "free_benchmark", "checksums"} <= set(readers)
+    assert {"monitor", "free_benchmark", "checksums", "stats", "dump"} <= set(readers)
     found = [f"{mode}: {reader.__name__}.{name} returns {cls.__module__}.{cls.__qualname__}"
              for mode, reader in sorted(readers.items()) for name in dir(reader)
              if not name.startswith("_") and name not in vars(ModeReader)

@@ -32,7 +32,8 @@ from probe.analysis.local_placements import local_placement
 from probe.analysis.matching import match_ops
 from probe.cli import main
 from probe.errors import ProbeError
-from probe.rundir.records import DumpedTensor, OpRecord, TensorRecord
+from probe.modes.dump.records import DumpedTensor
+from probe.rundir.records import OpRecord, TensorRecord
 
 WORKER = Path(__file__).parent / "distributed" / "tp_worker.py"
 JOB_TIMEOUT_S = 300

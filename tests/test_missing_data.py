@@ -27,6 +27,7 @@ from conftest import SharedBlockNet, train_steps
 import probe
 from probe import ProbeError, cli
 from probe.analysis.verdicts import NOT_COMPARED, PASS
+from probe.modes.dump.file_names import TENSOR_INDEX_FILE, tensors_dir
 from probe.rundir import layout
 from probe.vocabulary.op_class import creates_uninitialized
 
@@ -154,14 +155,14 @@ OFFSET_DAMAGE = {"all at 0 (overlapping)": (_all_at_0, "overlaps"),
 @pytest.mark.parametrize("kind", OFFSET_DAMAGE)
 def test_a_shard_whose_data_offsets_do_not_tile_it_is_refused_and_not_compared(runs, tmp_path, kind):
     damaged = _copy(runs[1], tmp_path / "b")
-    shard = layout.tensors_dir(damaged, 0, 0) / "shard-00000.safetensors"
+    shard = tensors_dir(damaged, 0, 0) / "shard-00000.safetensors"
     change, message = OFFSET_DAMAGE[kind]
     _rewrite_header(shard, change)
     with pytest.raises(Exception):  # noqa: B017 - safetensors' own error type differs by version
         safetensors.safe_open(str(shard), "pt")  # the refusal the probe makes too
 
     run = probe.load(damaged)
-    index = json.loads((layout.step_dir(damaged, 0, 0) / layout.TENSOR_INDEX_FILE).read_text())
+    index = json.loads((layout.step_dir(damaged, 0, 0) / TENSOR_INDEX_FILE).read_text())
     in_shard = {int(blob) for blob, (name, _) in index["blobs"].items() if name == shard.name}
     affected = [e for e in index["tensors"] if e["blob"] in in_shard and e["io"] == "output"]
     assert affected

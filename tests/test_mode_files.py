@@ -14,15 +14,18 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import SharedBlockNet, run_modes, train_steps
 
 import probe
 from probe import ProbeWarning
 from probe.analysis.summary import lost_steps, tails
 from probe.cli import main
 from probe.modes.base import SessionPlugin
+from probe.modes.dump.file_names import TENSOR_INDEX_FILE
 from probe.modes.free_benchmark.files import CHECKS_FILE
 from probe.modes.monitor.file_names import ANOMALIES_FILE, MONITOR_FILE
 from probe.modes.registry import MODES, register_mode
+from probe.modes.stats.file_names import STATS_FILE
 from probe.modes.stats.mode import StatsFiles
 from probe.rundir import layout
 from probe.rundir.mode_files import ModeFiles
@@ -128,7 +131,7 @@ def _full_once(monkeypatch, step: int, name: str) -> list[Path]:
 
 
 def test_a_step_the_writer_gave_up_is_listed_by_the_run_and_the_summary(tmp_path, monkeypatch, capsys):
-    refused = _full_once(monkeypatch, step=1, name=layout.STATS_FILE)
+    refused = _full_once(monkeypatch, step=1, name=STATS_FILE)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ProbeWarning)
         _train(probe.mode("stats", out=tmp_path / "r"), steps=3)
@@ -138,7 +141,7 @@ def test_a_step_the_writer_gave_up_is_listed_by_the_run_and_the_summary(tmp_path
     (failure,) = run.write_failures()
     assert (failure.rank, failure.step, failure.tail) == (0, 1, False)
     assert failure.errno == errno.ENOSPC and failure.error == os.strerror(errno.ENOSPC)
-    assert failure.file == f".step1.partial/{layout.STATS_FILE}" and failure.directory == ".step1.partial"
+    assert failure.file == f".step1.partial/{STATS_FILE}" and failure.directory == ".step1.partial"
     assert failure.ops == len(run.ops(0)) and failure.modes == ("stats",)
     assert run.write_failures(0) == [failure]
     # One line for the lost step, naming the file and the error; not a second "process died" line.
@@ -181,8 +184,8 @@ def test_the_run_reader_knows_no_mode_and_no_mode_imports_it():
     for path in (package / "rundir").glob("*.py"):
         assert not {m for m in _module_level_imports(path) if m.startswith("probe.modes")}, path.name
     reader = (package / "rundir" / "run.py").read_text()
-    for name in (layout.STATS_FILE, CHECKS_FILE, MONITOR_FILE, ANOMALIES_FILE,
-                 layout.TENSOR_INDEX_FILE, "STATS_FILE", "CHECKS_FILE", "MONITOR_FILE", "ANOMALIES_FILE",
+    for name in (STATS_FILE, CHECKS_FILE, MONITOR_FILE, ANOMALIES_FILE,
+                 TENSOR_INDEX_FILE, "STATS_FILE", "CHECKS_FILE", "MONITOR_FILE", "ANOMALIES_FILE",
                  "TENSOR_INDEX_FILE"):
         assert name not in reader, name
     for path in (package / "modes").rglob("*.py"):
@@ -191,8 +194,6 @@ def test_the_run_reader_knows_no_mode_and_no_mode_imports_it():
 
 def test_run_mode_reads_a_real_runs_monitor_records(tmp_path):
     # Issue 34: run.mode(name) is the mode's own reader over the run; run.monitor() is its alias.
-    from conftest import SharedBlockNet, train_steps
-
     torch.manual_seed(0)
     model = SharedBlockNet()
     options = {"targets": ["head"], "wg_distribution": True}  # the weight gradients' series too
@@ -212,3 +213,27 @@ def test_run_mode_reads_a_real_runs_monitor_records(tmp_path):
     assert run.mode("free_benchmark").checks() == run.checks() == []  # a mode the run did not use
     with pytest.raises(probe.ProbeError, match=r"no mode 'monitr' to read: the registered .*monitor"):
         run.mode("monitr")
+
+
+def test_run_mode_reads_a_real_runs_statistics_and_dump(tmp_path):
+    # Issue 34: the stats mode and the dump are read over the run by their own readers
+    # (run.mode(name), typed through the registry); the Run accessors are their aliases.
+    run_modes(tmp_path / "run", ["stats", "dump"])
+    run = probe.load(tmp_path / "run")
+    stats, dump = run.mode("stats"), run.mode("dump")
+    assert [type(reader).__module__ for reader in (stats, dump)] == ["probe.modes.stats.files",
+                                                                      "probe.modes.dump.files"]
+    op = next(o for o in run.ops(1) if o.phase == "forward" and o.outputs and o.outputs[0].dtype == "float32"
+              and o.outputs[0].numel > 1)
+    tensor = dump.tensor(op.id, "output", 0, step=1)
+    assert torch.equal(tensor, run.tensor(op.id, "output", 0, step=1))
+    recorded = op.outputs[0].stats  # taken by the stats mode, independently of the dump
+    assert (tensor.min().item(), tensor.max().item()) == (recorded["min"], recorded["max"])
+    assert dump.has_dump(1, 0) and dump.dump(1, 0).entries[(op.index, "output", 0)].status is None
+    rows_of, rows = stats.output_stats(1, 0)
+    alias_rows_of, alias_rows = run.output_stats(1, 0)
+    assert np.array_equal(rows_of, alias_rows_of) and np.array_equal(rows, alias_rows)
+    assert rows[list(rows_of).index(op.index)][1] == recorded["max"]
+    found = stats.nonfinite_parameters(1, 0)
+    assert (found.parameters, found.gradients) == (([], 0), ([], 0))
+    assert found == run.nonfinite_parameters(1, 0)

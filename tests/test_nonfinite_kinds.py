@@ -19,6 +19,7 @@ import torch
 from hf_models import tiny_qwen2
 
 import probe
+from probe.modes.stats.file_names import STATS_FILE
 from probe.rundir import layout
 from probe.rundir.records import NAN, NEGINF, POSINF
 
@@ -203,7 +204,7 @@ def test_qwen2_fp16_with_torch_softmax_has_no_fault_despite_its_minus_inf_mask(t
 
 def _as_version_2(run_dir) -> None:
     """Rewrite a run as format version 2 wrote it: ``stats.npy`` without posinf/neginf."""
-    for path in run_dir.rglob(layout.STATS_FILE):
+    for path in run_dir.rglob(STATS_FILE):
         np.save(path, np.load(path)[:, :6])
     for name in (layout.RUN_FILE, layout.MANIFEST_FILE):
         for path in run_dir.rglob(name):

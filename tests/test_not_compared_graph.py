@@ -18,6 +18,7 @@ from probe.demo.train import DemoTraining, train
 from probe.exporters.graph_export import export_graph, model_explorer_graphs
 from probe.exporters.graph_formats import COLOURS, finding_colour, read_graphml, read_json
 from probe.exporters.model_explorer import OVERLAYS, focus
+from probe.modes.dump.file_names import TENSOR_INDEX_FILE, tensors_dir
 from probe.rundir import layout
 
 DELETED = ("shard-00000.safetensors", "shard-00001.safetensors")
@@ -27,10 +28,10 @@ DELETED = ("shard-00000.safetensors", "shard-00001.safetensors")
 def _lose_shards(run: Path) -> set[int]:
     """Deletes ``DELETED`` from step 0 of ``run``; returns the indices of the ops with outputs in them."""
     step_dir = layout.step_dir(run, 0, 0)
-    index = json.loads((step_dir / layout.TENSOR_INDEX_FILE).read_text())
+    index = json.loads((step_dir / TENSOR_INDEX_FILE).read_text())
     in_deleted = {int(blob) for blob, (shard, _) in index["blobs"].items() if shard in DELETED}
     for shard in DELETED:
-        (layout.tensors_dir(run, 0, 0) / shard).unlink()
+        (tensors_dir(run, 0, 0) / shard).unlink()
     return {e["op"] for e in index["tensors"] if e["io"] == "output" and e["blob"] in in_deleted}
 
 

@@ -26,8 +26,10 @@ from probe.cli import main
 from probe.demo.train import DemoTraining, train
 from probe.exporters.compare_report import csv_safe
 from probe.exporters.console import LOG_WIDTH, make_console, render_step
+from probe.modes.dump.file_names import CALLS_FILE, TENSOR_INDEX_FILE, TENSORS_DIR, tensors_dir
 from probe.modes.free_benchmark.files import CHECKS_FILE
 from probe.modes.monitor.file_names import ANOMALIES_FILE, MONITOR_FILE
+from probe.modes.stats.file_names import STATS_FILE, STATS_INDEX_FILE
 from probe.rundir import layout
 from probe.rundir.records import first_nonfinite_in
 from probe.rundir.run import STEPS_KEPT
@@ -180,10 +182,10 @@ METADATA = [
     ("demo", f"rank0/step0/{layout.OPS_FILE}", DAMAGE, True),
     ("demo", f"rank0/step0/{layout.CALLSITES_FILE}", DAMAGE, False),
     ("demo", f"rank0/step0/{layout.MODULES_FILE}", DAMAGE, False),
-    ("demo", f"rank0/step0/{layout.TENSOR_INDEX_FILE}", DAMAGE, True),
-    ("demo", f"rank0/step0/{layout.CALLS_FILE}", DAMAGE, False),
-    ("demo", f"rank0/step0/{layout.STATS_FILE}", STATS_DAMAGE, True),
-    ("demo", f"rank0/step0/{layout.STATS_INDEX_FILE}", INDEX_DAMAGE, True),
+    ("demo", f"rank0/step0/{TENSOR_INDEX_FILE}", DAMAGE, True),
+    ("demo", f"rank0/step0/{CALLS_FILE}", DAMAGE, False),
+    ("demo", f"rank0/step0/{STATS_FILE}", STATS_DAMAGE, True),
+    ("demo", f"rank0/step0/{STATS_INDEX_FILE}", INDEX_DAMAGE, True),
     ("demo", f"rank0/{layout.RANK_FILE}", DAMAGE, False),
     ("checked", f"rank0/step0/{CHECKS_FILE}", DAMAGE, False),
     ("checked", f"rank0/step1/{ANOMALIES_FILE}", DAMAGE, False),
@@ -232,7 +234,7 @@ def test_damaged_metadata_is_a_probe_error_naming_the_file(runs, tmp_path, capsy
         pytest.skip(f"{kind} does not apply to {name}")
     _replace(path, data)
     try:
-        _read_everything(damaged, runs[run_name], replay=name.endswith(layout.CALLS_FILE))
+        _read_everything(damaged, runs[run_name], replay=name.endswith(CALLS_FILE))
         refused = None
     except ProbeError as e:  # any other exception type fails the test
         refused = str(e)
@@ -261,7 +263,7 @@ def test_damaged_metadata_is_a_probe_error_naming_the_file(runs, tmp_path, capsy
 def test_a_shard_header_length_of_2_62_and_a_cut_shard_are_not_compared(runs, tmp_path):
     for damage in ("header", "cut", "deleted"):
         damaged = _copy(runs["demo"], tmp_path / damage)
-        shard = next(layout.tensors_dir(damaged, 0, 0).glob("shard-*.safetensors"))
+        shard = next(tensors_dir(damaged, 0, 0).glob("shard-*.safetensors"))
         data = shard.read_bytes()
         if damage == "deleted":
             shard.unlink()
@@ -309,7 +311,7 @@ def test_a_mode_this_reader_does_not_know_is_read_with_a_warning(runs, tmp_path)
 def test_a_shard_name_outside_the_run_is_refused(runs, tmp_path):
     for label, shard in (("parent", "../../../../etc/passwd"), ("absolute", "/etc/passwd")):
         damaged = _copy(runs["demo"], tmp_path / label)
-        path = damaged / f"rank0/step0/{layout.TENSOR_INDEX_FILE}"
+        path = damaged / f"rank0/step0/{TENSOR_INDEX_FILE}"
         index = json.loads(path.read_text())
         index["blobs"] = {blob: [shard, name] for blob, (_, name) in index["blobs"].items()}
         _replace(path, json.dumps(index).encode())
@@ -335,7 +337,7 @@ def _different_dump_runs(root: Path) -> tuple[Path, Path]:
 
 def test_deleted_shards_are_not_compared_and_fail_the_check(tmp_path, capsys):
     a, b = _different_dump_runs(tmp_path)
-    shutil.rmtree(b / "rank0" / layout.TENSORS_DIR)
+    shutil.rmtree(b / "rank0" / TENSORS_DIR)
     report = probe.compare(a, b)
     verdicts = {row["verdict"] for row in report.rows}
     assert "not compared" in verdicts and report.counts["not compared"] > 100
@@ -364,7 +366,7 @@ def test_an_uncompared_producer_is_unknown_not_agreement(tmp_path):
         with probe.mode("dump", out=tmp_path / name):
             doubled = x * 2  # op #0: equal in both runs, but B's copy is lost below
             _ = doubled + w  # op #1: differs through w, which comes from outside the step
-    index_path = tmp_path / "b" / f"rank0/step0/{layout.TENSOR_INDEX_FILE}"
+    index_path = tmp_path / "b" / f"rank0/step0/{TENSOR_INDEX_FILE}"
     index = json.loads(index_path.read_text())
     for entry in index["tensors"]:
         if entry["op"] == 0 and entry["io"] == "output":

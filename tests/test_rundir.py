@@ -14,6 +14,7 @@ import torch
 import probe
 from probe import ProbeError
 from probe.modes.checksums.files import CHECKSUMS_FILE
+from probe.modes.stats.file_names import STATS_FILE, STATS_INDEX_FILE
 from probe.rundir import layout
 from tests.conftest import SharedBlockNet, train_steps
 
@@ -33,7 +34,7 @@ def test_layout_manifest_and_format_version(tmp_path):
     assert step.manifest["phases"]["backward"] > 0
     assert run.module_types(1)["block.fc"] == "Linear" and run.module_types(1)[""] == "SharedBlockNet"
     assert sorted(os.listdir(tmp_path / "r" / "rank0" / "step1")) == sorted(
-        [layout.MANIFEST_FILE, layout.OPS_FILE, layout.STATS_FILE, layout.STATS_INDEX_FILE,
+        [layout.MANIFEST_FILE, layout.OPS_FILE, STATS_FILE, STATS_INDEX_FILE,
          layout.MODULES_FILE, CHECKSUMS_FILE]  # checksums: with model= (docs/format.md)
     )
 

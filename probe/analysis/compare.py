@@ -45,6 +45,7 @@ from probe.analysis.layouts import LogicalRun, LogicalStep, layout_notes, logica
 from probe.analysis.matching import MICRO_BATCHES, Match, mapped_id, match_ops, rename_module
 from probe.analysis.metrics import stats_metrics, tensor_metrics
 from probe.analysis.micro_batches import MicroBatches, accumulation_end, micro_batches
+from probe.analysis.mode_records import StepDump
 from probe.analysis.module_graph import common_module
 from probe.analysis.overwrites import overwritten_inputs
 from probe.analysis.replay import recompute
@@ -80,7 +81,6 @@ from probe.analysis.verdicts import (
     worst,
 )
 from probe.errors import ProbeError
-from probe.rundir.mode_files import DumpReader
 from probe.rundir.run import OpRecord, Run, TensorRecord
 from probe.rundir.tensor_layouts import STRIDED, dense_values
 from probe.vocabulary.op_class import creates_uninitialized, draws_random
@@ -169,7 +169,7 @@ class _Side:
         # A loss scaler's gradients are compared with its scale divided out (precision.unscaled).
         self.ops, self.loss_scale, self._scaled = precision.unscaled(run.ops(step, rank))
         self.held = precision.held_precision(self.ops)
-        self.dump: DumpReader | None = run.dump(step, rank) if run.has_dump(step, rank) else None
+        self.dump: StepDump | None = run.dump(step, rank) if run.has_dump(step, rank) else None
 
     def __getstate__(self) -> dict[str, Any]:
         # A piece of work (compare_pieces) hands its sides back without the run and its open

@@ -3,7 +3,7 @@
 Folding (``probe.analysis.layouts``) says, for each tensor of a logical op, which op of each
 rank holds a part of it and how the parts make the whole: its placement on each mesh dim. A
 :class:`FoldedPiece` keeps that; :class:`LogicalDump` reads a folded step's tensors by it, as
-a step's dump is read (``DumpReader``: ``entries``, ``tensor``, ``call``), so what reads a dump
+a step's dump is read (``mode_records.StepDump``: ``entries``, ``tensor``, ``call``), so what reads a dump
 (compare's tensor metrics, the fp64 replay, ``run.tensor``) reads a folded run's too:
 
 - ``S(d)``: the parts concatenated along ``d`` in mesh order (the ranks' coordinates on that
@@ -32,9 +32,8 @@ from typing import Any
 import torch
 
 from probe.analysis.local_placements import shard_dim
+from probe.analysis.mode_records import StepDump
 from probe.errors import ProbeError
-from probe.rundir.mode_files import DumpReader
-from probe.rundir.records import DumpedTensor
 from probe.rundir.run import Run
 from probe.rundir.tensor_layouts import STRIDED
 
@@ -143,8 +142,25 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+@dataclass(frozen=True)
+class FoldedEntry:
+    """One logical tensor of a folded step's dump (a ``mode_records.DumpEntry``): its whole dtype,
+    shape and contiguous strides, and why it has no folded data (``status``), None when the ranks'
+    parts put it together."""
+
+    op: int
+    """The logical op's index."""
+    io: str
+    position: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    status: str | None
+    layout: str = STRIDED
+
+
 class LogicalDump:
-    """A folded step's dump (``DumpReader``): entries keyed by logical op index, tensors folded
+    """A folded step's dump (a ``mode_records.StepDump``): entries keyed by logical op index, tensors folded
     from the ranks' dumps, calls the lead rank's (their size arguments are its local sizes: an
     op whose arguments name sizes replays on whole tensors only where they do not matter, and
     its replay is otherwise refused by the shapes)."""
@@ -154,10 +170,10 @@ class LogicalDump:
                  lead: int) -> None:
         self.run, self.step, self.mesh_shape = run, step, mesh_shape
         self.pieces, self.origins, self.lead = pieces, origins, lead
-        self._dumps: dict[int, DumpReader] = {}
-        self._entries: dict[tuple[int, str, int], DumpedTensor] | None = None
+        self._dumps: dict[int, StepDump] = {}
+        self._entries: dict[tuple[int, str, int], FoldedEntry] | None = None
 
-    def _dump(self, rank: int) -> DumpReader:
+    def _dump(self, rank: int) -> StepDump:
         if rank not in self._dumps:
             self._dumps[rank] = self.run.dump(self.step, rank)
         return self._dumps[rank]
@@ -169,7 +185,7 @@ class LogicalDump:
         return all(self._dump(rank).complete for rank in ranks)
 
     @property
-    def entries(self) -> dict[tuple[int, str, int], DumpedTensor]:
+    def entries(self) -> dict[tuple[int, str, int], FoldedEntry]:
         """(logical op index, io, position) -> its entry; ``status`` says why a tensor has no
         folded data (a rank's part not dumped, a placement not known)."""
         if self._entries is None:
@@ -180,15 +196,15 @@ class LogicalDump:
                     self._entries[key] = entry
         return self._entries
 
-    def _entry(self, key: tuple[int, str, int], piece: FoldedPiece | str) -> DumpedTensor | None:
+    def _entry(self, key: tuple[int, str, int], piece: FoldedPiece | str) -> FoldedEntry | None:
         index, io, position = key
         if isinstance(piece, str):
             lead_entry = self._dump(self.lead).entries.get((self.origins.get(index, -1), io, position))
             if lead_entry is None:
                 return None
             status = lead_entry.status or f"{_NOT_DUMPABLE}: {piece}"
-            return DumpedTensor(index, io, position, lead_entry.dtype, lead_entry.shape, lead_entry.stride,
-                                None, 0, None, status)
+            return FoldedEntry(index, io, position, lead_entry.dtype, lead_entry.shape, lead_entry.stride,
+                               status)
         status = None
         for rank, op in piece.sources:
             found = self._dump(rank).entries.get((op, piece.io, piece.position))
@@ -203,8 +219,8 @@ class LogicalDump:
                 status = f"rank {rank}: stored as {found.layout}, which ranks' pieces are not folded from"
             if status is not None:
                 break
-        return DumpedTensor(index, io, position, piece.dtype, piece.shape, _contiguous_strides(piece.shape),
-                            None, 0, None, status)
+        return FoldedEntry(index, io, position, piece.dtype, piece.shape, _contiguous_strides(piece.shape),
+                           status)
 
     def describe(self, op: int, io: str, position: int) -> str:
         """How the logical tensor's data is put together, in words."""

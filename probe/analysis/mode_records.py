@@ -1,12 +1,18 @@
 """What analysis reads of the records a mode's reader returns. The records are the modes' own
 (``probe.modes.free_benchmark.records.CheckRecord``, ``probe.modes.monitor.records.MonitorRecord``
-and ``AnomalyRecord``, ``probe.modes.checksums.records.StepChecksums``); analysis may not import a
-mode, so it names the fields it reads here and gets the records through the run
-(``run.mode(name)``, ``run.checks()``, ``run.anomalies()``)."""
+and ``AnomalyRecord``, ``probe.modes.checksums.records.StepChecksums``,
+``probe.modes.stats.records.NonfiniteParameterRecord``, the dump's ``DumpIndex`` and its
+``probe.modes.dump.records.DumpedTensor``); analysis may not import a mode, so it names the fields
+it reads here and gets the records through the run (``run.mode(name)``, ``run.checks()``,
+``run.anomalies()``, ``run.dump()``, ``run.nonfinite_parameters()``)."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Check(Protocol):
@@ -80,3 +86,47 @@ class ChecksumsOfRun(Protocol):
     """The part of the checksums mode's run reader (``run.mode("checksums")``) analysis calls."""
 
     def checksums(self, step: int | None = None, rank: int | None = None) -> StepChecksums | None: ...
+
+
+class NonfiniteParameters(Protocol):
+    """The parameters and gradients one step found holding NaN or Inf (the stats mode's)."""
+
+    step: int
+    rank: int
+    parameters: tuple[list[str], int] | None
+    gradients: tuple[list[str], int] | None
+
+    def describe(self, names_shown: int = 5) -> list[str]: ...
+
+
+class DumpEntry(Protocol):
+    """One tensor of a step's dump index: ``status`` None when its bytes are on disk, else why not."""
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def stride(self) -> tuple[int, ...]: ...
+
+    @property
+    def status(self) -> str | None: ...
+
+    @property
+    def layout(self) -> str: ...
+
+
+class StepDump(Protocol):
+    """The dump of one step (``run.dump(step, rank)``), or a folded step's (``LogicalDump``)."""
+
+    @property
+    def complete(self) -> bool: ...
+
+    @property
+    def entries(self) -> Mapping[tuple[int, str, int], DumpEntry]: ...
+
+    def tensor(self, op: int, io: str, position: int) -> torch.Tensor: ...
+
+    def call(self, op: int) -> dict[str, Any]: ...

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from probe.analysis.metrics import scaled_error, tensor_metrics
+from probe.analysis.mode_records import StepDump
 from probe.analysis.replay_confinement import ReplayRefused, check_footprint, checked_budget, refusal
 from probe.devices import usable_device
 from probe.errors import ProbeError
 from probe.rundir.call_args import decode_args
-from probe.rundir.mode_files import DumpReader
 from probe.rundir.run import OpRecord, Run
 from probe.vocabulary.op_class import classify, draws_random, resolve_op
 from probe.vocabulary.op_tensors import results_of
@@ -184,7 +184,7 @@ _OP_FAILURES = (ProbeError, RuntimeError, TypeError, ValueError, IndexError, Key
                 NotImplementedError, OverflowError)
 
 
-def _why_not_replayable(dump: DumpReader | None, op: OpRecord) -> tuple[str | None, str]:
+def _why_not_replayable(dump: StepDump | None, op: OpRecord) -> tuple[str | None, str]:
     """(reason, detail) when ``op`` cannot be replayed from the dump; (None, "") when it can."""
     if dump is None:
         return "no dump", "the step has no dump"

@@ -14,12 +14,12 @@ import numpy as np
 import torch
 
 from probe.analysis.bookkeeping import model_outputs
-from probe.analysis.mode_records import Alert, Check
+from probe.analysis.mode_records import Alert, Check, NonfiniteParameters
 from probe.errors import ProbeError
 from probe.rewind.verdict import read_verdicts
 from probe.rundir import layout
 from probe.rundir.loss_scaler import ScalerStep, handled_by_scaler
-from probe.rundir.records import NonfiniteParameterRecord, TensorRecord, nonfinite_origins_in
+from probe.rundir.records import TensorRecord, nonfinite_origins_in
 from probe.rundir.run import OpRecord, Run
 from probe.rundir.step_section import StepSection
 from probe.rundir.untrusted_reads import expect, reading
@@ -50,7 +50,7 @@ class StepSummary:
     """Free-benchmark verdicts (empty without that mode)."""
     failed_checks: list[Check]
     """The failed checks, worst (largest deviation over its bound) first."""
-    nonfinite_parameters: NonfiniteParameterRecord | None = None
+    nonfinite_parameters: NonfiniteParameters | None = None
     """Parameters non-finite at the step's start, gradients before its optimizer step (stats mode)."""
     sections: dict[str, StepSection] = field(default_factory=dict)
     """Mode name -> what its reader says of the step (``probe.rundir.step_section``), for the

@@ -1,7 +1,7 @@
 """Where things live in a run directory: the files every run has. A mode's own files are named in
-its package (``probe.modes.monitor.file_names``, ``CHECKS_FILE`` and ``CHECKSUMS_FILE`` in the free
-benchmark's and the checksums' ``files``), which
-its reader declares (``ModeFiles.file_names``).
+its package (``probe.modes.stats.file_names``, ``probe.modes.dump.file_names``,
+``probe.modes.monitor.file_names``, ``CHECKS_FILE`` and ``CHECKSUMS_FILE`` in the free benchmark's
+and the checksums' ``files``), which its reader declares (``ModeFiles.file_names``).
 
 See docs/format.md for the full description; bump FORMAT_VERSION on any change
 a reader of an older version could misread.
@@ -26,17 +26,6 @@ MANIFEST_FILE = "manifest.json"
 OPS_FILE = "ops.jsonl"
 CALLSITES_FILE = "callsites.json"
 MODULES_FILE = "modules.json"
-STATS_FILE = "stats.npy"
-STATS_INDEX_FILE = "stats_index.npy"
-DISTRIBUTION_FILE = "distribution.npy"
-"""Stats mode, distribution=True: shares of zeros, underflow, near-overflow per stats row."""
-HISTOGRAM_FILE = "histogram.npy"
-"""Stats mode, histogram=True: (stats row, binary exponent, count) entries."""
-FP8_SCALES_FILE = "fp8_scales.jsonl"
-"""Stats mode: the scales fp8 ops were given, one object per op."""
-TENSOR_INDEX_FILE = "tensors.json"
-CALLS_FILE = "calls.jsonl"
-TENSORS_DIR = "tensors"
 LOCK_FILE = ".lock"
 """In each rank directory: the advisory lock of its one writer, naming the holder's host and pid."""
 WRITE_FAILURES_FILE = "write_failures.jsonl"
@@ -82,11 +71,6 @@ def rank_dir(out: Path, rank: int) -> Path:
 
 def step_dir(out: Path, rank: int, step: int) -> Path:
     return rank_dir(out, rank) / f"step{step}"
-
-
-def tensors_dir(out: Path, rank: int, step: int) -> Path:
-    """Where the dump's shards of one step go (written while the step runs)."""
-    return rank_dir(out, rank) / TENSORS_DIR / f"step{step}"
 
 
 def partial_step_dir(out: Path, rank: int, step: int) -> Path:

@@ -10,7 +10,8 @@ while decoding the step's op records. So the run reader knows no mode's files: a
 
 Over a whole run, a mode is read through ``run.mode(name)``: a :class:`ModeReader`, or the
 subclass the mode's step reader names as ``run_reader`` (the monitor's ``series()`` and
-``anomalies()``, the free benchmark's ``checks()``). A mode's file names and record types are its
+``anomalies()``, the free benchmark's ``checks()``, the stats mode's ``nonfinite_parameters()``,
+the dump's ``dump()`` and ``tensor()``). A mode's file names and record types are its
 own (its package); the reader declares the names as ``file_names``.
 
 A reader reads nothing when it is made (a step's readers are made whenever its ops are
@@ -24,18 +25,10 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
-from probe.rundir.records import (
-    DumpedTensor,
-    NonfiniteParameterRecord,
-    OpRecord,
-)
+from probe.rundir.records import OpRecord
 from probe.rundir.step_section import StepSection
-
-if TYPE_CHECKING:
-    import numpy as np
-    import torch
 
 
 @dataclass(frozen=True)
@@ -61,6 +54,13 @@ T = TypeVar("T")
 
 class RunSteps(Protocol):
     """What a :class:`ModeReader` asks of the run it reads (``probe.rundir.run.Run``)."""
+
+    path: Path
+    """The run directory."""
+
+    def resolve(self, step: int | None, rank: int | None) -> tuple[int, int]: ...
+
+    def op(self, op_id: str, step: int | None = None, rank: int | None = None) -> OpRecord: ...
 
     def mode_files(self, mode: str, step: int | None = None, rank: int | None = None) -> ModeFiles | None: ...
 
@@ -150,29 +150,3 @@ def registered_mode_files() -> dict[str, type[ModeFiles] | None]:
     ``import_module`` waits for it."""
     importlib.import_module(BUILTIN_MODES)
     return _READERS
-
-
-# -- what the run reader and the analyses call on the built-in modes' readers -------------
-
-
-class StatsReader(Protocol):
-    """The stats mode's files of a step."""
-
-    def nonfinite_parameters(self) -> NonfiniteParameterRecord: ...
-
-    def output_stats(self) -> tuple[np.ndarray, np.ndarray]: ...
-
-
-class DumpReader(Protocol):
-    """The dump of a step (``run.dump(step, rank)``)."""
-
-    @property
-    def complete(self) -> bool: ...
-
-    @property
-    def entries(self) -> dict[tuple[int, str, int], DumpedTensor]: ...
-
-    def tensor(self, op: int, io: str, position: int) -> torch.Tensor: ...
-
-    def call(self, op: int) -> dict[str, Any]: ...
-

@@ -1,6 +1,7 @@
 """The records every run holds, as ``probe.load`` returns them: ops, their tensors, step
 manifests, steps the writer gave up. A mode's own records (the monitor's series, the free
-benchmark's checks) live in its package, beside the reader that makes them.
+benchmark's checks, the stats mode's non-finite parameters, the dump's index entries) live in its
+package, beside the reader that makes them.
 
 Plain data with no reading logic, so the reader, the op graph and every analysis
 share them without depending on one another.
@@ -183,31 +184,6 @@ class WriteFailure:
         where = f"{self.file}: " if self.file else ""
         return (f"{what} rank {self.rank}: lost, not written ({where}{self.error}); {self.ops} ops"
                 + (f", modes {', '.join(self.modes)}" if self.modes else ""))
-
-
-@dataclass(slots=True)
-class NonfiniteParameterRecord:
-    """The parameters that held NaN or Inf when a step started, and the gradients that did
-    before its optimizer step, by name (``run.nonfinite_parameters()``; stats mode)."""
-
-    step: int
-    rank: int
-    parameters: tuple[list[str], int] | None
-    """(names, how many): names kept up to 100, the count exact; None when not checked (no
-    ``model=`` given to the session)."""
-    gradients: tuple[list[str], int] | None
-    """(names, how many) of the gradients about to be applied; None when no optimizer stepped."""
-
-    def describe(self, names_shown: int = 5) -> list[str]:
-        """One line per non-empty finding, naming the first ``names_shown``."""
-        lines = []
-        for (found, what) in ((self.parameters, "parameters non-finite at the step's start"),
-                              (self.gradients, "gradients non-finite before the optimizer step")):
-            if found is not None and found[1]:
-                count, names = found[1], found[0][:names_shown]
-                more = f" ... {count - len(names)} more" if count > len(names) else ""
-                lines.append(f"{what}: {count} ({', '.join(names)}{more})")
-        return lines
 
 
 @dataclass
@@ -395,45 +371,3 @@ def first_nonfinite_in(ops: list[OpRecord]) -> OpRecord | None:
 
 
 # -- what the modes' readers return (their files are theirs; the records are shared) --
-
-
-@dataclass(frozen=True)
-class DumpedTensor:
-    """One entry of a step's dump index."""
-
-    op: int
-    io: str
-    position: int
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    blob: int | None
-    offset: int
-    checksum: int | None
-    status: str | None
-    """None when the bytes are on disk; otherwise why not (skipped, lost, not dumpable)."""
-    conj: bool = False
-    neg: bool = False
-    """A conjugate / negative view: its values are its bytes conjugated / negated (dump mode)."""
-    layout: str = "strided"
-    """How it is stored: ``"strided"``, the view above of one blob; otherwise a layout of
-    ``probe.rundir.tensor_layouts`` (``"sparse_csr"``, ``"nested"``, ...) stored as :attr:`parts`
-    (its ``stride`` is then ``()``)."""
-    parts: dict[str, DumpedPart] = field(default_factory=dict)
-    """Name -> the strided tensor it is stored as (``tensor_layouts`` names them)."""
-    params: dict[str, Any] = field(default_factory=dict)
-    """The numbers of its layout beside its parts (a scale, an axis; ``tensor_layouts``)."""
-
-
-@dataclass(frozen=True)
-class DumpedPart:
-    """One strided part of a dumped tensor stored in parts: a view of its blob's bytes."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    blob: int | None
-    """None for an empty part."""
-    offset: int
-    conj: bool = False
-    neg: bool = False

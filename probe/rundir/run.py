@@ -11,7 +11,8 @@ reader attaches statistics to the op records (an input that was produced by a tr
 op in the same step shares that op's output statistics even when input statistics
 were not collected), free_benchmark's reads the checks, monitor's the series and
 alerts, dump's the dump index. ``run.mode(name)`` reads one mode over the whole run (the mode's
-``run_reader``); ``checks``, ``monitor`` and ``anomalies`` are aliases of it. A step listing a mode
+``run_reader``); ``checks``, ``monitor``, ``anomalies``, ``nonfinite_parameters``,
+``output_stats``, ``has_dump``, ``dump`` and ``tensor`` are aliases of it. A step listing a mode
 the registry does not know is read without that mode's files, with one warning.
 
 Every file is read through :mod:`probe.rundir.untrusted_reads`: damage to a run's metadata
@@ -47,10 +48,8 @@ from probe.rundir.loss_scaler import (
     scaler_step_monitored,
 )
 from probe.rundir.mode_files import (  # the modes sit above: their readers are found in a registry
-    DumpReader,
     ModeFiles,
     ModeReader,
-    StatsReader,
     StepFiles,
     registered_mode_files,
 )
@@ -60,7 +59,6 @@ from probe.rundir.op_record_json import decode as decode_op_record
 from probe.rundir.op_record_json import layout_record as encode_layout
 from probe.rundir.rank_origin import RankOrigin, rank_origin
 from probe.rundir.records import (
-    NonfiniteParameterRecord,
     OpRecord,
     StepInfo,
     TensorRecord,
@@ -453,28 +451,20 @@ class Run:
         return types
 
     def has_dump(self, step: int | None = None, rank: int | None = None) -> bool:
-        """Whether the step holds a dump (dump mode)."""
-        return self.mode_files("dump", step, rank) is not None
+        """Whether the step holds a dump: ``run.mode("dump").has_dump(step, rank)``."""
+        return cast("Any", self.mode("dump")).has_dump(step, rank)
 
-    def dump(self, step: int | None = None, rank: int | None = None) -> DumpReader:
-        """The dump index of one step (dump mode)."""
-        place = _Place(*self.resolve(step, rank))
-        index = cast("DumpReader | None", self._mode_files(place, "dump"))
-        if index is None:
-            raise ProbeError(f"step {place.step} of rank {place.rank} has no dump (its manifest lists no "
-                             f"dump: {str(place.directory(self.path) / layout.MANIFEST_FILE)!r})")
-        index.complete  # noqa: B018  (read the index now: its damage is this call's error)
-        return index
+    def dump(self, step: int | None = None, rank: int | None = None) -> Any:
+        """The dump index of one step (``DumpIndex``): ``run.mode("dump").dump(step, rank)``."""
+        return cast("Any", self.mode("dump")).dump(step, rank)
 
     def tensor(
         self, op_id: str, io: str = "output", index: int = 0,
         step: int | None = None, rank: int | None = None,
     ) -> torch.Tensor:
-        """A dumped tensor, memory-mapped: ``io`` is "input" or "output", ``index`` its position."""
-        if io not in ("input", "output"):
-            raise ProbeError(f"io must be 'input' or 'output', got {io!r}")
-        op = self.op(op_id, step, rank)
-        return self.dump(op.step, op.rank).tensor(op.index, io, index)
+        """A dumped tensor, memory-mapped: ``io`` is "input" or "output", ``index`` its position
+        (``run.mode("dump").tensor(...)``)."""
+        return cast("Any", self.mode("dump")).tensor(op_id, io, index, step, rank)
 
     def first_nonfinite(self, step: int | None = None, rank: int | None = None,
                         handled: bool = False) -> OpRecord | None:
@@ -563,12 +553,11 @@ class Run:
         is :meth:`first_nonfinite` of the step)."""
         return nonfinite_origins_in(self.ops(step, rank))
 
-    def nonfinite_parameters(self, step: int | None = None, rank: int | None = None
-                             ) -> NonfiniteParameterRecord | None:
+    def nonfinite_parameters(self, step: int | None = None, rank: int | None = None) -> Any:
         """The parameters that held NaN or Inf at the step's start and the gradients that did
-        before its optimizer step, by name (stats mode with ``model=``); None without statistics."""
-        files = cast("StatsReader | None", self.mode_files("stats", step, rank))
-        return None if files is None else files.nonfinite_parameters()
+        before its optimizer step, by name (stats mode with ``model=``; ``NonfiniteParameterRecord``),
+        or None without statistics: ``run.mode("stats").nonfinite_parameters(step, rank)``."""
+        return cast("Any", self.mode("stats")).nonfinite_parameters(step, rank)
 
     # -- loading -------------------------------------------------------------------
 
@@ -710,10 +699,9 @@ class Run:
     def output_stats(self, step: int | None = None, rank: int | None = None
                      ) -> tuple[np.ndarray, np.ndarray] | None:
         """The stats mode's rows of one step's op outputs, without decoding the op records:
-        ``(op index per row, rows)``, rows of min, max, mean, norm, nan, inf (an empty tensor's
-        min, max and mean are NaN). None when the step has no statistics."""
-        files = cast("StatsReader | None", self.mode_files("stats", step, rank))
-        return None if files is None else files.output_stats()
+        ``(op index per row, rows)``, or None when the step has no statistics
+        (``run.mode("stats").output_stats(step, rank)``)."""
+        return cast("Any", self.mode("stats")).output_stats(step, rank)
 
 
 @contextmanager

@@ -1,20 +1,22 @@
 """The dump of one step, read back: the index of dumped tensors, the shards they lie in, and the
-calls that made them (the reader half of the mode; ``mode.py`` is the writer)."""
+calls that made them (the reader half of the mode; ``mode.py`` is the writer); over a run,
+``run.mode("dump")`` (:class:`DumpReader`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from probe.errors import ProbeError
+from probe.modes.dump.file_names import CALLS_FILE, FILE_NAMES, TENSOR_INDEX_FILE, tensors_dir
 from probe.modes.dump.index_tables import BlobTable, EntryTable
+from probe.modes.dump.records import DumpedPart, DumpedTensor
 from probe.rundir import layout
-from probe.rundir.mode_files import ModeFiles
-from probe.rundir.records import DumpedPart, DumpedTensor
+from probe.rundir.mode_files import ModeFiles, ModeReader
 from probe.rundir.shards import map_blob, read_header
 from probe.rundir.streamed_json import read_object_streamed
 from probe.rundir.tensor_layouts import STRIDED, join
@@ -81,6 +83,35 @@ def _add_blob(blobs: BlobTable, pair: tuple[str, Any]) -> None:
     blobs.add(int(key), shard, expect(name, str, "a blob name"))
 
 
+class DumpReader(ModeReader):
+    """The dump over a run (``run.mode("dump")``): each step's :class:`DumpIndex`, and a dumped
+    tensor by its op's id."""
+
+    def has_dump(self, step: int | None = None, rank: int | None = None) -> bool:
+        """Whether the step holds a dump (its manifest lists the dump mode)."""
+        return self.files(step, rank) is not None
+
+    def dump(self, step: int | None = None, rank: int | None = None) -> DumpIndex:
+        """The dump index of one step (default: the first step, rank 0), read now: its damage is
+        this call's :class:`ProbeError`, as is a step without a dump."""
+        step, rank = self.run.resolve(step, rank)
+        index = cast("DumpIndex | None", self.files(step, rank))
+        if index is None:
+            manifest = layout.step_dir(self.run.path, rank, step) / layout.MANIFEST_FILE
+            raise ProbeError(f"step {step} of rank {rank} has no dump (its manifest lists no "
+                             f"dump: {str(manifest)!r})")
+        index.complete  # noqa: B018  (read the index now: its damage is this call's error)
+        return index
+
+    def tensor(self, op_id: str, io: str = "output", index: int = 0,
+               step: int | None = None, rank: int | None = None) -> torch.Tensor:
+        """A dumped tensor, memory-mapped: ``io`` is "input" or "output", ``index`` its position."""
+        if io not in ("input", "output"):
+            raise ProbeError(f"io must be 'input' or 'output', got {io!r}")
+        op = self.run.op(op_id, step, rank)
+        return self.dump(op.step, op.rank).tensor(op.index, io, index)
+
+
 class DumpIndex(ModeFiles):
     """The dump of one (step, rank), as :class:`DumpStep` wrote it: ``tensors.json`` lists every
     dumped tensor with its blob, byte offset, dtype, shape and stride; blobs live in safetensors
@@ -93,6 +124,9 @@ class DumpIndex(ModeFiles):
     disagrees with its op's record (dtype, shape, or an extent past its blob), is a
     ``ProbeError`` from :meth:`tensor` only, so the rest of the step stays usable.
     """
+
+    file_names = FILE_NAMES
+    run_reader = DumpReader
 
     @property
     def complete(self) -> bool:
@@ -109,7 +143,7 @@ class DumpIndex(ModeFiles):
 
     @cached_property
     def _index_path(self) -> Path:
-        return self.where.directory / layout.TENSOR_INDEX_FILE
+        return self.where.directory / TENSOR_INDEX_FILE
 
     @cached_property
     def _index(self) -> tuple[bool, BlobTable, EntryTable]:
@@ -137,7 +171,7 @@ class DumpIndex(ModeFiles):
 
     @cached_property
     def _calls(self) -> dict[int, dict[str, Any]]:
-        path = self.where.directory / layout.CALLS_FILE
+        path = self.where.directory / CALLS_FILE
         if not path.exists():
             raise ProbeError(f"cannot read {str(path)!r}: the file is missing")
         rows = read_jsonl(path, run=self.where.run)
@@ -179,7 +213,7 @@ class DumpIndex(ModeFiles):
         shard, name = blobs[entry.blob]
         with reading(self._index_path):
             shard = plain_name(shard, f"the shard of blob {entry.blob}")
-        path = layout.tensors_dir(self.where.run, self.where.rank, self.where.step) / shard
+        path = tensors_dir(self.where.run, self.where.rank, self.where.step) / shard
         with reading(path):
             if shard not in self._headers:
                 self._headers[shard] = read_header(path, self.where.run)
@@ -219,5 +253,5 @@ class DumpIndex(ModeFiles):
         """The recorded ``{"args": ..., "kwargs": ...}`` of op #``op``."""
         if op not in self._calls:
             raise ProbeError(f"op #{op} has no recorded call in "
-                             f"{str(self.where.directory / layout.CALLS_FILE)!r}")
+                             f"{str(self.where.directory / CALLS_FILE)!r}")
         return self._calls[op]

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from probe.rundir.records import DumpedTensor
+from probe.modes.dump.records import DumpedTensor
 
 _IO = ("input", "output")
 _CONJ, _NEG, _NO_BLOB = 1, 2, 4

@@ -40,10 +40,10 @@ import torch
 
 from probe.errors import ProbeError
 from probe.modes.base import Mode
+from probe.modes.dump.file_names import CALLS_FILE, TENSOR_INDEX_FILE, tensors_dir
 from probe.modes.dump.files import DumpIndex
 from probe.modes.dump.options import Dump
 from probe.modes.registry import register_mode
-from probe.rundir import layout
 from probe.rundir.call_args import encode_args
 from probe.rundir.shards import ShardWriter, StepShards
 from probe.rundir.tensor_layouts import InParts, split
@@ -187,7 +187,7 @@ class DumpMode(Mode):
 
     def start(self, out: Path, rank: int) -> None:
         self._writer = ShardWriter(
-            lambda step: layout.tensors_dir(out, rank, step),
+            lambda step: tensors_dir(out, rank, step),
             self.shard_size,
             self.memory_budget,
             self.on_budget,
@@ -422,7 +422,7 @@ class DumpStep:
             tensors.append(entry)
         complete = not written.lost
         writer.write_json(
-            layout.TENSOR_INDEX_FILE,
+            TENSOR_INDEX_FILE,
             {
                 "complete": complete,
                 "shards": written.shards,
@@ -430,7 +430,7 @@ class DumpStep:
                 "tensors": tensors,
             },
         )
-        writer.write_jsonl(layout.CALLS_FILE, ({"i": i, **enc} for i, enc in self.calls))
+        writer.write_jsonl(CALLS_FILE, ({"i": i, **enc} for i, enc in self.calls))
         if written.lost and self.on_error == "raise":
             first = next(iter(written.lost.values()))
             raise ProbeError(f"dump: {len(written.lost)} tensor blobs could not be written ({first})")

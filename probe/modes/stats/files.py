@@ -1,18 +1,22 @@
 """The stats mode's files of one step, read back: ``stats.npy`` and ``stats_index.npy``, attached to
-the step's op records (the reader half of the mode; ``mode.py`` is the writer)."""
+the step's op records (the reader half of the mode; ``mode.py`` is the writer); over a run,
+``run.mode("stats")`` (:class:`StatsReader`)."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import cast
 
 import numpy as np
 
-import probe.modes.statistics.distribution as distribution_files
+import probe.modes.stats.distribution_files as distribution_files
 import probe.modes.stats.fp8_scales as fp8_files
 from probe.modes.statistics.columns import COUNTS, STATS_FILE_COLUMNS
+from probe.modes.stats.file_names import FILE_NAMES, STATS_FILE, STATS_INDEX_FILE
+from probe.modes.stats.records import NonfiniteParameterRecord
 from probe.rundir import layout
-from probe.rundir.mode_files import ModeFiles
-from probe.rundir.records import NonfiniteParameterRecord, OpRecord
+from probe.rundir.mode_files import ModeFiles, ModeReader
+from probe.rundir.records import OpRecord
 from probe.rundir.untrusted_reads import expect, read_npy, reading
 
 INPUT, OUTPUT = 0, 1
@@ -41,9 +45,32 @@ def _row_stats(values: list[float]) -> dict[str, float | int | None]:
             for name, value in zip(STAT_NAMES, values, strict=True)}
 
 
+class StatsReader(ModeReader):
+    """The stats mode over a run (``run.mode("stats")``): what it found of one step beyond the
+    statistics it attaches to the op records (``run.ops()``)."""
+
+    def nonfinite_parameters(self, step: int | None = None, rank: int | None = None
+                             ) -> NonfiniteParameterRecord | None:
+        """The parameters that held NaN or Inf at the step's start and the gradients that did
+        before its optimizer step, by name (with ``model=``); None when the step has no statistics."""
+        files = cast("StatsFiles | None", self.files(step, rank))
+        return None if files is None else files.nonfinite_parameters()
+
+    def output_stats(self, step: int | None = None, rank: int | None = None
+                     ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The rows of one step's op outputs, without decoding the op records: ``(op index per row,
+        rows)``, rows of min, max, mean, norm, nan, inf (an empty tensor's min, max and mean are
+        NaN). None when the step has no statistics."""
+        files = cast("StatsFiles | None", self.files(step, rank))
+        return None if files is None else files.output_stats()
+
+
 class StatsFiles(ModeFiles):
     """``stats.npy`` (rows of :data:`STAT_NAMES`) and ``stats_index.npy`` (rows of op index,
     INPUT/OUTPUT, position, stats row) of one step, read back and attached to its op records."""
+
+    file_names = FILE_NAMES
+    run_reader = StatsReader
 
     _arrays: tuple[np.ndarray, np.ndarray] | None = None
     _by_op: np.ndarray | None = None
@@ -57,8 +84,8 @@ class StatsFiles(ModeFiles):
         return self._arrays
 
     def _read(self) -> tuple[np.ndarray, np.ndarray]:
-        stats_path = self.where.directory / layout.STATS_FILE
-        index_path = self.where.directory / layout.STATS_INDEX_FILE
+        stats_path = self.where.directory / STATS_FILE
+        index_path = self.where.directory / STATS_INDEX_FILE
         op_count = self.where.op_count()
         stats = read_npy(stats_path, run=self.where.run)
         with reading(stats_path):
@@ -74,7 +101,7 @@ class StatsFiles(ModeFiles):
             if index.size and (index.min() < 0 or index[:, 0].max() >= op_count or index[:, 1].max() > 1
                                or index[:, 3].max() >= len(stats)):
                 raise ValueError(f"the index points past the {op_count} ops of {layout.OPS_FILE} or the "
-                                 f"{len(stats)} rows of {layout.STATS_FILE}")
+                                 f"{len(stats)} rows of {STATS_FILE}")
         return stats, index
 
     def _rows_of(self, ops: Collection[int]) -> np.ndarray:
@@ -117,7 +144,7 @@ class StatsFiles(ModeFiles):
         stats, index = self.arrays()
         if len(records) < self.where.op_count():
             index = index[self._rows_of(records)]
-        with reading(self.where.directory / layout.STATS_INDEX_FILE):
+        with reading(self.where.directory / STATS_INDEX_FILE):
             rows: dict[int, dict[str, float | int | None]] = {}  # a row shared by tensors is one dict
             for op_index, io, position, row in index.tolist():
                 record = records.get(op_index)

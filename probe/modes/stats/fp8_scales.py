@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from probe.modes.stats.file_names import FP8_SCALES_FILE
+
 FP8_DTYPES = frozenset(getattr(torch, name) for name in (
     "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
     if hasattr(torch, name))
@@ -101,22 +103,19 @@ def scales_json(entries: list[tuple[int, str, tuple[int, ...], torch.Tensor]]) -
 
 def write_file(writer: Any, entries: list[tuple[int, str, tuple[int, ...], torch.Tensor]]) -> dict[str, Any]:
     """Write ``fp8_scales.jsonl`` when the step recorded scales; the manifest summary's entry."""
-    from probe.rundir import layout
-
     if not entries:
         return {}
     rows = scales_json(entries)
-    writer.write_jsonl(layout.FP8_SCALES_FILE, rows)
+    writer.write_jsonl(FP8_SCALES_FILE, rows)
     return {"fp8_scaled_ops": len(rows)}
 
 
 def attach_file(directory: Any, records: dict[int, Any], run: Any = None) -> None:
     """Set ``OpRecord.fp8_scales`` of the ops a step's ``fp8_scales.jsonl`` names (others keep None);
     ``run``: the run directory, which the file must lie in."""
-    from probe.rundir import layout
     from probe.rundir.untrusted_reads import expect, read_jsonl, reading
 
-    path = directory / layout.FP8_SCALES_FILE
+    path = directory / FP8_SCALES_FILE
     for row in read_jsonl(path, run=run):
         with reading(path):
             op_index = expect(row.get("i"), int, "i")

@@ -21,17 +21,18 @@ from typing import Any
 import numpy as np
 import torch
 
-import probe.modes.statistics.distribution as distribution_files
+import probe.modes.statistics.distribution as distribution_rows
+import probe.modes.stats.distribution_files as distribution_files
 import probe.modes.stats.fp8_scales as fp8_files
 from probe.modes.base import Mode
 from probe.modes.registry import register_mode
 from probe.modes.statistics.capture import PendingRows, StepRows
 from probe.modes.statistics.finalize import finalize, whole
 from probe.modes.statistics.reduce import TensorStats
+from probe.modes.stats.file_names import STATS_FILE, STATS_INDEX_FILE
 from probe.modes.stats.files import INPUT, OUTPUT, STAT_NAMES, StatsFiles
 from probe.modes.stats.nonfinite_params import NonfiniteParameters, NonfiniteParametersStep
 from probe.modes.stats.options import Stats
-from probe.rundir import layout
 from probe.rundir.writer import StepWriter
 from probe.tracer.op_call import OpCall
 
@@ -85,7 +86,7 @@ class StatsMode(Mode):
     def __init__(self, config: Stats) -> None:
         super().__init__(config)
         # Opt-in: a few more reductions per recorded tensor (docs/stats.md, "Distribution").
-        self._distribution = (distribution_files.DistributionRows(config.histogram)
+        self._distribution = (distribution_rows.DistributionRows(config.histogram)
                               if config.distribution or config.histogram else None)
         self._fp8 = fp8_files.Fp8Scales()
         self.inputs = config.inputs
@@ -252,7 +253,7 @@ class StatsMode(Mode):
 class StatsStep:
     """One step's statistics: rows still on their devices, and which tensor uses which row."""
 
-    distribution: distribution_files.PendingDistribution | None = None
+    distribution: distribution_rows.PendingDistribution | None = None
     fp8_scales: Any = ()  # each step sets its own list
 
     def __init__(self, rows: PendingRows, index: list[tuple[int, int, int, int]],
@@ -265,8 +266,8 @@ class StatsStep:
         lost = self.rows.lost()
         if lost:  # tensors without statistics are left out of the index: not measured
             index = index[~np.isin(index[:, 3], lost)]
-        writer.write_array(layout.STATS_FILE, stats)
-        writer.write_array(layout.STATS_INDEX_FILE, index)
+        writer.write_array(STATS_FILE, stats)
+        writer.write_array(STATS_INDEX_FILE, index)
         nonfinite = int(np.count_nonzero((stats[:, 4] + stats[:, 5]) > 0))
         summary = {"rows": len(stats), "tensors": len(index), "nonfinite_rows": nonfinite,
                    "nonfinite_parameters": self.parameters.summary()}
