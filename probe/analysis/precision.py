@@ -684,8 +684,9 @@ def condition(op: OpRecord) -> float:
     if short in _SUMS:
         return _sum_condition(op.inputs[0], op.outputs[0], mean=short == "mean")
     if short in _ADDS:
-        rms = [r for t in op.inputs if (r := _rms(t)) is not None]
-        return sum(rms) / out_rms if rms and out_rms else 1.0
+        # A mask's -inf terms make the norms infinite: they say nothing of cancellation (inf / inf).
+        rms = [r for t in op.inputs if (r := _rms(t)) is not None and math.isfinite(r)]
+        return sum(rms) / out_rms if rms and out_rms and math.isfinite(out_rms) else 1.0
     if short in _NORMS and len(op.outputs) >= 3:
         # The normalised output through x - mean(x); the row means themselves, a sum's.
         means = _sum_condition(op.inputs[0], op.outputs[1], mean=True)
