@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -94,16 +95,29 @@ def train_steps(model: nn.Module, steps: int, session=None, seed: int = 0, optim
     return losses, grads
 
 
+def train_in(session, steps: int = 2, model: nn.Module | None = None, seed: int = 0, tail: bool = False):
+    """``steps`` training steps (:func:`train_steps`) of ``model`` (None: a fresh SharedBlockNet made
+    after ``torch.manual_seed(seed)``) inside ``session``, entered and ended here (None: without a
+    probe). ``tail``: then ``randn(3).exp().sum().item()`` after the last ``step()``, the run's tail.
+    Returns ``(losses, last gradients, parameters after)``."""
+    if model is None:
+        torch.manual_seed(seed)
+        model = SharedBlockNet()
+    with session if session is not None else contextlib.nullcontext():
+        losses, grads = train_steps(model, steps, session=session)
+        if tail:
+            torch.randn(3).exp().sum().item()
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def run_modes(out, modes, steps: int = 2, seed: int = 0, tail: bool = False, **options) -> probe.Session:
-    """``steps`` training steps (:func:`train_steps`) of a fresh SharedBlockNet under
+    """``steps`` training steps (:func:`train_in`) of a fresh SharedBlockNet under
     ``probe.mode(modes, out=out, model=model, **options)``; the session, ended. ``tail``: then
     ``randn(3).exp().sum().item()`` after the last ``step()``, the run's tail."""
     torch.manual_seed(seed)
     model = SharedBlockNet()
-    with probe.mode(modes, out=out, model=model, **options) as session:
-        train_steps(model, steps, session=session)
-        if tail:
-            torch.randn(3).exp().sum().item()
+    session = probe.mode(modes, out=out, model=model, **options)
+    train_in(session, steps, model=model, tail=tail)
     return session
 
 

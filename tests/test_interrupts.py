@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from conftest import SharedBlockNet, train_steps
+from conftest import run_modes
 
 import probe
 from probe import cli
@@ -41,16 +40,8 @@ MODE_CLASSES = {"stats": StatsMode, "dump": DumpMode, "structure": StructureMode
                 "free_benchmark": FreeBenchmarkMode}
 
 
-def _session(mode: str, out: Path, model: torch.nn.Module, async_flush: bool) -> probe.Session:
-    options: dict[str, Any] = {"targets": ["block", "head"]} if mode == "monitor" else {}
-    return probe.mode(mode, out=out, model=model, async_flush=async_flush, **options)
-
-
-def _train(mode: str, out: Path, async_flush: bool) -> None:
-    torch.manual_seed(0)
-    model = SharedBlockNet()
-    with _session(mode, out, model, async_flush) as session:
-        train_steps(model, STEPS, session=session)
+def _options(mode: str) -> dict[str, Any]:
+    return {"targets": ["block", "head"]} if mode == "monitor" else {}
 
 
 def _current_step() -> int | None:
@@ -134,7 +125,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
     def reference(mode: str) -> Path:
         if mode not in made:
             made[mode] = tmp_path_factory.mktemp("reference") / mode
-            _train(mode, made[mode], async_flush=True)
+            run_modes(made[mode], mode, STEPS, async_flush=True, **_options(mode))
         return made[mode]
 
     return reference
@@ -167,7 +158,7 @@ def test_an_interrupt_leaves_every_step_readable(tmp_path, monkeypatch, capsys, 
     fired = _inject(monkeypatch, stage, stage.owner(mode))
     out = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
-        _train(mode, out, async_flush)
+        run_modes(out, mode, STEPS, async_flush=async_flush, **_options(mode))
     assert fired, f"the interrupt never landed in {stage.name}"
     monkeypatch.undo()
 

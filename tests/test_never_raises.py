@@ -262,22 +262,14 @@ def warnings_as_errors():
         yield
 
 
-def _train(model: nn.Module, session: probe.Session, steps: int) -> None:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(steps):
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        session.step()
-
-
 def _probe_log(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "probe"]
 
 
 def test_a_filter_matching_nothing_is_logged_not_raised_from_step(tmp_path, warnings_as_errors, caplog):
     with probe.mode("stats", out=tmp_path / "run", ops=["no_such_op"]) as session:
-        _train(nn.Linear(8, 8), session, 2)  # session.step() used to raise the ProbeWarning
+        # session.step() used to raise the ProbeWarning
+        train_steps(nn.Linear(8, 8), 2, session=session, optimizer="sgd")
     said = [m for m in _probe_log(caplog) if "selected none of the" in m]
     assert len(said) == 1 and "logged, not raised" in said[0], _probe_log(caplog)
 
@@ -286,7 +278,7 @@ def test_steps_never_reached_are_logged_not_raised_from_the_block_where_filters_
     def run(name: str) -> None:
         errors._warned.clear()
         with probe.mode("stats", out=tmp_path / name, steps=[100]) as session:
-            _train(nn.Linear(8, 8), session, 1)
+            train_steps(nn.Linear(8, 8), 1, session=session, optimizer="sgd")
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -334,7 +326,7 @@ def test_a_compiled_model_trains_under_stats_with_warnings_as_errors(tmp_path, w
     compiled = torch.compile(model, backend="eager")
     filters = list(warnings.filters)
     with probe.mode("stats", out=tmp_path / "run") as session:
-        _train(compiled, session, 2)
+        train_steps(compiled, 2, session=session, optimizer="sgd")
     assert warnings.filters == filters  # the probe's filter for that warning left with its hooks
     run = probe.load(tmp_path / "run")
     assert run.steps == [0, 1]

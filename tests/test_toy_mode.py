@@ -12,8 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-import torch
-from conftest import SharedBlockNet, train_steps
+from conftest import train_in
 from test_layers import imports_of, probe_modules
 
 import probe
@@ -43,14 +42,8 @@ def toy() -> Iterator[ModuleType]:
         del sys.modules[name]
 
 
-def _train(session: probe.Session, steps: int) -> None:
-    torch.manual_seed(0)
-    with session:
-        train_steps(SharedBlockNet(), steps, session=session)
-
-
 def test_a_toy_mode_writes_its_file_and_reads_it_back_through_probe_load(tmp_path, toy):
-    _train(probe.mode([toy.Toy(), "stats"], out=tmp_path / "r"), steps=2)
+    train_in(probe.mode([toy.Toy(), "stats"], out=tmp_path / "r"), steps=2)
     run = probe.load(tmp_path / "r")
     reader = run.mode("toy")
     assert isinstance(reader, toy.ToyReader)
@@ -65,7 +58,7 @@ def test_a_toy_mode_writes_its_file_and_reads_it_back_through_probe_load(tmp_pat
 def test_another_tools_config_file_form_the_toy_registers_is_read_by_config(tmp_path, toy):
     session = probe.mode(config={"op_counter": {"forward_only": True}}, out=tmp_path / "r")
     assert [m.name for m in session.modes] == ["toy"] and session.modes[0].config.phases == "forward"
-    _train(session, steps=1)
+    train_in(session, steps=1)
     (counts,) = probe.load(tmp_path / "r").mode("toy").counts()
     assert set(counts.by_phase) == {"forward"}
     with pytest.raises(probe.ProbeError, match="op_counter: expected"):

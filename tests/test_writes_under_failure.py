@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import SharedBlockNet, train_steps
+from conftest import SharedBlockNet, train_in, train_steps
 
 import probe
 from probe.errors import ProbeError, ProbeWarning
@@ -98,17 +98,6 @@ def _step_files(step: int) -> Callable[[str], bool]:
     return lambda path: f"/.step{step}.partial/" in path or f"/tensors/step{step}/" in path
 
 
-def _train(session: probe.Session | None, steps: int = STEPS) -> tuple[list[torch.Tensor], dict]:
-    torch.manual_seed(0)
-    model = SharedBlockNet()
-    if session is None:
-        losses, _ = train_steps(model, steps)
-    else:
-        with session:
-            losses, _ = train_steps(model, steps, session=session)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 def _failures(out: Path) -> list[dict]:
     path = layout.rank_dir(out, 0) / layout.WRITE_FAILURES_FILE
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -125,13 +114,13 @@ def _probe_warnings(caught: list[warnings.WarningMessage], text: str) -> list[st
 @pytest.mark.parametrize("modes", ["stats", "dump"])
 def test_a_full_disk_gives_up_the_step_names_it_and_training_goes_on(tmp_path, monkeypatch, modes,
                                                                      async_flush):
-    plain_losses, plain_params = _train(None)
+    plain_losses, _, plain_params = train_in(None, STEPS)
     out = tmp_path / "run"
     disk = FullDisk(monkeypatch, tmp_path)
     disk.full = _step_files(2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        losses, params = _train(probe.mode(modes, out=out, async_flush=async_flush))
+        losses, _, params = train_in(probe.mode(modes, out=out, async_flush=async_flush), STEPS)
     assert disk.refused  # the fault was hit
     for a, b in zip(losses, plain_losses, strict=True):
         assert torch.equal(a, b)
@@ -180,7 +169,7 @@ def _fill(disk: Path) -> Path:
 
 
 def test_a_real_full_file_system_mid_run(small_tmpfs):
-    plain_losses, _ = _train(None, steps=4)
+    plain_losses, _, _ = train_in(None, steps=4)
     out = small_tmpfs / "run"
     torch.manual_seed(0)
     model = SharedBlockNet()
@@ -211,7 +200,7 @@ def test_dump_on_error_raise_still_stops_training_on_a_full_disk(tmp_path, monke
     disk = FullDisk(monkeypatch, tmp_path)
     disk.full = _step_files(1)
     with pytest.raises(ProbeError, match=r"dump|on_error"):
-        _train(probe.mode("dump", out=out, on_error="raise", async_flush=False))
+        train_in(probe.mode("dump", out=out, on_error="raise", async_flush=False), STEPS)
     assert [f["step"] for f in _failures(out)] == [1]
 
 
@@ -332,7 +321,7 @@ def _recorded(run: probe.Run, step: int) -> list[tuple[str, list]]:
 
 def _reference(tmp_path: Path, step: int) -> list[tuple[str, list]]:
     """The op ids and statistics of ``step`` in an uninterrupted run of the same training."""
-    _train(probe.mode("stats", out=tmp_path / "reference"), steps=step + 1)
+    train_in(probe.mode("stats", out=tmp_path / "reference"), steps=step + 1)
     return _recorded(probe.load(tmp_path / "reference"), step)
 
 
@@ -348,7 +337,7 @@ def test_ctrl_c_in_a_modes_hand_over_keeps_the_steps_records(tmp_path, monkeypat
     monkeypatch.setattr(DumpMode, "end_step", interrupted)
     out = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
-        _train(probe.mode(["stats", "dump"], out=out, async_flush=async_flush), steps=3)
+        train_in(probe.mode(["stats", "dump"], out=out, async_flush=async_flush), steps=3)
     run = probe.load(out)
     assert run.steps == [0, 1]  # and no empty step written after it by the block's exit
     info = run.step_info(1)
@@ -374,7 +363,7 @@ def test_a_real_sigint_in_the_hand_over_keeps_the_steps_records(tmp_path, monkey
     monkeypatch.setattr(Tracer, "end_step", signalled)
     out = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
-        _train(probe.mode("stats", out=out, async_flush=async_flush), steps=3)
+        train_in(probe.mode("stats", out=out, async_flush=async_flush), steps=3)
     run = probe.load(out)
     assert run.steps == [0, 1]
     assert not run.step_info(1).complete
