@@ -10,8 +10,8 @@ from safetensors import safe_open
 
 import probe
 from probe import ProbeError
+from probe.modes.dump import shards
 from probe.modes.dump.file_names import tensors_dir
-from probe.rundir import shards
 from probe.rundir.call_args import decode_args
 from tests.conftest import SharedBlockNet, train_steps, train_under
 

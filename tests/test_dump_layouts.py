@@ -25,7 +25,7 @@ import probe
 from probe import ProbeError
 from probe.exporters.msprobe import export_msprobe
 from probe.modes.dump.file_names import TENSOR_INDEX_FILE, tensors_dir
-from probe.rundir.shards import read_header
+from probe.modes.dump.shards import read_header
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning"),

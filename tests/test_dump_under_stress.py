@@ -13,8 +13,9 @@ import torch
 import probe
 from probe import ProbeError
 from probe.errors import ProbeWarning
+from probe.modes.dump import shards
 from probe.modes.dump.file_names import TENSOR_INDEX_FILE
-from probe.rundir import layout, shards
+from probe.rundir import layout
 from tests.conftest import SharedBlockNet, train_steps
 
 aten = torch.ops.aten

@@ -15,9 +15,9 @@ from probe.errors import ProbeError
 from probe.modes.dump.file_names import CALLS_FILE, FILE_NAMES, TENSOR_INDEX_FILE, tensors_dir
 from probe.modes.dump.index_tables import BlobTable, EntryTable
 from probe.modes.dump.records import DumpedPart, DumpedTensor
+from probe.modes.dump.shards import map_blob, read_header
 from probe.rundir import layout
 from probe.rundir.mode_files import ModeFiles, ModeReader
-from probe.rundir.shards import map_blob, read_header
 from probe.rundir.streamed_json import read_object_streamed
 from probe.rundir.tensor_layouts import STRIDED, join
 from probe.rundir.untrusted_reads import INDEX_LIMIT, expect, plain_name, read_jsonl, reading

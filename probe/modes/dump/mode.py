@@ -43,9 +43,9 @@ from probe.modes.base import Mode
 from probe.modes.dump.file_names import CALLS_FILE, TENSOR_INDEX_FILE, tensors_dir
 from probe.modes.dump.files import DumpIndex
 from probe.modes.dump.options import Dump
+from probe.modes.dump.shards import ShardWriter, StepShards
 from probe.modes.registry import register_mode
 from probe.rundir.call_args import encode_args
-from probe.rundir.shards import ShardWriter, StepShards
 from probe.rundir.tensor_layouts import InParts, split
 from probe.rundir.writer import StepWriter
 from probe.tracer.dispatch_mode import dtype_name
