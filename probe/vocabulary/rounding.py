@@ -37,6 +37,10 @@ _CONTRACTIONS = {
     "aten.mv.default": (0, -1), "aten.dot.default": (0, -1), "aten.linear.default": (0, -1),
     "aten.addmm.default": (1, -1), "aten.baddbmm.default": (1, -1), "aten.addbmm.default": (1, -1),
     "aten.addmv.default": (1, -1),
+    # A mixture of experts' grouped GEMM: each group's rows times its expert's matrix. Its
+    # weight gradient sums over the tokens (mat_a's last dimension, all groups': at least each
+    # group's), the others over the features.
+    "aten._grouped_mm.default": (0, -1),
 }
 
 
