@@ -220,3 +220,29 @@ def test_a_fullgraph_compiled_submodule_trains_under_the_probe(tmp_path, policy:
         assert {op.module for op in regions} == {"block"}
     else:
         assert not regions and any(op.name == "aten.gelu.default" for op in ops)
+
+
+def test_the_re_run_views_a_value_its_eager_kernel_laid_out_otherwise(tmp_path):
+    """A graph's view was traced on the layout the compiled kernels give its input; the re-run's
+    eager kernel may lay it out otherwise (a cat of channels-last values is channels-last in
+    eager, falcon_mamba's scan under torch.compile), where the view raises. Before, that error
+    came out of the user's compiled call; now the re-run views a contiguous copy."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from probe.tracer.region_replay import RegionReplay
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    cat = graph.call_function(torch.ops.aten.cat.default, ([x, x], 0))
+    graph.output(graph.call_function(torch.ops.aten.view.default, (cat, [-1])))
+    gm = torch.fx.GraphModule(nn.Module(), graph)
+    value = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    with probe.mode("stats", out=tmp_path / "r") as session:
+        tracer = session._tracer
+        with _disable_current_modes():
+            replay = RegionReplay(tracer.modules, tracer.dispatch)
+            replay.run(gm, [value], tracer.modules.locate()[1], 0, False)
+        session.step()
+    ops = probe.load(tmp_path / "r").ops(0)
+    assert [op.name for op in ops] == ["aten.cat.default", "aten.clone.default", "aten.view.default"]
+    _assert_stats(ops[-1].outputs[0].stats, torch.cat([value, value]).reshape(-1))

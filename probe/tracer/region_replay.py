@@ -139,11 +139,30 @@ class _AttributingInterpreter(torch.fx.Interpreter):
             return super().call_function(target, args, kwargs)
         frame = self._replay.frame_of(self.current_node, self._frames, self._region_frame, self._opens)
         with self._replay._modules.speaking_for(frame):
-            return self._replay._dispatch(target, args, kwargs)
+            if target is not torch.ops.aten.view.default or _viewable(args):
+                return self._replay._dispatch(target, args, kwargs)
+            # The graph's view was traced on the layout the compiled kernels give a value; the
+            # eager kernels of the re-run may give it other strides (falcon_mamba's scan), where
+            # the view raises. A contiguous copy holds the same values, so the view applies.
+            copy = self._replay._dispatch(torch.ops.aten.clone.default, (args[0],),
+                                          {"memory_format": torch.contiguous_format})
+            return self._replay._dispatch(target, (copy, *args[1:]), kwargs)
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self.current_node = n
         return super().run_node(n)
+
+
+def _viewable(args: tuple) -> bool:
+    """Whether ``aten.view(*args)`` applies to its tensor's strides (without computing it)."""
+    tensor = args[0] if args else None
+    if not isinstance(tensor, torch.Tensor) or tensor.is_contiguous() or len(args) < 2:
+        return True
+    try:
+        torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta").view(args[1])
+    except RuntimeError:
+        return False
+    return True
 
 
 def _unaliased(gm: torch.fx.GraphModule, inputs: list[Any]) -> list[Any]:
