@@ -86,3 +86,25 @@ def test_a_grouped_gemm_sums_its_contracted_dimension():
     weight_grad = torch._grouped_mm(x.t(), grad, offs)  # (experts, features, out)
     assert weight_grad.shape == (experts, features, out)
     assert reduction_length("aten._grouped_mm.default", [x.t(), grad, offs]) == tokens
+
+
+def test_a_producer_that_passes_on_statistics_hands_on_its_difference(tmp_path):
+    # Two layouts of one input make the sum reduce in another order (as another thread count
+    # does): its results differ by a few ULPs. Concatenated with a constant that holds the
+    # maximum and copied into a buffer, the statistics pass, with the max statistic equal.
+    # That pass was read as no difference at all ("max_rel" 0 is bit-identical data's, not
+    # the max statistic's): the slice after it was judged as if its input agreed exactly, and
+    # in rwkv's backward (threads-1) a slice of such a buffer was called the divergence.
+    x = torch.randn(65536, 4, generator=torch.Generator().manual_seed(0))
+    for name, layout in (("a", x), ("b", x.t().contiguous().t())):
+        with probe.mode("stats", out=tmp_path / name) as session:
+            whole = torch.empty(5).copy_(torch.cat([layout.sum(0), torch.full((1,), 1000.0)]))
+            whole[:4] * 2  # a part of a buffer written in place, as autograd's copy_ writes one
+            session.step()
+    report = probe.compare(tmp_path / "a", tmp_path / "b")
+    by_name = {c.a.name: c for c in report.comparisons}
+    written, sliced = by_name["aten.copy_.default"], by_name["aten.slice.Tensor"]
+    assert written.verdict == "pass" and written.outputs[0].metrics["max_rel"] == 0
+    assert written.outputs[0].metrics["norm_rel"] > 0 or written.outputs[0].metrics["mean_rel"] > 0
+    assert sliced.input_error > 0  # the pass's difference, within rounding, not none
+    assert report.first_divergence is None, report.conclusion

@@ -599,9 +599,13 @@ def _producer_error(by_index: dict[int, OpComparison], source: tuple[int, int]) 
     if producer is None or producer.a is None or producer.b is None:
         return None
     for t in producer.outputs:
-        if t.position == source[1] and t.verdict == PASS:
-            return 0.0 if t.kind == "data" or t.metrics.get("max_rel") == 0 else None
-        if t.position == source[1] and source[1] < len(producer.b.outputs):
+        if t.position != source[1]:
+            continue
+        if t.verdict == PASS and t.kind == "data":
+            return 0.0
+        # A pass on statistics is a difference within rounding, not none: its size is the
+        # statistics' (their "max_rel" is the max statistic's alone, 0 while min and norm differ).
+        if source[1] < len(producer.b.outputs):
             return _error_of(t, producer.a.outputs[source[1]], producer.b.outputs[source[1]])
     return None
 
