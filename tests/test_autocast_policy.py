@@ -81,17 +81,25 @@ class _Model(nn.Module):
         return self.head(x)
 
 
-def _run(out, autocast: bool, fault: str | None = None, dtype: torch.dtype = torch.bfloat16):
-    """Two AdamW steps of the tiny model (seeded alike in every run), under autocast to ``dtype``."""
+def _run(out, autocast: bool, fault: str | None = None, dtype: torch.dtype = torch.bfloat16,
+         model_dtype: torch.dtype | None = None):
+    """Two AdamW steps of the tiny model (seeded alike in every run), under autocast to ``dtype``,
+    its parameters in ``model_dtype`` when given. The loss reads the logits widened to float32
+    (fault "loss": cast back to bf16 first)."""
     torch.manual_seed(0)
     model = _Model(fault)
+    if model_dtype is not None:
+        model = model.to(model_dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
     with probe.mode("stats", out=out, model=model) as session:
         for _ in range(2):
             ids = torch.randint(0, VOCAB, (2, 12), generator=gen)
             with torch.autocast("cpu", dtype=dtype, enabled=autocast):
-                loss = F.cross_entropy(model(ids).float().flatten(0, 1), ids.flatten())
+                logits = model(ids).float()
+                if fault == "loss":
+                    logits = logits.to(torch.bfloat16)
+                loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -129,6 +137,20 @@ def test_a_softmax_computed_in_bf16_inside_an_autocast_region_is_lowered_precisi
     assert (d.rule, d.op.module, d.step) == ("lowered precision", "attn", 0)
     assert d.op_b.name == "aten._to_copy.default"
     assert "precision lowered in attn: float32 -> bfloat16 by an explicit cast" in d.comparison.message
+
+
+def test_a_loss_cast_back_to_bf16_in_a_bf16_model_is_lowered_precision(tmp_path):
+    # Every run widens the logits to float32 for the loss; in a bf16 model a cast back to bf16
+    # before cross entropy undoes that. B's model-wide dtype explains its bf16 results, but not a
+    # cast that decides the precision of a loss after the program widened its input for it.
+    a = _run(tmp_path / "a", False)
+    healthy = probe.compare(a, _run(tmp_path / "h", False, model_dtype=torch.bfloat16))
+    assert healthy.first_divergence is None, healthy.conclusion
+    report = probe.compare(a, _run(tmp_path / "b", False, fault="loss", model_dtype=torch.bfloat16))
+    d = report.divergence
+    assert d is not None, report.conclusion
+    assert (d.rule, d.op.module, d.step) == ("lowered precision", "", 0)
+    assert "float32 -> bfloat16 by an explicit cast" in d.comparison.message
 
 
 def test_a_qk_norm_casting_back_under_autocast_is_no_divergence(tmp_path):

@@ -243,13 +243,19 @@ def lowered_precision(ops_a: list[OpRecord], ops_b: list[OpRecord],
         # Autocast explains a lowering to its own dtype only: a result rounded coarser than the
         # recorded policy's dtype (bf16 under fp16 autocast) is some other cast's.
         autocast = autocast_lowers_to(op, out) is not False  # to its dtype, or not recorded
-        if (autocast and short_name(op.name) in AUTOCAST_LOWERED) or (model_lowered and out == dtype_b):
+        if autocast and short_name(op.name) in AUTOCAST_LOWERED:
             continue
         targets = _terminal_consumers(op, consumers)
         if not targets:
             continue  # nothing in the step computes on it
-        if _restores_arrival_dtype(op, out, ops_by_index) and not any(
-                short_name(t.name) in PRECISION_SENSITIVE for t in targets):
+        restores = _restores_arrival_dtype(op, out, ops_by_index)
+        decides = any(short_name(t.name) in PRECISION_SENSITIVE for t in targets)
+        if model_lowered and out == dtype_b and not (restores and decides):
+            # B's model-wide dtype, except where the program widened a value for a softmax, a norm or
+            # a loss and a cast put it back: the model's `logits.float()` before the loss says the
+            # loss is computed in float32 whatever the model's dtype, and the cast undoes that.
+            continue
+        if restores and not decides:
             # The model's own cast back to the dtype its value arrived in (a norm's output), judged
             # by its effect; not where it decides the precision of a softmax, norm or loss.
             continue
