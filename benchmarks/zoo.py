@@ -185,6 +185,9 @@ def train(built: Built, pair: Pair, out: Path, steps: int, attn: str | None, cli
                 with session.paused():
                     bound = fault.max_norm(params, step) if fault is not None else math.inf
                 torch.nn.utils.clip_grad_norm_(params, bound)
+            if fault is not None:
+                with session.paused():
+                    fault.before_optimizer(opt, step)
             if grad_scaler is not None:
                 grad_scaler.step(opt)
                 grad_scaler.update()

@@ -18,7 +18,18 @@ input's rounding) is not a fault the comparison could be asked to find. The kind
   run A with no bound);
 - ``dropout``: a dropout module's probability raised from 0 at step k;
 - ``mask-shift``: an attention module's mask shifted by one key position from step k
-  (``benchmarks.diagnosis``'s attention function).
+  (``benchmarks.diagnosis``'s attention function);
+- ``optimizer-fp16``: AdamW's second moments (``exp_avg_sq``, every parameter's) kept in fp16
+  from step k on (k >= 1): what step k-1's update left is stored in fp16, outside the trace,
+  before step k's update reads it. Tiny models' squared gradients times (1 - beta2) sit near or
+  below fp16's smallest normal (6.1e-5) and smallest subnormal (6e-8), so they lose bits or
+  flush to zero, and the update's denominator changes with them. The expected answer is derived
+  from where the change is first read: the optimizer's ops of step k (outside any module), the
+  first of which reads the stored state (``_foreach_mul_``/``lerp_`` of ``exp_avg_sq``). In an
+  exact pair nothing differed before; in a mixed pair the state already differs by what
+  step k-1 computed in lower precision, and the fp16 storage is a change between the steps
+  on top of it. A run whose states are already held lower (a bf16 model) keeps its dtype: the
+  values pass through fp16 and back.
 
 delta is drawn from 0.05 to 1 in mixed-precision pairs and log-uniformly from 1e-6 to 1 in the
 exact pair (fp32 against itself), where a fault of any size shows.
@@ -85,6 +96,7 @@ KINDS = {k.name: k for k in [
     FaultKind("clip", clip=True),
     FaultKind("dropout"),
     FaultKind("mask-shift"),
+    FaultKind("optimizer-fp16", between_steps=True),
 ]}
 
 
@@ -144,6 +156,17 @@ class Fault:
             self.active = True
             if self._on_step is not None:
                 self._on_step(model)
+
+    def before_optimizer(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        """Stores the optimizer's second moments in fp16 from the planted step on (the caller
+        pauses the trace): the values step k-1 left pass through fp16 before step k reads them."""
+        if self.kind.name != "optimizer-fp16" or not self.active:
+            return
+        with torch.no_grad():
+            for state in optimizer.state.values():
+                moment = state.get("exp_avg_sq")
+                if isinstance(moment, torch.Tensor):
+                    moment.copy_(moment.to(torch.float16))
 
     def max_norm(self, params: list[torch.Tensor], step: int) -> float:
         """The bound run B clips gradients to at ``step`` (infinite but at the planted step)."""
@@ -255,7 +278,7 @@ def _candidates(kind: str, model: torch.nn.Module, found: Discovery) -> list[str
             for pn, p in modules[n].named_parameters(recurse=False):
                 owners.setdefault(id(p), []).append(f"{n}.{pn}")
         return [sites[0] for sites in owners.values() if len(sites) == 1]  # tied weights have two readers
-    if kind == "clip":
+    if kind in ("clip", "optimizer-fp16"):
         return [""]
     raise ValueError(f"unknown fault kind {kind!r}")
 
@@ -334,6 +357,8 @@ def plant(kind: FaultKind, model: torch.nn.Module, site: str, rng: random.Random
     elif name == "mask-shift":
         fault.detail = "mask rolled by 1"
         fault._on_step = lambda m: _attention_fault(m, m.get_submodule(site), "mask_shift")
+    elif name == "optimizer-fp16":
+        fault.detail = "AdamW exp_avg_sq stored in fp16"
     else:
         raise ValueError(f"unknown fault kind {name!r}")
     return fault
@@ -384,8 +409,8 @@ def choose(kind: FaultKind, built: Built, pair: Pair, rng: random.Random,
         try:
             fault = plant(kind, trial, site, random.Random(seed), pair, steps)
             fault.before_step(trial, fault.planted.step)
-            if kind.name == "clip":
-                return site, seed  # no effect on a forward: the gradients are what it changes
+            if kind.name in ("clip", "optimizer-fp16"):
+                return site, seed  # no effect on a forward: the update is what it changes
             if not torch.equal(policy.loss(built, trial, fault), clean):
                 return site, seed
         except Exception:  # a site the fault cannot be planted at (a norm refusing bf16) is not eligible
