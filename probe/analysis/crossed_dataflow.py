@@ -16,20 +16,12 @@ paired op outside it reads them. Only producers in the same module call count: a
 another module call is that call's boundary, judged there; and an insertion by one run only
 (a cast, a re-implemented activation, a planted roll of a mask) leaves the other run's producer
 paired, so it is never a reason to refuse: it is what the judging rules look at.
-
-Once both runs have ops of their own that compute in a module call (not only views, casts or
-scalings by a number: SDPA's kernel in one, ``bmm`` and ``softmax`` in the other), the call is
-two decompositions, and there a value of one run's own ops read by a paired op is no insertion
-either: SDPA's math path scales q and k by ``scale ** 0.5`` each where eager attention divides
-the scores, so the "same" ``expand`` reads a scaled q in one run and q in the other. Every pair
-downstream of an op of one run only inside such a call is refused too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
 
-from probe.analysis.precision import faithful_rounding
 from probe.rundir.run import OpRecord
 
 
@@ -46,34 +38,20 @@ def refuse_crossed(ops_a: list[OpRecord], ops_b: list[OpRecord], partner: dict[i
     by_index_b = {op.index: op for op in ops_b}
     a_of_b = {b.index: a for a, b in partner.items()}
     refused: list[int] = []
-    two: set[Hashable] = set()
-    for _ in range(2):  # then again with the calls the first pass found decomposed twice
-        for op in ops_a:
-            other = partner.get(op.index)
-            if other is None or not _crossed(op, other, by_index_a, by_index_b, partner, a_of_b,
-                                             call_a, call_b, call_a(op) in two):
-                continue
-            del partner[op.index]
-            del a_of_b[other.index]
-            refused.append(op.index)
-        two = _computing_calls(ops_a, partner.keys(), call_a) & _computing_calls(ops_b, a_of_b.keys(), call_b)
-        if not two:
-            break
+    for op in ops_a:
+        other = partner.get(op.index)
+        if other is None or not _crossed(op, other, by_index_a, by_index_b, partner, a_of_b,
+                                         call_a, call_b):
+            continue
+        del partner[op.index]
+        del a_of_b[other.index]
+        refused.append(op.index)
     return refused
-
-
-def _computing_calls(ops: list[OpRecord], paired: Iterable[int], call: Callable[[OpRecord], Hashable]
-                     ) -> set[Hashable]:
-    """The module calls where ops of this run only compute (more than a view, a cast or a scaling
-    by a number moves a value)."""
-    paired = set(paired)
-    return {call(op) for op in ops if op.index not in paired and faithful_rounding(op) is None}
 
 
 def _crossed(a: OpRecord, b: OpRecord, by_index_a: dict[int, OpRecord], by_index_b: dict[int, OpRecord],
              partner: dict[int, OpRecord], a_of_b: dict[int, int],
-             call_a: Callable[[OpRecord], Hashable], call_b: Callable[[OpRecord], Hashable],
-             decomposed_twice: bool) -> bool:
+             call_a: Callable[[OpRecord], Hashable], call_b: Callable[[OpRecord], Hashable]) -> bool:
     call = call_a(a)
     for ta, tb in zip(a.inputs, b.inputs, strict=False):
         if ta.source is None or tb.source is None:
@@ -86,8 +64,6 @@ def _crossed(a: OpRecord, b: OpRecord, by_index_a: dict[int, OpRecord], by_index
         paired_a, paired_b = pa.index in partner, pb.index in a_of_b
         if not paired_a and not paired_b:
             return True  # each run's own ops made it: the decompositions differ here
-        if decomposed_twice and not (paired_a and paired_b):
-            return True  # one decomposition's own value, no insertion on a shared one
         if paired_a and paired_b and (partner[pa.index].index != pb.index or ta.source[1] != tb.source[1]):
             return True  # paired producers, but not with each other: another value
     return False
