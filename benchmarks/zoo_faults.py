@@ -219,6 +219,17 @@ def discover(model: torch.nn.Module, forward: Callable[[torch.nn.Module], torch.
             outputs.setdefault(name, "tensor" if isinstance(first, torch.Tensor) and first.is_floating_point()
                                else type(out).__name__)
 
+    def enter_other(module: torch.nn.Module, args: Any) -> None:
+        # A module outside the model (a loss module made in forward) is named as the probe's
+        # tracker names it: its class, under the module calling it. Calls inside it are its.
+        if id(module) not in names:
+            stack.append(f"{stack[-1]}.{type(module).__name__}" if stack and stack[-1]
+                         else type(module).__name__)
+
+    def leave_other(module: torch.nn.Module, args: Any, out: Any) -> None:
+        if id(module) not in names and stack:
+            stack.pop()
+
     class Calls(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                                kwargs: dict | None = None) -> Any:
@@ -230,6 +241,8 @@ def discover(model: torch.nn.Module, forward: Callable[[torch.nn.Module], torch.
 
     handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
     handles += [m.register_forward_hook(leave, always_call=True) for m in model.modules()]
+    handles += [torch.nn.modules.module.register_module_forward_pre_hook(enter_other),
+                torch.nn.modules.module.register_module_forward_hook(leave_other, always_call=True)]
     try:
         with Calls():
             forward(model)
@@ -318,8 +331,11 @@ def plant(kind: FaultKind, model: torch.nn.Module, site: str, rng: random.Random
         fault = Fault(kind, site, Planted(module_name, step), f"bit {bit} of element {index}",
                       _on_step=lambda m: _flip(m.get_parameter(site), index, bit))
         return fault
-    module = model.get_submodule(site) if site else model
     fault = Fault(kind, site, Planted(site, step), "")
+    if name == "loss-bf16":  # at the loss, wherever it is computed (a loss module made in forward)
+        fault.detail = "cross entropy in bf16"
+        return fault
+    module = model.get_submodule(site) if site else model
     if name == "scale-output":
         delta = _delta(rng, exact)
         fault.detail = f"x(1+{delta:.3g})"
@@ -345,8 +361,6 @@ def plant(kind: FaultKind, model: torch.nn.Module, site: str, rng: random.Random
         after = before * (1 + 1e3 * _delta(rng, exact)) if exact else max(before * 1e3, 1e-3)
         fault.detail = f"{attribute} {before:.3g} -> {after:.3g}"
         fault._on_step = lambda m: setattr(m.get_submodule(site) if site else m, attribute, after)
-    elif name == "loss-bf16":
-        fault.detail = "cross entropy in bf16"
     elif name == "clip":
         fault.clip_factor = 1 - 0.95 * _delta(rng, exact)
         fault.detail = f"max_norm = {fault.clip_factor:.3g} x the norm"
