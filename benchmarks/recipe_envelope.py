@@ -32,16 +32,18 @@ import torch
 import transformers
 
 VOCAB, BATCH, SEQ, LR, CORPUS = 128, 4, 32, 3e-3, 16
+OUTLIER = 1000.0
+"""The outlier channel's factor (``--outlier``)."""
 
 
 def model_with_outlier() -> torch.nn.Module:
-    """The worked example's model (docs/recipes_example.py)."""
+    """The worked example's model (docs/recipes_example.py), its outlier ``OUTLIER`` times the rest."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager"))
     with torch.no_grad():  # one channel of layer 1's MLP input x1000 (SwiGLU-style outlier)
-        model.model.layers[1].post_attention_layernorm.weight[7] *= 1000
+        model.model.layers[1].post_attention_layernorm.weight[7] *= OUTLIER
     return model
 
 
@@ -117,13 +119,17 @@ def report(rows: list[dict[str, Any]], steps: int, keep_fraction: float, seconds
 
 
 def main(argv: list[str] | None = None) -> int:
+    global OUTLIER  # the model builder's factor, as every train() of the run builds it
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--recipes", default="mxfp8,nvfp4")
     parser.add_argument("--keep-fraction", type=float, default=0.2)
+    parser.add_argument("--outlier", type=float, default=OUTLIER,
+                        help="the outlier channel's factor (the worked example's: 1000)")
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args(argv)
+    OUTLIER = args.outlier
     warnings.filterwarnings("ignore")
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []
