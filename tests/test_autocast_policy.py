@@ -82,10 +82,11 @@ class _Model(nn.Module):
 
 
 def _run(out, autocast: bool, fault: str | None = None, dtype: torch.dtype = torch.bfloat16,
-         model_dtype: torch.dtype | None = None):
+         model_dtype: torch.dtype | None = None, changed: str | None = None):
     """Two AdamW steps of the tiny model (seeded alike in every run), under autocast to ``dtype``,
     its parameters in ``model_dtype`` when given. The loss reads the logits widened to float32
-    (fault "loss": cast back to bf16 first)."""
+    (fault "loss": cast back to bf16 first). ``changed``: a parameter one element of which is
+    x1.125 between the steps, where nothing traces it."""
     torch.manual_seed(0)
     model = _Model(fault)
     if model_dtype is not None:
@@ -93,8 +94,11 @@ def _run(out, autocast: bool, fault: str | None = None, dtype: torch.dtype = tor
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
     with probe.mode("stats", out=out, model=model) as session:
-        for _ in range(2):
+        for step in range(2):
             ids = torch.randint(0, VOCAB, (2, 12), generator=gen)
+            if changed is not None and step == 1:
+                with session.paused(), torch.no_grad():
+                    model.get_parameter(changed).view(-1)[3] *= 1.125
             with torch.autocast("cpu", dtype=dtype, enabled=autocast):
                 logits = model(ids).float()
                 if fault == "loss":
@@ -151,6 +155,18 @@ def test_a_loss_cast_back_to_bf16_in_a_bf16_model_is_lowered_precision(tmp_path)
     assert d is not None, report.conclusion
     assert (d.rule, d.op.module, d.step) == ("lowered precision", "", 0)
     assert "float32 -> bfloat16 by an explicit cast" in d.comparison.message
+
+
+def test_a_weight_changed_between_steps_of_a_bf16_model_is_named_at_its_first_reader(tmp_path):
+    # One element of mlp.down's weight x1.125 (a bf16 mantissa flip) leaves the transposed weight
+    # within bf16's thresholds of run A's, a pass by magnitude; but run B's step 0 never left that
+    # value, which no precision explains: it enters at the op reading it first (the weight's `t`).
+    report = probe.compare(_run(tmp_path / "a", False),
+                           _run(tmp_path / "b", False, model_dtype=torch.bfloat16, changed="mlp.down.weight"))
+    d = report.divergence
+    assert d is not None, report.conclusion
+    assert (d.rule, d.op.module, d.step) == ("outside input", "mlp.down", 1)
+    assert "changed between the steps" in d.comparison.message
 
 
 def test_a_qk_norm_casting_back_under_autocast_is_no_divergence(tmp_path):
