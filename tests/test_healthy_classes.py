@@ -145,3 +145,28 @@ def test_routing_on_near_tied_logits_differs_consistently_with_precision(tmp_pat
 
 def test_a_float32_mask_fill_that_is_minus_inf_in_bf16_is_no_new_nonfinite_value(tmp_path):
     _healthy_and_fault(tmp_path, _MaskFill, "out")
+
+
+class _FusedProjection(torch.nn.Module):
+    """Attention over one fused query/key/value projection whose bias is the three biases
+    concatenated (WavLM's, ``multi_head_attention_forward``'s): backward slices the fused bias's
+    gradient into three, and the key's part is zero but for rounding (the softmax ignores a
+    shift its row shares)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.out = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = torch.cat([self.q.weight, self.k.weight, self.v.weight])
+        bias = torch.cat([self.q.bias, self.k.bias, self.v.bias])
+        q, k, v = torch.nn.functional.linear(x, weight, bias).chunk(3, dim=-1)
+        return self.out((q @ k.transpose(0, 1) / WIDTH**0.5).softmax(-1) @ v)
+
+
+def test_a_slice_of_a_gradient_that_is_rounding_alone_is_judged_by_the_part_it_selects(tmp_path):
+    # The fused bias's gradient differs by bf16's rounding over the whole; the key's slice of it
+    # is rounding alone in both runs (1e-13 against 1e-8), a relative difference of 1. A slice
+    # computes nothing: the whole's difference may all sit in the part it selects.
+    _healthy_and_fault(tmp_path, _FusedProjection, "out")

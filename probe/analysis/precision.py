@@ -741,7 +741,10 @@ def primary_outputs(op: OpRecord) -> int:
 
 
 _SELECTIONS = frozenset({"embedding", "index_select", "gather", "index", "take", "_embedding_bag",
-                         "embedding_bag"})
+                         "embedding_bag", "slice", "select", "narrow"})
+"""Ops whose one result is part of their first input's elements, unchanged. Slices too: backward
+slices a fused bias's gradient (WavLM's query, key and value biases concatenated), and the key's
+part is rounding alone in both runs, whatever the whole's difference."""
 
 
 def selection_gain(op: OpRecord) -> float:
