@@ -40,6 +40,9 @@ class _Attention(nn.Module):
         scores = (q @ k.transpose(-1, -2)).float() / HIDDEN**0.5  # the model's own upcast
         if self.fault == "softmax":  # rounds the logits to bf16 before the exp
             probs = torch.softmax(scores, -1, dtype=torch.bfloat16)
+        elif self.fault == "fp16-softmax":  # exp / sum in fp16 of bf16 scores: overflows past 11
+            e = (q @ k.transpose(-1, -2) / HIDDEN**0.5).half().exp()
+            probs = (e / e.sum(-1, keepdim=True)).to(v.dtype)
         else:
             probs = torch.softmax(scores, -1).to(v.dtype)
         return self.o(probs @ v)
@@ -201,3 +204,14 @@ def test_a_scaled_output_cast_up_for_the_loss_is_blamed_on_its_module(tmp_path):
     d = report.divergence
     assert d is not None, report.conclusion
     assert (d.rule, d.op.module, d.step, d.op_b.name) == ("unmatched producer", "head", 0, "aten.mul.Tensor")
+
+
+def test_a_cast_from_bf16_to_fp16_under_bf16_autocast_narrows_the_range(tmp_path):
+    # fp16 is finer than bf16 but ends at 65504: the cast makes an overflow of any score past 11
+    # (exp), which bf16 autocast never makes (it casts to bf16 only). Judged by the values at step
+    # 0 the fault is within bf16's rounding; by the policy it is the cast that narrows the range.
+    report = probe.compare(_run(tmp_path / "a", True), _run(tmp_path / "b", True, fault="fp16-softmax"))
+    d = report.divergence
+    assert d is not None, report.conclusion
+    assert (d.rule, d.op.module, d.step) == ("lowered precision", "attn", 0)
+    assert "range narrowed" in d.comparison.message and "bfloat16 -> float16" in d.comparison.message

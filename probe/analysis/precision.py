@@ -153,12 +153,19 @@ class Lowering:
     before: torch.dtype
     after: torch.dtype
     only_in_b: bool
+    range_only: bool = False
+    """Finer but of a narrower range (bf16 -> fp16: values past 65504 become inf)."""
 
     @property
     def message(self) -> str:
         how = "by an explicit cast" if short_name(self.op.name) in _CASTS else f"by {self.op.name}"
         where = self.op.module or "<outside modules>"
         extra = " (an op of run B only)" if self.only_in_b else ""
+        if self.range_only:
+            return (f"range narrowed in {where}: {_dtype_word(self.before)} -> {_dtype_word(self.after)} "
+                    f"(largest value {torch.finfo(self.before).max:.3g} -> "
+                    f"{torch.finfo(self.after).max:.3g}) "
+                    f"{how}{extra}, which neither autocast nor run B's model dtype explains")
         if self.op.autocast is not None and not self.op.autocast:
             why = "outside any autocast region (recorded), and run B's model dtype does not explain it"
         elif self.op.autocast and kept_fp32(self.op):
@@ -236,6 +243,8 @@ def lowered_precision(ops_a: list[OpRecord], ops_b: list[OpRecord],
             reference = output_precision(partner) if partner is not None else None
             if op.autocast and kept_fp32(op) and reference is not None and _lower(out, reference):
                 found[op.index] = Lowering(op, reference, out, False)
+            elif _narrows_range(op, out, inp, reference, dtype_b) and _terminal_consumers(op, consumers):
+                found[op.index] = Lowering(op, reference or inp, out, partner is None, range_only=True)
             continue
         reference = output_precision(partner) if partner is not None else inp
         if reference is None or not _lower(out, reference):
@@ -271,6 +280,20 @@ def lowered_precision(ops_a: list[OpRecord], ops_b: list[OpRecord],
             continue  # the loss scaler's own bookkeeping (its inverse scale in fp32)
         found[op.index] = Lowering(op, reference, out, partner is None)
     return found
+
+
+def _narrows_range(op: OpRecord, out: torch.dtype, inp: torch.dtype, reference: torch.dtype | None,
+                   model: torch.dtype | None) -> bool:
+    """A cast to a finer dtype of a narrower range (bf16 -> fp16) that run A does not make and
+    nothing recorded explains: an autocast region casts only to its own dtype, and a model held in
+    fp16 casts to fp16 by design. Not a rounding but an overflow waiting for a value past 65504."""
+    if short_name(op.name) not in _CASTS or out == model:
+        return False
+    narrower = torch.finfo(out).max < torch.finfo(inp).max
+    if not narrower or (reference is not None and torch.finfo(reference).max <= torch.finfo(out).max):
+        return False  # run A holds it in that range too
+    # Only a region casting to ``out`` itself explains it (autocast_lowers_to asks "no coarser than").
+    return out not in {_floating(d) for d in (op.autocast or {}).values()}
 
 
 def _lowered_by_autocast(op: OpRecord, consumers: dict[int, list[OpRecord]]) -> bool:
