@@ -305,3 +305,47 @@ def test_the_mode_package_check_finds_a_lazy_import_of_a_mode(tmp_path: Path) ->
         "probe/modes/stats/mode.py": "X = 1\n",
     })
     assert mode_package_imports(import_graph(tmp_path)) == ["probe.cli -> probe.modes.stats.mode (line 2)"]
+
+
+def _mode_named(call: ast.AST) -> str | None:
+    """The mode ``call`` reads when it is ``self.mode("name")`` (or ``run.mode(...)``)."""
+    if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "mode"
+            and call.args and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str)):
+        return call.args[0].value
+    return None
+
+
+def rundir_mode_reads(root: Path = ROOT) -> list[str]:
+    """Where a module of rundir reads a mode's records: calls or names a method of a mode's run
+    reader (``series``, ``output_stats``, ...) or one of ``Run``'s one-line aliases of them (a
+    method whose body asks ``self.mode("name")``), outside those aliases themselves."""
+    reads = {name: mode for mode, files in registered_mode_files().items()
+             if files is not None and files.run_reader is not ModeReader
+             for name in vars(files.run_reader) if not name.startswith("_")}
+    trees = {path: ast.parse(path.read_text(), str(path))
+             for path in sorted((root / "probe" / "rundir").glob("*.py"))}
+    aliases: set[ast.AST] = set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef):
+                named = {mode for inner in ast.walk(node) if (mode := _mode_named(inner)) is not None}
+                if named:
+                    aliases.add(node)
+                    reads[node.name] = ", ".join(sorted(named))
+    inside = {id(inner) for alias in aliases for inner in ast.walk(alias)}
+    found = []
+    for path, tree in trees.items():
+        imported = {(alias.asname or alias.name).partition(".")[0] for node in ast.walk(tree)
+                    if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+        found += [f"{path.name}:{node.lineno} reads {node.attr!r} (mode {reads[node.attr]!r})"
+                  for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and node.attr in reads and id(node) not in inside
+                  and not (isinstance(node.value, ast.Name) and node.value.id in imported)]  # torch.tensor
+    return sorted(found)
+
+
+def test_rundir_reads_no_modes_records() -> None:
+    # Issue 34: what the run reader and its analyses of op records (the loss scaler, the rank a
+    # fault started on) need of a mode they ask through ModeFiles' declared capabilities
+    # (outputs_nonfinite, loss_scaler), never by a mode's reader method or Run's alias of one.
+    assert rundir_mode_reads() == []

@@ -27,9 +27,9 @@ and the scale in force. The scale is read, in this order, from the update's scal
 ``reciprocal`` that made ``inv_scale`` (exact: the scale widened to fp64), or as
 ``1 / inv_scale`` rounded to fp32 (exact for the powers of two GradScaler's defaults keep).
 
-The monitor (``probe.mode("monitor", ..., scaler=scaler)``) records the same two facts as
-series, ``loss_scale/scaler`` (the scale in force) and ``loss_scale_skipped/scaler`` (1 in a
-step the scaler skipped): :func:`scaler_step_monitored` reads them where no op was traced.
+A mode may record the same two facts itself (the monitor's ``scaler=`` series): where no op was
+traced, the run asks each mode of the step through its reader's declared capability
+(:meth:`probe.rundir.mode_files.ModeFiles.loss_scaler`), naming none.
 
 Limits: with several optimizers under one scaler, each skips its own step when its own
 gradients overflowed; a step is called skipped here when any of them did (the scaler backs
@@ -42,7 +42,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
@@ -187,28 +186,6 @@ def scaler_step(step: int, rank: int, scaler_ops: Iterable[OpRecord],
         from_inv = _scale_from_inv(unscale, op_at, ops)
         scale = from_inv if scale is None else scale
     return ScalerStep(step, rank, overflowed, scale, next_scale, frozenset(ops))
-
-
-class ScalerSeries(Protocol):
-    """What :func:`scaler_step_monitored` reads of a monitored series (the monitor's records)."""
-
-    kind: str
-    name: str
-    mean: float
-
-
-def scaler_step_monitored(step: int, rank: int, series: Iterable[ScalerSeries]) -> ScalerStep | None:
-    """What the loss scaler did in one step, from the monitor's ``loss_scale`` and
-    ``loss_scale_skipped`` series (``scaler=``); None without them."""
-    scale = skipped = None
-    for record in series:
-        if record.name == "scaler" and record.kind == "loss_scale":
-            scale = record.mean if math.isfinite(record.mean) else None
-        elif record.name == "scaler" and record.kind == "loss_scale_skipped" and math.isfinite(record.mean):
-            skipped = record.mean > 0
-    if scale is None and skipped is None:
-        return None
-    return ScalerStep(step, rank, skipped, scale, None, frozenset())
 
 
 def scaler_step_in(ops: list[OpRecord]) -> ScalerStep | None:

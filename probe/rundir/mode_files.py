@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar
 
+from probe.rundir.loss_scaler import ScalerStep
 from probe.rundir.records import OpRecord
 from probe.rundir.step_section import StepSection
 
@@ -120,6 +121,21 @@ class ModeFiles:
     def section(self) -> StepSection | None:
         """What this mode says of the step in ``probe summary`` (``probe.rundir.step_section``),
         or None: nothing (the default)."""
+        return None
+
+    # Capabilities: what the run reader's own analyses of op records ask of the step's modes
+    # without naming one (``Run.outputs_nonfinite``, ``Run.loss_scaler``).
+
+    def outputs_nonfinite(self) -> bool | None:
+        """Whether an op output of the step held a NaN or Inf, as this mode's records say, read
+        without decoding the op records (the stats mode's table); None: they do not say (the
+        default)."""
+        return None
+
+    def loss_scaler(self) -> ScalerStep | None:
+        """What ``torch.amp.GradScaler`` did in the step as this mode recorded it itself (the
+        monitor's series with ``scaler=``); None: it did not (the default). The scaler's traced
+        ops are read by the run (:mod:`probe.rundir.loss_scaler`)."""
         return None
 
 

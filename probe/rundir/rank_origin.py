@@ -25,13 +25,10 @@ are never origins, as in :func:`~probe.rundir.records.first_nonfinite_in`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from probe.rundir.loss_scaler import handled_by_scaler, scaler_step_in
 from probe.rundir.records import OpRecord, nonfinite_origins_in
-
-if TYPE_CHECKING:
-    import numpy as np
 
 
 class Run(Protocol):
@@ -48,8 +45,7 @@ class Run(Protocol):
 
     def ops(self, step: int | None = None, rank: int | None = None) -> list[OpRecord]: ...
 
-    def output_stats(self, step: int | None = None, rank: int | None = None
-                     ) -> tuple[np.ndarray, np.ndarray] | None: ...
+    def outputs_nonfinite(self, step: int | None = None, rank: int | None = None) -> bool | None: ...
 
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"})
 # In the collective namespaces but exchanging nothing: the wait that completes a functional
@@ -161,9 +157,9 @@ def _rank_first(run: Run, rank: int, steps: list[int], handled: bool) -> RankFir
     for step in steps:
         if not run.has_step(step, rank):
             continue
-        stats = run.output_stats(step, rank)
-        # Without a NaN or Inf among the step's outputs there is no origin: skip decoding it.
-        if stats is None or not (stats[1][:, 4] + stats[1][:, 5] > 0).any():
+        # Without a NaN or Inf among the step's outputs (or without statistics, which an origin
+        # needs) there is no origin: skip decoding it.
+        if not run.outputs_nonfinite(step, rank):
             continue
         ops = run.ops(step, rank)
         origins = nonfinite_origins_in(ops)

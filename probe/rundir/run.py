@@ -45,7 +45,6 @@ from probe.rundir.loss_scaler import (
     handled_by_scaler,
     scaler_step,
     scaler_step_in,
-    scaler_step_monitored,
 )
 from probe.rundir.mode_files import (  # the modes sit above: their readers are found in a registry
     ModeFiles,
@@ -510,9 +509,23 @@ class Run:
             found = None if not candidates else scaler_step(
                 place.step, place.rank, self.ops_at(candidates, place.step, place.rank),
                 lambda i: self.ops_at([i], place.step, place.rank)[0])
-        if found is None:
-            found = scaler_step_monitored(place.step, place.rank, self.monitor(place.step, place.rank))
+        if found is None:  # a mode that recorded the scaler itself (the monitor's scaler= series)
+            found = next((scaler for files in self._step_mode_files(place)
+                          if (scaler := files.loss_scaler()) is not None), None)
         return found
+
+    def outputs_nonfinite(self, step: int | None = None, rank: int | None = None) -> bool | None:
+        """Whether an op output of one step held a NaN or Inf, read without decoding the op
+        records, from the first of the step's modes whose records say (the stats mode's table);
+        None when none does (then no op of the step has statistics to be a non-finite origin)."""
+        place = _Place(*self.resolve(step, rank))
+        return next((held for files in self._step_mode_files(place)
+                     if (held := files.outputs_nonfinite()) is not None), None)
+
+    def _step_mode_files(self, place: _Place) -> list[ModeFiles]:
+        """The readers of the files of each mode the step's manifest lists, in its order."""
+        modes = self._step_info(place).manifest.get("modes", {})
+        return [files for mode in modes if (files := self._mode_files(place, mode)) is not None]
 
     def skipped_steps(self, rank: int | None = None) -> list[ScalerStep]:
         """The steps the loss scaler skipped (their gradients overflowed), by step then rank
@@ -524,10 +537,9 @@ class Run:
             for r in self.ranks if rank is None else [rank]:
                 if not self.has_step(step, r):
                     continue
-                stats = self._readable(step, r, self.output_stats)
                 # An overflow leaves Inf or NaN in the gradients the scaler unscaled: without one,
                 # the step was not skipped, and nothing is decoded.
-                if stats is not None and not (stats[1][:, 4] + stats[1][:, 5] > 0).any():
+                if self._readable(step, r, self.outputs_nonfinite) is False:
                     continue
                 scaler = self._readable(step, r, self.loss_scaler)
                 if scaler is not None and scaler.skipped:

@@ -5,6 +5,7 @@ distributions (the reader half of the mode; ``mode.py`` is the writer), and over
 from __future__ import annotations
 
 import csv
+import math
 from typing import Any, cast
 
 import probe.modes.monitor.distribution as monitor_distribution
@@ -13,9 +14,16 @@ from probe.modes.monitor.anomaly import (
     read_anomalies,
 )
 from probe.modes.monitor.file_names import ANOMALIES_FILE, FILE_NAMES, MONITOR_FILE
-from probe.modes.monitor.records import AnomalyRecord, MonitorRecord
+from probe.modes.monitor.records import (
+    LOSS_SCALE,
+    LOSS_SCALE_SKIPPED,
+    SCALER_SERIES,
+    AnomalyRecord,
+    MonitorRecord,
+)
 from probe.modes.statistics.columns import MONITOR_COLUMNS, canonical
 from probe.rundir.confined_files import open_in_run
+from probe.rundir.loss_scaler import ScalerStep
 from probe.rundir.mode_files import ModeFiles, ModeReader
 from probe.rundir.step_section import FollowedSeries, SectionLine, StepSection
 from probe.rundir.untrusted_reads import reading, record_from_row
@@ -87,6 +95,22 @@ class MonitorFiles(ModeFiles):
     def read_whole(self) -> None:
         self.series()
         self.anomalies()
+
+    def loss_scaler(self) -> ScalerStep | None:
+        """What the loss scaler did in the step, from the ``loss_scale`` and ``loss_scale_skipped``
+        series the monitor records with ``scaler=`` (the scale in force; 1 in a step it skipped);
+        None without them. Whether the step overflowed is the skip; the next scale is not known."""
+        scale = skipped = None
+        for record in self.series():
+            if record.name != SCALER_SERIES or not math.isfinite(record.mean):
+                continue
+            if record.kind == LOSS_SCALE:
+                scale = record.mean
+            elif record.kind == LOSS_SCALE_SKIPPED:
+                skipped = record.mean > 0
+        if scale is None and skipped is None:
+            return None
+        return ScalerStep(self.where.step, self.where.rank, skipped, scale, None, frozenset())
 
     def section(self) -> StepSection | None:
         """The step in ``probe summary``: its series and alerts, one line per incident that began

@@ -62,6 +62,7 @@ from probe.modes.monitor.file_names import MONITOR_FILE
 from probe.modes.monitor.files import MonitorFiles
 from probe.modes.monitor.hooks import OptimizerHooks, install_module_hooks, named_modules, named_parameters
 from probe.modes.monitor.options import Monitor
+from probe.modes.monitor.records import LOSS_SCALE, LOSS_SCALE_SKIPPED, SCALER_SERIES
 from probe.modes.monitor.reduction import start_reduction
 from probe.modes.monitor.series import SeriesRows, copy_scale, loss_scale_series
 from probe.modes.monitor.step import MonitorStep, WriteSide, csv_line
@@ -319,8 +320,8 @@ class MonitorMode(SessionPlugin):
         in_force, self._scale_at_start = self._scale_at_start, None
         values = loss_scale_series(self.config.scaler, in_force)
         if values is not None:
-            self.record("loss_scale", "scaler", "", 0, values[0])
-            self.record("loss_scale_skipped", "scaler", "", 0, values[1])
+            self.record(LOSS_SCALE, SCALER_SERIES, "", 0, values[0])
+            self.record(LOSS_SCALE_SKIPPED, SCALER_SERIES, "", 0, values[1])
 
     def flush(self) -> None:
         """Reduce the queued tensors now (the optimizer changes its gradients, weights and moments

@@ -7,6 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+SCALER_SERIES = "scaler"
+"""The name of the loss scaler's series (``scaler=``): of kinds :data:`LOSS_SCALE` and
+:data:`LOSS_SCALE_SKIPPED`, written by the monitor and read back by its reader."""
+LOSS_SCALE = "loss_scale"
+"""The kind of the series holding the scale in force in a step."""
+LOSS_SCALE_SKIPPED = "loss_scale_skipped"
+"""The kind of the series that is 1 in a step the scaler skipped (its gradients overflowed), else 0."""
+
 
 @dataclass(slots=True)
 class MonitorRecord:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from probe.modes.monitor.anomaly import Series
+from probe.modes.monitor.records import LOSS_SCALE_SKIPPED
 from probe.modes.statistics.capture import StepRows
 from probe.modes.statistics.columns import MONITOR_COLUMNS
 from probe.tracer.mode_stack import untraced
@@ -113,6 +114,6 @@ def overflow_handled(series: list[Series], values: np.ndarray) -> np.ndarray | N
     gradient in a step the scaler skipped (``loss_scale_skipped`` is 1). None when it did not
     skip the step, or is not monitored."""
     mean = MONITOR_COLUMNS.index("mean")
-    if not any(s.kind == "loss_scale_skipped" and values[i, mean] > 0 for i, s in enumerate(series)):
+    if not any(s.kind == LOSS_SCALE_SKIPPED and values[i, mean] > 0 for i, s in enumerate(series)):
         return None
     return np.array([_is_gradient(s) for s in series], dtype=bool)

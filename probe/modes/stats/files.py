@@ -140,6 +140,12 @@ class StatsFiles(ModeFiles):
         outputs = index[index[:, 1] == OUTPUT]
         return outputs[:, 0], stats[outputs[:, 3]]
 
+    def outputs_nonfinite(self) -> bool:
+        """Whether an op output of the step held a NaN or Inf (its ``nan`` or ``inf`` count)."""
+        _, rows = self.output_stats()
+        counts = rows[:, [STAT_NAMES.index("nan"), STAT_NAMES.index("inf")]]
+        return bool((counts > 0).any())
+
     def attach(self, records: dict[int, OpRecord]) -> None:
         stats, index = self.arrays()
         if len(records) < self.where.op_count():
