@@ -15,14 +15,24 @@ both sides: a black box, whose boundary values the unmatched-producer rule judge
 paired op outside it reads them. Only producers in the same module call count: a value from
 another module call is that call's boundary, judged there; and an insertion by one run only
 (a cast, a re-implemented activation, a planted roll of a mask) leaves the other run's producer
-paired, so it is never a reason to refuse: it is what the judging rules look at.
+paired, so it is never a reason to refuse: it is what the judging rules look at. Nor is a
+reshape one run records between a value and its reader where the other reads the value itself
+(Mamba's mixer under autocast: ``mul`` reads ``view(add)`` in one run and the ``add`` in the
+other): producers are compared through the reshapes that keep every element in its order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
+from probe.analysis.precision import short_name
 from probe.rundir.run import OpRecord
+
+_SAME_ORDER_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "_reshape_alias", "alias", "detach",
+                               "clone", "contiguous", "lift_fresh", "view_as", "unsqueeze", "squeeze",
+                               "flatten"})
+"""Ops whose result is their input's elements in their order: the same value, read by shape
+(and ``expand`` to the shape it has already)."""
 
 
 def refuse_crossed(ops_a: list[OpRecord], ops_b: list[OpRecord], partner: dict[int, OpRecord],
@@ -65,5 +75,25 @@ def _crossed(a: OpRecord, b: OpRecord, by_index_a: dict[int, OpRecord], by_index
         if not paired_a and not paired_b:
             return True  # each run's own ops made it: the decompositions differ here
         if paired_a and paired_b and (partner[pa.index].index != pb.index or ta.source[1] != tb.source[1]):
-            return True  # paired producers, but not with each other: another value
+            ra, rb = _through_reshapes(pa, by_index_a), _through_reshapes(pb, by_index_b)
+            same = partner.get(ra.index)
+            if (ra is pa and rb is pb) or same is None or same.index != rb.index:
+                return True  # paired producers, but not with each other: another value
     return False
+
+
+def _through_reshapes(op: OpRecord, by_index: dict[int, OpRecord]) -> OpRecord:
+    """The op whose value ``op`` passes on unchanged in its order (``op`` itself if it computes)."""
+    while op.inputs and op.inputs[0].source is not None and _keeps_its_input(op):
+        source = by_index.get(op.inputs[0].source[0])
+        if source is None:
+            break
+        op = source
+    return op
+
+
+def _keeps_its_input(op: OpRecord) -> bool:
+    short = short_name(op.name)
+    if short == "expand":  # to the shape it has already: an alias
+        return bool(op.outputs) and op.outputs[0].shape == op.inputs[0].shape
+    return short in _SAME_ORDER_VIEWS
