@@ -56,8 +56,7 @@ bench-quick: $(STAMP)
 	$(PY) -m benchmarks.cost_model --quick
 	$(PY) -m benchmarks.report --quick
 	$(PY) -m benchmarks.diagnosis --quick --check
-	# The zoo (issue 33) runs without --check until the compare rules meet its targets.
-	$(PY) -m benchmarks.zoo --quick
+	$(PY) -m benchmarks.zoo --quick --check
 
 system-deps:
 	command -v dot >/dev/null && test -x /usr/bin/chromium && test -x /usr/bin/chromedriver || { \
