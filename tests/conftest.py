@@ -121,6 +121,37 @@ def run_modes(out, modes, steps: int = 2, seed: int = 0, tail: bool = False, **o
     return session
 
 
+def sgd_autocast_pair(root, build, dtype: torch.dtype, tokens: int, width: int, fault: str | None = None,
+                      widen_loss: bool = False) -> list:
+    """Two steps of SGD of ``build()`` on fixed data (``tokens`` x ``width``): run A in fp32, run B
+    under ``dtype`` autocast with ``fault`` (a module name: its output scaled by 1.5 at step 1,
+    inside the module's call, as a bug in it). The loss is the output's mean square, widened to
+    fp32 first with ``widen_loss``; else run B's loss is computed in ``dtype``."""
+    runs = []
+    for name, autocast in (("a", False), ("b", True)):
+        torch.manual_seed(0)
+        model = build()
+        scaled = [False]
+        if fault is not None and autocast:
+            module = model.get_submodule(fault)
+            forward = module.forward
+            module.forward = lambda x, forward=forward, scaled=scaled: forward(x) * (1.5 if scaled[0] else 1)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(1))
+        with probe.mode("stats", out=root / name, model=model) as session:
+            for step in range(2):
+                scaled[0] = step == 1
+                with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+                    out = model(x)
+                    loss = (out.float() if widen_loss else out).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                session.step()
+        runs.append(root / name)
+    return runs
+
+
 def train_under(session_factory, seed: int, checkpointed: bool = True):
     """Two training steps of a fresh SharedBlockNet, under ``session_factory(model)`` (None: no probe).
 

@@ -10,6 +10,7 @@ import math
 import torch
 
 import probe
+from tests.conftest import sgd_autocast_pair
 
 TOKENS, WIDTH = 64, 16
 
@@ -87,30 +88,7 @@ class _MaskFill(torch.nn.Module):
 
 
 def _pair(root, build, fault=None):
-    """Two steps of SGD of ``build()`` on fixed data: run A in fp32, run B under bf16 autocast
-    with ``fault`` (a module name: its output scaled by 1.5 at step 1)."""
-    runs = []
-    for name, autocast in (("a", False), ("b", True)):
-        torch.manual_seed(0)
-        model = build()
-        scaled = [False]
-        if fault is not None and autocast:  # scaled inside the module's call, as a bug in it
-            module = model.get_submodule(fault)
-            forward = module.forward
-            module.forward = lambda x, forward=forward, scaled=scaled: forward(x) * (1.5 if scaled[0] else 1)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-        x = torch.randn(TOKENS, WIDTH, generator=torch.Generator().manual_seed(1))
-        with probe.mode("stats", out=root / name, model=model) as session:
-            for step in range(2):
-                scaled[0] = step == 1
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                    loss = model(x).square().mean()  # no cast of its own: run B's loss in bf16
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                session.step()
-        runs.append(root / name)
-    return runs
+    return sgd_autocast_pair(root, build, torch.bfloat16, TOKENS, WIDTH, fault)
 
 
 def _healthy_and_fault(tmp_path, build, fault_module):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 import probe
+from tests.conftest import sgd_autocast_pair
 
 TOKENS, WIDTH = 32, 16
 
@@ -28,30 +29,7 @@ class _TinyProducts(torch.nn.Module):
 
 
 def _fp16_pair(root, build, fault=None):
-    """Two steps of SGD of ``build()`` on fixed data: run A in fp32, run B under fp16 autocast
-    with ``fault`` (a module name: its output scaled by 1.5 at step 1)."""
-    runs = []
-    for name, autocast in (("a", False), ("b", True)):
-        torch.manual_seed(0)
-        model = build()
-        scaled = [False]
-        if fault is not None and autocast:
-            module = model.get_submodule(fault)
-            forward = module.forward
-            module.forward = lambda x, forward=forward, scaled=scaled: forward(x) * (1.5 if scaled[0] else 1)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-        x = torch.randn(TOKENS, WIDTH, generator=torch.Generator().manual_seed(1))
-        with probe.mode("stats", out=root / name, model=model) as session:
-            for step in range(2):
-                scaled[0] = step == 1
-                with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
-                    loss = model(x).float().square().mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                session.step()
-        runs.append(root / name)
-    return runs
+    return sgd_autocast_pair(root, build, torch.float16, TOKENS, WIDTH, fault, widen_loss=True)
 
 
 def test_fp16_results_below_the_normal_range_round_absolutely(tmp_path):
