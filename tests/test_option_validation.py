@@ -142,7 +142,7 @@ def _int_set_cases() -> list[Case]:
             _refused("another type", 1.5), _refused("a bool", True),
             _refused("an item of another type", [[1]]),
             _refused("a negative item", [-1]), _refused("a negative range", range(-3, 2)),
-            _refused("an unreadable string", "0,x"), _refused("an empty string range", "4-1"),
+            _refused("an unreadable string", "0,x"), _refused("an empty string range", "5,4-1"),
             _refused("selects nothing", [])]
 
 
