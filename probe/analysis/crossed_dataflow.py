@@ -69,11 +69,6 @@ def _crossed(a: OpRecord, b: OpRecord, by_index_a: dict[int, OpRecord], by_index
         pa, pb = by_index_a.get(ta.source[0]), by_index_b.get(tb.source[0])
         if pa is None or pb is None or (call_a(pa) != call and call_b(pb) != call):
             continue  # a value from outside the module call: its boundary, judged where it is read
-        if a.phase == "backward" and (call_a(pa) != call or call_b(pb) != call):
-            # A gradient arriving from outside in one run: autograd sums the partial gradients of a
-            # value where they meet, and one run's cast (a bf16 model's fp32 norm) moves where that
-            # is, so the same add sums other terms. The regrouped sums are judged by their result.
-            continue
         if ta.shape != tb.shape:
             return True  # another value: what one run inserts on a value (a cast) keeps its shape
         paired_a, paired_b = pa.index in partner, pb.index in a_of_b
