@@ -33,26 +33,27 @@ import transformers
 
 VOCAB, BATCH, SEQ, LR, CORPUS = 128, 4, 32, 3e-3, 16
 OUTLIER = 1000.0
-"""The outlier channel's factor (``--outlier``)."""
+"""The outlier channel's factor by default (``--outlier``)."""
 
 
-def model_with_outlier() -> torch.nn.Module:
-    """The worked example's model (docs/recipes_example.py), its outlier ``OUTLIER`` times the rest."""
+def model_with_outlier(outlier: float = OUTLIER) -> torch.nn.Module:
+    """The worked example's model (docs/recipes_example.py), its outlier channel ``outlier`` times
+    the rest."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager"))
     with torch.no_grad():  # one channel of layer 1's MLP input x1000 (SwiGLU-style outlier)
-        model.model.layers[1].post_attention_layernorm.weight[7] *= OUTLIER
+        model.model.layers[1].post_attention_layernorm.weight[7] *= outlier
     return model
 
 
 def train(steps: int, seed: int, out: Path | None = None, modes: Any = None, autocast: bool = False,
-          **options: Any) -> list[float]:
+          outlier: float = OUTLIER, **options: Any) -> list[float]:
     """``steps`` AdamW steps (under ``modes`` when given); the losses."""
     import probe
 
-    model = model_with_outlier()
+    model = model_with_outlier(outlier)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     gen = torch.Generator().manual_seed(seed)
     corpus = torch.randint(0, VOCAB, (CORPUS, SEQ), generator=gen)
@@ -79,19 +80,21 @@ def largest_difference(losses: list[float], reference: list[float]) -> float:
 
 
 def measure(steps: int, seed: int, recipes: list[str], keep_fraction: float,
-            root: Path) -> list[dict[str, Any]]:
+            root: Path, outlier: float = OUTLIER) -> list[dict[str, Any]]:
     import probe
     from probe.modes.recipes.ranking import write_plan
 
-    reference = train(steps, seed)
-    envelope = largest_difference(train(steps, seed, autocast=True), reference)
-    train(2, seed, root / "whatif", "whatif", recipes=recipes)
+    reference = train(steps, seed, outlier=outlier)
+    envelope = largest_difference(train(steps, seed, autocast=True, outlier=outlier), reference)
+    train(2, seed, root / "whatif", "whatif", outlier=outlier, recipes=recipes)
     rows = []
     for recipe in recipes:
         plan, path = write_plan(probe.load(root / "whatif"), recipe, root / f"plan-{recipe}.json",
                                 keep_fraction=keep_fraction)
-        uniform = train(steps, seed, root / f"uniform-{recipe}", "fake_quant", plan="all", recipe=recipe)
-        planned = train(steps, seed, root / f"planned-{recipe}", "fake_quant", plan=str(path))
+        uniform = train(steps, seed, root / f"uniform-{recipe}", "fake_quant", outlier=outlier,
+                        plan="all", recipe=recipe)
+        planned = train(steps, seed, root / f"planned-{recipe}", "fake_quant", outlier=outlier,
+                        plan=str(path))
         quantized = len(plan.quantize) / (len(plan.quantize) + len(plan.keep))
         rows.append({"seed": seed, "recipe": recipe, "envelope": envelope,
                      "uniform": largest_difference(uniform, reference),
@@ -119,7 +122,6 @@ def report(rows: list[dict[str, Any]], steps: int, keep_fraction: float, seconds
 
 
 def main(argv: list[str] | None = None) -> int:
-    global OUTLIER  # the model builder's factor, as every train() of the run builds it
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--seeds", type=int, default=3)
@@ -129,13 +131,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="the outlier channel's factor (the worked example's: 1000)")
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args(argv)
-    OUTLIER = args.outlier
     warnings.filterwarnings("ignore")
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for seed in range(args.seeds):
         with tempfile.TemporaryDirectory() as tmp:
-            rows += measure(args.steps, seed, args.recipes.split(","), args.keep_fraction, Path(tmp))
+            rows += measure(args.steps, seed, args.recipes.split(","), args.keep_fraction, Path(tmp),
+                            args.outlier)
         print(f"seed {seed} done", flush=True)
     text = report(rows, args.steps, args.keep_fraction, time.perf_counter() - start)
     print(text)

@@ -25,14 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
-from probe.analysis.precision import short_name
+from probe.analysis.precision import SAME_ORDER_VIEWS, short_name
 from probe.rundir.run import OpRecord
-
-_SAME_ORDER_VIEWS = frozenset({"view", "_unsafe_view", "reshape", "_reshape_alias", "alias", "detach",
-                               "clone", "contiguous", "lift_fresh", "view_as", "unsqueeze", "squeeze",
-                               "flatten"})
-"""Ops whose result is their input's elements in their order: the same value, read by shape
-(and ``expand`` to the shape it has already)."""
 
 
 def refuse_crossed(ops_a: list[OpRecord], ops_b: list[OpRecord], partner: dict[int, OpRecord],
@@ -96,4 +90,4 @@ def _keeps_its_input(op: OpRecord) -> bool:
     short = short_name(op.name)
     if short == "expand":  # to the shape it has already: an alias
         return bool(op.outputs) and op.outputs[0].shape == op.inputs[0].shape
-    return short in _SAME_ORDER_VIEWS
+    return short in SAME_ORDER_VIEWS

@@ -788,10 +788,12 @@ def selection_gain(op: OpRecord) -> float:
     return max(ratio, 1.0) if math.isfinite(ratio) else 1.0
 
 
-_WHOLE_VIEWS = frozenset({
-    "t", "view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "permute", "expand", "expand_as",
-    "contiguous", "clone", "detach", "alias", "unsqueeze", "squeeze", "lift_fresh", "view_as",
+SAME_ORDER_VIEWS = frozenset({
+    "view", "_unsafe_view", "reshape", "_reshape_alias", "contiguous", "clone", "detach", "alias",
+    "unsqueeze", "squeeze", "lift_fresh", "view_as",
 })
+"""Ops whose result is their one input's elements in their order: the same value, read by shape."""
+_WHOLE_VIEWS = SAME_ORDER_VIEWS | {"t", "transpose", "permute", "expand", "expand_as"}
 """Ops whose result holds every element of their one input, unchanged (repeated at most): the
 statistics of a difference pass through them as they are."""
 _VALUE_CASTS = frozenset({"_to_copy", "to", "_to_dtype"})
