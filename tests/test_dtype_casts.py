@@ -6,7 +6,6 @@ take the regrouped sums for one quantity, and must still find a fault after them
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -70,16 +69,12 @@ def _run(out, dtype: torch.dtype, scaled_from: int | None = None):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="issue 33: since 02a8b6e the crossed-dataflow refusal unpairs the "
-                   "norm's regrouped backward add (docs/compare.md, 'Not yet')")
 def test_a_bf16_model_whose_norm_casts_to_fp32_is_no_divergence(tmp_path):
     report = probe.compare(_run(tmp_path / "a", torch.float32), _run(tmp_path / "b", torch.bfloat16))
     assert report.first_divergence is None and report.ok, report.conclusion
     assert report.conclusion.startswith("no divergence: differences consistent with the precision of run B")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 33: since 02a8b6e the crossed-dataflow refusal unpairs the "
-                   "norm's regrouped backward add (docs/compare.md, 'Not yet')")
 def test_a_fault_after_a_bf16_models_norm_casts_is_found_at_its_module_and_step(tmp_path):
     report = probe.compare(_run(tmp_path / "a", torch.float32),
                            _run(tmp_path / "b", torch.bfloat16, scaled_from=1))

@@ -48,6 +48,7 @@ from probe.analysis.micro_batches import MicroBatches, accumulation_end, micro_b
 from probe.analysis.mode_records import StepDump
 from probe.analysis.module_graph import common_module
 from probe.analysis.overwrites import overwritten_inputs
+from probe.analysis.regrouped_sums import is_regrouped_sum
 from probe.analysis.replay import recompute
 from probe.analysis.report_writers import write_report
 from probe.analysis.routing import Routed, decides, discrete
@@ -966,6 +967,11 @@ class _RunView:
     only: set[int]
     """Indices of the ops that exist in this run only."""
 
+    def partner_in_a(self, index: int) -> int | None:
+        """Run A's index of this run's op ``index`` where it is matched (run B's view)."""
+        row = self.comparisons.get(index)
+        return row.a.index if row is not None and row.a is not None else None
+
     def output_record(self, source: tuple[int, int] | None) -> TensorRecord | None:
         producer = self.ops.get(source[0]) if source is not None else None
         if producer is None or source is None or source[1] >= len(producer.outputs):
@@ -1003,6 +1009,10 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
     """
     assert c.a is not None and c.b is not None
     ops = (c.a, c.b)
+    if c.a.phase == "backward" and is_regrouped_sum(
+            c.a, c.b, views[0].ops, views[1].ops, views[0].only, views[1].only,
+            views[1].partner_in_a):
+        return None  # autograd added the same gradients in another grouping: judged by its result
     for position in range(min(len(c.a.inputs), len(c.b.inputs))):
         walks = [_one_run_producers(op, position, view.ops, view.only)
                  for op, view in zip(ops, views, strict=True)]

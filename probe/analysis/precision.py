@@ -796,7 +796,8 @@ SAME_ORDER_VIEWS = frozenset({
 _WHOLE_VIEWS = SAME_ORDER_VIEWS | {"t", "transpose", "permute", "expand", "expand_as"}
 """Ops whose result holds every element of their one input, unchanged (repeated at most): the
 statistics of a difference pass through them as they are."""
-_VALUE_CASTS = frozenset({"_to_copy", "to", "_to_dtype"})
+VALUE_CASTS = frozenset({"_to_copy", "to", "_to_dtype"})
+"""Ops that change a value's dtype only: the same value, rounded once where the dtype is lower."""
 _SCALINGS = frozenset({"mul", "div", "neg", "mul_", "div_", "neg_"})
 
 
@@ -820,7 +821,7 @@ def faithful_rounding(op: OpRecord) -> float | None:
     short = short_name(op.name)
     if short in _WHOLE_VIEWS:
         return 0.0 if out == inp else None
-    if short in _VALUE_CASTS:
+    if short in VALUE_CASTS:
         return eps(out) / 2 if _lower(out, inp) else 0.0  # a widening is exact
     if short in _SCALINGS:
         return eps(lower_of(out, inp)) / 2
