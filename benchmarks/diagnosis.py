@@ -430,7 +430,8 @@ def record(case: Case, out: Path, side: str) -> Planted | None:
     return planted
 
 
-def _inside(module: str, planted: str) -> bool:
+def inside(module: str, planted: str) -> bool:
+    """Whether ``module`` is the ``planted`` module or one inside it."""
     return module == planted or (planted != "" and module.startswith(planted + "."))
 
 
@@ -482,7 +483,7 @@ def judge(report: Any, planted: Planted | None) -> Answer:
         return Answer(found, None, conclusion, answer, "no divergence")
     where = planted.module or "<outside modules>"
     expected = f"step {planted.step} {where}"
-    found = d is not None and d.step == planted.step and _inside(d.op.module, planted.module) \
+    found = d is not None and d.step == planted.step and inside(d.op.module, planted.module) \
         and where in conclusion
     # Planted before the first step, a weight is a difference the runs started with: the
     # start check names the parameter.

@@ -45,7 +45,7 @@ import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -263,9 +263,30 @@ def run_case(case: Case, built: Built, root: Path, references: dict[Reference, P
     answer = judge(report, planted)
     d = report.divergence
     ok = not answer.found if planted is None else answer.found
+    if kind is None or kind.name == "overflow":  # a fault of another kind may overflow for real
+        wrong_origin = _nonfinite_misplaced(out_b, planted)
+        if wrong_origin is not None:
+            ok = False
+            answer = replace(answer, answer=f"{answer.answer}; {wrong_origin}")
     return Outcome(case, ok, answer.answer, answer.expected, answer.conclusion, site,
                    rule=d.rule if d is not None else "", op=d.op.name if d is not None else "",
                    module=d.op.module if d is not None else "", seconds=time.perf_counter() - start)
+
+
+def _nonfinite_misplaced(run: Path, overflow: Planted | None) -> str | None:
+    """What is wrong with ``Run.first_nonfinite()`` of run B (a healthy run, or one with an
+    ``overflow`` planted), in a few words; None when it is right: None on a healthy run (a mask's
+    ``-inf``, read or not, is no fault), the planted module's op at the planted step on a run
+    with an overflow."""
+    import probe
+
+    origin = probe.Run(run).first_nonfinite()
+    if origin is None:
+        return None if overflow is None else "first_nonfinite: none"
+    if overflow is not None and origin.step == overflow.step \
+            and diagnosis.inside(origin.module, overflow.module):
+        return None
+    return f"first_nonfinite: step {origin.step} {origin.module or '<outside modules>'} {origin.name}"
 
 
 def _fails_without_probe(built: Built, pair: Pair) -> str | None:

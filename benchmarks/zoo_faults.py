@@ -30,6 +30,9 @@ input's rounding) is not a fault the comparison could be asked to find. The kind
   step k-1 computed in lower precision, and the fp16 storage is a change between the steps
   on top of it. A run whose states are already held lower (a bf16 model) keeps its dtype: the
   values pass through fp16 and back.
+- ``overflow``: a module's output scaled, from step k on, so that its largest magnitude goes
+  past its dtype's largest finite value (finite inputs, an infinite output): besides compare,
+  ``Run.first_nonfinite()`` of run B must name that module and step (:mod:`benchmarks.zoo`).
 
 delta is drawn from 0.05 to 1 in mixed-precision pairs and log-uniformly from 1e-6 to 1 in the
 exact pair (fp32 against itself), where a fault of any size shows.
@@ -97,6 +100,7 @@ KINDS = {k.name: k for k in [
     FaultKind("dropout"),
     FaultKind("mask-shift"),
     FaultKind("optimizer-fp16", between_steps=True),
+    FaultKind("overflow"),
 ]}
 
 
@@ -134,6 +138,15 @@ def _scaled(out: Any, factor: float) -> Any:
         scaled = [out[0] * factor, *out[1:]]
         return scaled if isinstance(out, list) else tuple(scaled)
     raise TypeError(f"cannot scale an output of type {type(out).__name__}")
+
+
+def _overflowed(out: Any) -> Any:
+    """``out`` (as :func:`_scaled` takes it) scaled so that its largest magnitude goes past its
+    dtype's largest finite value: finite inputs, an infinite output, as an activation that grows
+    unbounded overflows."""
+    tensor = out if isinstance(out, torch.Tensor) else out[0]
+    to_max = torch.finfo(tensor.dtype).max / tensor.detach().abs().amax().float().clamp_min(1e-30).item()
+    return _scaled(_scaled(out, to_max), 2.0)  # at the largest finite value, then past it
 
 
 @dataclass
@@ -265,7 +278,7 @@ def _candidates(kind: str, model: torch.nn.Module, found: Discovery) -> list[str
     """The sites a kind may be planted at (before the loss check)."""
     modules = dict(model.named_modules())
     called = [n for n in found.called if n]
-    if kind == "scale-output":
+    if kind in ("scale-output", "overflow"):
         return [n for n in called if found.outputs.get(n) == "tensor"
                 and not isinstance(modules[n], torch.nn.Dropout)]
     if kind == "cast-matmul":
@@ -341,6 +354,9 @@ def plant(kind: FaultKind, model: torch.nn.Module, site: str, rng: random.Random
         fault.detail = f"x(1+{delta:.3g})"
         _wrap_forward(module, lambda f, *a, **k: _scaled(f(*a, **k), 1 + delta) if fault.active
                       else f(*a, **k))
+    elif name == "overflow":
+        fault.detail = "output past its dtype's largest value"
+        _wrap_forward(module, lambda f, *a, **k: _overflowed(f(*a, **k)) if fault.active else f(*a, **k))
     elif name in ("cast-matmul", "cast-softmax"):
         functions = MATMULS if name == "cast-matmul" else SOFTMAXES
 

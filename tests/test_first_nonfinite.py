@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import probe
@@ -92,3 +93,61 @@ def test_an_unread_causal_mask_is_no_origin_the_first_overflow_is(tmp_path):
     assert first.inputs_finite
     for step in run.steps:
         assert all(op.name.split(".")[1] not in ("full", "triu") for op in run.nonfinite_origins(step))
+
+
+class _MaskedAttention(nn.Module):
+    """Causal attention through SDPA with an additive float mask of -inf (read, and absorbed by the
+    softmax), then a projection whose output the test can push past float32's largest value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+        self.overflow = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.unflatten(-1, (2, 8)).transpose(1, 2).contiguous() for t in self.qkv(x).chunk(3, dim=-1))
+        mask = torch.full((x.shape[1], x.shape[1]), float("-inf")).triu(1)
+        y = self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2))
+        return y * 3e38 * 10 if self.overflow else y
+
+
+def test_a_read_mask_is_no_origin_of_the_nan_a_later_overflow_sends_back(tmp_path):
+    # The overflow after the attention makes every gradient NaN; the attention's backward reads
+    # that NaN gradient and the mask's -inf, and its NaN outputs are the gradient's: the mask, whose
+    # -inf the forward's softmax absorbed, is where no fault starts (it was named first before).
+    torch.manual_seed(0)
+    model = _MaskedAttention()
+    x = torch.randn(2, 6, 16)
+    with probe.mode("stats", out=tmp_path, model=model) as session:
+        for step in range(2):
+            model.overflow = step == 1
+            model(x).square().mean().backward()
+            session.step()
+    run = probe.load(tmp_path)
+    assert run.first_nonfinite(step=0) is None
+    first = run.first_nonfinite()
+    assert first is not None and first.inputs_finite, first
+    assert (first.step, first.module, first.name, first.phase) == (1, "", "aten.mul.Tensor", "forward"), first
+
+
+def test_the_dropped_values_of_a_topk_over_masked_scores_are_no_fault(tmp_path):
+    # An indexer masks scores with -inf and keeps topk's indices only (a sparse attention's key
+    # selection): the -inf values topk returns beside them are dropped by the program, not a result.
+    class Indexer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.proj(x)
+            scores = h @ x.transpose(-1, -2)
+            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+            picked = scores.topk(4, dim=-1).indices  # the first rows have fewer than 4 keys
+            return torch.gather(h, 1, picked[..., :1].expand(-1, -1, h.shape[-1]))
+
+    torch.manual_seed(0)
+    model = Indexer()
+    with probe.mode("stats", out=tmp_path, model=model) as session:
+        model(torch.randn(2, 6, 8)).sum().backward()
+        session.step()
+    assert probe.load(tmp_path).first_nonfinite() is None

@@ -10,6 +10,7 @@ share them without depending on one another.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -267,11 +268,14 @@ def nonfinite_origins_in(ops: list[OpRecord]) -> list[OpRecord]:
 
     - is read by no later op of the step, other than for its shape: it is the loss, a
       gradient, a parameter or optimizer state the optimizer wrote, or a result handed to
-      the user; or
+      the user (not an output of a forward op the program read another output of and
+      dropped this one: the values of ``topk(...).indices``); or
     - is read by an op that has no tensor outputs (``.item()`` hands the value to Python),
       or whose outputs are unknown (no statistics), or one of whose outputs holds a kind this
       one may become there (itself; NaN; the other sign of Inf in an op that may change
-      signs, see ``_SIGN_CHANGING``) that reaches a fault in turn.
+      signs, see ``_SIGN_CHANGING``), that the reader's other inputs do not hold, and that
+      reaches a fault in turn (an attention's backward whose incoming gradient is NaN passes
+      on that NaN, not its mask's -inf).
 
     A kind that no reader passes on is *absorbed*: the ``-inf`` of an attention mask that
     softmax, or ``exp``, turns into zeros is no fault, even where the reader makes another
@@ -294,22 +298,51 @@ def nonfinite_origins_in(ops: list[OpRecord]) -> list[OpRecord]:
     reaching: dict[tuple[int, int], frozenset[str]] = {}  # (op, output) -> its kinds that reach a fault
     constant = _constant_ops(ops)
 
-    def passes_on(reader: OpRecord, kind: str) -> bool:
+    def held_by(op: OpRecord, tensors: Iterable[TensorRecord]) -> set[str]:
+        """The kinds ``tensors`` (inputs of ``op`` computed in the step) held, as ``op`` may pass
+        them on: an Inf of either sign where ``op`` may change signs."""
+        held: set[str] = set()
+        for tensor in tensors:
+            if tensor.source is None:
+                continue  # from outside the step: a kind it brings enters the step at ``op``
+            kinds = tensor.nonfinite_kinds
+            if kinds is None and tensor.source[0] < len(outputs):  # the producer's, when known
+                produced = outputs[tensor.source[0]]
+                kinds = produced[tensor.source[1]] if tensor.source[1] < len(produced) else None
+            held.update(kinds or ())
+        if (POSINF in held or NEGINF in held) and _may_change_sign(op.name):
+            held.update((POSINF, NEGINF))  # -x of -Inf is +Inf: passed on, not made here
+        return held
+
+    def passes_on(reader: OpRecord, source: tuple[int, int], kind: str) -> bool:
         kinds = outputs[reader.index]
         if not kinds or any(k is None for k in kinds):
             return True
-        heirs = _heirs(reader, kind)
+        # A kind this one would become only by changing, that the reader's other inputs hold
+        # already, is theirs: the NaN of an attention's backward whose incoming gradient is NaN
+        # is that gradient's, not its mask's -inf, which the forward absorbed. The same kind in
+        # two inputs is passed on by both.
+        others = held_by(reader, [t for t in reader.inputs
+                                  if t.source is None or tuple(t.source[:2]) != source])
+        heirs = _heirs(reader, kind) - (others - {kind})
         return any(heirs & reaching.get((reader.index, q), frozenset()) for q in range(len(kinds)))
 
     for op in reversed(ops):  # a reader comes after what it reads
+        read_outputs = [bool(readers.get((op.index, q))) for q in range(len(outputs[op.index]))]
         for position, kinds in enumerate(outputs[op.index]):
             if not kinds:
                 continue
             values = readers.get((op.index, position))
-            if not values:  # a result, unless nothing computed it: a mask built and never used
-                reached = frozenset() if op.index in constant else kinds
+            if not values:
+                # A result, unless nothing computed it (a mask built and never used) or the program
+                # kept another of the op's new results in forward and dropped this one (``topk(...)
+                # .indices`` of scores masked with -inf: the values are never used). An in-place
+                # op's results are the state it wrote (a GradScaler's unscale of the gradients).
+                dropped = op.phase == "forward" and any(read_outputs) and not _short_name(op).endswith("_")
+                reached = frozenset() if op.index in constant or dropped else kinds
             else:
-                reached = frozenset(k for k in kinds if any(passes_on(ops[c], k) for c in values))
+                reached = frozenset(k for k in kinds
+                                    if any(passes_on(ops[c], (op.index, position), k) for c in values))
             if reached:
                 reaching[(op.index, position)] = reached
     origins = []
@@ -317,18 +350,8 @@ def nonfinite_origins_in(ops: list[OpRecord]) -> list[OpRecord]:
         reached = frozenset().union(*(reaching.get((op.index, q), ()) for q in range(len(op.outputs))))
         if not reached:
             continue
-        held: set[str] = set()  # kinds its inputs computed in the step held
-        if _short_name(op) not in _READS_SHAPE_ONLY:
-            for tensor in op.inputs:
-                if tensor.source is None:
-                    continue  # from outside the step: a kind it brings enters the step here
-                kinds = tensor.nonfinite_kinds
-                if kinds is None and tensor.source[0] < len(outputs):  # the producer's, when known
-                    produced = outputs[tensor.source[0]]
-                    kinds = produced[tensor.source[1]] if tensor.source[1] < len(produced) else None
-                held.update(kinds or ())
-            if (POSINF in held or NEGINF in held) and _may_change_sign(op.name):
-                held.update((POSINF, NEGINF))  # -x of -Inf is +Inf: passed on, not made here
+        # Kinds its inputs computed in the step held are passed on, not made here.
+        held = held_by(op, op.inputs) if _short_name(op) not in _READS_SHAPE_ONLY else set()
         if reached - held:
             origins.append(op)
     return origins
