@@ -62,3 +62,68 @@ def test_a_fault_inside_the_black_box_is_named_at_its_module(sdpa_run, tmp_path)
     d = report.divergence
     assert d is not None, report.conclusion
     assert d.step == 0 and d.op.module == ATTN, (d.op.id, d.rule, d.comparison.message)
+
+
+def _shifted_mask_attention(per_head: bool):
+    """An attention function of one's own (registered with transformers) whose mask is moved by
+    one key position: its mask fill is ``finfo.min`` of the scores' dtype, and ``per_head`` writes
+    it as a loop over batch rows and heads, as hand-written re-implementations do (a long black
+    box: one matmul, scale, fill, softmax and matmul per head)."""
+
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        n = query.shape[-2]
+        keep = torch.ones(n, n, dtype=torch.bool).tril().roll(1, dims=-1)
+
+        def one(q, k, v):
+            scores = (q @ k.transpose(-1, -2)) * scaling
+            scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)
+            return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+        if per_head:
+            out = torch.stack([torch.stack([one(query[b, h], key[b, h], value[b, h])
+                                            for h in range(query.shape[1])]) for b in range(query.shape[0])])
+        else:
+            out = one(query, key, value)
+        return out.transpose(1, 2).contiguous(), None
+
+    return attend
+
+
+def _run_shifted(out, per_head: bool, autocast: torch.dtype | None):
+    import transformers
+
+    name = f"probe_test_shifted_{'per_head' if per_head else 'batched'}"
+    transformers.AttentionInterface.register(name, _shifted_mask_attention(per_head))
+    model = tiny_llama(hidden_size=64, intermediate_size=128, attn_implementation="sdpa")
+    attention = model.get_submodule(ATTN)
+    attention.config = type(attention.config)(**attention.config.to_dict())
+    attention.config._attn_implementation_internal = name  # this layer only
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with probe.mode("stats", out=str(out), model=model) as session:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            session.step()
+    return out
+
+
+@pytest.mark.parametrize("per_head, autocast", [(True, None), (False, torch.float16)],
+                         ids=["per-head-loop-fp32", "fp16-autocast"])
+def test_a_mask_moved_by_one_key_in_a_reimplemented_attention_is_named_there(sdpa_run, tmp_path,
+                                                                               per_head, autocast):
+    """Before: a black box of over 64 ops was 'too long to bound' and passed unjudged (the per-head
+    loop: named only by the shape rule at a backward view); fp16's mask fill (-65504) was taken
+    for a logit, so the softmax's estimated amplification (2 x 65504) excused any difference
+    (none found)."""
+    report = probe.compare(sdpa_run, _run_shifted(tmp_path / "b", per_head, autocast))
+    d = report.divergence
+    assert d is not None, report.conclusion
+    # In the forward, where the attention's output first differs (not at a backward view paired
+    # with another of another shape, as the per-head loop was named before).
+    assert (d.step, d.op.module, d.op.phase) == (0, ATTN, "forward"), (d.op.id, d.rule, d.comparison.message)

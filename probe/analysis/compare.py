@@ -907,7 +907,7 @@ def _written_error(c: OpComparison) -> float:
 
 
 def _one_run_producers(op: OpRecord, position: int, ops: dict[int, OpRecord], only: set[int],
-                       limit: int = 64) -> tuple[list[OpRecord], list[tuple[int, int]]] | None:
+                       limit: int = 512) -> tuple[list[OpRecord], list[tuple[int, int]]] | None:
     """The ops of one run only that produced input ``position`` of ``op`` (walking up through such
     ops, earliest first), and the sources at their boundary: outputs of matched ops, whose
     differences are known. None when more than ``limit`` such ops would have to be walked."""

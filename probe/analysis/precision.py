@@ -489,11 +489,19 @@ def differing_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 _MASK_MAGNITUDE = 1e30
-"""Values this large are mask fills (``finfo.min``), written as constants, never computed."""
+"""Values this large are mask fills (``finfo.min`` of float32 or bfloat16), written as constants,
+never computed."""
+_FP16_FILL = float(torch.finfo(torch.float16).max)
+"""float16's ``finfo.min`` (-65504): the fill of a mask made in the dtype of fp16 autocast's
+activations, held in float16 or in the float32 its softmax computes in. No computation lands
+on it but by saturating, and an fp16 overflow gives Inf, not this."""
 
 
 def _is_fill(value: float | None) -> bool:
-    return value is not None and math.isfinite(value) and abs(value) >= _MASK_MAGNITUDE
+    if value is None or not math.isfinite(value):
+        return False
+    magnitude = abs(value)
+    return magnitude >= _MASK_MAGNITUDE or magnitude == _FP16_FILL
 
 
 def masked(stats: dict | None) -> bool:
@@ -659,7 +667,7 @@ def _magnitude(record: TensorRecord) -> float | None:
     if stats is None or stats.get("min") is None or stats.get("max") is None:
         return None
     values = [abs(float(stats[k])) for k in ("min", "max")]
-    kept = [v for v in values if math.isfinite(v) and v < _MASK_MAGNITUDE]
+    kept = [v for v in values if math.isfinite(v) and not _is_fill(v)]
     return max(kept) if kept else 0.0
 
 
