@@ -292,3 +292,47 @@ def test_the_gradient_of_a_bias_before_batch_norm_is_rounding_alone(tmp_path):
     record(tmp_path / "b", True)
     report = probe.compare(tmp_path / "a", tmp_path / "b")
     assert report.divergence is None, report.conclusion
+
+
+class _QkNormRotary(torch.nn.Module):
+    """A query projection, its RMS norm computed in float32 and cast back to the dtype the query
+    arrived in, then rotary angles computed in float32 from positions and cast to the query's
+    dtype before they multiply it (NeoMME's attention under fp16 autocast)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.out = torch.nn.Linear(32, 32), torch.nn.Linear(32, 8)
+        self.weight = torch.nn.Parameter(torch.ones(32))
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 32, 2).float() / 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x)
+        h = q.float()
+        q = (self.weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(q.dtype)
+        angles = torch.arange(x.shape[1], device=x.device).float()[:, None] * self.inv_freq
+        cos = angles.cos().repeat(1, 2).to(q.dtype)
+        return self.out(q * cos)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_cast_meeting_a_query_a_norm_cast_back_is_no_lowering(tmp_path, dtype):
+    # The rotary cast meets the query the norm put back in autocast's dtype: that operand brings
+    # the dtype it arrived in (before, as the cast down of `F.linear(x.to(bf16), ...)` brings
+    # none, it did not count, and the rotary cast was 'lowered precision').
+    runs = []
+    for name, autocast in (("a", False), ("b", True)):
+        torch.manual_seed(0)
+        model = _QkNormRotary()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        data = torch.Generator().manual_seed(1)
+        with probe.mode("stats", out=tmp_path / name, model=model) as session:
+            for _ in range(2):
+                with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+                    out = model(torch.randn(2, 6, 32, generator=data))
+                out.float().square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                session.step()
+        runs.append(tmp_path / name)
+    report = probe.compare(*runs)
+    assert report.first_divergence is None and report.ok, report.conclusion

@@ -325,12 +325,15 @@ def _meets_its_dtype(consumer: OpRecord, cast: OpRecord, dtype: torch.dtype,
 
 def _lowered_by_cast(op: OpRecord, ops: dict[int, OpRecord], limit: int = 16) -> bool:
     """Whether ``op``'s result is, through views, a cast's that lowered its value: an operand cast
-    down beside another (``F.linear(x.to(bf16), w.to(bf16))``) brought no precision of its own."""
+    down beside another (``F.linear(x.to(bf16), w.to(bf16))``) brought no precision of its own.
+    Not a cast back to the dtype the value arrived in (a QK-norm's ``.to(input_dtype)`` of a query
+    an fp16 projection made): that operand brings its arrival dtype's precision."""
     for _ in range(limit):
         short = short_name(op.name)
         if short in _CASTS:
             out, inp = output_precision(op), input_precision(op)
-            return out is not None and inp is not None and _lower(out, inp)
+            return out is not None and inp is not None and _lower(out, inp) \
+                and not _restores_arrival_dtype(op, out, ops)
         if short not in _PASS_THROUGH or not op.inputs or op.inputs[0].source is None:
             return False
         producer = ops.get(op.inputs[0].source[0])
