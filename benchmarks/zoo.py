@@ -263,6 +263,10 @@ def run_case(case: Case, built: Built, root: Path, references: dict[Reference, P
     answer = judge(report, planted)
     d = report.divergence
     ok = not answer.found if planted is None else answer.found
+    own = _fails_without_probe(built, pair) if planted is None and not ok else None
+    if own is not None:  # a healthy pair the model itself breaks is no pair: not applicable
+        return Outcome(case, True, skipped=f"the model fails under {case.pair} without the probe: {own}",
+                       seconds=time.perf_counter() - start)
     if kind is None or kind.name == "overflow":  # a fault of another kind may overflow for real
         wrong_origin = _nonfinite_misplaced(out_b, planted)
         if wrong_origin is not None:
@@ -291,14 +295,23 @@ def _nonfinite_misplaced(run: Path, overflow: Planted | None) -> str | None:
 
 def _fails_without_probe(built: Built, pair: Pair) -> str | None:
     """Why ``built``'s model fails its first forward under ``pair``'s policy with no probe
-    around it (DeBERTa's attention fills bf16 scores with float32's minimum under autocast),
-    in one line; None when it runs."""
+    around it (DeBERTa's attention fills bf16 scores with float32's minimum under autocast), or
+    gives a non-finite loss or gradient (unscaled), in one line; None when it runs to finite ones."""
     policy = Policy(pair)
     try:
-        policy.loss(built, policy.prepare(built.model(pair.attn)))
+        model = policy.prepare(built.model(pair.attn))
+        loss = policy.loss(built, model, grad=True)
+        loss.backward()
     except Exception as e:  # the model's own error, reported as the reason the case does not apply
         return first_line(e)
-    return None
+    if not torch.isfinite(loss).all():
+        return f"its loss is {loss.float().item():g} on the first batch"
+    # LongT5's -1e10 position-bias mask overflows fp16 scores to -inf, whole rows of it make the
+    # softmax NaN and every gradient with it: no run of that policy trains (a GradScaler skips
+    # every step), and what the probe names is that overflow.
+    bad = next((name for name, p in model.named_parameters()
+                if p.grad is not None and not torch.isfinite(p.grad).all()), None)
+    return None if bad is None else f"the gradient of {bad} is not finite on the first batch"
 
 
 def cases_for(arch: Architecture, pairs: Iterable[str], faults: Iterable[str], steps: int) -> list[Case]:

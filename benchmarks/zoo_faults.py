@@ -412,11 +412,12 @@ class Policy:
     def autocast(self) -> torch.autocast:
         return torch.autocast("cpu", dtype=self.pair.autocast or LOW, enabled=self.pair.autocast is not None)
 
-    def loss(self, built: Built, model: torch.nn.Module, fault: Fault | None = None) -> torch.Tensor:
-        """The loss of the first batch (no gradients, torch's RNG left as it was)."""
+    def loss(self, built: Built, model: torch.nn.Module, fault: Fault | None = None,
+             grad: bool = False) -> torch.Tensor:
+        """The loss of the first batch (torch's RNG left as it was; no gradients unless ``grad``)."""
         batch = self.cast(built.batch(torch.Generator().manual_seed(1)))
         around = fault.around_loss() if fault is not None else contextlib.nullcontext()
-        with torch.random.fork_rng(), torch.no_grad(), self.autocast(), around:
+        with torch.random.fork_rng(), torch.set_grad_enabled(grad), self.autocast(), around:
             torch.manual_seed(2)
             return loss_of(model, batch).float()
 

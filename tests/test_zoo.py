@@ -141,3 +141,23 @@ def test_a_model_that_fails_under_run_b_policy_without_the_probe_is_not_applicab
     outcome = run_case(Case(arch, "bf16-autocast"), deberta, tmp_path, {})
     assert outcome.error is None and outcome.skipped is not None, outcome
     assert "without the probe" in outcome.skipped and "BFloat16" in outcome.skipped
+
+
+def test_an_overflow_is_named_by_first_nonfinite_at_its_module_and_step(llama, tmp_path: Path):
+    # The overflow kind is scored twice: compare's answer, and run B's first_nonfinite(), which must
+    # name the planted module and step (a mask's -inf named instead is a miss).
+    outcome = run_case(Case(llama.arch, "fp16-autocast", "overflow"), llama, tmp_path, {})
+    assert outcome.error is None and outcome.skipped is None, outcome
+    assert outcome.ok and "first_nonfinite" not in outcome.answer, (outcome.site, outcome.answer)
+
+
+def test_a_model_whose_gradients_are_not_finite_under_run_b_policy_is_not_applicable(tmp_path: Path):
+    # LongT5 adds its -1e10 position-bias mask to fp16 scores: -inf, whole rows of it, a NaN
+    # softmax and NaN gradients on every step. The probe names that overflow rightly; the pair is
+    # no healthy pair (before: a false divergence).
+    arch = next(a for a in architectures("seq2seq-lm") if a.name == "longt5")
+    longt5 = build(arch)
+    assert isinstance(longt5, Built), longt5
+    outcome = run_case(Case(arch, "fp16-autocast"), longt5, tmp_path, {})
+    assert outcome.error is None and outcome.skipped is not None, outcome
+    assert "gradient of" in outcome.skipped and "not finite" in outcome.skipped
