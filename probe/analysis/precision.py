@@ -414,7 +414,8 @@ def rounding(dtype: torch.dtype, reduction: int = 1, floor: bool = True) -> floa
     return ROUNDING_ULPS * eps(dtype) * math.sqrt(max(reduction, 1))
 
 
-def underflow_rounding(a: TensorRecord, b: TensorRecord) -> float:
+def underflow_rounding(a: TensorRecord, b: TensorRecord,
+                       held: tuple[torch.dtype, torch.dtype] | None = None) -> float:
     """The rounding of two runs' results held below their dtypes' normal range, relative to
     their statistics.
 
@@ -426,14 +427,16 @@ def underflow_rounding(a: TensorRecord, b: TensorRecord) -> float:
     ``ROUNDING_ULPS`` such spacings of each run's dtype over the larger rms of the two bound
     the statistics' relative error (:func:`stats_error` judges the norm against the larger
     norm, the extremes against at least that rms). 0 without statistics or float dtypes.
+    ``held``: the dtypes the two values passed through, where lower than the records' own (a
+    gradient an fp16 matmul made, recorded after its cast to float32).
     """
     rms = [r for r in (_rms(a), _rms(b)) if r is not None]
     scale = max(rms, default=0.0)
     if scale <= 0:
         return 0.0
     spacing = 0.0
-    for record in (a, b):
-        dtype = _floating(record.dtype)
+    dtypes = held if held is not None else (_floating(a.dtype), _floating(b.dtype))
+    for dtype in dtypes:
         if dtype is not None:
             spacing += torch.finfo(dtype).smallest_normal * eps(dtype)  # its smallest subnormal
     return ROUNDING_ULPS * spacing / scale
