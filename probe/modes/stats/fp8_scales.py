@@ -70,12 +70,19 @@ class Fp8Scales:
 
     def __init__(self) -> None:
         self.entries: list[tuple[int, str, tuple[int, ...], torch.Tensor]] = []
+        self.unscaled: set[str] = set()
+        """Names of the op overloads met so far that have no scale argument (all but fp8 ones):
+        the caller tests ``name not in unscaled`` before :meth:`add`, which then costs those ops
+        no call at all (a name is one overload's)."""
 
     def add(self, op_index: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
-            inputs: list[torch.Tensor]) -> None:
-        known = _SCALE_ARGUMENTS.get(id(func))
-        if known is not None and known[0] is func and not known[1]:
-            return  # every op but fp8 ones, for one dict lookup
+            inputs: list[torch.Tensor], op_name: str | None = None) -> None:
+        """Copy the scales of op ``op_index`` (``func``), if it has any; ``op_name``: the name it
+        is recorded under, remembered in :attr:`unscaled` when it has none."""
+        if not _scale_positions(func):
+            if op_name is not None:
+                self.unscaled.add(op_name)
+            return
         for name, scale in scale_arguments(func, args, kwargs, inputs):
             with torch.no_grad():
                 flat = scale.detach().reshape(-1).to(torch.float64 if scale.device.type == "cpu"

@@ -136,8 +136,9 @@ class StatsMode(Mode):
         if info.mutates:
             # Queued results about to be overwritten are reduced first (see statistics.capture).
             self._rows.before_write(call.written())
-        # Read now, and their rows describe no later read (``OpCall.written_unannounced``).
-        unannounced_tensors = call.written_unannounced()
+        # Read now, and their rows describe no later read (``OpCall.written_unannounced``: a
+        # collective's inputs; other ops have none, asked for no call).
+        unannounced_tensors = call.written_unannounced() if info.is_collective else ()
         unannounced = self._storages(unannounced_tensors) if unannounced_tensors else ()
         if unannounced:
             self._rows.before_write(unannounced_tensors)
@@ -197,7 +198,8 @@ class StatsMode(Mode):
         outputs = call.output_tensors or ()
         inputs = call.input_tensors or ()
         info = call.info
-        self._fp8.add(call.index, call.func, call.args, call.kwargs, inputs)
+        if info.name not in self._fp8.unscaled:
+            self._fp8.add(call.index, call.func, call.args, call.kwargs, inputs, info.name)
         reuse_base = (
             (info.is_view or info.short in _UNSAFE_VIEWS) and inputs
             and info.short not in _NOT_SAME_ELEMENTS
@@ -214,7 +216,10 @@ class StatsMode(Mode):
             # Memory the program frees and refills outside any op (FSDP2's unsharded
             # parameters): the value it held when its row was taken may be another one now.
             reuse_base = False
-        moving = call.versions_moving()
+        # Only a writing op (or a deferred collective, whose writes are another op's) moves a
+        # version: the others are spared the call.
+        moving = (call.versions_moving() if info.mutates or call.writes_in_flight is not None
+                  else ())
         for position, t in enumerate(outputs):
             if skipped and call.skip_reason("out", position) is not None:
                 continue
