@@ -237,6 +237,8 @@ class ReductionQueue:
         self.bytes: dict[torch.device, int] = {}
         self.storages: dict[int, torch.device] = {}
         """``StorageImpl`` address of each held tensor's storage -> its device."""
+        self._budgets: dict[torch.device, int] = {}
+        """:meth:`budget_of` each device met, looked up once: :meth:`add` runs per queued tensor."""
 
     def __bool__(self) -> bool:
         return bool(self.storages)
@@ -249,7 +251,10 @@ class ReductionQueue:
         self.storages[queued.storage] = device
         held = self.bytes.get(device, 0) + queued.nbytes
         self.bytes[device] = held
-        return held >= self.budget_of(device)
+        budget = self._budgets.get(device)
+        if budget is None:
+            budget = self._budgets[device] = self.budget_of(device)
+        return held >= budget
 
     def budget_of(self, device: torch.device) -> int:
         """Bytes held on ``device`` before its batches are reduced."""
