@@ -13,9 +13,10 @@ decomposition), or both are paired, but not with each other. Refusals cascade in
 order within the module call, so the part where the
 decompositions differ stays unpaired on both sides: a black box, whose boundary values the
 unmatched-producer rule judges where a paired op outside it reads them. Only producers in the
-same module call count: a value from another module call is that call's boundary, judged there;
-and an insertion by one run only (a cast, a re-implemented activation, a planted roll of a
-mask) leaves the other run's producer paired, so it is never a reason to refuse: it is what the
+same module call count, but for two paired with other ops: a value from another module call is
+that call's boundary, judged there, unless the two runs read other values of it; and an
+insertion by one run only (a cast, a re-implemented activation, a planted roll of a mask)
+leaves the other run's producer paired, so it is never a reason to refuse: it is what the
 judging rules look at. Nor is a reshape one run records between a value and its reader where
 the other reads the value itself (Mamba's mixer under autocast: ``mul`` reads ``view(add)`` in
 one run and the ``add`` in the other): producers are compared through the reshapes that keep
@@ -65,19 +66,38 @@ def _crossed(a: OpRecord, b: OpRecord, by_index_a: dict[int, OpRecord], by_index
         if ta.source is None or tb.source is None:
             continue
         pa, pb = by_index_a.get(ta.source[0]), by_index_b.get(tb.source[0])
-        if pa is None or pb is None or (call_a(pa) != call and call_b(pb) != call):
-            continue  # a value from outside the module call: its boundary, judged where it is read
+        if pa is None or pb is None:
+            continue
+        paired_a, paired_b = pa.index in partner, pb.index in a_of_b
+        if call_a(pa) != call and call_b(pb) != call:
+            # A value from outside the module call is its boundary, judged where it is read, but
+            # one read from two producers paired with other ops is another value wherever it was
+            # made: an op one run alone has (eager attention's scaling `mul` in backward) shifts
+            # the ids of its kind, and the rotary `mul` by sin is paired with the one by cos.
+            if paired_a and paired_b and _paired_otherwise(pa, pb, ta.source, tb.source, by_index_a,
+                                                           by_index_b, partner):
+                return True
+            continue
         if ta.shape != tb.shape:
             return True  # another value: what one run inserts on a value (a cast) keeps its shape
-        paired_a, paired_b = pa.index in partner, pb.index in a_of_b
         if not paired_a and not paired_b:
             return True  # each run's own ops made it: the decompositions differ here
-        if paired_a and paired_b and (partner[pa.index].index != pb.index or ta.source[1] != tb.source[1]):
-            ra, rb = _through_reshapes(pa, by_index_a), _through_reshapes(pb, by_index_b)
-            same = partner.get(ra.index)
-            if (ra is pa and rb is pb) or same is None or same.index != rb.index:
-                return True  # paired producers, but not with each other: another value
+        if paired_a and paired_b and _paired_otherwise(pa, pb, ta.source, tb.source, by_index_a, by_index_b,
+                                                       partner):
+            return True
     return False
+
+
+def _paired_otherwise(pa: OpRecord, pb: OpRecord, source_a: tuple[int, int], source_b: tuple[int, int],
+                      by_index_a: dict[int, OpRecord], by_index_b: dict[int, OpRecord],
+                      partner: dict[int, OpRecord]) -> bool:
+    """Whether two paired producers of one input pair are paired, not with each other (through
+    the reshapes that keep every element in its order), or give other outputs: another value."""
+    if partner[pa.index].index == pb.index and source_a[1] == source_b[1]:
+        return False
+    ra, rb = _through_reshapes(pa, by_index_a), _through_reshapes(pb, by_index_b)
+    same = partner.get(ra.index)
+    return (ra is pa and rb is pb) or same is None or same.index != rb.index
 
 
 def _through_reshapes(op: OpRecord, by_index: dict[int, OpRecord]) -> OpRecord:
