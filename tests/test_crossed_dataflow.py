@@ -211,3 +211,80 @@ def test_a_pair_reading_other_values_made_in_another_module_call_is_refused(tmp_
                 # A paired input is read from its partner: no product by cos against one by sin.
                 assert pairs[ta.source[0]] == tb.source[0] or tb.source[0] not in pairs.values(), \
                     (c.a.id, c.b.id, ta.source, tb.source)
+
+
+class _MaskedAttention(torch.nn.Module):
+    """Attention whose value head is narrower than its query and key heads (as multi-head latent
+    attention's), so that SDPA takes its math path on the CPU: it scales q and k by
+    ``sqrt(scale)`` each, where eager attention scales the scores."""
+
+    def __init__(self, width: int, heads: int, eager: bool, factor: float):
+        super().__init__()
+        self.heads, self.eager, self.factor = heads, eager, factor
+        self.qkv, self.out = torch.nn.Linear(width, 5 * width // 2), torch.nn.Linear(width // 2, width)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, n, w = x.shape
+        mask = mask.select(1, 0).unsqueeze(1)  # read in either kind: booleans or additive floats
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2)
+                   for t in self.qkv(x).split((w, w, w // 2), dim=-1))
+        if self.eager:
+            y = ((q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5 + mask).softmax(-1) @ v
+        else:
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(y.transpose(1, 2).reshape(b, n, w // 2) * self.factor)
+
+
+class _MaskedModel(torch.nn.Module):
+    """The mask made once for the layers, as transformers does: booleans for SDPA, an additive
+    float mask (`where` of them) for eager attention."""
+
+    def __init__(self, eager: bool, factor: float, vocab: int = 64, width: int = 32, heads: int = 2):
+        super().__init__()
+        self.eager = eager
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.attn = _MaskedAttention(width, heads, eager, factor)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n = ids.shape[1]
+        keep = torch.ones(n, n, dtype=torch.bool).tril()[None, None].expand(ids.shape[0], 1, n, n)
+        mask = torch.where(keep, 0.0, torch.finfo(torch.float32).min) if self.eager else keep
+        x = self.embed(ids)
+        return self.head(x + self.attn(x, mask))
+
+
+def _run_masked(out, eager: bool, factor: float = 1.0):
+    torch.manual_seed(0)
+    model = _MaskedModel(eager, factor)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    with probe.mode("stats", out=str(out), model=model) as session:
+        for _ in range(2):
+            torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+            session.step()
+    return out
+
+
+def test_sdpa_math_path_against_eager_attention_is_no_divergence(tmp_path):
+    """Before: 'shape' at the `select` of the mask (bool against float32), and without it
+    'unmatched producer' at SDPA's `mul.Scalar` of q (0.5 apart: sqrt(scale) placed on q and k,
+    where eager attention scales the scores; deepseek_v32, doge, falcon in the zoo)."""
+    report = probe.compare(_run_masked(tmp_path / "sdpa", False), _run_masked(tmp_path / "eager", True))
+    assert report.divergence is None, report.conclusion
+    # SDPA's scaled q and k are in the box: never compared with eager's unscaled ones.
+    assert not any(c.a is not None and c.b is not None and c.a.module == "attn" and c.a.phase == "forward"
+                   and c.a.name == "aten.bmm.default" for c in report.comparisons)
+
+
+def test_a_fault_past_a_constant_placed_otherwise_is_still_found(tmp_path):
+    """The attention's output x1.05 in the eager run is found at step 0 where the box's output is
+    read (attn.out). Not yet at the attention itself: the box's one-run-only ops include eager's
+    additive mask made by the model, so their innermost common module is the model."""
+    report = probe.compare(_run_masked(tmp_path / "sdpa", False), _run_masked(tmp_path / "eager", True, 1.05))
+    d = report.divergence
+    assert d is not None, report.conclusion
+    assert d.step == 0 and d.rule == "unmatched producer", (d.op.id, d.rule)
+    assert "of forward:attn.out[0]:" in d.comparison.message, d.comparison.message

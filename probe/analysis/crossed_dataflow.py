@@ -25,9 +25,9 @@ every element in its order.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 
-from probe.analysis.precision import SAME_ORDER_VIEWS, short_name
+from probe.analysis.precision import SAME_ORDER_VIEWS, faithful_rounding, short_name
 from probe.rundir.run import OpRecord
 
 
@@ -43,6 +43,9 @@ def refuse_crossed(ops_a: list[OpRecord], ops_b: list[OpRecord], partner: dict[i
     by_index_a = {op.index: op for op in ops_a}
     by_index_b = {op.index: op for op in ops_b}
     a_of_b = {b.index: a for a, b in partner.items()}
+    # The module calls where each run scales a value by a number with an op the other run lacks.
+    scaled = ({call_a(op) for op in ops_a if op.index not in partner and _scales(op)},
+              {call_b(op) for op in ops_b if op.index not in a_of_b and _scales(op)})
     refused: list[int] = []
     # One pass, in execution order. Repeating it until nothing changes (a B op paired by id with a
     # later A op, refused after its reader was judged) unpaired the diagnosis matrix's rolled mask
@@ -50,7 +53,7 @@ def refuse_crossed(ops_a: list[OpRecord], ops_b: list[OpRecord], partner: dict[i
     for op in ops_a:
         other = partner.get(op.index)
         if other is None or not _crossed(op, other, by_index_a, by_index_b, partner, a_of_b,
-                                         call_a, call_b):
+                                         call_a, call_b, scaled):
             continue
         del partner[op.index]
         del a_of_b[other.index]
@@ -60,11 +63,16 @@ def refuse_crossed(ops_a: list[OpRecord], ops_b: list[OpRecord], partner: dict[i
 
 def _crossed(a: OpRecord, b: OpRecord, by_index_a: dict[int, OpRecord], by_index_b: dict[int, OpRecord],
              partner: dict[int, OpRecord], a_of_b: dict[int, int],
-             call_a: Callable[[OpRecord], Hashable], call_b: Callable[[OpRecord], Hashable]) -> bool:
+             call_a: Callable[[OpRecord], Hashable], call_b: Callable[[OpRecord], Hashable],
+             scaled: tuple[set[Hashable], set[Hashable]]) -> bool:
     call = call_a(a)
     for ta, tb in zip(a.inputs, b.inputs, strict=False):
         if ta.source is None or tb.source is None:
             continue
+        if ta.floating != tb.floating:
+            # Another kind of value wherever it was made: a mask of booleans that SDPA reads in one
+            # run, the additive float mask eager attention reads in the other (`where` of it).
+            return True
         pa, pb = by_index_a.get(ta.source[0]), by_index_b.get(tb.source[0])
         if pa is None or pb is None:
             continue
@@ -82,6 +90,12 @@ def _crossed(a: OpRecord, b: OpRecord, by_index_a: dict[int, OpRecord], by_index
             return True  # another value: what one run inserts on a value (a cast) keeps its shape
         if not paired_a and not paired_b:
             return True  # each run's own ops made it: the decompositions differ here
+        inserted = (pb, by_index_b, a_of_b) if paired_a else (pa, by_index_a, partner)
+        if paired_a != paired_b and call in scaled[0 if paired_a else 1] and _scaled_on_the_way(*inserted):
+            # One run scales by a number where the other scales elsewhere in the call: a constant
+            # placed otherwise (SDPA's math path scales q and k by sqrt(scale), eager attention its
+            # scores), not an insertion on a shared value; the two agree again past the box.
+            return True
         if paired_a and paired_b and _paired_otherwise(pa, pb, ta.source, tb.source, by_index_a, by_index_b,
                                                        partner):
             return True
@@ -98,6 +112,34 @@ def _paired_otherwise(pa: OpRecord, pb: OpRecord, source_a: tuple[int, int], sou
     ra, rb = _through_reshapes(pa, by_index_a), _through_reshapes(pb, by_index_b)
     same = partner.get(ra.index)
     return (ra is pa and rb is pb) or same is None or same.index != rb.index
+
+
+def _scales(op: OpRecord) -> bool:
+    """Whether ``op`` multiplies (or divides) its one tensor by a number, keeping every element."""
+    return faithful_rounding(op) is not None and short_name(op.name) in _SCALING_OPS
+
+
+_SCALING_OPS = frozenset({"mul", "div"})
+
+
+def _scaled_on_the_way(op: OpRecord, by_index: dict[int, OpRecord], paired: Collection[int]) -> bool:
+    """Whether ``op``, of one run only, passes on a value its run scaled by a number through ops
+    of that run only that keep every element (views, casts, an expand for the batched product)."""
+    for _ in range(_WALK_SCALED):
+        if op.index in paired or faithful_rounding(op) is None:
+            return False
+        if _scales(op):
+            return True
+        source = op.inputs[0].source
+        producer = by_index.get(source[0]) if source is not None else None
+        if producer is None:
+            return False
+        op = producer
+    return False
+
+
+_WALK_SCALED = 8
+"""The most element-keeping ops walked back from a one-run-only value to its scaling."""
 
 
 def _through_reshapes(op: OpRecord, by_index: dict[int, OpRecord]) -> OpRecord:
