@@ -66,6 +66,26 @@ def test_a_grouped_gemm_sums_its_contracted_dimension():
     assert reduction_length("aten._grouped_mm.default", [x.t(), grad, offs]) == tokens
 
 
+def test_a_convolution_sums_its_input_channels_and_kernel():
+    # Convolutions were judged as one term per element: under fp16 autocast the zoo's bit, pvt,
+    # pvt_v2 and mobilevit were 'propagation' at a convolution (4 ULPs where each output sums
+    # in_channels x kernel products). The counts are checked against the real ops' sums: an
+    # output element of ones-by-ones is the number of terms it sums.
+    from probe.vocabulary.rounding import reduction_length
+
+    for groups in (1, 4):
+        x, w = torch.ones(2, 8, 6, 6), torch.ones(16, 8 // groups, 3, 3)
+        y = torch.nn.functional.conv2d(x, w, groups=groups)  # no padding: every term is a product of ones
+        assert reduction_length("aten.convolution.default", [x, w]) == int(y.max())
+        grad = torch.ones_like(y)
+        grad_input, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
+            grad, x, w, [16], [1, 1], [0, 0], [1, 1], False, [0, 0], groups, [True, True, True])
+        name = "aten.convolution_backward.default"
+        assert reduction_length(name, [grad, x, w], 0) == int(grad_input.max())  # the centre's
+        assert reduction_length(name, [grad, x, w], 1) == int(grad_weight.max())
+        assert reduction_length(name, [grad, x, w], 2) == int(grad_bias.max())
+
+
 def test_a_producer_that_passes_on_statistics_hands_on_its_difference(tmp_path):
     # Two layouts of one input make the sum reduce in another order (as another thread count
     # does): its results differ by a few ULPs. Concatenated with a constant that holds the

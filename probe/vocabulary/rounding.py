@@ -58,8 +58,36 @@ def reduction_length(name: str, args: Sequence[Any], output: int = 0) -> int:
             return 1
         normalized = math.prod(int(n) for n in args[2])
         return max(normalized if output == 0 else args[0].numel() // max(normalized, 1), 1)
+    if name in _CONVOLUTIONS:
+        return _convolution_length(name, args, output)
     where = _CONTRACTIONS.get(name)
     if where is None or len(args) <= where[0] or not isinstance(args[where[0]], torch.Tensor):
         return 1
     operand = args[where[0]]
     return operand.shape[where[1]] if operand.dim() else 1
+
+
+_CONVOLUTIONS = frozenset({"aten.convolution.default", "aten.convolution_backward.default"})
+
+
+def _convolution_length(name: str, args: Sequence[Any], output: int) -> int:
+    """Terms per output element of a convolution (its input channels per group times the kernel's
+    size: a weight of shape (out, in / groups, *kernel)) and of its backward, whose input gradient
+    sums over the output channels of a group and the kernel, and whose weight and bias gradients
+    sum over the batch and the output positions. From the tensor arguments alone (the input, the
+    weight; for the backward the output gradient first): groups are the input's channels over the
+    weight's. Not transposed (a transposed convolution's weight is (in, out / groups, *kernel):
+    its count is then of the same order, not exact)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if name == "aten.convolution.default":
+        if len(tensors) < 2 or tensors[1].dim() < 2:
+            return 1
+        weight = tensors[1]
+        return max(math.prod(weight.shape[1:]), 1)
+    if len(tensors) < 3 or tensors[2].dim() < 2 or tensors[0].dim() < 2:
+        return 1
+    grad, inp, weight = tensors[:3]
+    if output == 0:
+        groups = max(inp.shape[1] // max(weight.shape[1], 1), 1)
+        return max(weight.shape[0] // groups * math.prod(weight.shape[2:]), 1)
+    return max(grad.numel() // max(grad.shape[1], 1), 1)
