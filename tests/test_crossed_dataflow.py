@@ -181,9 +181,8 @@ class _RotaryModel(torch.nn.Module):
         return self.head(x + self.attn(x, *self.rotary(ids.shape[1])))
 
 
-def _run_rotary(out, eager: bool):
-    torch.manual_seed(0)
-    model = _RotaryModel(eager)
+def _train_tokens(out, model: torch.nn.Module):
+    """``model`` (tokens to logits over 64), two AdamW steps under the stats mode."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     with probe.mode("stats", out=str(out), model=model) as session:
@@ -193,6 +192,11 @@ def _run_rotary(out, eager: bool):
             opt.zero_grad()
             session.step()
     return out
+
+
+def _run_rotary(out, eager: bool):
+    torch.manual_seed(0)
+    return _train_tokens(out, _RotaryModel(eager))
 
 
 def test_a_pair_reading_other_values_made_in_another_module_call_is_refused(tmp_path):
@@ -256,16 +260,7 @@ class _MaskedModel(torch.nn.Module):
 
 def _run_masked(out, eager: bool, factor: float = 1.0):
     torch.manual_seed(0)
-    model = _MaskedModel(eager, factor)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    with probe.mode("stats", out=str(out), model=model) as session:
-        for _ in range(2):
-            torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
-            opt.step()
-            opt.zero_grad()
-            session.step()
-    return out
+    return _train_tokens(out, _MaskedModel(eager, factor))
 
 
 def test_sdpa_math_path_against_eager_attention_is_no_divergence(tmp_path):
