@@ -80,3 +80,15 @@ def tiny_qwen2(seed: int | None = 0, **config: Any) -> torch.nn.Module:
     if seed is not None:
         torch.manual_seed(seed)
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**sizes, **config}))
+
+
+def zoo_case(task: str, name: str, pair: str, root: Any, fault: str | None = None) -> Any:
+    """The zoo's case of architecture ``name`` of ``task`` (built from its shrunk default config,
+    as ``benchmarks.zoo`` builds it), run end to end under ``root``: its ``Outcome``."""
+    from benchmarks.zoo import Case, run_case
+    from benchmarks.zoo_architectures import Built, architectures, build
+
+    arch = next(a for a in architectures(task) if a.name == name)
+    built = build(arch)
+    assert isinstance(built, Built), built
+    return run_case(Case(arch, pair, fault), built, root, {})

@@ -11,8 +11,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="transformers is an optional test dependency")
 
-from benchmarks.zoo import Case, run_case
-from benchmarks.zoo_architectures import Built, architectures, build
+from hf_models import zoo_case
 
 
 def test_a_norm_backward_product_past_a_passed_gradient_sum_is_rounding(tmp_path: Path):
@@ -21,9 +20,6 @@ def test_a_norm_backward_product_past_a_passed_gradient_sum_is_rounding(tmp_path
     # statistics (5e-9 apart), and the input norm's backward multiplies it by the normalised input:
     # its extremes, other elements, 1.2e-6 apart. Before: 'propagation' at that `mul`, step 0, bound
     # 32 x 5e-9 + rounding 9.5e-7.
-    arch = next(a for a in architectures("causal-lm") if a.name == "olmoe")
-    olmoe = build(arch)
-    assert isinstance(olmoe, Built), olmoe
-    outcome = run_case(Case(arch, "eager-attention"), olmoe, tmp_path, {})
+    outcome = zoo_case("causal-lm", "olmoe", "eager-attention", tmp_path)
     assert outcome.error is None and outcome.skipped is None, outcome
     assert outcome.ok, (outcome.answer, outcome.conclusion)

@@ -11,6 +11,8 @@ import pytest
 
 pytest.importorskip("transformers", reason="transformers is an optional test dependency")
 
+from hf_models import zoo_case
+
 from benchmarks.zoo import Case, Reference, applies, run_case
 from benchmarks.zoo_architectures import (
     LAYERS,
@@ -135,10 +137,7 @@ def test_a_cast_the_run_b_policy_makes_itself_is_not_applicable(llama, tmp_path:
 def test_a_model_that_fails_under_run_b_policy_without_the_probe_is_not_applicable(tmp_path: Path):
     # DeBERTa fills its bf16 attention scores with float32's minimum under autocast: the model's
     # own error, with or without the probe, so the case does not apply (it is no crash of it).
-    arch = next(a for a in architectures("masked-lm") if a.name == "deberta")
-    deberta = build(arch)
-    assert isinstance(deberta, Built), deberta
-    outcome = run_case(Case(arch, "bf16-autocast"), deberta, tmp_path, {})
+    outcome = zoo_case("masked-lm", "deberta", "bf16-autocast", tmp_path)
     assert outcome.error is None and outcome.skipped is not None, outcome
     assert "without the probe" in outcome.skipped and "BFloat16" in outcome.skipped
 
@@ -155,10 +154,7 @@ def test_a_model_whose_gradients_are_not_finite_under_run_b_policy_is_not_applic
     # LongT5 adds its -1e10 position-bias mask to fp16 scores: -inf, whole rows of it, a NaN
     # softmax and NaN gradients on every step. The probe names that overflow rightly; the pair is
     # no healthy pair (before: a false divergence).
-    arch = next(a for a in architectures("seq2seq-lm") if a.name == "longt5")
-    longt5 = build(arch)
-    assert isinstance(longt5, Built), longt5
-    outcome = run_case(Case(arch, "fp16-autocast"), longt5, tmp_path, {})
+    outcome = zoo_case("seq2seq-lm", "longt5", "fp16-autocast", tmp_path)
     assert outcome.error is None and outcome.skipped is not None, outcome
     assert "gradient of" in outcome.skipped and "not finite" in outcome.skipped
 
@@ -168,9 +164,6 @@ def test_a_gradient_fp16_flushes_to_zero_is_rounding_at_a_black_box_boundary(tmp
     # subnormal): the fp16 matmul flushes it to 0, and the scaler's unscale reads it through ops of
     # run B only. Before: 'unmatched producer' (1.0 apart against a relative bound of 0.84); the
     # subnormal spacing over the value's rms is that rounding.
-    arch = next(a for a in architectures("masked-lm") if a.name == "mobilebert")
-    mobilebert = build(arch)
-    assert isinstance(mobilebert, Built), mobilebert
-    outcome = run_case(Case(arch, "fp16-autocast"), mobilebert, tmp_path, {})
+    outcome = zoo_case("masked-lm", "mobilebert", "fp16-autocast", tmp_path)
     assert outcome.error is None and outcome.skipped is None, outcome
     assert outcome.ok, (outcome.answer, outcome.conclusion)
