@@ -66,6 +66,7 @@ from probe.rundir.records import (
 )
 from probe.rundir.untrusted_reads import (
     OP_LINE_LIMIT,
+    READ_ERRORS,
     expect,
     parse_json,
     read_json,
@@ -611,7 +612,7 @@ class Run:
         """Op #i -> its record with what each mode knows of it attached (statistics): every op,
         or ``only`` these and the producers of their inputs (whose output statistics those
         inputs share)."""
-        with _collections_paused():
+        with collections_paused():
             return self._decode_ops_now(place, only)
 
     def _decode_ops_now(self, place: _Place, only: Collection[int] | None) -> dict[int, OpRecord]:
@@ -627,8 +628,13 @@ class Run:
 
         def decode(number: int, text: str) -> OpRecord:
             nonlocal sites, sites_read
-            with reading(f"{ops_path}, line {number + 1}"):
+            try:
                 row = parse_json(text, "the record")
+            except READ_ERRORS:
+                # The line's name is made only for a line that fails: a context manager and its
+                # text for every line were a tenth of a graph export's time.
+                with reading(f"{ops_path}, line {number + 1}"):
+                    raise
             try:  # decode checks every field and names the one that is wrong
                 (index, op_id, name, phase, module, call, stack, ins, outs, site, group, skipped, placed,
                  amp) = decode_op_record(row)
@@ -717,8 +723,9 @@ class Run:
 
 
 @contextmanager
-def _collections_paused() -> Iterator[None]:
-    """Python's cyclic collector off while a step's records are decoded. Decoding makes tens of
+def collections_paused() -> Iterator[None]:
+    """Python's cyclic collector off while a step's records are decoded (or, by a reader of the
+    whole step such as the graph export, while they are used). Decoding makes tens of
     containers an op (records, tensor lists, statistics dicts), none in a cycle, all alive until
     the batch is handed over: the collector walked them again and again as they were promoted,
     a third of the time of a graph export. A program that turned the collector off keeps it off;
