@@ -251,3 +251,23 @@ def test_the_csv_report_is_written_without_holding_its_rows(tmp_path):
     assert per_row < 64, f"{per_row:.0f} bytes a row"
     lines = (tmp_path / "3000.csv").read_text().splitlines()
     assert len(lines) == len(reports[3_000].comparisons) + 1 and "forward:[0]:aten.mul.Tensor:0" in lines[2]
+
+
+def test_the_html_report_is_written_without_holding_its_rows(tmp_path):
+    """``Report.to_html`` lays the page out in one pass over the rows, made one at a time, and
+    writes it as it is made: what it holds a row is its place on the page (a number), its chart's
+    point and the chart's drawing of it. Before: every row (~1.5 KB here), the page's pieces and
+    their join (as much again as the file) at once."""
+    peaks, reports = {}, {}
+    for n in (3_000, 6_000):  # both over the chart's POINTS_RASTERIZED
+        a, b = _chain_run(tmp_path / f"a{n}", n, "stats"), _chain_run(tmp_path / f"b{n}", n, "stats")
+        report = reports[n] = probe.compare(a, b)
+        report.to_html(tmp_path / "warm.html")  # matplotlib's imports and caches, once
+        peaks[n] = _peak(lambda report=report, n=n: report.to_html(tmp_path / f"{n}.html"))
+    per_row = (peaks[6_000] - peaks[3_000]) / 3_000
+    # A row's number (~36 bytes), its chart point (~110) and the chart's lists and arrays of its
+    # x and y (~130): ~280 measured. Before: ~2,550 (every row, the page's pieces and their join).
+    assert per_row < 500, f"{per_row:.0f} bytes a row"
+    page = (tmp_path / "6000.html").read_text()
+    assert page.count("<tr class='pass'>") == len(reports[6_000].comparisons)
+    assert page.endswith("</script></body></html>")

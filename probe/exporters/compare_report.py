@@ -14,9 +14,9 @@ import html
 import io
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from probe.analysis.report_writers import register_report_writer
 from probe.vocabulary.csv_cells import csv_safe
@@ -202,15 +202,34 @@ def _is_divergence(row: Mapping[str, Any], divergence: Mapping[str, Any] | None)
     return (row.get("op_a"), row.get("op_b")) == (divergence.get("op_a"), divergence.get("op_b"))
 
 
-def _draw_errors(ax: Axes, rows: Sequence[Mapping[str, Any]], divergence: Mapping[str, Any] | None) -> None:
-    errors = [row_error(row) for row in rows]
+class ChartPoint(NamedTuple):
+    """What a chart draws of one row (~100 bytes where the row is ~1.5 KB): the charts of a
+    report of 10^6 ops hold these, not the rows."""
+
+    error: float | None
+    module: str
+    verdict: str
+    carried: bool
+    phase: str
+    first: bool
+    """The first divergence (the report summary's ``first_divergence``) is this row."""
+
+
+def chart_point(row: Mapping[str, Any], divergence: Mapping[str, Any] | None) -> ChartPoint:
+    """The :class:`ChartPoint` of ``row``."""
+    return ChartPoint(row_error(row), row["module"], row["verdict"], is_carried(row), row["phase"],
+                      _is_divergence(row, divergence))
+
+
+def _draw_errors(ax: Axes, rows: Sequence[ChartPoint], divergence: Mapping[str, Any] | None) -> None:
+    errors = [row.error for row in rows]
     floor = _floor(errors)
     top = max([e for e in errors if e is not None and math.isfinite(e)] + [floor * 10])
     ceiling = top * 10  # where an infinite error (a NaN or Inf that differs) is drawn
     shown = [None if e is None else ceiling if math.isinf(e) else max(e, floor) for e in errors]
     rasterized = len(rows) > POINTS_RASTERIZED
     # Per module call: its largest error, a step line under the points.
-    for start, end in _segments([row["module"] for row in rows]):
+    for start, end in _segments([row.module for row in rows]):
         values = [v for v in shown[start:end] if v is not None]
         if values:
             ax.hlines(max(values), start - 0.5, end - 0.5, colors="#607d8b", linewidth=2.5, alpha=0.45,
@@ -220,7 +239,7 @@ def _draw_errors(ax: Axes, rows: Sequence[Mapping[str, Any]], divergence: Mappin
     kinds = [(verdict, False, colour, verdict) for verdict, colour in VERDICT_COLOURS.items()]
     kinds.insert(-1, (ERROR, True, CARRIED_COLOUR, "error (carried)"))
     for verdict, carried, colour, label in kinds:
-        xs = [i for i, row in enumerate(rows) if row["verdict"] == verdict and is_carried(row) == carried]
+        xs = [i for i, row in enumerate(rows) if row.verdict == verdict and row.carried == carried]
         known = [i for i in xs if shown[i] is not None]
         unknown = [i for i in xs if shown[i] is None]  # nothing measured: a tick on the floor
         if known:
@@ -229,12 +248,12 @@ def _draw_errors(ax: Axes, rows: Sequence[Mapping[str, Any]], divergence: Mappin
         if unknown:
             ax.scatter(unknown, [floor] * len(unknown), s=18, marker="|", color=colour, zorder=3,
                        label=None if known else label, rasterized=rasterized)
-    phases = [row["phase"] for row in rows]
+    phases = [row.phase for row in rows]
     for start, _ in _segments(phases)[1:]:
         ax.axvline(start - 0.5, color="#9e9e9e", linewidth=0.8, linestyle=":", zorder=0)
         # Above the frame: inside it the label would cover the first divergence's.
         ax.text(start, ceiling * 3, f" {phases[start]}", fontsize=7, color="#616161", va="bottom")
-    marked = next((i for i, row in enumerate(rows) if _is_divergence(row, divergence)), None)
+    marked = next((i for i, row in enumerate(rows) if row.first), None)
     if marked is not None:
         assert divergence is not None
         ax.axvline(marked, color=VERDICT_COLOURS["error"], linewidth=1.2, linestyle="--", zorder=2,
@@ -263,10 +282,14 @@ def error_chart(rows: Sequence[Mapping[str, Any]], divergence: Mapping[str, Any]
     on the "equal" floor (:func:`_floor`), one with nothing measured (unmatched, not compared) as
     a tick on it.
     """
+    return _chart([chart_point(row, divergence) for row in rows], divergence, title)
+
+
+def _chart(points: Sequence[ChartPoint], divergence: Mapping[str, Any] | None, title: str) -> Figure:
     figure = new_figure(10, 3.2)
     with chart_style():
         ax = figure.add_subplot()
-        _draw_errors(ax, rows, divergence)
+        _draw_errors(ax, points, divergence)
         ax.set_xlabel("op, in execution order")
         if title:
             ax.set_title(mpl_text(title), loc="left", fontsize=9)
@@ -445,14 +468,29 @@ def _divergence(summary: dict[str, Any]) -> str:
             f"{assumed}<br><b>Propagates through</b>: {chain}<br>{stack}</div>")
 
 
-def _places(rows: list[dict[str, Any]]) -> dict[tuple[int, int], list[dict[str, Any]]]:
-    places: dict[tuple[int, int], list[dict[str, Any]]] = {}
-    for row in rows:
-        places.setdefault((row["step"], row["rank"]), []).append(row)
-    return places
+class _Layout(NamedTuple):
+    """Where each row goes on the page, found in one pass over the rows: per (step, rank), the
+    numbers of its rows by module (modules in order of their first op), and its chart's points;
+    the metric columns some row has."""
+
+    places: dict[tuple[int, int], dict[str, list[int]]]
+    points: dict[tuple[int, int], list[ChartPoint]]
+    columns: list[tuple[str, str]]
 
 
-def _charts(summary: dict[str, Any], places: dict[tuple[int, int], list[dict[str, Any]]]) -> str:
+def _layout(rows: Iterable[Mapping[str, Any]], first: Mapping[str, Any] | None) -> _Layout:
+    places: dict[tuple[int, int], dict[str, list[int]]] = {}
+    points: dict[tuple[int, int], list[ChartPoint]] = {}
+    present: set[str] = set()
+    for number, row in enumerate(rows):
+        place = (row["step"], row["rank"])
+        places.setdefault(place, {}).setdefault(row.get("module") or "", []).append(number)
+        points.setdefault(place, []).append(chart_point(row, first))
+        present.update(key for key, _ in _METRIC_COLUMNS if row.get(key) is not None)
+    return _Layout(places, points, [(key, header) for key, header in _METRIC_COLUMNS if key in present])
+
+
+def _charts(summary: dict[str, Any], places: dict[tuple[int, int], list[ChartPoint]]) -> str:
     head = "<section id='chart'><h2>Error along execution order</h2>"
     if not matplotlib_available():
         return (f"{head}<p class='hint'>The error chart needs matplotlib, which is not installed: "
@@ -462,7 +500,7 @@ def _charts(summary: dict[str, Any], places: dict[tuple[int, int], list[dict[str
     charts = []
     for place in order[:CHART_LIMIT]:
         title = f"step {place[0]}, rank {place[1]} ({len(places[place])} ops)"
-        figure = error_chart(places[place], d, title)
+        figure = _chart(places[place], d, title)
         charts.append(f"<div class='chart'>{inline_svg(figure)}</div>")
     more = (f"<p class='hint'>{len(order) - CHART_LIMIT} more (step, rank) not drawn; their rows are "
             "below.</p>") if len(order) > CHART_LIMIT else ""
@@ -470,10 +508,6 @@ def _charts(summary: dict[str, Any], places: dict[tuple[int, int], list[dict[str
             "largest relative difference of max, min and norm. Grey bars: each module call's largest. "
             "Ops without a measure (unmatched, not compared) are ticks on the floor.</p>")
     return head + note + "".join(charts) + more + "</section>"
-
-
-def _columns(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    return [(key, header) for key, header in _METRIC_COLUMNS if any(row.get(key) is not None for row in rows)]
 
 
 def _pair(a: Any, b: Any) -> str:
@@ -514,25 +548,24 @@ def _row(row: dict[str, Any], columns: list[tuple[str, str]], first: bool) -> st
     return f"<tr class='{classes}'>{''.join(cells)}</tr>"
 
 
-def _groups(rows: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
-    """Rows by module (innermost FQN), modules in order of their first op, rows in execution order."""
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault(row.get("module") or "", []).append(row)
-    return list(groups.items())
-
-
-def _module_group(module: str, rows: list[dict[str, Any]], columns: list[tuple[str, str]],
-                  first: dict[str, Any] | None, open_problems: bool) -> str:
+def _module_group(module: str, rows: Sequence[Mapping[str, Any]], numbers: list[int],
+                  columns: list[tuple[str, str]], first: dict[str, Any] | None, open_problems: bool
+                  ) -> Iterator[str]:
+    """The section of one module's rows (``rows[n]`` for ``n`` in ``numbers``), a piece at a time:
+    its summary, then a table row per op, each row read when its line is written."""
     counts: dict[str, int] = {}
-    for row in rows:
+    holds_first, carried, largest_error = False, 0, None
+    for number in numbers:
+        row = rows[number]
         counts[row["verdict"]] = counts.get(row["verdict"], 0) + 1
+        holds_first = holds_first or (first is not None and _is_first(row, first))
+        carried += is_carried(row)
+        error = row_error(row)
+        if error is not None and (largest_error is None or error > largest_error):
+            largest_error = error
     worst = max(counts, key=lambda v: SEVERITY.get(v, 0))
-    holds_first = first is not None and any(_is_first(row, first) for row in rows)
     clean = not any(v in PROBLEMS for v in counts)
-    errors = [e for row in rows if (e := row_error(row)) is not None]
-    largest = f"; largest error {_cell(max(errors))}" if errors else ""
-    carried = sum(is_carried(row) for row in rows)
+    largest = f"; largest error {_cell(largest_error)}" if largest_error is not None else ""
     spread = ", ".join(f"{n} {v}" + (f" ({carried} carried)" if v == ERROR and carried else "")
                        for v, n in sorted(counts.items(), key=lambda i: -SEVERITY.get(i[0], 0)))
     # Red only where a difference entered in this module; a module that only carries it is orange.
@@ -543,13 +576,16 @@ def _module_group(module: str, rows: list[dict[str, Any]], columns: list[tuple[s
         *(f"<th>{_e(name)}</th>" for _, name in columns),
         "<th>Dtype</th><th>Shape</th><th>Message</th></tr>",
     ])
-    body = "".join(_row(row, columns, first is not None and _is_first(row, first)) for row in rows)
-    return (f"<details class='module{' clean' if clean else ''}' data-module='{_e(module)}'"
-            f"{' open' if opened else ''}><summary>{_badge(worst, carried=only_carried)} "
-            f"<code>{_e(module or '<outside modules>')}</code> "
-            f"<span class='count'>{len(rows)} op(s): {_e(spread)}{_e(largest)}</span>"
-            f"{' <span class=mark>&#9664; first divergence</span>' if holds_first else ''}</summary>"
-            f"<table><thead>{header}</thead><tbody>{body}</tbody></table></details>")
+    yield (f"<details class='module{' clean' if clean else ''}' data-module='{_e(module)}'"
+           f"{' open' if opened else ''}><summary>{_badge(worst, carried=only_carried)} "
+           f"<code>{_e(module or '<outside modules>')}</code> "
+           f"<span class='count'>{len(numbers)} op(s): {_e(spread)}{_e(largest)}</span>"
+           f"{' <span class=mark>&#9664; first divergence</span>' if holds_first else ''}</summary>"
+           f"<table><thead>{header}</thead><tbody>")
+    for number in numbers:
+        row = rows[number]
+        yield _row(row, columns, first is not None and _is_first(row, first))
+    yield "</tbody></table></details>"
 
 
 def _is_first(row: dict[str, Any], first: dict[str, Any]) -> bool:
@@ -557,7 +593,7 @@ def _is_first(row: dict[str, Any], first: dict[str, Any]) -> bool:
             == (first["step"], first["rank"], first.get("op_a"), first.get("op_b")))
 
 
-def write_html(summary: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> None:
+def write_html(summary: dict[str, Any], rows: Sequence[Mapping[str, Any]], path: Path) -> None:
     """One self-contained page (no external asset; opens offline).
 
     From the top: the verdict (the conclusion, coloured, and the counts), the runs and any
@@ -566,10 +602,13 @@ def write_html(summary: dict[str, Any], rows: list[dict[str, Any]], path: Path) 
     a line saying how to get it), then the ops grouped by module in collapsible sections,
     verdict first, one op-id column (both ids only where the runs' ids differ), with a filter
     that keeps errors, warnings and "not compared". Every string from the runs is escaped.
+
+    ``rows`` is read twice, a row at a time (``rows[n]``): once to lay the page out, once as each
+    line is written; the page is written as it is made. So a sequence that makes each row when
+    it is read (``Report.to_html``'s) is never held whole, nor is the page's text.
     """
-    places = _places(rows)
     first = summary["first_divergence"]
-    columns = _columns(rows)
+    layout = _layout(rows, first)
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>probe compare</title>",
         f"<style>{_STYLE}</style></head><body>",
@@ -581,7 +620,7 @@ def write_html(summary: dict[str, Any], rows: list[dict[str, Any]], path: Path) 
     if summary["missing"]:
         parts.append("<p>not compared: " + _e("; ".join(summary["missing"])) + "</p>")
     parts.append(_divergence(summary))
-    parts.append(_charts(summary, places))
+    parts.append(_charts(summary, layout.points))
     parts.append(
         "<section id='ops'><h2>Ops by module</h2><div class='controls'><label><input type='checkbox' "
         "id='problems-only'> only errors, warnings and not compared</label> &nbsp; "
@@ -591,18 +630,20 @@ def write_html(summary: dict[str, Any], rows: list[dict[str, Any]], path: Path) 
         "<span class='flow carried'>carried</span>: an error carried from a divergence upstream. "
         "A module's badge is red when a difference enters in it, orange when it only carries one.</p>"
     )
-    for (step, rank), place_rows in places.items():
-        if len(places) > 1:
-            parts.append(f"<h3>step {_e(step)}, rank {_e(rank)}</h3>")
-        # Without a divergence, open the modules with errors or ops not compared; with one, its module.
-        parts += [_module_group(module, group, columns, first, open_problems=first is None)
-                  for module, group in _groups(place_rows)]
-    parts.append("</section>")
-    parts.append(f"<script>{_SCRIPT}</script>")
-    # JSON, parseable by JSON.parse (a "<" escaped as \\u003c, so no string can close the script).
-    embedded = json.dumps(_plain(summary), default=str).replace("<", "\\u003c")
-    parts.append(f"<script type='application/json' id='summary'>{embedded}</script></body></html>")
-    path.write_text("".join(parts))
+    with open(path, "w") as out:
+        out.write("".join(parts))
+        for (step, rank), modules in layout.places.items():
+            if len(layout.places) > 1:
+                out.write(f"<h3>step {_e(step)}, rank {_e(rank)}</h3>")
+            # Without a divergence, open the modules with errors or ops not compared; with one, its module.
+            for module, numbers in modules.items():
+                out.writelines(_module_group(module, rows, numbers, layout.columns, first,
+                                             open_problems=first is None))
+        out.write("</section>")
+        out.write(f"<script>{_SCRIPT}</script>")
+        # JSON, parseable by JSON.parse (a "<" escaped as \\u003c, so no string can close the script).
+        embedded = json.dumps(_plain(summary), default=str).replace("<", "\\u003c")
+        out.write(f"<script type='application/json' id='summary'>{embedded}</script></body></html>")
 
 
 def _plain(value: Any) -> Any:
