@@ -52,12 +52,13 @@ print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_m
 """
 
 _COMMAND = """
-import contextlib, io, resource, sys, time
+import contextlib, io, os, resource, sys, time
 from probe.cli import main
-start = time.perf_counter()
+start, times = time.perf_counter(), os.times()
 with contextlib.redirect_stdout(io.StringIO()):
     code = main(sys.argv[1:])
-print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, code)
+cpu = sum(os.times()[:2]) - sum(times[:2])
+print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, cpu, code)
 """
 
 _IMPORTS = """
@@ -67,13 +68,15 @@ print(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 """
 
 
-def _child(code: str, *args: str) -> tuple[float, float]:
-    """(seconds, peak RSS in MB) that a fresh Python process running ``code`` reports."""
+def _child(code: str, *args: str) -> tuple[float, float, float | None]:
+    """(seconds, peak RSS in MB, CPU seconds when it reports them) of a fresh Python process
+    running ``code``: on a machine shared with other work the wall time is loose, the CPU time
+    much less so."""
     done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"benchmark child failed ({args}):\n{done.stderr[-2000:]}")
-    seconds, peak = done.stdout.split()[:2]
-    return float(seconds), float(peak)
+    seconds, peak, *rest = done.stdout.split()
+    return float(seconds), float(peak), float(rest[0]) if len(rest) > 1 else None
 
 
 def with_call_sites(run: Path, out: Path, frames: int) -> float:
@@ -105,21 +108,24 @@ def _size(path: Path) -> float:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e6
 
 
-def measure(sizes: list[int], replay_sizes: list[int], frames: int | None, workdir: Path
-            ) -> list[tuple[int, str, float, float, float]]:
-    """Rows of (ops, what, seconds, peak MB, MB read)."""
-    rows = []
+Row = tuple[int, str, float, float | None, float, float]
+"""(ops, what, seconds, CPU seconds or None, peak MB, MB read)."""
+
+
+def measure(sizes: list[int], replay_sizes: list[int], frames: int | None, workdir: Path) -> list[Row]:
+    """A row for each command at each size."""
+    rows: list[Row] = []
     for n in replay_sizes:
         dumped = workdir / f"dumped{n}"
-        seconds, peak = _child(_TRACE, str(n), str(dumped), "stats,dump")
-        rows.append((n, "trace (stats, dump)", seconds, peak, 0.0))
-        seconds, peak = _child(_COMMAND, "replay", str(dumped), "--top", "5")
-        rows.append((n, "replay (every op)", seconds, peak, _size(dumped)))
+        seconds, peak, _ = _child(_TRACE, str(n), str(dumped), "stats,dump")
+        rows.append((n, "trace (stats, dump)", seconds, None, peak, 0.0))
+        seconds, peak, cpu = _child(_COMMAND, "replay", str(dumped), "--top", "5")
+        rows.append((n, "replay (every op)", seconds, cpu, peak, _size(dumped)))
         shutil.rmtree(dumped)
     for n in sizes:
         run, twin, sites = workdir / f"run{n}", workdir / f"twin{n}", workdir / f"sites{n}"
-        seconds, peak = _child(_TRACE, str(n), str(run), "stats")
-        rows.append((n, "trace (stats)", seconds, peak, 0.0))
+        seconds, peak, _ = _child(_TRACE, str(n), str(run), "stats")
+        rows.append((n, "trace (stats)", seconds, None, peak, 0.0))
         shutil.copytree(run, twin)
         sites_mb = with_call_sites(run, sites, frames or min(64, max(1, 1_000_000 // n)))
         measured = [
@@ -130,8 +136,8 @@ def measure(sizes: list[int], replay_sizes: list[int], frames: int | None, workd
                                      str(workdir / f"graph{n}.json")], _size(run)),
         ]
         for what, argv, read in measured:
-            seconds, peak = _child(_COMMAND, *argv)
-            rows.append((n, what, seconds, peak, read))
+            seconds, peak, cpu = _child(_COMMAND, *argv)
+            rows.append((n, what, seconds, cpu, peak, read))
         for path in (twin, sites, workdir / f"cmp{n}", workdir / f"graph{n}.json"):
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         shutil.rmtree(run)
@@ -151,19 +157,19 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else [10_000, 100_000]
     if args.full:
         sizes.append(1_000_000)
-    _, imports = _child(_IMPORTS)
+    _, imports, _ = _child(_IMPORTS)
     with tempfile.TemporaryDirectory(prefix="probe-read-scale-") as tmp:
         replay_sizes = [int(s) for s in (args.replay_sizes or "1000,4000").split(",")]
         rows = measure(sizes, replay_sizes, args.frames, Path(tmp))
     print(f"reading a step of N ops  {machine_line()}")
     print(f"a process that only imports the reader peaks at {imports:.0f} MB RSS\n")
-    header = ("ops", "what", "seconds", "peak MB", "MB over imports", "MB on disk")
-    lines = [(f"{n:,}", what, f"{seconds:.1f}", f"{peak:.0f}",
+    header = ("ops", "what", "seconds", "CPU s", "peak MB", "MB over imports", "MB on disk")
+    lines = [(f"{n:,}", what, f"{seconds:.1f}", "" if cpu is None else f"{cpu:.1f}", f"{peak:.0f}",
               "" if what.startswith("trace") else f"{peak - imports:.0f}", f"{read:.0f}" if read else "")
-             for n, what, seconds, peak, read in rows]
+             for n, what, seconds, cpu, peak, read in rows]
     if args.markdown:
         print("| " + " | ".join(header) + " |")
-        print("| --- | --- | ---: | ---: | ---: | ---: |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
         for line in lines:
             print("| " + " | ".join(line) + " |")
         return
