@@ -1078,10 +1078,9 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
                        for op, w in zip(ops, walks, strict=True) if w is not None)
         # Held below its dtype's normal range on the way (an fp16 matmul's gradient of 1e-9), a
         # value is rounded to subnormal spacings, up to flushed to zero: an absolute error.
-        held = tuple(_chain_precision(op.inputs[position], w[0]) for op, w in zip(ops, walks, strict=True)
-                     if w is not None)
-        if len(held) == 2:
-            rounding += precision.underflow_rounding(c.a.inputs[position], c.b.inputs[position], held)
+        held = (_chain_precision(c.a.inputs[position], walks[0][0]),  # type: ignore[index]
+                _chain_precision(c.b.inputs[position], walks[1][0]))  # type: ignore[index]
+        rounding += precision.underflow_rounding(c.a.inputs[position], c.b.inputs[position], held)
         changed = _changed_between_steps(ops, position, walks, carry)
         if changed is not None:
             return views[1].comparisons[changed.index], (
