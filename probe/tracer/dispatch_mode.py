@@ -44,6 +44,7 @@ from probe.vocabulary.session_options import Options
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)
 _get_infra_mode = torch._C._get_dispatch_mode
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack
 # Fake and proxy (make_fx) modes run below every user mode: while either is
 # active, the ops we see compute nothing real.
 _TRACING_MODE_KEYS = tuple(
@@ -559,7 +560,10 @@ class ProbeDispatchMode(TorchDispatchMode):
                 if dtensor is not None and self.tracer.recording and issubclass(t, dtensor):
                     return self.tracer.run_dtensor_op(self, func, args, kwargs or {}, dtensor)
                 return NotImplemented
-        for key in _TRACING_MODE_KEYS:
-            if _get_infra_mode(key) is not None:
-                return func(*args, **kwargs)
+        # This mode is off the stack while its handler runs: an empty stack (one query, where
+        # the two below are two) has no fake or proxy mode, which the stack's length counts.
+        if _dispatch_stack_len():
+            for key in _TRACING_MODE_KEYS:
+                if _get_infra_mode(key) is not None:
+                    return func(*args, **kwargs)
         return self.tracer.dispatch(func, args, kwargs)
