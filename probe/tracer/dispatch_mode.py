@@ -390,7 +390,7 @@ class Tracer:
                     self._finish(call)
             # In the order of OP_RECORD_FIELDS.
             self.records.append(
-                (index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack(),
+                (index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack,
                  tuple(inputs), tuple(outputs), callsite, group, skipped, None,
                  self.modules.autocast if phase in _NODE_CREATING_PHASES else 0)
             )
@@ -400,7 +400,7 @@ class Tracer:
             # for op #index already, so its record is kept (with the outputs known so far); else the
             # step's files would point past its records, and the next op would reuse the index.
             if len(self.records) == index:
-                self.records.append((index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack(),
+                self.records.append((index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack,
                                      tuple(inputs), tuple(outputs), callsite, None, skipped, None,
                                      self.modules.autocast if phase in _NODE_CREATING_PHASES else 0))
             raise

@@ -38,27 +38,20 @@ class Frame:
     origin: Frame = None  # type: ignore[assignment]
     """The frame whose ops this one repeats: itself, or for a mapped recompute frame
     the forward frame (a plain attribute: it is read for every op)."""
-    _stack: tuple[str, ...] | None = None
+    stack: tuple[str, ...] = ()
+    """Frame keys from the outermost module call down to this one (of ``origin``'s calls): an op
+    record's ``stack``, made once per frame here rather than asked of it per op."""
+    _keys: tuple[str, ...] = ()
+    """This frame's own chain of keys (a recompute frame's own call, where ``stack`` is its
+    origin's): its children's stacks extend it."""
 
     def __post_init__(self) -> None:
         if self.call >= 0:
             self.key = f"{self.label if self.label is not None else self.fqn}[{self.call}]"
+            # The parents' keys while they are module calls (the outside region has call -1).
+            self._keys = (self.parent._keys if self.parent is not None else ()) + (self.key,)
         self.origin = self.recompute_of or self
-
-
-    def stack(self) -> tuple[str, ...]:
-        """Frame keys from the outermost module call down to this one (computed once)."""
-        if self.origin is not self:
-            return self.origin.stack()
-        if self._stack is None:
-            keys: list[str] = []
-            frame: Frame | None = self
-            while frame is not None and frame.call >= 0:
-                keys.append(frame.key)
-                frame = frame.parent
-            keys.reverse()
-            self._stack = tuple(keys)
-        return self._stack
+        self.stack = self.origin.stack if self.origin is not self else self._keys
 
     def find_enclosing(self, fqn: str) -> Frame | None:
         """This frame or the nearest enclosing one that is a call of ``fqn``."""
