@@ -13,15 +13,30 @@ import torch
 
 from probe.vocabulary.op_class import OpClass
 
+_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+_NOT_TENSORS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                          torch.memory_format})
+"""Argument types an op is called with that are no tensor and no list of them: with
+``_TENSOR_TYPES``, the argument's type alone answers, without an ``isinstance`` call (this runs
+for every traced op); other types (tensor subclasses, ``torch.Size``, symbolic ints) are asked."""
+
 
 def tensors_in(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
     """Tensor arguments in schema order (aten schemas nest tensors one list deep)."""
     found: list[torch.Tensor] = []
     for value in (*args, *kwargs.values()) if kwargs else args:
-        if isinstance(value, torch.Tensor):
+        kind = type(value)
+        if kind in _TENSOR_TYPES:
             found.append(value)
-        elif isinstance(value, (list, tuple)):
-            found.extend(v for v in value if isinstance(v, torch.Tensor))
+        elif kind in _NOT_TENSORS:
+            continue
+        elif kind is list or kind is tuple or isinstance(value, (list, tuple)):
+            for v in value:  # (a loop, not a generator: each step of one is a call)
+                element = type(v)
+                if element in _TENSOR_TYPES or (element not in _NOT_TENSORS and isinstance(v, torch.Tensor)):
+                    found.append(v)
+        elif isinstance(value, torch.Tensor):
+            found.append(value)
     return found
 
 
@@ -42,6 +57,11 @@ def map_arguments(value: Any, leaf: Callable[[Any], Any]) -> Any:
 
 def tensors_out(out: Any) -> list[torch.Tensor]:
     """The tensors an op returned (a tensor, or a tuple/list of them)."""
+    kind = type(out)
+    if kind in _TENSOR_TYPES:
+        return [out]
+    if kind is tuple or kind is list:
+        return tensors_in(out, {})
     if isinstance(out, torch.Tensor):
         return [out]
     if isinstance(out, (list, tuple)):
