@@ -120,6 +120,9 @@ class Tracer:
         """``(id(func), module, phase) -> selected``: the funcs stay alive in ``_classes``."""
         self._ops_re = options.ops.regex
         self._modules_re = options.modules.regex
+        self._phases = options.phases
+        self._filtered = self._ops_re is not None or self._modules_re is not None
+        """Whether ``ops`` or ``modules`` filters ops; without, the phase alone selects (no look-up)."""
 
     # -- threads -------------------------------------------------------------------
 
@@ -278,11 +281,14 @@ class Tracer:
         phase, frame = self.modules.locate()
         if self.modules.region is not None and phase != "optimizer":
             frame = self.modules.region
-        fqn = frame.origin.fqn
-        route = (id(func), fqn, phase)
-        selected = self._selected.get(route)
-        if selected is None:
-            selected = self._selected[route] = self._is_selected(info, fqn, phase)
+        if self._filtered:
+            fqn = frame.origin.fqn
+            route = (id(func), fqn, phase)
+            selected = self._selected.get(route)
+            if selected is None:
+                selected = self._selected[route] = self._is_selected(info, fqn, phase)
+        else:
+            selected = phase in self._phases
         if not selected:
             out = func(*args, **kwargs)
             if phase in _NODE_CREATING_PHASES:
