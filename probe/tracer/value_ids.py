@@ -135,7 +135,9 @@ class ValueIndex:
                 else (ptr, shape, t.stride(), version)
             )
             hit = exact.get(key)
-            if hit is not None and (registered := hit[1]()) is not None and registered.data_ptr() == ptr:
+            # (The same tensor is at ``ptr``, read above: the address is asked of another only.)
+            if hit is not None and ((registered := hit[1]()) is t
+                                    or (registered is not None and registered.data_ptr() == ptr)):
                 dtype = t.dtype
                 # A dtype view of the same bytes (``view(torch.int32)``) has the same key.
                 found.append(hit[3] if dtype is hit[2] else (DTYPE_NAMES[dtype], tuple(shape), hit[0]))
