@@ -375,7 +375,13 @@ class Tracer:
             # Written arguments the op does not return (running statistics, foreach
             # updates) are results too.
             if written:
-                out_tensors += [t for t in written if not any(t is r for r in out_tensors)]
+                returned = tuple(out_tensors)
+                for t in written:  # (loops, not any() over a generator: two calls per tensor)
+                    for r in returned:
+                        if t is r:
+                            break
+                    else:
+                        out_tensors.append(t)
             try:
                 outputs = self.values.register_outputs(out_tensors, index, info.is_view, written, rewritten)
             except UNKEYABLE_ERRORS:

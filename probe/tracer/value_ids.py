@@ -184,7 +184,11 @@ class ValueIndex:
         outputs: list[OutputMeta] = []
         for position, t in enumerate(results, first):
             shape = t.shape
-            mutated = bool(written) and any(t is w for w in written)
+            mutated = False
+            for w in written:  # (a loop, not any() over a generator: two calls per output)
+                if t is w:
+                    mutated = True
+                    break
             ptr = t.data_ptr()
             if ptr == 0:
                 if unkeyable(t) is not None:
