@@ -145,6 +145,12 @@ class StatsMode(Mode):
         if not self.inputs or (self.inputs == "external" and call.uninitialized):
             return  # a view into memory nothing wrote yet (FSDP2's reallocated buffers): garbage
         every = self.inputs is True
+        if not every and not unannounced:
+            for meta in call.inputs:
+                if meta[2] is None:
+                    break
+            else:
+                return  # every input computed in the step: its producer's output row describes it
         # An input the op writes is read now: queued, its statistics would be the op's result's.
         written = {w.untyped_storage()._cdata for w in call.written()} if info.mutates else ()
         overwrites = bool(written) and (info.is_out or info.is_collective or info.namespace != "aten"
@@ -227,7 +233,12 @@ class StatsMode(Mode):
             if reuse_base and _same_elements(t, inputs[0]):
                 row = self._input_row(call, 0)
             if row is None:
-                row = self._rows.add(t, version_moves=bool(moving) and any(t is m for m in moving),
+                version_moves = False
+                for m in moving:  # (a loop, not any() over a generator: two calls per output)
+                    if t is m:
+                        version_moves = True
+                        break
+                row = self._rows.add(t, version_moves=version_moves,
                                      counter=inputs[0] if call.info.is_view and inputs else None)
                 if row is not None and self._distribution is not None:
                     self._distribution.add(t, row)
