@@ -369,8 +369,11 @@ class StepRows:
         # Meta, sparse, nested and zero tensors never get here (the tracer skips them).
         if t.is_quantized:
             return None
-        x, multiplicity = compact_view(as_real(t))
-        numel = x.numel()
+        if t.is_complex() or t.is_neg() or not t.is_contiguous() or not t.dim():
+            x, multiplicity = compact_view(as_real(t))
+            numel = x.numel()
+        else:  # most tensors, as compact_view(as_real(t)) returns them, without its three calls
+            x, multiplicity, numel = t, 1, t.numel()
         rows = self._rows
         if numel == 0:
             rows.append((-1, 0, 0, multiplicity))
