@@ -148,3 +148,125 @@ def test_a_slice_of_a_gradient_that_is_rounding_alone_is_judged_by_the_part_it_s
     # is rounding alone in both runs (1e-13 against 1e-8), a relative difference of 1. A slice
     # computes nothing: the whole's difference may all sit in the part it selects.
     _healthy_and_fault(tmp_path, _FusedProjection, "out")
+
+
+
+class _CountingRouter(torch.nn.Module):
+    """JetMoE's top-k gating: the router's logits cast to float (a cast only run B makes: run A's
+    are float already), then each expert's load counted by a cast of the gates to integers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(WIDTH, 4, bias=False)
+        self.experts = torch.nn.Linear(WIDTH, WIDTH)
+        self.out = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.router(x).float()
+        top, chosen = logits.topk(2, dim=1)
+        gates = torch.softmax(top, dim=1).type_as(x)
+        load = torch.zeros_like(logits).scatter(1, chosen, 1).long().sum(0)
+        balance = load.max() - load.min()
+        return self.out(self.experts(x) * gates[:, :1] + balance)
+
+
+def test_a_cast_to_integers_is_not_paired_with_a_cast_to_float_only_one_run_makes(tmp_path):
+    # Paired by id, run A's first cast (to int64, the load) was run B's first (to float, the
+    # logits): the top-k reading B's logits then read a value of another op than run A's, the pair
+    # was refused, and run B's top-k was judged as an unmatched producer of the logits.
+    _healthy_and_fault(tmp_path, _CountingRouter, "out")
+
+
+class _SplitMixing(torch.nn.Module):
+    """Hyper-connection weights (HunYuan's): one parameter split into a scale near 1 and a mixing
+    term near 1e-3, so a difference of the whole is a thousand times larger relative to its
+    small part."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(WIDTH, WIDTH)
+        self.mix = torch.nn.Parameter(torch.cat([torch.full((4,), 1.1), torch.full((4,), 1e-3)]))
+        self.out = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale, mixing = self.mix.split(4)
+        h = self.inp(x)
+        return self.out(h * scale.repeat(4) + h.roll(1, -1) * mixing.repeat(4))
+
+
+def test_a_split_of_a_parameter_is_judged_by_its_smallest_part(tmp_path):
+    # Step 1's split reads the parameter step 0 updated: its statistics moved by 1e-7 relative,
+    # the small part by 1e-5, all of it the update's rounding. A split computes nothing: the
+    # whole's difference may sit in the part it selects.
+    _healthy_and_fault(tmp_path, _SplitMixing, "out")
+
+
+EXPERTS = 64
+
+
+class _JitteredMixer(torch.nn.Module):
+    """PhiMoE's sparse mixer: scores within a random jitter of the best are kept. The jitter is
+    ``rand_like`` of the scores: fp32 in run A, fp16 under autocast in run B (64 experts, so that
+    the draw, 4096 numbers, takes the generator's vectorized path for fp32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(WIDTH, EXPERTS, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.router(x)
+        best = scores.max(-1, keepdim=True).values
+        kept = (best - scores) <= 0.5 * torch.rand_like(scores)
+        return scores.masked_fill(~kept, -math.inf).softmax(-1).float()
+
+
+class _Jittered(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mixer = _JitteredMixer()
+        self.experts = torch.nn.Linear(WIDTH, EXPERTS * WIDTH)
+        self.out = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gates = self.mixer(x)
+        experts = self.experts(x).view(x.shape[0], EXPERTS, WIDTH)
+        return self.out((gates.unsqueeze(-1) * experts).sum(1))
+
+
+def test_random_numbers_drawn_in_another_dtype_are_no_divergence(tmp_path):
+    # The generator draws other numbers for fp16 than for fp32 from the same state (bf16's are
+    # fp32's rounded, on this CPU): no numeric bound relates the two draws. Before, rand_like was
+    # judged by 'propagation' from its input's rounding: within the bound here by the scale of its
+    # 32x allowance, beyond it in PhiMoE's router (the zoo's fp16-autocast pair, 0.061 > 0.035).
+    # What reads the draw inside the mixer is routed, never a pass; a fault after it is found.
+    report = probe.compare(*sgd_autocast_pair(tmp_path / "healthy", _Jittered, torch.float16, TOKENS, WIDTH))
+    assert report.first_divergence is None and report.ok, report.conclusion
+    drawn = [c for c in report.comparisons if c.a is not None and c.a.name == "aten.rand_like.default"]
+    assert drawn and all(c.rule == "routing" and c.verdict == "warning" for c in drawn), drawn
+    faulty = probe.compare(*sgd_autocast_pair(tmp_path / "fault", _Jittered, torch.float16, TOKENS, WIDTH,
+                                              "out"))
+    d = faulty.divergence
+    assert d is not None and d.step == 1 and d.op.module == "out", faulty.conclusion
+
+
+class _NearlyUniformValues(torch.nn.Module):
+    """Attention whose values barely differ between tokens (a shared row plus 1% of a
+    projection): the gradient of each probability is nearly its row's mean, and softmax's
+    backward, ``y * (g - sum(y * g))``, cancels down to 1% of its terms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.shared = torch.nn.Parameter(torch.randn(WIDTH))
+        self.out = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = (self.q(x) @ self.k(x).transpose(0, 1) / WIDTH**0.5).softmax(-1)
+        return self.out(probs @ (self.shared + 0.01 * self.v(x)))
+
+
+def test_softmax_backward_that_cancels_is_judged_by_its_terms(tmp_path):
+    # bf16 rounds the gradient of the probabilities by 0.4%; the backward's result is 1% of its
+    # terms, so it differs by tens of percent. Before: the 32x allowance for an op of no known
+    # condition (CPM-Ant's attention under a bf16 model and fp16 autocast, 0.75 against 0.51).
+    _healthy_and_fault(tmp_path, _NearlyUniformValues, "out")

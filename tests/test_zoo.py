@@ -167,3 +167,14 @@ def test_a_gradient_fp16_flushes_to_zero_is_rounding_at_a_black_box_boundary(tmp
     outcome = zoo_case("masked-lm", "mobilebert", "fp16-autocast", tmp_path)
     assert outcome.error is None and outcome.skipped is None, outcome
     assert outcome.ok, (outcome.answer, outcome.conclusion)
+
+
+def test_an_embedding_that_repeats_the_rows_it_selects_reads_what_the_step_before_wrote(tmp_path: Path):
+    # CPM-Ant's segment embedding: 32 rows, 3 selected by all 96 tokens. Step 0's AdamW moved the
+    # selected rows' elements by +-lr, some the other way under bf16 (gradients near zero), while
+    # the table's statistics barely moved (their extremes and most of its norm are the rows not
+    # selected). The selection's gain (table norm over output norm) is below 1 because the output
+    # repeats each row 32 times, so the state's stand-in was skipped: 'propagation' at step 1.
+    outcome = zoo_case("causal-lm", "cpmant", "bf16-autocast", tmp_path)
+    assert outcome.error is None and outcome.skipped is None, outcome
+    assert outcome.ok, (outcome.answer, outcome.conclusion)

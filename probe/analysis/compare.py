@@ -354,6 +354,9 @@ class Carry:
     bound: float = 0.0
     """The largest difference (relative, as ``_error_of`` measures it) of a value the steps
     before wrote and that may be read again: optimizer outputs and in-place writes."""
+    absolute: float = 0.0
+    """The largest such difference times its value's norm: what a part of one may differ by,
+    absolutely (a split of a parameter read whole by no op is no value the steps wrote)."""
     state_a: dict[tuple, float | None] = field(default_factory=dict, repr=False)
     """Run A's values the step before left (what it wrote in place or in its optimizer, and
     what it read from outside), by :func:`_fingerprint`, with their difference from run B's."""
@@ -875,15 +878,27 @@ def _external_inputs_differ(side_a: _Side, side_b: _Side, c: OpComparison, carry
         if carry.before and carry.explained and error is not None:
             # Both are measures (fp64 sums) of what the steps before wrote: one value read
             # back may be measured through another kernel, so they agree up to the sums' rounding.
-            if error <= carry.bound * (1 + SUM_ROUNDING):
+            explained = _state_part_bound(record, carry)
+            if error <= explained * (1 + SUM_ROUNDING):
                 carried[position] = _selected_state(c, t, position, error, carry)
                 continue
             differ.append(f"input {position} (from outside the step) differs by {error:.3g} (relative), "
-                          f"beyond the {carry.bound:.3g} the steps before explain"
+                          f"beyond the {explained:.3g} the steps before explain"
                           + (f": {t.message}" if t.message else ""))
         elif beyond_thresholds:
             differ.append(f"input {position} (from outside the step) differs: {t.message}")
     return differ
+
+
+def _state_part_bound(record: TensorRecord, carry: Carry) -> float:
+    """The difference the steps before explain in ``record``, a value read from outside the step
+    that is not one they wrote whole (then its own difference is known): a part of one (a split
+    of a parameter: its views are read, never the whole) may hold all of a difference, larger
+    relative to the part by the ratio of their norms."""
+    norm = record.stats.get("norm") if record.stats is not None else None
+    if not norm or not math.isfinite(float(norm)):
+        return carry.bound
+    return max(carry.bound, carry.absolute / float(norm))
 
 
 def _selected_state(c: OpComparison, t: TensorComparison, position: int, error: float,
@@ -896,7 +911,7 @@ def _selected_state(c: OpComparison, t: TensorComparison, position: int, error: 
     difference the steps before explain in what they wrote stands for it. Dumped data is
     measured element by element and needs no stand-in."""
     assert c.a is not None
-    if position == 0 and t.kind != "data" and precision.selection_gain(c.a) > 1.0:
+    if position == 0 and t.kind != "data" and precision.is_selection(c.a):
         return max(error, carry.bound)
     return error
 
@@ -933,17 +948,21 @@ def _alike(t: TensorComparison, a: TensorRecord, b: TensorRecord) -> bool:
     return True
 
 
-def _written_error(c: OpComparison) -> float:
-    """The largest difference of a value ``c`` leaves for later steps to read (0 when none)."""
+def _written_error(c: OpComparison) -> tuple[float, float]:
+    """The largest difference of a value ``c`` leaves for later steps to read, relative and times
+    that value's norm (0 when none)."""
     if c.a is None or c.b is None:
-        return 0.0
-    worst_error = 0.0
+        return 0.0, 0.0
+    worst_error = worst_absolute = 0.0
     for t in c.outputs:
         record = c.a.outputs[t.position]
         if _leaves_state(c.a, record):
-            error = _error_of(t, record, c.b.outputs[t.position])
-            worst_error = max(worst_error, error or 0.0)  # unknown: nothing it could explain
-    return worst_error
+            error = _error_of(t, record, c.b.outputs[t.position]) or 0.0  # unknown: explains nothing
+            norm = record.stats.get("norm") if record.stats is not None else None
+            worst_error = max(worst_error, error)
+            if norm is not None and math.isfinite(float(norm)):
+                worst_absolute = max(worst_absolute, error * float(norm))
+    return worst_error, worst_absolute
 
 
 def _one_run_producers(op: OpRecord, position: int, ops: dict[int, OpRecord], only: set[int],
@@ -1255,7 +1274,7 @@ def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
     ``carry`` is what the steps before hand to this one; returns what this step hands on.
     """
     carry = carry or Carry()
-    identical, written = carry.identical, carry.bound
+    identical, written, written_absolute = carry.identical, carry.bound, carry.absolute
     by_index = {c.a.index: c for c in comparisons if c.a is not None}
     views = (
         _RunView(side_a, {op.index: op for op in side_a.ops}, by_index,
@@ -1286,16 +1305,17 @@ def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
         regime = replace(carry, identical=identical)  # with the state the step before left
         _judge_op(side_a, side_b, c, by_index, lowerings, tainted, replay_limit, regime)
         if not tainted:
-            _judge_routing_decision(side_a, side_b, c, routed)
+            _judge_random_draw(c, routed) or _judge_routing_decision(side_a, side_b, c, routed)
         if tainted or c.verdict == ERROR:
             reached_a.update([c.a.index] if c.a is not None else [])
             reached_b.update([c.b.index] if c.b is not None else [])
         identical = identical and c.a is not None and c.b is not None and all(
             _alike(t, c.a.outputs[t.position], c.b.outputs[t.position]) for t in c.outputs)
-        written = max(written, _written_error(c))
+        error, absolute = _written_error(c)
+        written, written_absolute = max(written, error), max(written_absolute, absolute)
     explained = carry.explained and not any(c.enters for c in comparisons)
-    return Carry(carry.before + 1, identical, explained, written, _state_errors(comparisons, side_a),
-                 frozenset(_left_state(side_b.ops)))
+    return Carry(carry.before + 1, identical, explained, written, written_absolute,
+                 _state_errors(comparisons, side_a), frozenset(_left_state(side_b.ops)))
 
 
 def _follows_routing(c: OpComparison, routed: tuple[Routed, Routed],
@@ -1321,6 +1341,31 @@ def _follows_routing(c: OpComparison, routed: tuple[Routed, Routed],
         if t.verdict != NOT_COMPARED:  # data missing stays missing
             t.verdict, t.rule = WARNING, RULE_ROUTING
     c.verdict = worst([t.verdict for t in c.outputs] + [WARNING])
+    return True
+
+
+def _judge_random_draw(c: OpComparison, routed: tuple[Routed, Routed]) -> bool:
+    """Judges again an op drawing random numbers into another dtype in each run (``rand_like`` of
+    scores that autocast made fp16: PhiMoE's jitter): the generator draws other numbers for each
+    dtype, so no numeric bound relates them. A warning, its rule routing's, and what reads it
+    inside its module is routed (:func:`_follows_routing`), never a pass. True when it was one."""
+    if c.a is None or c.b is None or c.verdict == PASS \
+            or c.rule in (RULE_LOWERED, RULE_OUTSIDE, RULE_ARGUMENTS) \
+            or not (draws_random(c.a.name) and draws_random(c.b.name)):
+        return False
+    dtypes = [(ta.dtype, tb.dtype) for ta, tb in zip(c.a.outputs, c.b.outputs, strict=False)
+              if ta.dtype != tb.dtype]
+    if not dtypes:
+        return False
+    note = (f"random numbers drawn as {dtypes[0][0]} in run A and {dtypes[0][1]} in run B: the generator "
+            f"draws other numbers for each dtype, no numeric bound")
+    c.verdict, c.rule, c.enters = WARNING, RULE_ROUTING, False
+    c.message = f"{note}; {c.message}" if c.message else note
+    for t in c.outputs:
+        if t.verdict in (ERROR, WARNING):
+            t.verdict, t.rule = WARNING, RULE_ROUTING
+    routed[0].decided(c.a)
+    routed[1].decided(c.b)
     return True
 
 

@@ -3,9 +3,10 @@
 First by stable id: the same program gives the same ids, and since an id
 counts ops per (module call, phase, op name), an extra op (a cast under
 autocast) shifts only the ids of its own kind. What is left is aligned within
-each module call by sequence alignment over ``(op name, output shapes)`` and
-then over op names alone, so a fused op on one side or a different
-decomposition leaves the rest of its module matched. The remainder is listed
+each module call by sequence alignment over ``(op name, output kinds, output
+shapes)`` and then over names and kinds alone, so a fused op on one side or a
+different decomposition leaves the rest of its module matched. Ops whose results
+are other kinds of value (float, integer, bool) are never paired. The remainder is listed
 as unmatched on its side; nothing is dropped. ``module_map`` renames modules
 of run B (``{"encoder": "model.encoder"}``) before matching.
 """
@@ -52,9 +53,13 @@ def mapped_id(op: OpRecord, module_map: dict[str, str]) -> str:
 
 
 def _token(op: OpRecord, with_shapes: bool) -> str:
+    # The kind of value each result is, always: a cast to integers (``gates.long()``) is no twin
+    # of a cast to float that one run alone makes first (``logits.float()`` of a bf16 matmul), and
+    # sharing the name and the n-th place would pair them.
+    kinds = "".join("f" if t.floating else "b" if t.dtype == "bool" else "i" for t in op.outputs)
     if not with_shapes:
-        return op.name
-    return op.name + "|" + ";".join(",".join(map(str, t.shape)) for t in op.outputs)
+        return f"{op.name}|{kinds}"
+    return f"{op.name}|{kinds}|" + ";".join(",".join(map(str, t.shape)) for t in op.outputs)
 
 
 def _input_shapes(op: OpRecord) -> list[tuple[int, ...]]:

@@ -719,7 +719,7 @@ def condition(op: OpRecord) -> float:
     (sqrt(K) r / s: bias gradients summed over a batch); an addition whose result is smaller
     than its terms ((r_x + r_y) / s); layer norm's ``x - mean(x)`` (max |x| x max rstd); a
     softmax, which turns a relative difference of its logits into an absolute one of their
-    size (2 max |x|, masks aside)."""
+    size (2 max |x|, masks aside); a softmax's backward, whose rows subtract their mean."""
     short = short_name(op.name)
     if not op.outputs or not op.inputs:
         return 1.0
@@ -754,7 +754,20 @@ def condition(op: OpRecord) -> float:
     if short in _SOFTMAX:
         magnitude = _magnitude(op.inputs[0])
         return 2.0 * magnitude if magnitude is not None else 1.0
+    if short == "_softmax_backward_data" and len(op.inputs) >= 2:
+        return _softmax_backward_condition(op.inputs[0], op.inputs[1], out_rms)
     return 1.0
+
+
+def _softmax_backward_condition(grad: TensorRecord, probs: TensorRecord, out_rms: float | None) -> float:
+    """Softmax's backward, ``y * (g - sum(y * g))`` by row, cancels where a row's gradient is
+    near its mean under ``y`` (attention whose gradients barely depend on the key chosen): its
+    terms, of rms at most ``max(y) rms(g) + rms(y) max|g|``, against its result's rms."""
+    g_rms, y_rms, g_max, y_max = _rms(grad), _rms(probs), _magnitude(grad), _magnitude(probs)
+    if None in (g_rms, y_rms, g_max, y_max) or not out_rms or not math.isfinite(out_rms):
+        return 1.0
+    terms = y_max * g_rms + y_rms * g_max
+    return terms / out_rms if math.isfinite(terms) else 1.0
 
 
 _SAVED_FOR_BACKWARD = {
@@ -778,10 +791,17 @@ def primary_outputs(op: OpRecord) -> int:
 
 
 _SELECTIONS = frozenset({"embedding", "index_select", "gather", "index", "take", "_embedding_bag",
-                         "embedding_bag", "slice", "select", "narrow"})
-"""Ops whose one result is part of their first input's elements, unchanged. Slices too: backward
-slices a fused bias's gradient (WavLM's query, key and value biases concatenated), and the key's
-part is rounding alone in both runs, whatever the whole's difference."""
+                         "embedding_bag", "slice", "select", "narrow", "split", "split_with_sizes",
+                         "unsafe_split", "unsafe_split_with_sizes", "unbind", "chunk", "tensor_split"})
+"""Ops whose results are each part of their first input's elements, unchanged. Slices and splits
+too: backward slices a fused bias's gradient (WavLM's query, key and value biases concatenated),
+and the key's part is rounding alone in both runs, whatever the whole's difference; a split of
+hyper-connection weights (HunYuan's) gives parts a thousand times apart in size."""
+
+
+def is_selection(op: OpRecord) -> bool:
+    """Whether each of ``op``'s results is part of its first input's elements, unchanged."""
+    return short_name(op.name) in _SELECTIONS and bool(op.inputs) and bool(op.outputs)
 
 
 def selection_gain(op: OpRecord) -> float:
@@ -791,14 +811,15 @@ def selection_gain(op: OpRecord) -> float:
     A relative difference known from statistics is one of the whole tensor; its elements that
     differ may all sit in the rows selected (the rows of the tokens seen, where an optimizer
     changed a table it updates sparsely). Concentrated there, it is larger relative to the
-    selected part by the ratio of the norms: ``norm(input) / norm(output)`` (at least 1).
-    1 for other ops, and without statistics."""
-    if short_name(op.name) not in _SELECTIONS or not op.inputs or not op.outputs:
+    selected part by the ratio of the norms: ``norm(input) / norm(output)`` (at least 1; of a
+    split, its smallest part's). 1 for other ops, and without statistics."""
+    if not is_selection(op):
         return 1.0
-    whole, selected = op.inputs[0].stats, op.outputs[0].stats
-    if whole is None or selected is None or not whole.get("norm") or not selected.get("norm"):
+    whole = op.inputs[0].stats
+    norms = [t.stats.get("norm") for t in op.outputs if t.stats is not None]
+    if whole is None or not whole.get("norm") or not norms or not all(norms):
         return 1.0
-    ratio = float(whole["norm"]) / float(selected["norm"])
+    ratio = float(whole["norm"]) / min(float(norm) for norm in norms)
     return max(ratio, 1.0) if math.isfinite(ratio) else 1.0
 
 
