@@ -151,3 +151,38 @@ def test_the_dropped_values_of_a_topk_over_masked_scores_are_no_fault(tmp_path):
         model(torch.randn(2, 6, 8)).sum().backward()
         session.step()
     assert probe.load(tmp_path).first_nonfinite() is None
+
+
+class _PaddedCompressor(nn.Module):
+    """DeepSeek-V4's compressor: a buffer padded with -inf, its first rows filled in place, read
+    whole by a softmax that turns the padding into zeros; a view of the padding kept and unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.padding: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        buffer = h.new_full((2, 8, 8), float("-inf"))
+        buffer[:, :4].copy_(h[:, :4])
+        self.padding = buffer[:, 4:]  # a view of it, read by no op of the step
+        return (buffer.softmax(dim=1) * h.sum(1, keepdim=True)).sum(1)
+
+
+def test_a_padding_filled_in_part_and_absorbed_is_no_fault(tmp_path):
+    # The buffer read whole names the copy_ into its first rows as its source (finite); the -inf
+    # is the rest's, made by new_full. Before: the softmax reading it was named as where -inf
+    # started, or the unused view, read by no op, as a result holding it.
+    torch.manual_seed(0)
+    model = _PaddedCompressor()
+    poison = Scale()
+    with probe.mode("stats", out=tmp_path, model=model) as session:
+        for step in range(2):
+            poison.factor = float("nan") if step == 1 else 1.0
+            (poison(model(torch.randn(2, 6, 8)))).sum().backward()
+            session.step()
+    run = probe.load(tmp_path)
+    assert run.first_nonfinite(step=0) is None
+    first = run.first_nonfinite()
+    assert first is not None and (first.step, first.name) == (1, "aten.mul.Tensor"), first

@@ -31,7 +31,7 @@ from probe.modes.free_benchmark.files import CHECKS_FILE
 from probe.modes.monitor.file_names import ANOMALIES_FILE, MONITOR_FILE
 from probe.modes.stats.file_names import STATS_FILE, STATS_INDEX_FILE
 from probe.rundir import layout
-from probe.rundir.records import first_nonfinite_in
+from probe.rundir.nonfinite_origins import first_nonfinite_in
 from probe.rundir.run import STEPS_KEPT
 
 # -- runs to damage ------------------------------------------------------------------

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from probe.analysis import precision
-from probe.analysis.assembled import assembled_record, partial_write, written_parts
+from probe.analysis.assembled import assembled_record
 from probe.analysis.compare_pieces import run_pieces
 from probe.analysis.compiled_regions import compare_notes, opened_regions, replayed_ops
 from probe.analysis.layouts import LogicalRun, LogicalStep, layout_notes, logical_pair, partial_sums
@@ -84,6 +84,7 @@ from probe.analysis.verdicts import (
 from probe.errors import ProbeError
 from probe.rundir.run import OpRecord, Run, TensorRecord
 from probe.rundir.tensor_layouts import STRIDED, dense_values
+from probe.rundir.written_parts import partial_write, written_parts
 from probe.vocabulary.op_class import creates_uninitialized, draws_random
 from probe.vocabulary.rounding import reduction_length
 

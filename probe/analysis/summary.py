@@ -19,7 +19,8 @@ from probe.errors import ProbeError
 from probe.rewind.verdict import read_verdicts
 from probe.rundir import layout
 from probe.rundir.loss_scaler import ScalerStep, handled_by_scaler
-from probe.rundir.records import TensorRecord, nonfinite_origins_in
+from probe.rundir.nonfinite_origins import nonfinite_origins_in
+from probe.rundir.records import TensorRecord
 from probe.rundir.run import OpRecord, Run
 from probe.rundir.step_section import StepSection
 from probe.rundir.untrusted_reads import expect, reading

@@ -196,7 +196,7 @@ def scaler_step_in(ops: list[OpRecord]) -> ScalerStep | None:
 
 
 def handled_by_scaler(origins: list[OpRecord], scaler: ScalerStep | None) -> bool:
-    """Whether a step's non-finite faults (``origins``: :func:`probe.rundir.records.
+    """Whether a step's non-finite faults (``origins``: :func:`probe.rundir.nonfinite_origins.
     nonfinite_origins_in`) are all a gradient overflow the loss scaler handled: it skipped the
     step, and each fault started in the backward (where the scaled loss's gradient flows) or
     in one of the scaler's own ops. A fault that started in the forward is the model's: the

@@ -2,7 +2,7 @@
 
 A NaN made on one rank reaches the others only through a collective: an all-reduce
 of gradients hands it to every rank of the group. Each rank then has a first
-non-finite op (:func:`probe.rundir.records.nonfinite_origins_in`), but only one of
+non-finite op (:func:`probe.rundir.nonfinite_origins.nonfinite_origins_in`), but only one of
 them (or several, when ranks went wrong independently) is where the fault began.
 
 The clock that orders ranks is the collectives themselves. Ranks of an SPMD job run
@@ -19,7 +19,7 @@ collectives, independently, and are all named.
 Limits: the clock assumes every rank runs the same sequence of collectives in a step
 (data, tensor and sequence parallelism do; pipeline parallelism's point-to-point
 send/recv do not, and there the clock is only a rough order). Ops without statistics
-are never origins, as in :func:`~probe.rundir.records.first_nonfinite_in`.
+are never origins, as in :func:`~probe.rundir.nonfinite_origins.first_nonfinite_in`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from probe.rundir.loss_scaler import handled_by_scaler, scaler_step_in
-from probe.rundir.records import OpRecord, nonfinite_origins_in
+from probe.rundir.nonfinite_origins import nonfinite_origins_in
+from probe.rundir.records import OpRecord
 
 
 class Run(Protocol):

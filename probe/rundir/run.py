@@ -52,6 +52,7 @@ from probe.rundir.mode_files import (  # the modes sit above: their readers are 
     StepFiles,
     registered_mode_files,
 )
+from probe.rundir.nonfinite_origins import nonfinite_origins_in
 from probe.rundir.op_graph import build_graph
 from probe.rundir.op_lines import OpLines
 from probe.rundir.op_record_json import decode as decode_op_record
@@ -62,7 +63,6 @@ from probe.rundir.records import (
     StepInfo,
     TensorRecord,
     WriteFailure,
-    nonfinite_origins_in,
 )
 from probe.rundir.untrusted_reads import (
     OP_LINE_LIMIT,
@@ -471,7 +471,7 @@ class Run:
         """The earliest op where a non-finite fault starts, or None.
 
         A NaN or Inf is a fault when it reaches the loss, a gradient, a parameter or a result
-        (see :func:`probe.rundir.records.nonfinite_origins_in`): an ``-inf`` mask that softmax
+        (see :func:`probe.rundir.nonfinite_origins.nonfinite_origins_in`): an ``-inf`` mask that softmax
         absorbs is not one. "Earliest" is execution order within a step (forward before the
         backward of the same step), the earliest step first. Over the ranks of a multi-rank run
         (``rank`` None), the op of the rank where the fault started, before the collective that
