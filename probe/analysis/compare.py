@@ -52,7 +52,7 @@ from probe.analysis.regrouped_sums import is_regrouped_sum
 from probe.analysis.replay import recompute
 from probe.analysis.report_writers import write_report
 from probe.analysis.routing import Routed, decides, discrete
-from probe.analysis.run_identity import Identity, identity
+from probe.analysis.run_identity import Identity, identity, same_kernels
 from probe.analysis.verdicts import (
     ERROR,
     NOT_COMPARED,
@@ -363,6 +363,9 @@ class Carry:
     what it read from outside), by :func:`_fingerprint`, with their difference from run B's."""
     state_b: frozenset[tuple] = field(default=frozenset(), repr=False)
     """Run B's values the step before left, by :func:`_fingerprint`."""
+    same_kernels: bool = False
+    """The runs computed with the same kernels (:func:`run_identity.same_kernels`): in the exact
+    regime, an op whose inputs are bit-identical and whose results are not computed otherwise."""
 
 
 def _fingerprint(record: TensorRecord) -> tuple | None:
@@ -603,6 +606,33 @@ def _called_otherwise(side_a: _Side, side_b: _Side, c: OpComparison) -> str | No
         return None
     return (f"its tensor inputs are identical in both runs, but it was called with other arguments "
             f"({'; '.join(differing)})")
+
+
+def _computed_otherwise(c: OpComparison, carry: Carry) -> str | None:
+    """Why ``c`` computed something else than run A's op (None: it did not, or it cannot be told):
+    the runs computed alike bit for bit up to here (``carry.identical``: its inputs are too) with
+    the same kernels (``carry.same_kernels``), so the same call gives the same results; these
+    differ, so the call was another (an eps, a scale) or its code was. Found from statistics, where
+    :func:`_called_otherwise` needs both runs' dumps; an op returning memory nothing wrote
+    (``empty``) holds no value to compare."""
+    assert c.a is not None and c.b is not None
+    if not (carry.identical and carry.same_kernels) or creates_uninitialized(c.a.name) \
+            or c.a.name != c.b.name or not len(c.outputs) == len(c.a.outputs) == len(c.b.outputs):
+        return None
+    # Inputs from outside the step held in another dtype by design (a bf16 model's weights) keep
+    # the regime: they are not identical, so neither need the results be.
+    if len(c.a.inputs) != len(c.b.inputs) or not all(
+            _stats_alike(ta, tb) if ta.source is None else (ta.dtype, ta.shape) == (tb.dtype, tb.shape)
+            for ta, tb in zip(c.a.inputs, c.b.inputs, strict=True)):
+        return None
+    differing = [t.position for t in c.outputs
+                 if not _alike(t, c.a.outputs[t.position], c.b.outputs[t.position])]
+    if not differing:
+        return None
+    return (f"the runs computed alike bit for bit up to here with the same kernels (versions, devices, "
+            f"settings and threads), so its inputs are identical, and its output(s) "
+            f"{', '.join(map(str, differing))} differ: it computed something else (other arguments "
+            f"or code)")
 
 
 def _replay_skipped(c: OpComparison, replay_limit: int) -> str | None:
@@ -932,6 +962,12 @@ def _alike(t: TensorComparison, a: TensorRecord, b: TensorRecord) -> bool:
     data, or equal statistics (their fp64 sums up to their own rounding)."""
     if t.kind == "data":
         return t.metrics.get("max_abs_err") == 0 and not t.metrics.get("nonfinite_mismatch")
+    return _stats_alike(a, b)
+
+
+def _stats_alike(a: TensorRecord, b: TensorRecord) -> bool:
+    """Whether two records are of one dtype and shape with equal statistics (their fp64 sums up
+    to their own rounding)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     if a.stats is None or b.stats is None:
@@ -1274,7 +1310,12 @@ def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
     the thresholds and downstream of a divergence, it is an error carried from it.
     ``carry`` is what the steps before hand to this one; returns what this step hands on.
     """
-    carry = carry or Carry()
+    # Runs folded from other layouts sum their sharded products in other orders: other kernels.
+    rank = comparisons[0].rank if comparisons else 0
+    runs = (side_a.run, side_b.run)
+    carry = replace(carry or Carry(), same_kernels=all(run is not None and not isinstance(run, LogicalRun)
+                                                       for run in runs)
+                    and same_kernels(side_a.run, side_b.run, rank))
     identical, written, written_absolute = carry.identical, carry.bound, carry.absolute
     by_index = {c.a.index: c for c in comparisons if c.a is not None}
     views = (
@@ -1460,6 +1501,11 @@ def _judge_op(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int,
     # whose result stays within the thresholds (a bf16 model's transposed weight, one element of
     # it x1.125) still reads the corrupted weight first, and is where it enters.
     changed = any(CHANGED_BETWEEN_STEPS in m for m in outside)
+    computed_otherwise = None if tainted or outside else _computed_otherwise(c, carry)
+    if computed_otherwise is not None:
+        c.verdict, c.rule, c.enters = ERROR, RULE_ARGUMENTS, True
+        c.message = f"{computed_otherwise}; {c.message}" if c.message else computed_otherwise
+        return
     if c.verdict == PASS and not (outside and (carry.identical or changed)):
         if not tainted and not outside:  # a pass, and where the layouts summed in other orders, why
             _judge_reduction_order(side_a, side_b, c, by_index, replay_limit, carried)

@@ -489,3 +489,21 @@ def identity(run_a: Run, run_b: Run, plan: dict[int, list[int]]) -> Identity:
     checks = [_weights(steps, run_a, run_b, plan, notes), _per_step(steps, plan, "inputs"),
               _per_step(steps, plan, "rng")]
     return Identity(differences, checks, notes)
+
+
+def same_kernels(run_a: Run, run_b: Run, rank: int) -> bool:
+    """Whether ``rank`` of both runs computed with the same kernels: environments recorded and
+    equal (library versions, CPU and its vector instructions, devices, torch's settings with the
+    thread count, variables, packages), on the CPU or with deterministic algorithms on. Then an
+    op given bit-identical inputs gives bit-identical results in both, whatever their dtype;
+    one that does not computed something else (an eps, a scale, other code). An accelerator's
+    atomics (a scatter's, a backward's) sum in another order on every run unless torch is told
+    to be deterministic."""
+    env_a = run_a.process(rank).get("environment")
+    env_b = run_b.process(rank).get("environment")
+    if not isinstance(env_a, dict) or not isinstance(env_b, dict) or env_a != env_b:
+        return False
+    devices, settings = env_a.get("devices"), env_a.get("settings")
+    if not isinstance(devices, dict) or not isinstance(settings, dict):
+        return False
+    return devices.get("accelerator") is None or settings.get("deterministic_algorithms") is True
