@@ -1399,15 +1399,8 @@ def _judge_random_draw(c: OpComparison, routed: tuple[Routed, Routed]) -> bool:
               if ta.dtype != tb.dtype]
     if not dtypes:
         return False
-    note = (f"random numbers drawn as {dtypes[0][0]} in run A and {dtypes[0][1]} in run B: the generator "
-            f"draws other numbers for each dtype, no numeric bound")
-    c.verdict, c.rule, c.enters = WARNING, RULE_ROUTING, False
-    c.message = f"{note}; {c.message}" if c.message else note
-    for t in c.outputs:
-        if t.verdict in (ERROR, WARNING):
-            t.verdict, t.rule = WARNING, RULE_ROUTING
-    routed[0].decided(c.a)
-    routed[1].decided(c.b)
+    _decided(c, routed, f"random numbers drawn as {dtypes[0][0]} in run A and {dtypes[0][1]} in run B: "
+                        f"the generator draws other numbers for each dtype, no numeric bound")
     return True
 
 
@@ -1428,9 +1421,15 @@ def _judge_routing_decision(side_a: _Side, side_b: _Side, c: OpComparison,
     inputs = _real_inputs_difference(side_a, side_b, c)
     if not inputs:  # unknown, or the same: a discrete result that differs is no rounding's
         return
-    note = (f"routing differs, consistent with precision: real inputs differ by {inputs:.3g} "
-            f"(relative) and output(s) {', '.join(str(t.position) for t in differing)} (discrete) "
-            f"with them")
+    _decided(c, routed, f"routing differs, consistent with precision: real inputs differ by {inputs:.3g} "
+                        f"(relative) and output(s) {', '.join(str(t.position) for t in differing)} "
+                        f"(discrete) with them")
+
+
+def _decided(c: OpComparison, routed: tuple[Routed, Routed], note: str) -> None:
+    """Marks ``c`` a routing decision, a warning saying ``note``: what reads it inside its scope
+    is routed (:func:`_follows_routing`)."""
+    assert c.a is not None and c.b is not None
     c.verdict, c.rule, c.enters = WARNING, RULE_ROUTING, False
     c.message = f"{note}; {c.message}" if c.message else note
     for t in c.outputs:
