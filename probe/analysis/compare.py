@@ -1116,6 +1116,13 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
             continue  # both runs' producers are matched: the ordinary rules judge this input
         upstream = [_upstream_error(view, w[1]) if w is not None else None
                     for view, w in zip(views, walks, strict=True)]
+        moved = _moved_positions(walks)
+        if moved is not None:
+            k, mover = moved
+            return views[k].comparisons[mover.index], (
+                f"input {position} of {c.a.id} is rearranged in run {'AB'[k]} only ({mover.name}: its "
+                f"values moved to other positions, which statistics cannot see; no precision policy "
+                f"moves a value)")
         if any(w is None for w in walks) or any(u is None for u in upstream):
             continue  # a chain too long to bound, or an input of it unknown: judged as before
         if c.a.phase == "backward" and not _made_from_shared_values(walks, views):
@@ -1178,6 +1185,27 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
                    f"rounding {rounding:.3g} = {bound:.3g}: it was produced by ops that exist in run "
                    f"{'AB'[k]} only ({len(producers)} op(s): {names}, in {module or '<outside modules>'})")
         return views[k].comparisons[blamed.index], message
+    return None
+
+
+_MOVES_POSITIONS = frozenset({"roll", "flip", "fliplr", "flipud", "rot90"})
+"""Ops whose result is their input's values at other positions (a mask shifted by one key): a
+permutation, invisible to statistics, that no cast or layout change makes."""
+
+
+def _moved_positions(walks: list[tuple[list[OpRecord], list[tuple[int, int]]] | None]
+                     ) -> tuple[int, OpRecord] | None:
+    """(run index, op) of the first op of one run only, in ``walks``, that moves a non-constant
+    value's elements to other positions (None when none does). A forward op: backward moves a
+    gradient back where its forward took it."""
+    for k, walk in enumerate(walks):
+        for op in walk[0] if walk is not None else ():
+            if op.phase != "forward" or not op.inputs \
+                    or precision.short_name(op.name) not in _MOVES_POSITIONS:
+                continue
+            stats = op.inputs[0].stats
+            if stats is not None and stats.get("min") != stats.get("max"):
+                return k, op
     return None
 
 
