@@ -18,7 +18,8 @@ input's rounding) is not a fault the comparison could be asked to find. The kind
   run A with no bound);
 - ``dropout``: a dropout module's probability raised from 0 at step k;
 - ``mask-shift``: an attention module's mask shifted by one key position from step k
-  (``benchmarks.diagnosis``'s attention function);
+  (``benchmarks.diagnosis``'s attention function; a site is eligible where the shift changes
+  the loss against that function unshifted: a module without a mask has nothing to shift);
 - ``optimizer-fp16``: AdamW's second moments (``exp_avg_sq``, every parameter's) kept in fp16
   from step k on (k >= 1): what step k-1's update left is stored in fp16, outside the trace,
   before step k's update reads it. Tiny models' squared gradients times (1 - beta2) sit near or
@@ -422,6 +423,19 @@ class Policy:
             return loss_of(model, batch).float()
 
 
+def _unshifted(kind: FaultKind, built: Built, policy: Policy, site: str, clean: torch.Tensor) -> torch.Tensor:
+    """What a site's fault is measured against: the clean loss; for ``mask-shift``, the loss of the
+    same attention function without the shift. The fault swaps the module's attention for its
+    own, whose rounding alone changes the loss; where the module has no mask (a bidirectional
+    encoder's all-ones mask is dropped) or an all-equal one, nothing is shifted and there is no
+    fault to find."""
+    if kind.name != "mask-shift":
+        return clean
+    reference = policy.prepare(built.model(kind.attn))
+    _attention_fault(reference, reference.get_submodule(site), "reimplemented")
+    return policy.loss(built, reference)
+
+
 def choose(kind: FaultKind, built: Built, pair: Pair, rng: random.Random,
            steps: int) -> tuple[str, int] | str:
     """A site where ``kind`` changes the first batch's loss under ``pair``'s run B, and the seed
@@ -442,7 +456,8 @@ def choose(kind: FaultKind, built: Built, pair: Pair, rng: random.Random,
             fault.before_step(trial, fault.planted.step)
             if kind.name in ("clip", "optimizer-fp16"):
                 return site, seed  # no effect on a forward: the update is what it changes
-            if not torch.equal(policy.loss(built, trial, fault), clean):
+            unfaulted = _unshifted(kind, built, policy, site, clean)
+            if not torch.equal(policy.loss(built, trial, fault), unfaulted):
                 return site, seed
         except Exception:  # a site the fault cannot be planted at (a norm refusing bf16) is not eligible
             continue

@@ -178,3 +178,12 @@ def test_an_embedding_that_repeats_the_rows_it_selects_reads_what_the_step_befor
     outcome = zoo_case("causal-lm", "cpmant", "bf16-autocast", tmp_path)
     assert outcome.error is None and outcome.skipped is None, outcome
     assert outcome.ok, (outcome.answer, outcome.conclusion)
+
+
+def test_a_mask_shift_where_no_mask_is_shifted_is_not_applicable(tmp_path: Path):
+    # BERT-generation's encoder gets no mask (its all-ones mask is dropped): the fault's attention
+    # function, swapped in, only re-implements attention, whose rounding alone changes the loss.
+    # Measured against that function unshifted, nothing changes: no fault to find (before: a miss).
+    outcome = zoo_case("causal-lm", "bert-generation", "bf16-model", tmp_path, "mask-shift")
+    assert outcome.error is None and outcome.skipped is not None, outcome
+    assert "mask-shift" in outcome.skipped
