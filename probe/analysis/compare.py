@@ -85,7 +85,7 @@ from probe.errors import ProbeError
 from probe.rundir.run import OpRecord, Run, TensorRecord
 from probe.rundir.tensor_layouts import STRIDED, dense_values
 from probe.rundir.written_parts import partial_write, written_parts
-from probe.vocabulary.op_class import creates_uninitialized, draws_random
+from probe.vocabulary.op_class import creates_uninitialized, draws_random, returns_view
 from probe.vocabulary.rounding import reduction_length
 
 METRIC_KEYS = ("cosine", "max_abs_err", "max_rel_err", "one_thousandth_ratio",
@@ -608,7 +608,29 @@ def _called_otherwise(side_a: _Side, side_b: _Side, c: OpComparison) -> str | No
             f"({'; '.join(differing)})")
 
 
-def _computed_otherwise(c: OpComparison, carry: Carry) -> str | None:
+def _layout_unknown(ops: list[OpRecord]) -> set[int]:
+    """The ops of one step whose results may be laid out (strided) as a tensor from outside the step
+    of two or more dimensions: its views, and ops whose result has its shape (elementwise ops
+    follow their input's strides), transitively. Records keep no strides, and two runs may hold
+    one value in other layouts (a weight stored transposed), which a reduction sums in another
+    order: another kernel's rounding, not another computation."""
+    unknown: set[int] = set()
+    for op in ops:
+        # A contraction writes a fresh result in its own layout; a view or an op of the same shape
+        # (elementwise) may keep its input's.
+        fresh = precision.short_name(op.name) in precision.AUTOCAST_LOWERED
+        for t in op.inputs:
+            laid_out_elsewhere = (t.source is None and len(t.shape) >= 2) \
+                or (t.source is not None and t.source[0] in unknown)
+            if laid_out_elsewhere and (returns_view(op.name) or (not fresh and any(
+                    tuple(o.shape) == tuple(t.shape) for o in op.outputs))):
+                unknown.add(op.index)
+                break
+    return unknown
+
+
+def _computed_otherwise(c: OpComparison, carry: Carry,
+                        layout_unknown: tuple[set[int], set[int]]) -> str | None:
     """Why ``c`` computed something else than run A's op (None: it did not, or it cannot be told):
     the runs computed alike bit for bit up to here (``carry.identical``: its inputs are too) with
     the same kernels (``carry.same_kernels``), so the same call gives the same results; these
@@ -620,7 +642,12 @@ def _computed_otherwise(c: OpComparison, carry: Carry) -> str | None:
             or c.a.name != c.b.name or not len(c.outputs) == len(c.a.outputs) == len(c.b.outputs):
         return None
     # Inputs from outside the step held in another dtype by design (a bf16 model's weights) keep
-    # the regime: they are not identical, so neither need the results be.
+    # the regime: they are not identical, so neither need the results be. Nor need they where an
+    # input's layout is not known to be the same (strides are not recorded).
+    for op, unknown in zip((c.a, c.b), layout_unknown, strict=True):
+        if any((t.source is None and len(t.shape) >= 2) or (t.source is not None and t.source[0] in unknown)
+               for t in op.inputs):
+            return None
     if len(c.a.inputs) != len(c.b.inputs) or not all(
             _stats_alike(ta, tb) if ta.source is None else (ta.dtype, ta.shape) == (tb.dtype, tb.shape)
             for ta, tb in zip(c.a.inputs, c.b.inputs, strict=True)):
@@ -1345,6 +1372,8 @@ def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
                                                        for run in runs)
                     and same_kernels(side_a.run, side_b.run, rank))
     identical, written, written_absolute = carry.identical, carry.bound, carry.absolute
+    layout_unknown = (_layout_unknown(side_a.ops), _layout_unknown(side_b.ops)) if carry.same_kernels \
+        else (set(), set())
     by_index = {c.a.index: c for c in comparisons if c.a is not None}
     views = (
         _RunView(side_a, {op.index: op for op in side_a.ops}, by_index,
@@ -1373,7 +1402,7 @@ def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
                 blamed.message = f"{message}; {blamed.message}" if blamed.message else message
                 tainted = True
         regime = replace(carry, identical=identical)  # with the state the step before left
-        _judge_op(side_a, side_b, c, by_index, lowerings, tainted, replay_limit, regime)
+        _judge_op(side_a, side_b, c, by_index, lowerings, tainted, replay_limit, regime, layout_unknown)
         if not tainted:
             _judge_random_draw(c, routed) or _judge_routing_decision(side_a, side_b, c, routed)
         if tainted or c.verdict == ERROR:
@@ -1512,9 +1541,10 @@ def _reads(op: OpRecord, indices: set[int]) -> bool:
 
 def _judge_op(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int, OpComparison],
               lowerings: dict[int, precision.Lowering], tainted: bool, replay_limit: int,
-              carry: Carry) -> None:
+              carry: Carry, layout_unknown: tuple[set[int], set[int]] = (set(), set())) -> None:
     """Sets ``c``'s verdict, rule and ``enters``; ``tainted``: an input comes from a divergence;
-    ``carry``: the regime the runs are in at this op (:class:`Carry`)."""
+    ``carry``: the regime the runs are in at this op (:class:`Carry`); ``layout_unknown``: each
+    run's ops whose results may be laid out as a tensor from outside the step (:func:`_layout_unknown`)."""
     if c.b is not None and c.b.index in lowerings:
         message = lowerings[c.b.index].message
         c.verdict, c.rule, c.enters = ERROR, RULE_LOWERED, True
@@ -1528,7 +1558,7 @@ def _judge_op(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int,
     # whose result stays within the thresholds (a bf16 model's transposed weight, one element of
     # it x1.125) still reads the corrupted weight first, and is where it enters.
     changed = any(CHANGED_BETWEEN_STEPS in m for m in outside)
-    computed_otherwise = None if tainted or outside else _computed_otherwise(c, carry)
+    computed_otherwise = None if tainted or outside else _computed_otherwise(c, carry, layout_unknown)
     if computed_otherwise is not None:
         c.verdict, c.rule, c.enters = ERROR, RULE_ARGUMENTS, True
         c.message = f"{computed_otherwise}; {c.message}" if c.message else computed_otherwise
