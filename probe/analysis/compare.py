@@ -82,6 +82,7 @@ from probe.analysis.verdicts import (
     worst,
 )
 from probe.errors import ProbeError
+from probe.rundir.rank_origin import is_collective
 from probe.rundir.run import OpRecord, Run, TensorRecord
 from probe.rundir.tensor_layouts import STRIDED, dense_values
 from probe.rundir.written_parts import partial_write, written_parts
@@ -636,9 +637,9 @@ def _computed_otherwise(c: OpComparison, carry: Carry,
     the same kernels (``carry.same_kernels``), so the same call gives the same results; these
     differ, so the call was another (an eps, a scale) or its code was. Found from statistics, where
     :func:`_called_otherwise` needs both runs' dumps; an op returning memory nothing wrote
-    (``empty``) holds no value to compare."""
+    (``empty``) holds no value to compare, and a collective reads other ranks' values too."""
     assert c.a is not None and c.b is not None
-    if not (carry.identical and carry.same_kernels) or creates_uninitialized(c.a.name) \
+    if not (carry.identical and carry.same_kernels) or creates_uninitialized(c.a.name) or is_collective(c.a) \
             or c.a.name != c.b.name or not len(c.outputs) == len(c.a.outputs) == len(c.b.outputs):
         return None
     # Inputs from outside the step held in another dtype by design (a bf16 model's weights) keep
