@@ -5,8 +5,8 @@ parts of one query buffer.
 A later read of the whole buffer has the last write as its source, and that write's output is
 the slice it filled: the statistics of a part, not of the tensor read. When the writes cover
 the buffer, the statistics of the whole are the parts' combined (exactly: extremes, counts,
-the sum of squares and of values), so its difference between two runs is known again. The parts themselves are found by
-:mod:`probe.rundir.written_parts`.
+the sum of squares and of values), so its difference between two runs is known again. The
+parts themselves are found by :mod:`probe.rundir.written_parts`.
 """
 
 from __future__ import annotations
