@@ -621,13 +621,17 @@ def _layout_unknown(ops: list[OpRecord]) -> set[int]:
         # (elementwise) may keep its input's.
         fresh = precision.short_name(op.name) in precision.AUTOCAST_LOWERED
         for t in op.inputs:
-            laid_out_elsewhere = (t.source is None and len(t.shape) >= 2) \
-                or (t.source is not None and t.source[0] in unknown)
-            if laid_out_elsewhere and (returns_view(op.name) or (not fresh and any(
+            if _laid_out_elsewhere(t, unknown) and (returns_view(op.name) or (not fresh and any(
                     tuple(o.shape) == tuple(t.shape) for o in op.outputs))):
                 unknown.add(op.index)
                 break
     return unknown
+
+
+def _laid_out_elsewhere(t: TensorRecord, unknown: set[int]) -> bool:
+    """Whether input ``t`` may be laid out as a tensor from outside the step of two or more
+    dimensions: it is one, or a result :func:`_layout_unknown` found in ``unknown``."""
+    return (t.source is None and len(t.shape) >= 2) or (t.source is not None and t.source[0] in unknown)
 
 
 def _computed_otherwise(c: OpComparison, carry: Carry,
@@ -646,8 +650,7 @@ def _computed_otherwise(c: OpComparison, carry: Carry,
     # the regime: they are not identical, so neither need the results be. Nor need they where an
     # input's layout is not known to be the same (strides are not recorded).
     for op, unknown in zip((c.a, c.b), layout_unknown, strict=True):
-        if any((t.source is None and len(t.shape) >= 2) or (t.source is not None and t.source[0] in unknown)
-               for t in op.inputs):
+        if any(_laid_out_elsewhere(t, unknown) for t in op.inputs):
             return None
     if len(c.a.inputs) != len(c.b.inputs) or not all(
             _stats_alike(ta, tb) if ta.source is None else (ta.dtype, ta.shape) == (tb.dtype, tb.shape)
@@ -1373,8 +1376,9 @@ def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
                                                        for run in runs)
                     and same_kernels(side_a.run, side_b.run, rank))
     identical, written, written_absolute = carry.identical, carry.bound, carry.absolute
-    layout_unknown = (_layout_unknown(side_a.ops), _layout_unknown(side_b.ops)) if carry.same_kernels \
-        else (set(), set())
+    # Read by the exact regime's rule only, which a step begun outside that regime never enters.
+    layout_unknown = (_layout_unknown(side_a.ops), _layout_unknown(side_b.ops)) \
+        if carry.same_kernels and carry.identical else (set(), set())
     by_index = {c.a.index: c for c in comparisons if c.a is not None}
     views = (
         _RunView(side_a, {op.index: op for op in side_a.ops}, by_index,
