@@ -577,6 +577,42 @@ def _scalar_arguments(call: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
+_LIMITED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _of_dtype_limits(value: float | str) -> bool:
+    """Whether ``value`` is a number a program derives from a dtype's limits (within a factor 2
+    of a floating dtype's largest, smallest normal or eps: ``finfo(dtype).min`` as a mask's fill,
+    T5's ``finfo(float16).max - 1000`` as a clamp): one each run takes from its own dtype."""
+    if type(value) is not float or not math.isfinite(value) or value == 0:
+        return False
+    magnitude = abs(value)
+    return any(0.5 <= magnitude / limit <= 2.0 for d in _LIMITED_DTYPES
+               for limit in (torch.finfo(d).max, torch.finfo(d).tiny, torch.finfo(d).eps))
+
+
+def _constants_differ(c: OpComparison) -> str | None:
+    """Why ``c`` was called with other constants in the two runs (None: it was not, or a run
+    recorded none): an eps, a scale, a fill value or a mode word given to both runs' call of one
+    op, different in each, is another computation at that op, whatever the precision of either
+    run and however small its effect. A number each run derives from its own dtype's limits is
+    not one (:func:`_of_dtype_limits`); nor is a slot only one run filled with a number (the
+    other passed a tensor there)."""
+    assert c.a is not None and c.b is not None
+    ka, kb = c.a.constants, c.b.constants
+    if not ka or not kb or c.a.name != c.b.name:
+        return None
+    differing = []
+    for where in sorted(set(ka) & set(kb)):
+        va, vb = ka[where], kb[where]
+        if va == vb or (va != va and vb != vb) or (_of_dtype_limits(va) and _of_dtype_limits(vb)):
+            continue  # (NaN is a constant equal to itself)
+        differing.append(f"argument {where}: {va!r} in run A, {vb!r} in run B")
+    if not differing:
+        return None
+    return f"called with other constants ({'; '.join(differing)})"
+
+
 def _called_otherwise(side_a: _Side, side_b: _Side, c: OpComparison) -> str | None:
     """Why ``c`` was called with other arguments on identical tensors (None: it was not).
 
@@ -1556,6 +1592,11 @@ def _judge_op(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int,
         c.message = f"{message}; {c.message}" if c.message else message
         return
     if c.a is None or c.b is None or c.verdict in (NOT_COMPARED, UNMATCHED):
+        return
+    constants = None if tainted else _constants_differ(c)
+    if constants is not None:
+        c.verdict, c.rule, c.enters = ERROR, RULE_ARGUMENTS, True
+        c.message = f"{constants}; {c.message}" if c.message else constants
         return
     carried: dict[int, float] = {}
     outside = [] if tainted else _external_inputs_differ(side_a, side_b, c, carry, carried)

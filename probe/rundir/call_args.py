@@ -26,7 +26,8 @@ _DTYPES = {str(t).removeprefix("torch."): t for t in vars(torch).values() if isi
 _LAYOUTS = {str(layout).removeprefix("torch."): layout for layout in (torch.strided, torch.sparse_coo)}
 
 
-def _encode_float(x: float) -> Any:
+def encode_float(x: float) -> Any:
+    """A float's JSON form: itself, or ``{"float": "inf"}`` where JSON has no spelling for it."""
     return x if math.isfinite(x) else {"float": repr(x)}
 
 
@@ -44,9 +45,9 @@ def encode_args(
         if isinstance(value, int):
             return value
         if isinstance(value, float):
-            return _encode_float(value)
+            return encode_float(value)
         if isinstance(value, complex):
-            return {"complex": [_encode_float(value.real), _encode_float(value.imag)]}
+            return {"complex": [encode_float(value.real), encode_float(value.imag)]}
         if isinstance(value, (list, tuple)):
             return [enc(v) for v in value]
         if isinstance(value, torch.dtype):

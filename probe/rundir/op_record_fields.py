@@ -47,6 +47,10 @@ Skipped = tuple[str, int, str]
 source, registers no value, and gets no statistics or dump; ``reason`` is one of
 :data:`SKIP_REASONS`."""
 
+Constants = tuple[tuple[str, float | str], ...]
+"""The floats and strings a call was given beside its tensors (``probe.tracer.call_constants``):
+``((where, value), ...)``, where is the argument's position (``"4"``) or keyword name."""
+
 SKIP_REASONS = ("inference", "sparse", "nested", "zero", "meta", "no storage")
 
 _REQUIRED = object()
@@ -83,6 +87,7 @@ OP_RECORD_FIELDS: tuple[RecordField, ...] = (
     RecordField("skipped", "skip", "skipped", default=()),
     RecordField("layout", "layout", "layout", default=None),
     RecordField("autocast", "amp", "int", default=0),
+    RecordField("constants", "const", "constants", default=()),
 )
 """The op record's fields in tuple order. Adding one: append it here (optional, so older
 runs still load), build it in ``Tracer._record`` (``probe.tracer``) in the same position."""
@@ -94,10 +99,11 @@ RECORD_CALLSITE = RECORD_FIELD_INDEX["callsite"]
 RECORD_SKIPPED = RECORD_FIELD_INDEX["skipped"]
 RECORD_LAYOUT = RECORD_FIELD_INDEX["layout"]
 RECORD_AUTOCAST = RECORD_FIELD_INDEX["autocast"]
+RECORD_CONSTANTS = RECORD_FIELD_INDEX["constants"]
 
 OpRecordTuple = tuple[
     int, str, str, str, str, int, tuple[str, ...], tuple[InputMeta, ...], tuple[OutputMeta, ...],
-    int | None, GroupMeta | None, tuple[Skipped, ...], LayoutMeta | None, int,
+    int | None, GroupMeta | None, tuple[Skipped, ...], LayoutMeta | None, int, Constants,
 ]
 """What the tracer keeps of an op until the step is written, fields as in
 :data:`OP_RECORD_FIELDS`. Only strings, numbers and tuples of them: the garbage

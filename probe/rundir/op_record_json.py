@@ -9,7 +9,9 @@ source is ``[producer index, output position, exact]`` or null; an output is
 ``skip`` (``[io, position, reason]`` of tensors the tracer could not key) and ``layout`` (a
 local op that ran for a DTensor op: ``{"of", "role", "mesh": {"shape", "names", "ranks"},
 "in", "out"}``, placements one string per mesh dim, null for a plain tensor) and ``amp`` (a
-forward op's autocast policy id into the manifest's ``autocast`` table; absent: 0, off).
+forward op's autocast policy id into the manifest's ``autocast`` table; absent: 0, off) and
+``const`` (the floats and strings the call was given beside its tensors, ``{where: value}``,
+where an argument's position or keyword name; absent: none).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from probe.errors import ProbeError
-from probe.rundir.op_record_fields import OP_RECORD_FIELDS, SKIP_REASONS, OpRecordTuple
+from probe.rundir.call_args import encode_float
+from probe.rundir.op_record_fields import OP_RECORD_FIELDS, SKIP_REASONS, Constants, OpRecordTuple
 
 _MISSING = object()
 _REPEATED = frozenset({"name", "phase", "module"})
@@ -160,6 +163,32 @@ def _layout(value: Any) -> tuple:
     return layout
 
 
+def _encode_constants(constants: Constants) -> dict[str, Any]:
+    return {where: encode_float(v) if type(v) is float else v for where, v in constants}
+
+
+_CONSTANTS_FORM = '{argument: number, string or {"float": "inf"}}'
+
+
+def _constants(value: Any) -> Constants:
+    if type(value) is not dict:
+        raise _BadValue(_CONSTANTS_FORM)
+    found: list[tuple[str, float | str]] = []
+    for where, v in value.items():
+        if type(v) is str:
+            found.append((where, v))
+        elif type(v) in (int, float):
+            found.append((where, float(v)))
+        elif type(v) is dict and len(v) == 1 and type(v.get("float")) is str:
+            try:
+                found.append((where, float(v["float"])))
+            except ValueError:
+                raise _BadValue(_CONSTANTS_FORM) from None
+        else:
+            raise _BadValue(_CONSTANTS_FORM)
+    return tuple(found)
+
+
 def _as_is(value: Any) -> Any:
     return value
 
@@ -174,6 +203,7 @@ CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
     "group": (_encode_group, _group),
     "skipped": (_as_is, _skipped),
     "layout": (layout_record, _layout),
+    "constants": (_encode_constants, _constants),
 }
 
 _FIELDS = tuple(

@@ -136,6 +136,10 @@ class OpRecord:
     calls (``probe.tracer.autocast_policy``): ``{device type: dtype}`` for each device type autocast
     was enabled for (``{"cpu": "bfloat16"}``), ``{}`` when it was off. None where it is not known:
     ops of other phases, and runs written before it was recorded."""
+    constants: dict[str, float | str] = field(default_factory=dict)
+    """The floats and strings the call was given beside its tensors (an eps, a scale, a fill
+    value, an approximation's name), by argument position (``"4"``) or keyword name; empty in
+    runs written before they were recorded."""
     fp8_scales: dict[str, dict[str, Any]] | None = None
     """fp8 ops (stats mode): the scales they were given, ``{argument: {"shape", "values", "min",
     "max"}}`` (``scale_a``, ``scale_b``, ``scale_result``, a float8 subclass input's ``_scale``)."""

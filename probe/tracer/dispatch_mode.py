@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import (
 
 from probe.errors import warn_once
 from probe.rundir.op_record_fields import InputMeta, OpRecordTuple, OutputMeta, Skipped
+from probe.tracer.call_constants import call_constants
 from probe.tracer.call_sites import CallSites
 from probe.tracer.collectives import GroupCache, PendingCollectives, collective_outputs
 from probe.tracer.dtensor_layouts import LayoutLabeller, dtensor_class
@@ -404,7 +405,8 @@ class Tracer:
             self.records.append(
                 (index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack,
                  tuple(inputs), tuple(outputs), callsite, group, skipped, None,
-                 self.modules.autocast if phase in _NODE_CREATING_PHASES else 0)
+                 self.modules.autocast if phase in _NODE_CREATING_PHASES else 0,
+                 call_constants(info, args, kwargs) if info.has_constants else ())
             )
             return out
         except BaseException:
@@ -414,7 +416,8 @@ class Tracer:
             if len(self.records) == index:
                 self.records.append((index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack,
                                      tuple(inputs), tuple(outputs), callsite, None, skipped, None,
-                                     self.modules.autocast if phase in _NODE_CREATING_PHASES else 0))
+                                     self.modules.autocast if phase in _NODE_CREATING_PHASES else 0,
+                                     call_constants(info, args, kwargs) if info.has_constants else ()))
             raise
 
     def run_dtensor_op(self, mode: TorchDispatchMode, func: Any, args: tuple, kwargs: dict,

@@ -108,11 +108,20 @@ class OpClass:
     compiled_region: bool = False
     """One call of a compiled graph (``compiled="keep"``, see probe.tracer.compiled_regions): it
     cannot be re-run by the modes that re-run ops."""
+    constant_args: tuple[int, ...] = ()
+    """Positions of arguments that may hold a constant of the call (a number or a word: an eps, a
+    scale, a fill value, an approximation's name), typed ``float``, ``Scalar``, ``str`` or
+    ``Tensor`` (where a Python number arrives unwrapped: ``x + 1e-6``), and not written."""
+    constant_kwargs: tuple[str, ...] = ()
+    """Keyword-only arguments of those types (``alpha``, ``approximate``, ``rounding_mode``)."""
     mutates: bool = field(init=False, default=False)
     """The schema marks an argument as written (a field, not a property: it is read per op)."""
+    has_constants: bool = field(init=False, default=False)
+    """Any :attr:`constant_args` or :attr:`constant_kwargs` (read per op, as ``mutates``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mutates", bool(self.mutated_args or self.mutated_kwargs))
+        object.__setattr__(self, "has_constants", bool(self.constant_args or self.constant_kwargs))
 
 
 def _uncounted_writes(func: torch._ops.OpOverload, args: list[int], kwargs: list[str]
@@ -140,6 +149,26 @@ def _uncounted_writes(func: torch._ops.OpOverload, args: list[int], kwargs: list
 
     return (*(i for i in args if not counted(schema.arguments[i])),
             *(k for k in kwargs if not counted(by_name[k])))
+
+
+_CONSTANT_TYPES = frozenset({"float", "number", "str", "Tensor"})
+"""Schema types whose argument may be a constant of the call; ``Optional[...]`` of them too.
+(The tracer keeps the floats and strings found there: ``probe.tracer.call_constants``.)"""
+
+
+def _constant_arguments(schema: torch._C.FunctionSchema) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(positions, keyword-only names) of the arguments :attr:`OpClass.constant_args` describes."""
+    positions: list[int] = []
+    names: list[str] = []
+    for i, arg in enumerate(schema.arguments):
+        typ = str(arg.type).removeprefix("Optional[").removesuffix("]")
+        if typ not in _CONSTANT_TYPES or (arg.alias_info is not None and arg.alias_info.is_write):
+            continue
+        if arg.kwarg_only:
+            names.append(arg.name)
+        else:
+            positions.append(i)
+    return tuple(positions), tuple(names)
 
 
 def op_name(func: object) -> str:
@@ -183,6 +212,7 @@ def classify(func: torch._ops.OpOverload) -> OpClass:
                and not func._opname.startswith("_foreach"))
     uncounted = _uncounted_writes(func, mutated_args, mutated_kwargs) if written else ()
     counts_writes = written and len(uncounted) < len(mutated_args) + len(mutated_kwargs)
+    constant_args, constant_kwargs = _constant_arguments(schema)
     return OpClass(
         name=name,
         short=func._opname,
@@ -207,6 +237,8 @@ def classify(func: torch._ops.OpOverload) -> OpClass:
         memory_managed_outside=ns in _MEMORY_MANAGED_OUTSIDE_NAMESPACES,
         counts_writes=counts_writes,
         uncounted_writes=uncounted if counts_writes else (),
+        constant_args=constant_args,
+        constant_kwargs=constant_kwargs,
     )
 
 
