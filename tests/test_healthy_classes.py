@@ -87,6 +87,23 @@ class _MaskFill(torch.nn.Module):
         return self.out(torch.where(causal, scores, fill).softmax(-1))
 
 
+class _PaddedScores(torch.nn.Module):
+    """Scores written into part of a buffer filled with -inf (padding keys no token sees, as
+    DeepSeek-V4's compressor pads), widened before their softmax: under autocast the widening
+    copies the bf16 buffer, in fp32 it is no op and the softmax reads the buffer itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(WIDTH, WIDTH)
+        self.out = torch.nn.Linear(TOKENS, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ x.transpose(0, 1)
+        padded = scores.new_full((TOKENS, TOKENS + 8), -math.inf)
+        padded[:, :TOKENS] = scores
+        return self.out(padded.float().softmax(-1)[:, :TOKENS])
+
+
 def _pair(root, build, fault=None):
     return sgd_autocast_pair(root, build, torch.bfloat16, TOKENS, WIDTH, fault)
 
@@ -105,6 +122,13 @@ def test_a_buffer_filled_slice_by_slice_is_judged_by_its_parts(tmp_path):
     # part's, the difference of the tensor read was unknown and the thresholds called the bf16
     # rounding a divergence. Its parts' statistics combined are the whole's.
     _healthy_and_fault(tmp_path, _SliceFilledQuery, "out")
+
+
+def test_a_buffer_filled_with_one_value_and_written_in_part_is_judged_by_its_parts(tmp_path):
+    # Run A's softmax reads the buffer whose recorded source is the slice written: the rest
+    # still holds the fill, so the whole's statistics are the part's with the fill's (-inf)
+    # counted in. Unknown, the thresholds called run B's bf16 rounding a divergence there.
+    _healthy_and_fault(tmp_path, _PaddedScores, "out")
 
 
 def test_routing_on_near_tied_logits_differs_consistently_with_precision(tmp_path):

@@ -19,11 +19,37 @@ from probe.rundir.run import TensorRecord
 
 def assembled_record(parts: Sequence[TensorRecord], record: TensorRecord) -> TensorRecord | None:
     """``record`` with the statistics of the whole tensor, combined from ``parts``
-    (:func:`written_parts`) when the writes cover it exactly once; None otherwise (a tensor
-    partly overwritten, overlapping writes)."""
-    if not parts or sum(p.numel for p in parts) != record.numel:
+    (:func:`written_parts`) when the writes cover it exactly once, or cover part of a buffer
+    filled with one value (``full(-inf)``, ``zeros``: a padded buffer), whose other elements
+    still hold it; None otherwise (a tensor partly overwritten, overlapping writes)."""
+    if not parts:
         return None
-    return TensorRecord(record.dtype, record.shape, combined_stats(parts), record.source)
+    if sum(p.numel for p in parts) == record.numel:
+        return TensorRecord(record.dtype, record.shape, combined_stats(parts), record.source)
+    *written, base = parts
+    rest = record.numel - sum(p.numel for p in written)
+    fill = _filled_with(base)
+    if base.numel != record.numel or not written or rest <= 0 or fill is None:
+        return None
+    return TensorRecord(record.dtype, record.shape, combined_stats([*written, _constant(fill, rest)]),
+                        record.source)
+
+
+def _filled_with(record: TensorRecord) -> float | None:
+    """The one value every element of ``record`` holds (its minimum is its maximum), else None."""
+    stats = record.stats
+    if stats is None or stats.get("min") is None or stats.get("min") != stats.get("max") or stats.get("nan"):
+        return None
+    return float(stats["min"])
+
+
+def _constant(value: float, count: int) -> TensorRecord:
+    """``count`` elements of ``value``, as a record whose statistics say so."""
+    infinite = int(math.isinf(value)) * count
+    stats = {"min": value, "max": value, "mean": value, "norm": abs(value) * math.sqrt(count),
+             "nan": 0, "inf": infinite, "posinf": infinite if value > 0 else 0,
+             "neginf": infinite if value < 0 else 0}
+    return TensorRecord("float32", (count,), stats)
 
 
 def combined_stats(pieces: Sequence[TensorRecord]) -> dict[str, float | int | None]:
