@@ -78,13 +78,20 @@ class FaultKind:
     """Planted between steps (its step is at least 1)."""
     autocast_casts: bool = False
     """Its cast (to bf16) is one autocast makes itself (matmuls are on autocast's lower-precision
-    list): under autocast to bf16 the planted computation is autocast's own, no fault."""
+    list): under autocast to bf16 the planted computation is autocast's own, no fault. In a bf16
+    model the same: its matmuls compute in bf16, and where its code widens one (a router in
+    fp32), the cast undoes that widening, which makes run B compute as a bf16 model does. That
+    differs from run B's own design, not from run A (fp32 throughout) by more than run B's
+    precision: a comparison with a healthy bf16 run can find it, one with run A cannot."""
 
     def not_applicable(self, pair: Pair) -> str | None:
         """Why planting this kind in ``pair``'s run B plants nothing that policy does not do itself
         (None: it is a fault there)."""
         if self.autocast_casts and pair.autocast == LOW:
             return f"{pair.name} runs matmuls in bf16 itself: the cast is autocast's own, no fault"
+        if self.autocast_casts and pair.model_dtype == LOW:
+            return (f"{pair.name} computes matmuls in bf16 itself: the cast makes run B compute as its "
+                    f"precision does, no fault against run A")
         return None
 
 

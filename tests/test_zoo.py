@@ -132,6 +132,10 @@ def test_a_cast_the_run_b_policy_makes_itself_is_not_applicable(llama, tmp_path:
     assert skipped.skipped is not None and "autocast" in skipped.skipped, skipped
     assert applies(Case(llama.arch, "fp16-autocast", "cast-matmul"), llama) is None
     assert applies(Case(llama.arch, "bf16-autocast", "cast-softmax"), llama) is None
+    # A bf16 model's matmuls are bf16: the cast only undoes a widening its own code makes (a
+    # router in fp32), which computes as a bf16 model does, within run B's precision of run A.
+    why = applies(Case(llama.arch, "bf16-model", "cast-matmul"), llama)
+    assert why is not None and "bf16 itself" in why, why
 
 
 def test_a_model_that_fails_under_run_b_policy_without_the_probe_is_not_applicable(tmp_path: Path):
