@@ -104,6 +104,31 @@ class _PaddedScores(torch.nn.Module):
         return self.out(padded.float().softmax(-1)[:, :TOKENS])
 
 
+class _AssembledKeys(torch.nn.Module):
+    """Multi-head latent attention's keys: a projection (fp16 under autocast) and an fp32 rotated
+    part written into one buffer of the projection's dtype, widened before the scores: under
+    autocast the widening copies the buffer (an op of run B only), in fp32 it is no op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = torch.nn.Linear(WIDTH, 64)
+        self.nope = torch.nn.Linear(64, 16)
+        self.near = torch.nn.Linear(64, 16)
+        with torch.no_grad():  # their difference cancels: fp16's rounding is large relative to it
+            self.near.weight.copy_(self.nope.weight * 0.98)
+            self.near.bias.copy_(self.nope.bias * 0.98)
+        self.q = torch.nn.Linear(WIDTH, 24)
+        self.out = torch.nn.Linear(TOKENS, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.hidden(x))
+        nope = self.nope(hidden) - self.near(hidden)
+        keys = nope.new_empty(x.shape[0], 24)
+        keys[:, :16] = nope
+        keys[:, 16:] = torch.tanh(x[:, :8]) * 1e-3  # fp32 in both runs: it barely differs
+        return self.out((self.q(x) @ keys.float().transpose(0, 1)).softmax(-1))
+
+
 def _pair(root, build, fault=None):
     return sgd_autocast_pair(root, build, torch.bfloat16, TOKENS, WIDTH, fault)
 
@@ -129,6 +154,19 @@ def test_a_buffer_filled_with_one_value_and_written_in_part_is_judged_by_its_par
     # still holds the fill, so the whole's statistics are the part's with the fill's (-inf)
     # counted in. Unknown, the thresholds called run B's bf16 rounding a divergence there.
     _healthy_and_fault(tmp_path, _PaddedScores, "out")
+
+
+def test_a_buffer_read_through_ops_of_one_run_is_bounded_by_all_its_written_parts(tmp_path):
+    # Run B's widening copy is an op of its own: its input's difference is bounded by what the
+    # matched ops upstream hand it, which were the last write alone (the fp32 part, rounded to
+    # fp16 once) while the projection's part, fp16 matmuls away, differs more.
+    runs = sgd_autocast_pair(tmp_path / "healthy", _AssembledKeys, torch.float16, TOKENS, WIDTH)
+    report = probe.compare(*runs)
+    assert report.first_divergence is None and report.ok, report.conclusion
+    faulty = probe.compare(*sgd_autocast_pair(tmp_path / "fault", _AssembledKeys, torch.float16, TOKENS,
+                                              WIDTH, "out"))
+    d = faulty.divergence
+    assert d is not None and d.step == 1 and d.op.module == "out", faulty.conclusion
 
 
 def test_routing_on_near_tied_logits_differs_consistently_with_precision(tmp_path):

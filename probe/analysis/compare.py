@@ -85,7 +85,7 @@ from probe.errors import ProbeError
 from probe.rundir.rank_origin import is_collective
 from probe.rundir.run import OpRecord, Run, TensorRecord
 from probe.rundir.tensor_layouts import STRIDED, dense_values
-from probe.rundir.written_parts import partial_write, written_parts
+from probe.rundir.written_parts import partial_write, written_part_sources, written_parts
 from probe.vocabulary.op_class import creates_uninitialized, draws_random, returns_view
 from probe.vocabulary.rounding import reduction_length
 
@@ -1088,11 +1088,16 @@ def _one_run_producers(op: OpRecord, position: int, ops: dict[int, OpRecord], on
             return None
         producer = found[index] = ops[index]
         for record in producer.inputs:
-            if record.source is not None:
-                if record.source[0] in only:
-                    stack.append(record.source[0])
+            if record.source is None:
+                continue
+            # A buffer written in part reads as its last write: its other parts hold values too.
+            sources = (written_part_sources(ops, record) or [record.source]) \
+                if partial_write(ops, record) else [record.source]  # type: ignore[arg-type]
+            for source in sources:
+                if source[0] in only:
+                    stack.append(source[0])
                 else:
-                    boundary.append(record.source)
+                    boundary.append(source)
     return sorted(found.values(), key=lambda o: o.index), boundary
 
 

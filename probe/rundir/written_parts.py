@@ -30,7 +30,20 @@ def written_parts(ops: Sequence[OpRecord], record: TensorRecord) -> list[TensorR
     it, last first, then the tensor they wrote into when they leave some of it as it was (its
     producer's output, which holds the rest); None when a part is not recorded or the walk up
     the writes and views does not reach the tensor."""
-    parts: list[TensorRecord] = []
+    found = written_part_sources(ops, record)
+    if found is None:
+        return None
+    parts = [_output(ops, source) for source in found]
+    if any(p is None or p.stats is None for p in parts):
+        return None
+    return parts  # type: ignore[return-value]
+
+
+def written_part_sources(ops: Sequence[OpRecord], record: TensorRecord) -> list[tuple[int, int]] | None:
+    """Where the parts :func:`written_parts` finds were recorded, ``(op index, output position)``
+    each, whether or not their statistics were (None when the walk does not reach the tensor)."""
+    parts: list[tuple[int, int]] = []
+    last_numel = 0
     covered = 0
     source = record.source
     for _ in range(_WALK_LIMIT):
@@ -40,17 +53,19 @@ def written_parts(ops: Sequence[OpRecord], record: TensorRecord) -> list[TensorR
         op = ops[source[0]]
         if output.numel >= record.numel:  # the tensor itself, before these writes
             if covered < record.numel and not creates_uninitialized(op.name):
-                parts.append(output)
+                parts.append((source[0], source[1]))
+                last_numel = output.numel
             break
         if output.mutated:
-            parts.append(output)
+            parts.append((source[0], source[1]))
             covered += output.numel
+            last_numel = output.numel
         elif not (returns_view(op.name) and op.inputs):
             return None
         source = op.inputs[0].source if op.inputs else None  # up the written view to its base
     else:
         return None
-    if any(p.stats is None for p in parts) or (covered < record.numel and parts[-1].numel < record.numel):
+    if covered < record.numel and last_numel < record.numel:
         return None
     return parts
 
