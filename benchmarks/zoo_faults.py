@@ -42,6 +42,7 @@ exact pair (fp32 against itself), where a fault of any size shows.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import random
 from collections.abc import Callable, Iterator
@@ -317,6 +318,22 @@ def _candidates(kind: str, model: torch.nn.Module, found: Discovery) -> list[str
     raise ValueError(f"unknown fault kind {kind!r}")
 
 
+def _owned(model: torch.nn.Module, site: str) -> torch.nn.Module:
+    """The module at ``site``, made the model's own there before a fault changes it: a shallow
+    copy (the same parameters and submodules, its own attributes and hook tables) put in its
+    parent's place. A module may be one instance shared by every model of the process (XLM's
+    feed-forward activation is the module-level ``gelu``) or by other sites of this model: a
+    fault planted in it would run at all of them, and in every model built after."""
+    module = model.get_submodule(site)
+    own = copy.copy(module)
+    for key, value in vars(module).items():
+        if isinstance(value, (dict, set)):
+            own.__dict__[key] = copy.copy(value)
+    parent, _, name = site.rpartition(".")
+    model.get_submodule(parent)._modules[name] = own
+    return own
+
+
 def _delta(rng: random.Random, exact: bool) -> float:
     return 10 ** rng.uniform(-6, 0) if exact else rng.uniform(0.05, 1.0)
 
@@ -356,7 +373,7 @@ def plant(kind: FaultKind, model: torch.nn.Module, site: str, rng: random.Random
     if name == "loss-bf16":  # at the loss, wherever it is computed (a loss module made in forward)
         fault.detail = "cross entropy in bf16"
         return fault
-    module = model.get_submodule(site) if site else model
+    module = _owned(model, site) if site else model
     if name == "scale-output":
         delta = _delta(rng, exact)
         fault.detail = f"x(1+{delta:.3g})"

@@ -5,15 +5,17 @@ this checks the instrument, not the compare rules it measures."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers", reason="transformers is an optional test dependency")
 
 from hf_models import zoo_case
 
-from benchmarks.zoo import Case, Reference, applies, run_case
+from benchmarks.zoo import PAIRS, Case, Reference, applies, run_case
 from benchmarks.zoo_architectures import (
     LAYERS,
     Architecture,
@@ -24,6 +26,7 @@ from benchmarks.zoo_architectures import (
     shrink_config,
     shrunk,
 )
+from benchmarks.zoo_faults import KINDS, plant
 
 
 def test_every_causal_lm_architecture_is_listed_and_shrinks():
@@ -191,3 +194,30 @@ def test_a_mask_shift_where_no_mask_is_shifted_is_not_applicable(tmp_path: Path)
     outcome = zoo_case("causal-lm", "bert-generation", "bf16-model", tmp_path, "mask-shift")
     assert outcome.error is None and outcome.skipped is not None, outcome
     assert "mask-shift" in outcome.skipped
+
+
+_SHARED_ACT = torch.nn.GELU()
+"""One activation instance for every model, as XLM's module-level ``gelu``."""
+
+
+class _SharedActivation(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.act0, self.act1 = _SHARED_ACT, _SHARED_ACT
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act1(self.second(self.act0(self.first(x))))
+
+
+def test_a_fault_planted_in_a_shared_module_runs_at_its_site_only():
+    # XLM's feed-forward layers all call one module-level activation: a scale planted in it ran at
+    # every layer and in every model the process built after (the next case's healthy run B).
+    model = _SharedActivation()
+    fault = plant(KINDS["scale-output"], model, "act0", random.Random(0), PAIRS["fp32"], steps=2)
+    fault.active = True
+    x = torch.randn(4, 8)
+    assert model.act0 is not _SHARED_ACT and model.act1 is _SHARED_ACT and "forward" not in vars(_SHARED_ACT)
+    assert torch.equal(model.act1(x), torch.nn.functional.gelu(x))
+    assert not torch.equal(model.act0(x), torch.nn.functional.gelu(x))
+    assert torch.equal(_SharedActivation().act0(x), torch.nn.functional.gelu(x))  # a model built after
