@@ -104,3 +104,38 @@ def test_numbers_each_run_takes_from_its_own_dtype_are_no_difference(tmp_path):
     assert fills == [{torch.finfo(torch.float32).min}, {torch.finfo(torch.bfloat16).min}]
     report = probe.compare(a, b)
     assert all(c.rule != "arguments" for c in report.comparisons), report.conclusion
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = [p(x).view(1, 64, 2, 8).transpose(1, 2) for p in (self.q, self.k, self.v)]
+        mixed = torch.nn.functional.scaled_dot_product_attention(*heads, dropout_p=0.0)
+        return self.o(mixed.transpose(1, 2).reshape(64, 16))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _Attention()
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x + self.attn(x))
+
+
+def test_attention_given_no_dropout_draws_nothing_and_what_follows_it_is_judged(tmp_path):
+    # SDPA may draw (its dropout), so its results in another dtype in each run were taken for random
+    # numbers drawn otherwise: a routing, and what read them inside the attention was judged by no
+    # bound. Given dropout_p = 0 it draws nothing: a fault in the output projection is found.
+    from tests.conftest import sgd_autocast_pair
+
+    healthy = probe.compare(*sgd_autocast_pair(tmp_path / "healthy", _Block, torch.bfloat16, 64, 16))
+    assert healthy.first_divergence is None, healthy.conclusion
+    assert all(c.rule != "routing" for c in healthy.comparisons), healthy.conclusion
+    faulty = probe.compare(*sgd_autocast_pair(tmp_path / "fault", _Block, torch.bfloat16, 64, 16, "attn.o"))
+    d = faulty.divergence
+    assert d is not None and (d.step, d.op.module) == (1, "attn.o"), faulty.conclusion

@@ -86,7 +86,7 @@ from probe.rundir.rank_origin import is_collective
 from probe.rundir.run import OpRecord, Run, TensorRecord
 from probe.rundir.tensor_layouts import STRIDED, dense_values
 from probe.rundir.written_parts import partial_write, written_part_sources, written_parts
-from probe.vocabulary.op_class import creates_uninitialized, draws_random, returns_view
+from probe.vocabulary.op_class import creates_uninitialized, draws_random, probability_argument, returns_view
 from probe.vocabulary.rounding import reduction_length
 
 METRIC_KEYS = ("cosine", "max_abs_err", "max_rel_err", "one_thousandth_ratio",
@@ -1434,6 +1434,7 @@ def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
     reached_a: set[int] = set()
     reached_b: set[int] = set()
     routed = (Routed(side_a.ops), Routed(side_b.ops))
+    recorded = (any(op.constants for op in side_a.ops), any(op.constants for op in side_b.ops))
     for c in comparisons:
         tainted = (c.a is not None and (_tainted(c, by_index) or _reads(c.a, reached_a))) \
             or (c.b is not None and _reads(c.b, reached_b))
@@ -1450,7 +1451,7 @@ def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
         regime = replace(carry, identical=identical)  # with the state the step before left
         _judge_op(side_a, side_b, c, by_index, lowerings, tainted, replay_limit, regime, layout_unknown)
         if not tainted:
-            _judge_random_draw(c, routed) or _judge_routing_decision(side_a, side_b, c, routed)
+            _judge_random_draw(c, routed, recorded) or _judge_routing_decision(side_a, side_b, c, routed)
         if tainted or c.verdict == ERROR:
             reached_a.update([c.a.index] if c.a is not None else [])
             reached_b.update([c.b.index] if c.b is not None else [])
@@ -1489,14 +1490,29 @@ def _follows_routing(c: OpComparison, routed: tuple[Routed, Routed],
     return True
 
 
-def _judge_random_draw(c: OpComparison, routed: tuple[Routed, Routed]) -> bool:
+def _probability(op: OpRecord, recorded: bool) -> float | None:
+    """The probability ``op`` was given (dropout's ``p``, attention's ``dropout_p``), from its
+    recorded constants; its schema's default where the call left it out and its run recorded
+    constants (``recorded``); None where unknown or it takes none."""
+    found = probability_argument(op.name)
+    if found is None:
+        return None
+    position, name, default = found
+    value = op.constants.get(str(position), op.constants.get(name))
+    if value is None:
+        return default if recorded else None
+    return value if isinstance(value, float) else None
+
+
+def _judge_random_draw(c: OpComparison, routed: tuple[Routed, Routed], recorded: tuple[bool, bool]) -> bool:
     """Judges again an op drawing random numbers into another dtype in each run (``rand_like`` of
     scores that autocast made fp16: PhiMoE's jitter): the generator draws other numbers for each
     dtype, so no numeric bound relates them. A warning, its rule routing's, and what reads it
     inside its module is routed (:func:`_follows_routing`), never a pass. True when it was one."""
     if c.a is None or c.b is None or c.verdict == PASS \
             or c.rule in (RULE_LOWERED, RULE_OUTSIDE, RULE_ARGUMENTS) \
-            or not (draws_random(c.a.name) and draws_random(c.b.name)):
+            or not (draws_random(c.a.name) and draws_random(c.b.name)) \
+            or (_probability(c.a, recorded[0]) == 0.0 and _probability(c.b, recorded[1]) == 0.0):
         return False
     dtypes = [(ta.dtype, tb.dtype) for ta, tb in zip(c.a.outputs, c.b.outputs, strict=False)
               if ta.dtype != tb.dtype]

@@ -298,6 +298,22 @@ def draws_random(name: str) -> bool | None:
 
 
 @functools.lru_cache(maxsize=4096)
+def probability_argument(name: str) -> tuple[int, str, float | None] | None:
+    """``(position, name, default)`` of the probability a random op named ``name`` is given
+    (dropout's ``p``, attention's ``dropout_p``, ``bernoulli``'s ``p``); None where it takes none
+    or no op of that name is registered. Given 0, the op's results depend on no number drawn."""
+    try:
+        op = resolve_op(name)
+    except ProbeError:
+        return None
+    for position, arg in enumerate(op._schema.arguments):
+        if arg.name in ("p", "dropout_p") and str(arg.type) == "float":
+            default = arg.default_value
+            return position, arg.name, float(default) if isinstance(default, (int, float)) else None
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
 def returns_view(name: str) -> bool | None:
     """Whether the op named ``name`` (``aten.slice.Tensor``) returns a view of an input (its
     memory, not a copy); None where no op of that name is registered in this process."""
