@@ -17,17 +17,21 @@ from probe.vocabulary.op_class import OpClass
 
 def call_constants(info: OpClass, args: tuple, kwargs: dict[str, Any]) -> Constants:
     """The float and string arguments of one call, in the slots its schema may hold them in
-    (:attr:`OpClass.constant_args`): ``()`` for most calls, which pass tensors only."""
+    (:attr:`OpClass.constant_args`): ``()`` for most calls, which pass tensors only.
+
+    On every recorded op's path: no builtin called where nothing is found (each is a call the
+    per-op budget counts, ``benchmarks.overhead --calls``)."""
     found: list[tuple[str, float | str]] = []
-    n = len(args)
-    for position in info.constant_args:
-        if position < n:
+    try:
+        for position, where in info.constant_args:
             value = args[position]
             if type(value) is float or type(value) is str:
-                found.append((str(position), value))
-    if kwargs:
+                found.append((where, value))
+    except IndexError:  # trailing arguments left at their defaults
+        pass
+    if kwargs and info.constant_kwargs:
         for name in info.constant_kwargs:
             value = kwargs.get(name)
             if type(value) is float or type(value) is str:
                 found.append((name, value))
-    return tuple(found)
+    return tuple(found) if found else ()

@@ -108,10 +108,11 @@ class OpClass:
     compiled_region: bool = False
     """One call of a compiled graph (``compiled="keep"``, see probe.tracer.compiled_regions): it
     cannot be re-run by the modes that re-run ops."""
-    constant_args: tuple[int, ...] = ()
-    """Positions of arguments that may hold a constant of the call (a number or a word: an eps, a
-    scale, a fill value, an approximation's name), typed ``float``, ``Scalar``, ``str`` or
-    ``Tensor`` (where a Python number arrives unwrapped: ``x + 1e-6``), and not written."""
+    constant_args: tuple[tuple[int, str], ...] = ()
+    """``(position, str(position))`` of the arguments that may hold a constant of the call (a
+    number or a word: an eps, a scale, a fill value, an approximation's name), typed ``float``,
+    ``Scalar``, ``str`` or ``Tensor`` (where a Python number arrives unwrapped: ``x + 1e-6``),
+    and not written."""
     constant_kwargs: tuple[str, ...] = ()
     """Keyword-only arguments of those types (``alpha``, ``approximate``, ``rounding_mode``)."""
     mutates: bool = field(init=False, default=False)
@@ -156,9 +157,10 @@ _CONSTANT_TYPES = frozenset({"float", "number", "str", "Tensor"})
 (The tracer keeps the floats and strings found there: ``probe.tracer.call_constants``.)"""
 
 
-def _constant_arguments(schema: torch._C.FunctionSchema) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def _constant_arguments(schema: torch._C.FunctionSchema
+                        ) -> tuple[tuple[tuple[int, str], ...], tuple[str, ...]]:
     """(positions, keyword-only names) of the arguments :attr:`OpClass.constant_args` describes."""
-    positions: list[int] = []
+    positions: list[tuple[int, str]] = []
     names: list[str] = []
     for i, arg in enumerate(schema.arguments):
         typ = str(arg.type).removeprefix("Optional[").removesuffix("]")
@@ -167,7 +169,7 @@ def _constant_arguments(schema: torch._C.FunctionSchema) -> tuple[tuple[int, ...
         if arg.kwarg_only:
             names.append(arg.name)
         else:
-            positions.append(i)
+            positions.append((i, str(i)))
     return tuple(positions), tuple(names)
 
 
