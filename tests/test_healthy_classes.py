@@ -332,3 +332,50 @@ def test_softmax_backward_that_cancels_is_judged_by_its_terms(tmp_path):
     # terms, so it differs by tens of percent. Before: the 32x allowance for an op of no known
     # condition (CPM-Ant's attention under a bf16 model and fp16 autocast, 0.75 against 0.51).
     _healthy_and_fault(tmp_path, _NearlyUniformValues, "out")
+
+
+class _RoutedScores(torch.nn.Module):
+    """Tokens routed on near-tied logits (bf16 flips some choices), then causal scores of the
+    routed values: in run B the causal mask is rolled by one key from step 1 (a mask shift)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(WIDTH, 4, bias=False)
+        self.experts = torch.nn.Linear(WIDTH, 4 * WIDTH)
+        self.out = torch.nn.Linear(TOKENS, WIDTH)
+        self.shifted = False
+        with torch.no_grad():
+            self.router.weight[1] = self.router.weight[0] * (1 + 1e-3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = self.router(x).float().topk(1, dim=-1).indices.reshape(-1)
+        picked = self.experts(x).view(x.shape[0], 4, WIDTH)[torch.arange(x.shape[0]), chosen]
+        causal = torch.full((TOKENS, TOKENS), -math.inf).triu(1)
+        if self.shifted:
+            causal = causal.roll(1, dims=-1)
+        return self.out((picked @ picked.transpose(0, 1) + causal).softmax(-1))
+
+
+def test_a_mask_one_run_rolls_is_found_inside_a_routing_that_differs(tmp_path):
+    # What reads a routing that differs is judged by no numeric bound; a mask rolled in run B only
+    # is read there too, and moving values to other positions is no precision's doing.
+    runs = []
+    for name, autocast in (("a", False), ("b", True)):
+        torch.manual_seed(0)
+        model = _RoutedScores()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        x = torch.randn(TOKENS, WIDTH, generator=torch.Generator().manual_seed(1))
+        with probe.mode("stats", out=tmp_path / name, model=model) as session:
+            for step in range(2):
+                model.shifted = autocast and step == 1
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    loss = model(x).float().square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                session.step()
+        runs.append(tmp_path / name)
+    report = probe.compare(*runs)
+    assert any(c.rule == "routing" and c.step == 1 for c in report.comparisons), "no routing differs"
+    d = report.divergence
+    assert d is not None and (d.step, d.op.name) == (1, "aten.roll.default"), report.conclusion

@@ -1163,10 +1163,12 @@ def _upstream_error(view: _RunView, boundary: list[tuple[int, int]]) -> float | 
     return upstream
 
 
-def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView], carry: Carry
-                               ) -> tuple[OpComparison, str] | None:
+def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView], carry: Carry,
+                               moves_only: bool = False) -> tuple[OpComparison, str] | None:
     """(the one-run-only op to blame, why) when an input of ``c`` produced by ops of one run
     only differs by more than the matched ops upstream of them and rounding explain.
+    ``moves_only``: only where such ops moved its values to other positions (a routed op, which
+    no numeric bound judges, still reads a mask one run rolled).
 
     Each input whose producer exists in one run only is traced up to the matched ops
     feeding those producers. Its difference at ``c`` is bounded by ``CONDITION`` x their
@@ -1195,6 +1197,8 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
                 f"input {position} of {c.a.id} is rearranged in run {'AB'[k]} only ({mover.name}: its "
                 f"values moved to other positions, which statistics cannot see; no precision policy "
                 f"moves a value)")
+        if moves_only:
+            continue
         if any(w is None for w in walks) or any(u is None for u in upstream):
             continue  # a chain too long to bound, or an input of it unknown: judged as before
         if c.a.phase == "backward" and not _made_from_shared_values(walks, views):
@@ -1438,15 +1442,18 @@ def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
     for c in comparisons:
         tainted = (c.a is not None and (_tainted(c, by_index) or _reads(c.a, reached_a))) \
             or (c.b is not None and _reads(c.b, reached_b))
+        reads_unmatched = c.a is not None and c.b is not None \
+            and (_reads(c.a, views[0].only) or _reads(c.b, views[1].only))
         if not tainted and _follows_routing(c, routed, lowerings):
+            # Values one run moved to other positions are no routing's: they enter even here.
+            moved = _entered_through_unmatched(c, views, carry, moves_only=True) if reads_unmatched else None
+            if moved is not None:
+                _blame_unmatched(*moved)
             continue
-        if not tainted and c.a is not None and c.b is not None \
-                and (_reads(c.a, views[0].only) or _reads(c.b, views[1].only)):
+        if not tainted and reads_unmatched:
             entered = _entered_through_unmatched(c, views, carry)
             if entered is not None:
-                blamed, message = entered
-                blamed.verdict, blamed.rule, blamed.enters = ERROR, RULE_UNMATCHED_PRODUCER, True
-                blamed.message = f"{message}; {blamed.message}" if blamed.message else message
+                _blame_unmatched(*entered)
                 tainted = True
         regime = replace(carry, identical=identical)  # with the state the step before left
         _judge_op(side_a, side_b, c, by_index, lowerings, tainted, replay_limit, regime, layout_unknown)
@@ -1462,6 +1469,12 @@ def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
     explained = carry.explained and not any(c.enters for c in comparisons)
     return Carry(carry.before + 1, identical, explained, written, written_absolute,
                  _state_errors(comparisons, side_a), frozenset(_left_state(side_b.ops)))
+
+
+def _blame_unmatched(blamed: OpComparison, message: str) -> None:
+    """Marks ``blamed``, an op of one run only, where a difference entered (rule unmatched producer)."""
+    blamed.verdict, blamed.rule, blamed.enters = ERROR, RULE_UNMATCHED_PRODUCER, True
+    blamed.message = f"{message}; {blamed.message}" if blamed.message else message
 
 
 def _follows_routing(c: OpComparison, routed: tuple[Routed, Routed],
