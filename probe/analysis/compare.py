@@ -578,17 +578,24 @@ def _scalar_arguments(call: dict[str, Any]) -> dict[str, Any]:
 
 
 _LIMITED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_LIMITS = ("max", "smallest_normal", "eps")
 
 
-def _of_dtype_limits(value: float | str) -> bool:
-    """Whether ``value`` is a number a program derives from a dtype's limits (within a factor 2
-    of a floating dtype's largest, smallest normal or eps: ``finfo(dtype).min`` as a mask's fill,
-    T5's ``finfo(float16).max - 1000`` as a clamp): one each run takes from its own dtype."""
+def _limits_near(value: float | str) -> frozenset[tuple[str, torch.dtype]]:
+    """The dtype limits ``value`` is within 2% of in magnitude (a floating dtype's largest value,
+    smallest normal or eps): ``finfo(dtype).min`` as a mask's fill, T5's ``finfo(float16).max -
+    1000`` as a clamp, ``nn.RMSNorm``'s default eps (its input dtype's)."""
     if type(value) is not float or not math.isfinite(value) or value == 0:
-        return False
-    magnitude = abs(value)
-    return any(0.5 <= magnitude / limit <= 2.0 for d in _LIMITED_DTYPES
-               for limit in (torch.finfo(d).max, torch.finfo(d).tiny, torch.finfo(d).eps))
+        return frozenset()
+    return frozenset((name, d) for d in _LIMITED_DTYPES for name in _LIMITS
+                     if abs(abs(value) / getattr(torch.finfo(d), name) - 1) <= 0.02)
+
+
+def _of_dtype_limits(va: float | str, vb: float | str) -> bool:
+    """Whether two runs' numbers are one limit each run took from its own dtype: the same limit
+    (largest value, smallest normal or eps) of two dtypes."""
+    near_a, near_b = _limits_near(va), _limits_near(vb)
+    return any(name == other and da != db for name, da in near_a for other, db in near_b)
 
 
 def _constants_differ(c: OpComparison) -> str | None:
@@ -605,7 +612,7 @@ def _constants_differ(c: OpComparison) -> str | None:
     differing = []
     for where in sorted(set(ka) & set(kb)):
         va, vb = ka[where], kb[where]
-        if va == vb or (va != va and vb != vb) or (_of_dtype_limits(va) and _of_dtype_limits(vb)):
+        if va == vb or (va != va and vb != vb) or _of_dtype_limits(va, vb):
             continue  # (NaN is a constant equal to itself)
         differing.append(f"argument {where}: {va!r} in run A, {vb!r} in run B")
     if not differing:
