@@ -71,34 +71,37 @@ class _Router(torch.nn.Module):
         return self.out(self.moe(self.inp(x)))
 
 
-class _MaskFill(torch.nn.Module):
-    """Attention scores masked with ``finfo(float32).min`` made in the scores' dtype: -inf in
-    bf16, whose largest value (3.39e38) is below it."""
+class _Scores(torch.nn.Module):
+    """Attention-like scores of the tokens against each other (``scores``), read through a
+    projection of the keys' axis (``out``); subclasses mask or pad them in between."""
 
     def __init__(self) -> None:
         super().__init__()
         self.q = torch.nn.Linear(WIDTH, WIDTH)
         self.out = torch.nn.Linear(TOKENS, WIDTH)
 
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q(x) @ x.transpose(0, 1)
+
+
+class _MaskFill(_Scores):
+    """Attention scores masked with ``finfo(float32).min`` made in the scores' dtype: -inf in
+    bf16, whose largest value (3.39e38) is below it."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scores = self.q(x) @ x.transpose(0, 1)
+        scores = self.scores(x)
         fill = torch.tensor(torch.finfo(torch.float32).min, dtype=scores.dtype)
         causal = torch.ones(TOKENS, TOKENS, dtype=torch.bool).tril()
         return self.out(torch.where(causal, scores, fill).softmax(-1))
 
 
-class _PaddedScores(torch.nn.Module):
+class _PaddedScores(_Scores):
     """Scores written into part of a buffer filled with -inf (padding keys no token sees, as
     DeepSeek-V4's compressor pads), widened before their softmax: under autocast the widening
     copies the bf16 buffer, in fp32 it is no op and the softmax reads the buffer itself."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.q = torch.nn.Linear(WIDTH, WIDTH)
-        self.out = torch.nn.Linear(TOKENS, WIDTH)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scores = self.q(x) @ x.transpose(0, 1)
+        scores = self.scores(x)
         padded = scores.new_full((TOKENS, TOKENS + 8), -math.inf)
         padded[:, :TOKENS] = scores
         return self.out(padded.float().softmax(-1)[:, :TOKENS])
