@@ -577,8 +577,10 @@ def _scalar_arguments(call: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
-_LIMITED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_LIMITS = ("max", "smallest_normal", "eps")
+_DTYPE_LIMITS = tuple((name, d, float(getattr(torch.finfo(d), name)))
+                      for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+                      for name in ("max", "smallest_normal", "eps"))
+"""``(limit, dtype, value)``: the numbers a program takes from a floating dtype's limits."""
 
 
 def _limits_near(value: float | str) -> frozenset[tuple[str, torch.dtype]]:
@@ -587,8 +589,7 @@ def _limits_near(value: float | str) -> frozenset[tuple[str, torch.dtype]]:
     1000`` as a clamp, ``nn.RMSNorm``'s default eps (its input dtype's)."""
     if type(value) is not float or not math.isfinite(value) or value == 0:
         return frozenset()
-    return frozenset((name, d) for d in _LIMITED_DTYPES for name in _LIMITS
-                     if abs(abs(value) / getattr(torch.finfo(d), name) - 1) <= 0.02)
+    return frozenset((name, d) for name, d, limit in _DTYPE_LIMITS if abs(abs(value) / limit - 1) <= 0.02)
 
 
 def _of_dtype_limits(va: float | str, vb: float | str) -> bool:
@@ -596,6 +597,11 @@ def _of_dtype_limits(va: float | str, vb: float | str) -> bool:
     (largest value, smallest normal or eps) of two dtypes."""
     near_a, near_b = _limits_near(va), _limits_near(vb)
     return any(name == other and da != db for name, da in near_a for other, db in near_b)
+
+
+def _argument_difference(where: str, va: Any, vb: Any) -> str:
+    """One argument two calls were given otherwise, in words (both rules of *arguments*)."""
+    return f"argument {where}: {va!r} in run A, {vb!r} in run B"
 
 
 def _constants_differ(c: OpComparison) -> str | None:
@@ -614,7 +620,7 @@ def _constants_differ(c: OpComparison) -> str | None:
         va, vb = ka[where], kb[where]
         if va == vb or (va != va and vb != vb) or _of_dtype_limits(va, vb):
             continue  # (NaN is a constant equal to itself)
-        differing.append(f"argument {where}: {va!r} in run A, {vb!r} in run B")
+        differing.append(_argument_difference(where, va, vb))
     if not differing:
         return None
     return f"called with other constants ({'; '.join(differing)})"
@@ -643,7 +649,7 @@ def _called_otherwise(side_a: _Side, side_b: _Side, c: OpComparison) -> str | No
     except ProbeError:
         return None
     scalars_a, scalars_b = _scalar_arguments(call_a), _scalar_arguments(call_b)
-    differing = [f"argument {where}: {scalars_a.get(where)!r} in run A, {scalars_b.get(where)!r} in run B"
+    differing = [_argument_difference(where, scalars_a.get(where), scalars_b.get(where))
                  for where in sorted(set(scalars_a) | set(scalars_b))
                  if scalars_a.get(where) != scalars_b.get(where)]
     if not differing:

@@ -309,6 +309,7 @@ class Tracer:
         n = op_counts.get(count_key, 0)
         op_counts[count_key] = n + 1
         index = len(self.records)
+        constants = call_constants(info, args, kwargs) if info.has_constants else ()
         in_tensors = tensors_in(args, kwargs)
         skipped: tuple[Skipped, ...] = ()
         try:
@@ -405,8 +406,7 @@ class Tracer:
             self.records.append(
                 (index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack,
                  tuple(inputs), tuple(outputs), callsite, group, skipped, None,
-                 self.modules.autocast if phase in _NODE_CREATING_PHASES else 0,
-                 call_constants(info, args, kwargs) if info.has_constants else ())
+                 self.modules.autocast if phase in _NODE_CREATING_PHASES else 0, constants)
             )
             return out
         except BaseException:
@@ -417,7 +417,7 @@ class Tracer:
                 self.records.append((index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack,
                                      tuple(inputs), tuple(outputs), callsite, None, skipped, None,
                                      self.modules.autocast if phase in _NODE_CREATING_PHASES else 0,
-                                     call_constants(info, args, kwargs) if info.has_constants else ()))
+                                     constants))
             raise
 
     def run_dtensor_op(self, mode: TorchDispatchMode, func: Any, args: tuple, kwargs: dict,
