@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -228,11 +229,19 @@ def test_a_disk_filling_up_mid_dump_loses_those_shards_and_training_goes_on(tmp_
 
 def test_a_full_disk_with_on_error_raise_stops_training_with_a_probe_error(tmp_path, monkeypatch):
     _disk_of(monkeypatch, 0)
-    with pytest.raises(ProbeError, match="No space left"), \
-            probe.mode("dump", out=tmp_path / "r", on_error="raise", memory_budget=1 * MiB) as session:
-        for _ in range(3):
-            torch.randn(1024, 1024).mul(2.0)
-            session.step()
+    steps_ended = []
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with pytest.raises(ProbeError, match="No space left"), \
+                probe.mode("dump", out=tmp_path / "r", on_error="raise", memory_budget=1 * MiB) as session:
+            for _ in range(3):
+                torch.randn(1024, 1024).mul(2.0)  # streamed: the writer fails while ops still copy
+                session.step()
+                steps_ended.append(session.step_index)
+    # The failure stops training at the first step's end, with its cause: not from inside an op,
+    # where the dump mode would be detached as failed and the interrupted copies named instead.
+    assert steps_ended == []
+    assert not [w for w in said if "mode failed" in str(w.message)]
 
 
 def test_any_failure_of_the_shard_writer_loses_the_shard_not_the_writer(tmp_path, monkeypatch):

@@ -25,8 +25,10 @@ when the budget has room for it, else skipped.
 
 A write that fails for any reason (disk full, directory gone, a device error)
 marks that shard's blobs lost and the threads go on; the training thread warns
-at its next call, or with ``on_error="raise"`` raises there. Nothing on the
-writer threads warns or raises.
+at its next call, or with ``on_error="raise"`` raises at the step's end
+(:meth:`ShardWriter.end_step`), never from inside an op: an op's exception
+would be the mode's own failure, and the interrupted copies would hide the
+cause. Nothing on the writer threads warns or raises.
 """
 
 from __future__ import annotations
@@ -372,7 +374,7 @@ class ShardWriter:
         copy is queued on the device's stream ahead of any later op, so training
         cannot change them first. False: skipped for the memory budget.
         """
-        self._report_pending()
+        self._report_pending(at_step_end=False)
         nbytes = source.numel()
         on_device = is_accelerator(source.device)
         if nbytes > self.arena_size and self._on_budget == "wait":
@@ -448,7 +450,7 @@ class ShardWriter:
                     return None
                 # Every arena is in flight: the writer hands one back.
                 self._lock.wait(timeout=1.0)
-                self._report_pending()
+                self._report_pending(at_step_end=False)
 
     def end_step(self, step: int) -> Callable[[], StepShards]:
         """Close ``step``'s last arena; the returned call waits until its blobs are written."""
@@ -474,13 +476,17 @@ class ShardWriter:
             self._allocated = 0
         self._report_pending(may_raise=False)
 
-    def _report_pending(self, may_raise: bool = True) -> None:
-        """Tell the user of a failed write, on the training thread: warn once, or raise."""
+    def _report_pending(self, may_raise: bool = True, at_step_end: bool = True) -> None:
+        """Tell the user of a failed write, on the training thread: warn once, or raise (only at a
+        step's end: inside an op, the failure waits there)."""
         error = self._error
         if error is None:
             return
+        raising = may_raise and self._on_error == "raise"
+        if raising and not at_step_end:
+            return
         self._error = None
-        if may_raise and self._on_error == "raise":
+        if raising:
             raise ProbeError(f"dump: writing tensors failed: {error}") from error
         # Once per run directory (this writer's), not per process: a later session is told too.
         warn_once(f"dump-write:{self._directory(0).parent}", f"dump: could not write tensors ({error}); "
