@@ -151,7 +151,7 @@ class Reference:
 
 def train(built: Built, pair: Pair, out: Path, steps: int, attn: str | None, clip: bool, scaler: bool,
           planting: Callable[[torch.nn.Module], Fault] | None = None) -> Fault | None:
-    """Trains ``built``'s model for ``steps`` AdamW steps under the stats mode, computing as
+    """Trains ``built``'s model for ``steps`` AdamW steps under the stats mode (with sketches), computing as
     ``pair`` says (run A: the fp32 pair), with the fault ``planting`` plants in it. ``clip``: the
     gradients are clipped every step (without bound, but where the fault says); ``scaler``: both
     runs of a GradScaler pair scale their losses alike (run A's in fp32 never overflows)."""
@@ -166,7 +166,9 @@ def train(built: Built, pair: Pair, out: Path, steps: int, attn: str | None, cli
     runner = torch.compile(model) if pair.compiled else model
     gen = torch.Generator().manual_seed(1)
     options: dict[str, Any] = {"compiled": "keep"} if pair.compiled else {}
-    with _threads(pair.threads), probe.mode("stats", out=str(out), model=model, **options) as session:
+    # Sketches: compare sees how far the runs' elements are apart where statistics cannot.
+    with _threads(pair.threads), probe.mode("stats", out=str(out), model=model, sketch=True,
+                                            **options) as session:
         for step in range(steps):
             batch = policy.cast(built.batch(gen))
             if fault is not None:

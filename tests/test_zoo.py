@@ -187,6 +187,20 @@ def test_an_embedding_that_repeats_the_rows_it_selects_reads_what_the_step_befor
     assert outcome.ok, (outcome.answer, outcome.conclusion)
 
 
+@pytest.mark.parametrize("name", ["glm4", "qwen3_5_moe_text"])
+def test_a_cancelling_sum_of_values_whose_elements_differ_at_random_signs_is_rounding(name, tmp_path: Path):
+    # Eager against SDPA attention, fp32: after step 0's AdamW the runs' elements differ at random
+    # signs, which leave their statistics nearly as they were. GLM-4: the post-attention norm's
+    # backward sums a row of 64 products whose terms cancel; its max moved 2.1e-5, beyond 32 x the
+    # inputs' 2.7e-7 (statistics) + rounding. Before sketches: 'propagation' at step 1. The
+    # sketches measure the elements' difference itself. Qwen3.5-MoE's linear attention sums 32
+    # terms into 4 whose errors are not of random sign: its bound is Cauchy-Schwarz's, sqrt(32)
+    # times the sum's cancellation.
+    outcome = zoo_case("causal-lm", name, "eager-attention", tmp_path)
+    assert outcome.error is None and outcome.skipped is None, outcome
+    assert outcome.ok, (outcome.answer, outcome.conclusion)
+
+
 def test_a_mask_shift_where_no_mask_is_shifted_is_not_applicable(tmp_path: Path):
     # BERT-generation's encoder gets no mask (its all-ones mask is dropped): the fault's attention
     # function, swapped in, only re-implements attention, whose rounding alone changes the loss.

@@ -837,6 +837,21 @@ def _sources_error(side_a: _Side, side_b: _Side, a: TensorRecord, b: TensorRecor
     return _stats_difference(*found)
 
 
+def _sketched(side_a: _Side, side_b: _Side, a: TensorRecord, b: TensorRecord) -> float:
+    """How far an input's elements are apart in the two runs by their sketches (0 where either
+    run took none): statistics understate differences of random sign, which rounding in another
+    order makes, and a sum with cancellation shows them. An input computed in the step is
+    described by its producer's output."""
+    found = []
+    for side, record in ((side_a, a), (side_b, b)):
+        if record.sketch is None and record.source is not None and record.source[0] < len(side.ops) \
+                and record.source[1] < len(side.ops[record.source[0]].outputs):
+            record = side.ops[record.source[0]].outputs[record.source[1]]
+        found.append(record)
+    error = precision.sketch_error(*found)
+    return error if error is not None else 0.0
+
+
 def _held_apart(side_a: _Side, side_b: _Side, a: TensorRecord, b: TensorRecord) -> float:
     """The rounding one run's value of an input passed through and the other's did not (0 when
     none): a value held in bf16 in run B on its way here differs from run A's element by element
@@ -870,7 +885,7 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
     (input position -> relative difference). ``terms``: each run's terms for its rounding, as
     :func:`_judge_by_replay` takes them."""
     assert c.a is not None and c.b is not None
-    in_error = 0.0
+    in_error = sketched = 0.0
     overwritten = overwritten_inputs(c.a)
     summed = _reduction(c.a) > 1 or precision.summed_terms(c.a) > 1 or _multiplies_tensors(c.a)
     for position, record in enumerate(c.a.inputs):
@@ -897,7 +912,8 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
         if error is None:
             return None
         floor = _held_apart(side_a, side_b, record, c.b.inputs[position])
-        in_error = max(in_error, error, floor)
+        sketched = max(sketched, _sketched(side_a, side_b, record, c.b.inputs[position]))
+        in_error = max(in_error, error, floor, sketched)
     out_error, out_dtypes, underflow = 0.0, (torch.float64, torch.float64), 0.0
     primary = precision.primary_outputs(c.a)
     for t in c.outputs:
@@ -925,6 +941,12 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
     # A result below its dtype's normal range rounds absolutely, already relative to itself.
     rounding += underflow
     factor = max(precision.CONDITION, cancellation)
+    terms = precision.summed_terms(c.a)
+    if sketched > 0 and terms > 1:
+        # Element by element (the sketches), a sum of K terms per result moves by at most
+        # sqrt(K) times its terms' L2 difference, whatever their signs (Cauchy-Schwarz): its
+        # cancellation, which assumes the signs random, times sqrt(K).
+        factor = max(factor, math.sqrt(terms) * cancellation * sketched / in_error)
     bound = factor * in_error + rounding
     c.input_error = in_error
     if in_error >= WHOLLY:

@@ -587,6 +587,28 @@ def stats_error(a: dict, b: dict, numel: int) -> float:
     return worst
 
 
+def sketch_error(a: TensorRecord, b: TensorRecord) -> float | None:
+    """How far two runs' values of a tensor are apart element by element, relative to its norm,
+    estimated from their sketches (``sketch=True``: ``||a - b|| / ||a||``, the root mean square of
+    the projections' differences over the larger norm); None without both sketches or norms.
+
+    Statistics understate it where the elements differ at random signs (rounding in another
+    order leaves the norm and the extremes as they were); a sketch's projection is linear, so
+    it sees the difference itself (``modes.statistics.sketch``)."""
+    if a.sketch is None or b.sketch is None or len(a.sketch) != len(b.sketch) or a.numel != b.numel \
+            or a.stats is None or b.stats is None:
+        return None
+    norms = [t.stats.get("norm") for t in (a, b)]
+    if any(n is None or not math.isfinite(n) for n in norms):
+        return None
+    diffs = [x - y for x, y in zip(a.sketch, b.sketch, strict=True)]
+    if not all(math.isfinite(d) for d in diffs):
+        return None
+    distance = math.sqrt(sum(d * d for d in diffs) / len(diffs))
+    scale = max(norms)  # type: ignore[type-var]
+    return distance / scale if scale > 0 else (0.0 if distance == 0 else math.inf)
+
+
 UNSCALE_OP = "aten._amp_foreach_non_finite_check_and_unscale_.default"
 """The op ``GradScaler.unscale_`` runs: its results no longer carry the scale."""
 

@@ -59,6 +59,10 @@ class TensorRecord:
     histogram: dict[str, Any] | None = None
     """With ``histogram=True``: ``{"zero": n, "nonfinite": n, "exponents": {e: n}}``, where ``e``
     counts elements with ``2**e <= |x| < 2**(e + 1)``; None when not recorded."""
+    sketch: tuple[float, ...] | None = None
+    """With the stats mode's ``sketch=True``: projections of the values on fixed random signs,
+    whose difference between two runs estimates how far their elements are apart
+    (``statistics.sketch.distance``); None when not recorded (integer tensors, broadcast views)."""
 
     @property
     def floating(self) -> bool:

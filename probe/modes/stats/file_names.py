@@ -11,7 +11,9 @@ DISTRIBUTION_FILE = "distribution.npy"
 """distribution=True: shares of zeros, underflow, near-overflow per stats row."""
 HISTOGRAM_FILE = "histogram.npy"
 """histogram=True: (stats row, binary exponent, count) entries."""
+SKETCH_FILE = "sketch.npy"
+"""sketch=True: random-sign projections per stats row (``statistics.sketch``), NaN where none."""
 FP8_SCALES_FILE = "fp8_scales.jsonl"
 """The scales fp8 ops were given, one object per op."""
 
-FILE_NAMES = (STATS_FILE, STATS_INDEX_FILE, DISTRIBUTION_FILE, HISTOGRAM_FILE, FP8_SCALES_FILE)
+FILE_NAMES = (STATS_FILE, STATS_INDEX_FILE, DISTRIBUTION_FILE, HISTOGRAM_FILE, SKETCH_FILE, FP8_SCALES_FILE)

@@ -11,6 +11,7 @@ import numpy as np
 
 import probe.modes.stats.distribution_files as distribution_files
 import probe.modes.stats.fp8_scales as fp8_files
+import probe.modes.stats.sketch_files as sketch_files
 from probe.modes.statistics.columns import COUNTS, STATS_FILE_COLUMNS
 from probe.modes.stats.file_names import FILE_NAMES, STATS_FILE, STATS_INDEX_FILE
 from probe.modes.stats.records import NonfiniteParameterRecord
@@ -164,4 +165,5 @@ class StatsFiles(ModeFiles):
                     rows[row] = _row_stats(stats[row].tolist())
                 tensor.stats = rows[row]
         distribution_files.attach_files(self.where.directory, index, records, len(stats), self.where.run)
+        sketch_files.attach_file(self.where.directory, index, records, len(stats), self.where.run)
         fp8_files.attach_file(self.where.directory, records, self.where.run)

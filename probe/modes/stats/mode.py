@@ -24,11 +24,13 @@ import torch
 import probe.modes.statistics.distribution as distribution_rows
 import probe.modes.stats.distribution_files as distribution_files
 import probe.modes.stats.fp8_scales as fp8_files
+import probe.modes.stats.sketch_files as sketch_files
 from probe.modes.base import Mode
 from probe.modes.registry import register_mode
 from probe.modes.statistics.capture import PendingRows, StepRows
 from probe.modes.statistics.finalize import finalize, whole
 from probe.modes.statistics.reduce import TensorStats
+from probe.modes.statistics.sketch import PendingSketches, SketchRows
 from probe.modes.stats.file_names import STATS_FILE, STATS_INDEX_FILE
 from probe.modes.stats.files import INPUT, OUTPUT, STAT_NAMES, StatsFiles
 from probe.modes.stats.nonfinite_params import NonfiniteParameters, NonfiniteParametersStep
@@ -88,6 +90,7 @@ class StatsMode(Mode):
         # Opt-in: a few more reductions per recorded tensor (docs/stats.md, "Distribution").
         self._distribution = (distribution_rows.DistributionRows(config.histogram)
                               if config.distribution or config.histogram else None)
+        self._sketches = SketchRows() if config.sketch else None
         self._fp8 = fp8_files.Fp8Scales()
         self.inputs = config.inputs
         self._rows = StepRows(
@@ -117,6 +120,13 @@ class StatsMode(Mode):
         # with the next one allocated, so each entry has a weak reference to its own), then by
         # value (``_value_key``) -> row.
         self._external_rows: dict[int, tuple[weakref.ref, dict[tuple[Any, ...], int]]] = {}
+
+    def _describe(self, t: torch.Tensor, row: int) -> None:
+        """What the options ask of a new row's values beyond its statistics, taken now."""
+        if self._distribution is not None:
+            self._distribution.add(t, row)
+        if self._sketches is not None:
+            self._sketches.add(t, row)
 
     def _input_row(self, call: OpCall, position: int) -> int | None:
         row = self._input_rows.get(position)
@@ -187,8 +197,8 @@ class StatsMode(Mode):
             if row is None:
                 storage = keyed[0]._cdata if keyed is not None else t.untyped_storage()._cdata
                 row = self._rows.add(t, now=(bool(written) and storage in written) or storage in unannounced)
-                if row is not None and self._distribution is not None:
-                    self._distribution.add(t, row)
+                if row is not None:
+                    self._describe(t, row)
                 if row is not None and keyed is not None:
                     if values is None:
                         values = {}
@@ -240,8 +250,8 @@ class StatsMode(Mode):
                         break
                 row = self._rows.add(t, version_moves=version_moves,
                                      counter=inputs[0] if call.info.is_view and inputs else None)
-                if row is not None and self._distribution is not None:
-                    self._distribution.add(t, row)
+                if row is not None:
+                    self._describe(t, row)
             if row is None:
                 continue
             self._output_rows[(call.index, position)] = row
@@ -261,6 +271,7 @@ class StatsMode(Mode):
     def end_step(self, step: int) -> StatsStep:
         result = StatsStep(self._rows.end_step(), self._index, self._parameters.end_step())
         result.distribution = self._distribution.end_step() if self._distribution is not None else None
+        result.sketches = self._sketches.end_step() if self._sketches is not None else None
         result.fp8_scales = self._fp8.take()
         self._reset()
         return result
@@ -270,6 +281,7 @@ class StatsStep:
     """One step's statistics: rows still on their devices, and which tensor uses which row."""
 
     distribution: distribution_rows.PendingDistribution | None = None
+    sketches: PendingSketches | None = None
     fp8_scales: Any = ()  # each step sets its own list
 
     def __init__(self, rows: PendingRows, index: list[tuple[int, int, int, int]],
@@ -291,5 +303,7 @@ class StatsStep:
             summary["unmeasured_tensors"] = len(lost)
         if self.distribution is not None:
             summary.update(distribution_files.write_files(writer, self.distribution, len(stats)))
+        if self.sketches is not None:
+            summary.update(sketch_files.write_file(writer, self.sketches, len(stats)))
         summary.update(fp8_files.write_file(writer, self.fp8_scales))
         return summary

@@ -42,3 +42,6 @@ class Stats(ModeConfig):
                                 doc="per value: shares of zeros, underflow and near-overflow of its dtype")
     histogram: bool = option(False, check=boolean(),
                              doc="per value: a log2-magnitude histogram (and the shares)")
+    sketch: bool = option(False, check=boolean(),
+                          doc="per value: 8 random-sign projections, so `probe compare` sees how far two "
+                              "runs' elements are apart where statistics cannot (one more read per value)")

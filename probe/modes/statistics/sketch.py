@@ -1,0 +1,165 @@
+"""Random-sign sketches: how far two runs' tensors are apart element by element, where their
+statistics cannot tell.
+
+Two runs that round in another order (another attention kernel, another thread count, a lower
+precision) differ element by element at random signs. Those differences leave a tensor's norm,
+sum and extremes nearly as they were, so statistics understate them, often by the square root of
+the element count; a sum with cancellation downstream (a norm's weight gradient, a router's
+top-k) then shows them, and ``probe compare`` called a healthy pair divergent there.
+
+A sketch is :data:`SKETCHES` projections of a tensor's values, in its logical (row-major) order,
+on fixed random sign vectors: ``s_j = sum_i r_ij x_i`` with ``r_ij = +-1``, the same in every run
+and process. The projections are linear, so two runs' sketches differ by the projection of
+their difference, and ``E[(s_j(a) - s_j(b))^2] = ||a - b||^2`` whatever the values: the mean
+over ``j`` estimates the element-wise L2 distance from a few numbers per tensor
+(``analysis.precision.sketch_error``, which compare reads). Signs are pairwise independent:
+element ``i`` (block ``i // BLOCK``, column ``i % BLOCK``) gets the block's sign times the
+column's, so a tensor is one matrix product of its blocks, read once.
+
+Sums are in the accumulation dtype (fp64 on CPU and CUDA): two runs' sketches differ by
+``||a - b||`` only when their own rounding is far below it (fp64's is about 1e-16 of
+``||a|| sqrt(BLOCK)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from probe.devices import is_accelerator, record_event
+from probe.modes.statistics import pieces
+from probe.modes.statistics.reduce import accumulation_dtype, as_real
+
+SKETCHES = 8
+"""Projections per tensor. The distance estimate is ``||a - b||`` times the square root of a
+chi-square of this many degrees of freedom over their number: at 8, below 0.45 of the truth
+once in a hundred tensors and above 1.6 of it once in a hundred."""
+BLOCK = 1024
+"""Elements per block of the sign pattern (the columns of one matrix product)."""
+_SEED = 0x5EED
+_BLOCK_SIGNS_CHUNK = 1 << 16
+"""Block signs are generated this many at a time, each chunk from its own seed, so a longer
+tensor extends the pattern without changing its start."""
+
+
+class _Signs:
+    """The sign pattern on each device, in each accumulation dtype, grown as tensors need it."""
+
+    def __init__(self) -> None:
+        self._columns: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._blocks: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def columns(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """``[BLOCK, SKETCHES]`` signs."""
+        key = (device, dtype)
+        found = self._columns.get(key)
+        if found is None:
+            found = _random_signs((BLOCK, SKETCHES), _SEED).to(device, dtype)
+            self._columns[key] = found
+        return found
+
+    def blocks(self, count: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The first ``count`` block signs, ``[count]``."""
+        key = (device, dtype)
+        found = self._blocks.get(key)
+        if found is None or found.numel() < count:
+            have = 0 if found is None else found.numel() // _BLOCK_SIGNS_CHUNK
+            need = -(-count // _BLOCK_SIGNS_CHUNK)
+            more = [_random_signs((_BLOCK_SIGNS_CHUNK,), _SEED + 1 + c) for c in range(have, need)]
+            grown = torch.cat(([found.cpu()] if found is not None else []) + more)
+            found = grown.to(device, dtype)
+            self._blocks[key] = found
+        return found[:count]
+
+
+def _random_signs(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, shape, generator=generator, dtype=torch.int8).mul_(2).sub_(1)
+
+
+_signs = _Signs()
+
+
+def sketchable(t: torch.Tensor) -> bool:
+    """Whether ``t`` gets a sketch: floating-point (complex as its parts) values in memory;
+    integer and bool tensors differ exactly or not at all, which their statistics tell."""
+    return (t.layout == torch.strided and not t.is_quantized and not t.is_meta and t.numel() > 0
+            and (t.is_floating_point() or t.is_complex()))
+
+
+def sketch(t: torch.Tensor) -> torch.Tensor:
+    """The ``[SKETCHES]`` projections of ``t``'s values (a sketchable tensor), on its device, in
+    its accumulation dtype; no host sync. Large tensors are read a piece at a time
+    (``statistics.pieces``), so the widened copy stays bounded."""
+    x = as_real(t.detach()).reshape(-1)  # logical order (a copy only for a non-contiguous t)
+    acc = accumulation_dtype(x.device)
+    columns = _signs.columns(x.device, acc)
+    n = x.numel()
+    blocks = _signs.blocks(-(-n // BLOCK), x.device, acc)
+    with torch.no_grad():
+        if n <= BLOCK:
+            return (x.to(acc) @ columns[:n]).mul_(blocks[0])
+        total = torch.zeros(SKETCHES, dtype=acc, device=x.device)
+        step = max(pieces.PIECE_NUMEL // BLOCK, 1) * BLOCK
+        for start in range(0, n, step):
+            piece = x[start : start + step].to(acc)
+            whole = piece.numel() // BLOCK
+            first = start // BLOCK
+            if whole:
+                per_block = piece[: whole * BLOCK].view(whole, BLOCK) @ columns
+                total += blocks[first : first + whole] @ per_block
+            rest = piece.numel() - whole * BLOCK
+            if rest:
+                total += (piece[whole * BLOCK :] @ columns[:rest]) * blocks[first + whole]
+        return total
+
+
+class SketchRows:
+    """One step's sketches, keyed by the stats row they go with."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._sketches: dict[torch.device, list[torch.Tensor]] = {}
+        self._entries: list[tuple[int, torch.device, int]] = []  # (row, device, position)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, t: torch.Tensor, row: int) -> None:
+        """Sketch ``t``'s values now, for stats row ``row`` (no host sync)."""
+        if not sketchable(t) or any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape, strict=True)):
+            return  # a broadcast view: its repeated elements are another layout's in the other run
+        rows = self._sketches.setdefault(t.device, [])
+        rows.append(sketch(t))
+        self._entries.append((row, t.device, len(rows) - 1))
+
+    def end_step(self) -> PendingSketches:
+        """Stack the step's sketches per device (queued, no sync) and start afresh."""
+        with torch.no_grad():
+            stacked = {d: torch.stack(rows) for d, rows in self._sketches.items()}
+        events = [record_event(d) for d in stacked if is_accelerator(d)]
+        pending = PendingSketches(stacked, self._entries, events)
+        self._reset()
+        return pending
+
+
+class PendingSketches:
+    """A step's sketches on their devices, handed to the writer thread."""
+
+    def __init__(self, stacked: dict[torch.device, torch.Tensor],
+                 entries: list[tuple[int, torch.device, int]], events: list[Any]) -> None:
+        self.stacked, self.entries, self.events = stacked, entries, events
+
+    def to_host(self, rows: int) -> np.ndarray:
+        """``[rows, SKETCHES]`` fp64, NaN where a row has no sketch: one transfer per device."""
+        for event in self.events:
+            event.synchronize()
+        host = {d: t.to("cpu", torch.float64).numpy() for d, t in self.stacked.items()}
+        table = np.full((rows, SKETCHES), np.nan)
+        for row, device, position in self.entries:
+            table[row] = host[device][position]
+        return table

@@ -1,0 +1,100 @@
+"""Random-sign sketches (``probe.Stats(sketch=True)``): each recorded value's projections on fixed
+sign vectors, whose difference between two runs estimates how far their elements are apart,
+which statistics cannot (rounding in another order leaves the norm and the extremes as they were)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import probe
+from probe.analysis import precision
+from probe.modes.statistics import pieces
+from probe.modes.statistics.sketch import BLOCK, SKETCHES, _signs, sketch
+from probe.rundir.records import TensorRecord
+from tests.conftest import SharedBlockNet, train_steps
+
+
+def _by_definition(x: torch.Tensor) -> torch.Tensor:
+    """The projections as the module docstring defines them, one element at a time."""
+    flat = x.detach().reshape(-1).double()
+    n = flat.numel()
+    cpu = torch.device("cpu")
+    columns = _signs.columns(cpu, torch.float64)
+    blocks = _signs.blocks(-(-n // BLOCK), cpu, torch.float64)
+    signs = torch.stack([blocks[i // BLOCK] * columns[i % BLOCK] for i in range(n)])
+    return flat @ signs
+
+
+@pytest.mark.parametrize("n", [1, 5, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 17])
+def test_a_sketch_is_the_values_projected_on_the_sign_pattern(n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    assert torch.equal(sketch(x), _by_definition(x))
+
+
+def test_a_sketch_follows_the_logical_order_of_any_layout_and_of_pieces(monkeypatch):
+    x = torch.randn(48, 100, generator=torch.Generator().manual_seed(1))
+    transposed = x.t()  # not contiguous: its logical order is not its memory order
+    expected = _by_definition(transposed)
+    assert torch.allclose(sketch(transposed), expected, rtol=1e-12, atol=1e-9)
+    monkeypatch.setattr(pieces, "PIECE_NUMEL", 2 * BLOCK)  # read in pieces: the same sums
+    assert torch.allclose(sketch(transposed), expected, rtol=1e-12, atol=1e-9)
+    z = torch.complex(x, -x)
+    assert torch.allclose(sketch(z), _by_definition(torch.view_as_real(z)), rtol=1e-12, atol=1e-9)
+
+
+def test_two_runs_sketches_estimate_how_far_their_elements_are_apart():
+    # E[(s_j(a) - s_j(b))^2] = ||a - b||^2: over 200 tensors the mean of the squared estimate over
+    # the squared distance is 1 within 4 standard deviations (chi-square of 8 over 8: sd 0.5 / sqrt(200)).
+    generator = torch.Generator().manual_seed(0)
+    ratios = []
+    for _ in range(200):
+        a = torch.randn(4096, generator=generator, dtype=torch.float64)
+        b = a + 1e-6 * torch.randn(4096, generator=generator, dtype=torch.float64) * a.abs()
+        ra, rb = (TensorRecord("float64", (4096,), {"norm": float(t.norm())},
+                               sketch=tuple(sketch(t).tolist())) for t in (a, b))
+        estimate = precision.sketch_error(ra, rb)
+        assert estimate is not None
+        ratios.append((estimate * max(float(a.norm()), float(b.norm())) / float((a - b).norm())) ** 2)
+    assert abs(np.mean(ratios) - 1) < 4 * math.sqrt(2 / SKETCHES) / math.sqrt(len(ratios))
+    # The norm sees little of the same differences: random signs cancel in it.
+    assert abs(float(a.norm()) - float(b.norm())) / float(a.norm()) < estimate / 10
+
+
+def test_a_sketch_without_its_pair_or_its_norm_estimates_nothing():
+    a = TensorRecord("float32", (3,), {"norm": 1.0}, sketch=(1.0,) * SKETCHES)
+    assert precision.sketch_error(a, TensorRecord("float32", (3,), {"norm": 1.0})) is None
+    longer = TensorRecord("float32", (4,), {"norm": 1.0}, sketch=(1.0,) * SKETCHES)
+    assert precision.sketch_error(a, longer) is None
+    nonfinite = TensorRecord("float32", (3,), {"norm": math.inf}, sketch=(math.inf,) * SKETCHES)
+    assert precision.sketch_error(a, nonfinite) is None
+    assert precision.sketch_error(a, a) == 0.0
+
+
+def test_training_under_sketches_is_bit_identical_and_every_float_value_has_one(tmp_path: Path):
+    torch.manual_seed(0)
+    plain = train_steps(SharedBlockNet(), 2, seed=1)
+    rng = torch.get_rng_state()
+    torch.manual_seed(0)
+    with probe.mode(probe.Stats(sketch=True), out=tmp_path / "r") as session:
+        traced = train_steps(SharedBlockNet(), 2, session=session, seed=1)
+    assert traced[0] == plain[0] and all(torch.equal(traced[1][k], plain[1][k]) for k in plain[1])
+    assert torch.equal(torch.get_rng_state(), rng)  # the sign pattern draws from its own generator
+    run = probe.load(tmp_path / "r")
+    outputs = [t for op in run.ops(1) for t in op.outputs if t.stats is not None]
+    floating = [t for t in outputs if t.dtype.startswith("float")]
+    assert floating and all(t.sketch is not None and len(t.sketch) == SKETCHES for t in floating)
+    assert all(t.sketch is None for t in outputs if not t.dtype.startswith(("float", "complex")))
+    assert run.step_info(1).manifest["modes"]["stats"]["sketch"] is True
+
+
+def test_a_run_without_sketches_reads_as_before(tmp_path: Path):
+    with probe.mode("stats", out=tmp_path / "r") as session:
+        torch.ones(4).mul(2.0)
+        session.step()
+    run = probe.load(tmp_path / "r")
+    assert all(t.sketch is None for op in run.ops(0) for t in op.outputs)
