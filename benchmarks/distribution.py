@@ -1,4 +1,4 @@
-"""What the stats mode's ``distribution=True`` and ``histogram=True`` add to a training step.
+"""What the stats mode's ``distribution=True``, ``histogram=True`` and ``sketch=True`` add to a training step.
 
 Run from the repository root::
 
@@ -6,7 +6,8 @@ Run from the repository root::
 
 Configurations, alternating step by step in one process (the starting one rotating per round,
 so drift of a shared machine reaches them alike), each with its own model built from the same
-seed: ``baseline`` (no probe), ``stats``, ``stats+distribution``, ``stats+histogram``. A session
+seed: ``baseline`` (no probe), ``stats``, ``stats+distribution``, ``stats+histogram``,
+``stats+sketch``. A session
 is entered around each step in a fresh directory; the step and its flush (``session.step()``)
 are timed. Reported: the median step time and the overhead over ``stats`` and over ``baseline``.
 """
@@ -31,6 +32,7 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "stats": {},
     "stats+distribution": {"distribution": True},
     "stats+histogram": {"histogram": True},
+    "stats+sketch": {"sketch": True},
 }
 
 

@@ -150,11 +150,12 @@ class Reference:
 
 
 def train(built: Built, pair: Pair, out: Path, steps: int, attn: str | None, clip: bool, scaler: bool,
-          planting: Callable[[torch.nn.Module], Fault] | None = None) -> Fault | None:
+          planting: Callable[[torch.nn.Module], Fault] | None = None, sketch: bool = True) -> Fault | None:
     """Trains ``built``'s model for ``steps`` AdamW steps under the stats mode (with sketches), computing as
     ``pair`` says (run A: the fp32 pair), with the fault ``planting`` plants in it. ``clip``: the
     gradients are clipped every step (without bound, but where the fault says); ``scaler``: both
-    runs of a GradScaler pair scale their losses alike (run A's in fp32 never overflows)."""
+    runs of a GradScaler pair scale their losses alike (run A's in fp32 never overflows);
+    ``sketch``: whether the runs take sketches."""
     import probe
 
     policy = Policy(pair)
@@ -167,7 +168,7 @@ def train(built: Built, pair: Pair, out: Path, steps: int, attn: str | None, cli
     gen = torch.Generator().manual_seed(1)
     options: dict[str, Any] = {"compiled": "keep"} if pair.compiled else {}
     # Sketches: compare sees how far the runs' elements are apart where statistics cannot.
-    with _threads(pair.threads), probe.mode("stats", out=str(out), model=model, sketch=True,
+    with _threads(pair.threads), probe.mode("stats", out=str(out), model=model, sketch=sketch,
                                             **options) as session:
         for step in range(steps):
             batch = policy.cast(built.batch(gen))

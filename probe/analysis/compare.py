@@ -852,6 +852,12 @@ def _sketched(side_a: _Side, side_b: _Side, a: TensorRecord, b: TensorRecord) ->
     return error if error is not None else 0.0
 
 
+def _sketches_taken(c: OpComparison) -> bool:
+    """Whether both runs took sketches of this op's values (then a 0 from them is a measure)."""
+    assert c.a is not None and c.b is not None
+    return any(t.sketch is not None for t in c.a.outputs) and any(t.sketch is not None for t in c.b.outputs)
+
+
 def _held_apart(side_a: _Side, side_b: _Side, a: TensorRecord, b: TensorRecord) -> float:
     """The rounding one run's value of an input passed through and the other's did not (0 when
     none): a value held in bf16 in run B on its way here differs from run A's element by element
@@ -960,7 +966,10 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
         return False, (f"consistent with precision: the optimizer's update of inputs that differ by "
                        f"{in_error:.3g} (relative; its normalisation is unbounded near zero gradients)")
     if out_error > bound:
-        return True, f"{detail}: beyond what the inputs and each run's precision explain"
+        unsketched = "" if sketched > 0 or _sketches_taken(c) else (
+            " (the inputs' difference is their statistics': record both runs with sketch=True to "
+            "measure their elements')")
+        return True, f"{detail}: beyond what the inputs and each run's precision explain{unsketched}"
     return False, f"consistent with precision: {detail}"
 
 
