@@ -91,6 +91,7 @@ class StatsMode(Mode):
         self._distribution = (distribution_rows.DistributionRows(config.histogram)
                               if config.distribution or config.histogram else None)
         self._sketches = SketchRows() if config.sketch else None
+        self._describing = self._distribution is not None or self._sketches is not None  # (per row: no call)
         self._fp8 = fp8_files.Fp8Scales()
         self.inputs = config.inputs
         self._rows = StepRows(
@@ -197,7 +198,7 @@ class StatsMode(Mode):
             if row is None:
                 storage = keyed[0]._cdata if keyed is not None else t.untyped_storage()._cdata
                 row = self._rows.add(t, now=(bool(written) and storage in written) or storage in unannounced)
-                if row is not None:
+                if row is not None and self._describing:
                     self._describe(t, row)
                 if row is not None and keyed is not None:
                     if values is None:
@@ -250,7 +251,7 @@ class StatsMode(Mode):
                         break
                 row = self._rows.add(t, version_moves=version_moves,
                                      counter=inputs[0] if call.info.is_view and inputs else None)
-                if row is not None:
+                if row is not None and self._describing:
                     self._describe(t, row)
             if row is None:
                 continue
