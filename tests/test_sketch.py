@@ -98,3 +98,24 @@ def test_a_run_without_sketches_reads_as_before(tmp_path: Path):
         session.step()
     run = probe.load(tmp_path / "r")
     assert all(t.sketch is None for op in run.ops(0) for t in op.outputs)
+
+
+def test_a_tensor_above_2_20_elements_with_grad_is_sketched_in_pieces_as_defined(tmp_path: Path, monkeypatch):
+    # 2049 x 1029 (2.1M elements, not a multiple of the block), a leaf that requires grad, read in
+    # pieces of 2^20: the same projections as the definition (vectorised here), and a training
+    # step over it records a sketch of its gradient.
+    monkeypatch.setattr(pieces, "PIECE_NUMEL", 1 << 20)
+    w = torch.randn(2049, 1029, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    n = w.numel()
+    cpu = torch.device("cpu")
+    blocks = _signs.blocks(-(-n // BLOCK), cpu, torch.float64).repeat_interleave(BLOCK)[:n]
+    columns = _signs.columns(cpu, torch.float64).repeat(-(-n // BLOCK), 1)[:n]
+    expected = (w.detach().reshape(-1).double() * blocks) @ columns
+    assert torch.allclose(sketch(w), expected, rtol=1e-12, atol=1e-9)
+    with probe.mode(probe.Stats(sketch=True), out=tmp_path / "r") as session:
+        (w * 2.0).sum().backward()
+        session.step()
+    backward = {op.name: t for op in probe.load(tmp_path / "r").ops(0) for t in op.outputs
+                if t.shape == (2049, 1029) and op.phase == "backward"}
+    assert backward["aten.mul.Tensor"].sketch is not None  # the weight's gradient, 2 everywhere
+    assert backward["aten.expand.default"].sketch is None  # sum's gradient: a broadcast view

@@ -830,11 +830,19 @@ def _sources_error(side_a: _Side, side_b: _Side, a: TensorRecord, b: TensorRecor
     for side, record, written in ((side_a, a, parts[0]), (side_b, b, parts[1])):
         if written is not None:
             record = assembled_record(written, record) or record  # a buffer filled piece by piece
-        elif record.stats is None and record.source is not None and record.source[0] < len(side.ops) \
-                and record.source[1] < len(side.ops[record.source[0]].outputs):
-            record = side.ops[record.source[0]].outputs[record.source[1]]
+        elif record.stats is None:
+            record = _producer_output(side, record) or record
         found.append(record)
     return _stats_difference(*found)
+
+
+def _producer_output(side: _Side, record: TensorRecord) -> TensorRecord | None:
+    """The output record of the op that produced input ``record`` in its run (None: from
+    outside the step, or a source beyond what the run recorded)."""
+    source = record.source
+    if source is None or source[0] >= len(side.ops) or source[1] >= len(side.ops[source[0]].outputs):
+        return None
+    return side.ops[source[0]].outputs[source[1]]
 
 
 def _sketched(side_a: _Side, side_b: _Side, a: TensorRecord, b: TensorRecord) -> float:
@@ -842,12 +850,8 @@ def _sketched(side_a: _Side, side_b: _Side, a: TensorRecord, b: TensorRecord) ->
     run took none): statistics understate differences of random sign, which rounding in another
     order makes, and a sum with cancellation shows them. An input computed in the step is
     described by its producer's output."""
-    found = []
-    for side, record in ((side_a, a), (side_b, b)):
-        if record.sketch is None and record.source is not None and record.source[0] < len(side.ops) \
-                and record.source[1] < len(side.ops[record.source[0]].outputs):
-            record = side.ops[record.source[0]].outputs[record.source[1]]
-        found.append(record)
+    found = [record if record.sketch is not None else _producer_output(side, record) or record
+             for side, record in ((side_a, a), (side_b, b))]
     error = precision.sketch_error(*found)
     return error if error is not None else 0.0
 

@@ -62,7 +62,7 @@ class TensorRecord:
     sketch: tuple[float, ...] | None = None
     """With the stats mode's ``sketch=True``: projections of the values on fixed random signs,
     whose difference between two runs estimates how far their elements are apart
-    (``statistics.sketch.distance``); None when not recorded (integer tensors, broadcast views)."""
+    (``analysis.precision.sketch_error``); None when not recorded (integer tensors, broadcast views)."""
 
     @property
     def floating(self) -> bool:

@@ -15,6 +15,7 @@ from probe.modes.statistics.distribution import (
     read_shares,
 )
 from probe.modes.stats.file_names import DISTRIBUTION_FILE, HISTOGRAM_FILE
+from probe.modes.stats.records import row_tensors
 from probe.rundir.untrusted_reads import read_npy, reading
 
 
@@ -44,11 +45,7 @@ def attach_files(directory: Any, index: np.ndarray, records: dict[int, Any], row
         check_arrays(shares, histogram, rows)
     histograms = read_histograms(histogram) if histogram is not None else {}
     decoded: dict[int, dict[str, float | None]] = {}
-    for op_index, io, position, row in index.tolist():
-        record = records.get(op_index)
-        if record is None:
-            continue
-        tensor = (record.inputs if io == 0 else record.outputs)[position]
+    for row, tensor in row_tensors(index, records):
         if row not in decoded:
             decoded[row] = read_shares(shares[row])
         if all(v is None for v in decoded[row].values()):

@@ -14,7 +14,7 @@ import probe.modes.stats.fp8_scales as fp8_files
 import probe.modes.stats.sketch_files as sketch_files
 from probe.modes.statistics.columns import COUNTS, STATS_FILE_COLUMNS
 from probe.modes.stats.file_names import FILE_NAMES, STATS_FILE, STATS_INDEX_FILE
-from probe.modes.stats.records import NonfiniteParameterRecord
+from probe.modes.stats.records import NonfiniteParameterRecord, row_tensors
 from probe.rundir import layout
 from probe.rundir.mode_files import ModeFiles, ModeReader
 from probe.rundir.records import OpRecord
@@ -153,11 +153,7 @@ class StatsFiles(ModeFiles):
             index = index[self._rows_of(records)]
         with reading(self.where.directory / STATS_INDEX_FILE):
             rows: dict[int, dict[str, float | int | None]] = {}  # a row shared by tensors is one dict
-            for op_index, io, position, row in index.tolist():
-                record = records.get(op_index)
-                if record is None:
-                    continue
-                tensor = (record.inputs if io == INPUT else record.outputs)[position]
+            for row, tensor in row_tensors(index, records):
                 if tensor.numel == 0:
                     tensor.stats = dict(_EMPTY_STATS)
                     continue

@@ -1,9 +1,23 @@
 """The stats mode's records beyond the statistics it attaches to every op record
-(``TensorRecord.stats``, ``distribution``, ``histogram``)."""
+(``TensorRecord.stats``, ``distribution``, ``histogram``, ``sketch``), and the one walk that
+attaches a row's values to the tensors using it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+def row_tensors(index: np.ndarray, records: dict[int, Any]) -> Iterator[tuple[int, Any]]:
+    """``(stats row, TensorRecord)`` for each row of a step's ``stats_index.npy`` (op, input 0 /
+    output 1, position, row) whose op is among ``records``."""
+    for op_index, io, position, row in index.tolist():
+        record = records.get(op_index)
+        if record is not None:
+            yield row, (record.inputs if io == 0 else record.outputs)[position]
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ import numpy as np
 
 from probe.modes.statistics.sketch import SKETCHES, PendingSketches
 from probe.modes.stats.file_names import SKETCH_FILE
+from probe.modes.stats.records import row_tensors
 from probe.rundir.untrusted_reads import read_npy, reading
 
 
@@ -35,12 +36,8 @@ def attach_file(directory: Any, index: np.ndarray, records: dict[int, Any], rows
             raise ValueError(f"the sketches are an array of shape {table.shape} and dtype {table.dtype}, "
                              f"expected ({rows}, {SKETCHES}) floats")
     decoded: dict[int, tuple[float, ...] | None] = {}
-    for op_index, io, position, row in index.tolist():
-        record = records.get(op_index)
-        if record is None:
-            continue
+    for row, tensor in row_tensors(index, records):
         if row not in decoded:
             values = tuple(table[row].tolist())
             decoded[row] = None if any(math.isnan(v) for v in values) else values
-        tensor = (record.inputs if io == 0 else record.outputs)[position]
         tensor.sketch = decoded[row]
