@@ -17,6 +17,7 @@ of staged (the monitor across ranks, ``stats_backend`` other than "auto").
 ``--session``: a real ``probe.mode("stats")`` session over the step instead (the tracer, the
 stats mode's hand-over and its engine, AdamW ``--optimizers`` foreach and fused), every op the
 probe issues counted with the probe function that issued it (``device_cost.session_step_cost``).
+``--sketch``: the session with ``probe.Stats(sketch=True)`` beside it (the sketches' own passes).
 """
 
 from __future__ import annotations
@@ -45,12 +46,13 @@ def model_tally(name: str, stage: bool = True, multi_tensor: bool = True) -> dev
                                        multi_tensor=multi_tensor)
 
 
-def session_tally(name: str, optimizer: str = "foreach", multi_tensor: bool = True) -> device_cost.Tally:
+def session_tally(name: str, optimizer: str = "foreach", multi_tensor: bool = True,
+                  sketch: bool = False) -> device_cost.Tally:
     """What the probe issues on the device over one step of ``name`` under a real stats session
-    (``multi_tensor=False``: on CUDA without Triton)."""
+    (``multi_tensor=False``: on CUDA without Triton; ``sketch``: with ``sketch=True``)."""
     shape, dtype = MODELS[name]
     return device_cost.session_step_cost(*device_cost.hf_llama(shape, dtype), device_cost.lm_loss,
-                                         optimizer=optimizer, multi_tensor=multi_tensor)
+                                         optimizer=optimizer, multi_tensor=multi_tensor, sketch=sketch)
 
 
 def _markdown(header: list[str], rows: list[list[str]]) -> str:
@@ -71,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="CI's: hf-llama-small-1layer only")
     parser.add_argument("--session", action="store_true",
                         help="a real stats session: every op the probe issues, with its caller")
+    parser.add_argument("--sketch", action="store_true",
+                        help="with --session: also the session with sketch=True (the stats mode's sketches)")
     parser.add_argument("--optimizers", default=",".join(device_cost.OPTIMIZERS),
                         help="with --session: AdamW implementations, of foreach, fused")
     parser.add_argument("--markdown", action="store_true", help="also print the tables as GitHub markdown")
@@ -86,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             if optimizer not in device_cost.OPTIMIZERS:
                 parser.error(f"--optimizers: unknown {optimizer!r}; choose from "
                              f"{', '.join(device_cost.OPTIMIZERS)}")
-        return _print_session(console, names, optimizers, args.markdown, not args.no_multi_tensor)
+        return _print_session(console, names, optimizers, args.markdown, not args.no_multi_tensor,
+                              (False, True) if args.sketch else (False,))
     header = ["model", "values", "MiB reduced", "read x", "written x", "launches", "launch budget",
               "host syncs", "within budget"]
     rows, details = [], []
@@ -131,23 +136,26 @@ def _budget_row(tally: device_cost.Tally) -> list[str]:
             "yes" if not over else "no: " + ", ".join(over)]
 
 
+def _op_row(op: device_cost.OpCost, tally: device_cost.Tally) -> list[str]:
+    return [op.name, op.caller, str(op.launches), f"{op.read / 2**20:.1f}", f"{op.written / 2**20:.1f}",
+            f"{op.read / tally.value_bytes:.5f}", f"{op.written / tally.value_bytes:.5f}", str(op.syncs)]
+
+
 def _print_session(console: Console, names: list[str], optimizers: list[str], markdown: bool,
-                   multi_tensor: bool = True) -> int:
-    header = ["model", "AdamW", "values", "MiB reduced", "read x", "written x", "launches", "launch budget",
-              "host syncs", "within budget"]
-    op_header = ["model", "AdamW", "op", "issued by (probe/...)", "launches", "MiB read", "MiB written",
-                 "read x", "written x", "syncs"]
+                   multi_tensor: bool = True, sketches: tuple[bool, ...] = (False,)) -> int:
+    header = ["model", "AdamW", "sketch", "values", "MiB reduced", "read x", "written x", "launches",
+              "launch budget", "host syncs", "within budget"]
+    op_header = ["model", "AdamW", "sketch", "op", "issued by (probe/...)", "launches", "MiB read",
+                 "MiB written", "read x", "written x", "syncs"]
     rows, details = [], []
     for name in names:
         for optimizer in optimizers:
-            tally = session_tally(name, optimizer, multi_tensor=multi_tensor)
-            rows.append([name, optimizer, *_budget_row(tally)])
-            for op in tally.by_caller():
-                details.append([name, optimizer, op.name, op.caller, str(op.launches),
-                                f"{op.read / 2**20:.1f}", f"{op.written / 2**20:.1f}",
-                                f"{op.read / tally.value_bytes:.5f}", f"{op.written / tally.value_bytes:.5f}",
-                                str(op.syncs)])
-    left = ("model", "AdamW", "op", "issued by (probe/...)")
+            for sketch in sketches:
+                tally = session_tally(name, optimizer, multi_tensor=multi_tensor, sketch=sketch)
+                rows.append([name, optimizer, "yes" if sketch else "no", *_budget_row(tally)])
+                details += [[name, optimizer, "yes" if sketch else "no", *_op_row(op, tally)]
+                            for op in tally.by_caller()]
+    left = ("model", "AdamW", "sketch", "op", "issued by (probe/...)")
     titles = ("stats session, accelerator path, one step (the probe's ops only)",
               "every op the probe issued (x: per byte reduced)")
     for title, head, body in zip(titles, (header, op_header), (rows, details), strict=True):

@@ -52,7 +52,7 @@ from torch.utils._pytree import tree_flatten
 import probe
 import probe.compiled
 from probe.compiled import CompiledKernel
-from probe.modes.statistics import reduce
+from probe.modes.statistics import reduce, sketch
 from probe.modes.statistics.capture import PendingRows, StepRows
 from probe.modes.statistics.reduce import TensorStats, as_real, compact_view
 
@@ -328,15 +328,19 @@ def _accelerator_path(mode: DeviceCostMode, multi_tensor: bool = True) -> Iterat
         mode.count_call(f"compiled {kernel._fn.__name__}", list(args), tree_flatten(out)[0], sys._getframe(1))
         return out
 
-    def modelled_rows(xs: list[torch.Tensor], threshold: float) -> torch.Tensor:
-        # The multi-tensor kernel (CUDA with Triton): one pass reading each tensor once and a
-        # launch folding the partials, after one host-to-device copy of the address table.
+    def modelled_rows(xs: list[torch.Tensor], threshold: float, signs: Any = None) -> torch.Tensor:
+        # The multi-tensor kernel (CUDA with Triton): one pass reading each tensor once (with a
+        # sketch pattern's signs, sketch=True: those small tables too, each row followed by the
+        # value's sketch) and a launch folding the partials, after one host-to-device copy of the
+        # address table.
+        width = reduce.WIDTH + (0 if signs is None else sketch.SKETCHES)
         silent, mode.silent = mode.silent, True
         try:
-            out = torch.empty((len(xs), reduce.WIDTH), dtype=torch.float64, device=xs[0].device)
+            out = torch.empty((len(xs), width), dtype=torch.float64, device=xs[0].device)
         finally:
             mode.silent = silent
-        mode.count_call("multi-tensor rows", list(xs), [out], sys._getframe(1), MULTI_TENSOR_LAUNCHES)
+        read = list(xs) if signs is None else [*xs, *signs]
+        mode.count_call("multi-tensor rows", read, [out], sys._getframe(1), MULTI_TENSOR_LAUNCHES)
         return out
 
     CompiledKernel.__call__ = modelled  # type: ignore[method-assign]
@@ -483,6 +487,7 @@ def _values_counted(mode: DeviceCostMode) -> Iterator[None]:
     writer thread's transfer left out: meta rows have no values to read (their rows come back
     NaN; the step's one transfer is outside the training step)."""
     add, add_row, to_host = StepRows.add, StepRows.add_row, PendingRows.to_host
+    sketchable, sketches_to_host = sketch.sketchable, sketch.PendingSketches.to_host
 
     def counted_add(rows: StepRows, t: torch.Tensor, *args: Any, **kwargs: Any) -> int | None:
         row = add(rows, t, *args, **kwargs)
@@ -503,12 +508,22 @@ def _values_counted(mode: DeviceCostMode) -> Iterator[None]:
         table = np.array(pending.rows, dtype=np.int64).reshape(len(pending.rows), 4)
         return np.full((len(table), reduce.WIDTH), np.nan), table[:, 2], table[:, 3]
 
+    def nan_sketches(pending: sketch.PendingSketches, rows: int) -> Any:
+        import numpy as np
+
+        return np.full((rows, sketch.SKETCHES), np.nan)
+
     StepRows.add, StepRows.add_row = counted_add, counted_add_row  # type: ignore[method-assign]
     PendingRows.to_host = nan_rows  # type: ignore[method-assign]
+    # sketch=True: meta values sketched as the device's would be (their projections NaN on the host).
+    sketch.sketchable = lambda t: sketchable(t) or (t.is_meta and (t.is_floating_point() or t.is_complex())
+                                                    and t.numel() > 0)
+    sketch.PendingSketches.to_host = nan_sketches  # type: ignore[method-assign]
     try:
         yield
     finally:
         StepRows.add, StepRows.add_row, PendingRows.to_host = add, add_row, to_host  # type: ignore[method-assign]
+        sketch.sketchable, sketch.PendingSketches.to_host = sketchable, sketches_to_host  # type: ignore[method-assign]
 
 
 OPTIMIZERS = ("foreach", "fused")

@@ -31,7 +31,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     if _patch_tensor is not None:
         _interpreter._patch_lang_tensor = _patch_with_scalar_index
 
-from probe.modes.statistics import multi_tensor, reduce
+from probe.modes.statistics import multi_tensor, reduce, sketch
 from probe.modes.statistics.columns import RAW_COLUMNS, raw_row
 
 REL = 1e-7
@@ -132,7 +132,83 @@ def main(device: str) -> None:
             check(row.cpu().tolist(), exact(x, reduce.zeros_threshold(x.dtype, 0.25)), f"routed {x.dtype}")
         check(stats.row(x32).cpu().tolist(), exact(x32, 0.0), "TensorStats.row")
         assert len(calls) == 6
+    check_sketches(device)
     print("ok", len(cases), "tensors")
+
+
+def exact_sketch(x: torch.Tensor) -> torch.Tensor:
+    """The projections by their definition, in fp64 on the CPU: ``sum_b block_b (x_b @ columns)``."""
+    flat = reduce.as_real(x.detach()).reshape(-1).to("cpu", torch.float64)
+    whole = -(-flat.numel() // sketch.BLOCK)
+    padded = torch.cat([flat, flat.new_zeros(whole * sketch.BLOCK - flat.numel())])
+    columns = sketch._signs.columns(torch.device("cpu"), torch.float64)
+    blocks = sketch._signs.blocks(whole, torch.device("cpu"), torch.float64)
+    return blocks @ (padded.view(whole, sketch.BLOCK) @ columns)
+
+
+def check_sketch(got: torch.Tensor, x: torch.Tensor, what: str) -> None:
+    want = exact_sketch(x)
+    got = got.cpu()
+    assert got.dtype == torch.float64 and got.shape == want.shape, (what, got.dtype, got.shape)
+    scale = float(reduce.as_real(x.detach()).to("cpu", torch.float64).norm()) * math.sqrt(sketch.BLOCK)
+    for g, w in zip(got.tolist(), want.tolist(), strict=True):
+        if math.isnan(w):
+            assert math.isnan(g), f"{what}: sketch {g!r}, expected NaN"
+        else:
+            assert abs(g - w) <= 1e-13 * scale + 1e-300, f"{what}: sketch {g!r} vs {w!r}"
+
+
+def check_sketches(device: str) -> None:
+    """The multi-tensor kernel with a sketch pattern's signs (``rows(xs, threshold, signs)``):
+    each row as without them, followed by the projections' definition, for every float dtype, a
+    tensor shorter than a block, one block, many programs of many blocks, NaN, a strided view
+    (read in the order of its strides: its logical order where they decrease), in batches; and
+    ``sketch.sketch`` routed to it where the kernel runs."""
+    g = torch.Generator().manual_seed(2)
+    dev = torch.device(device)
+    block = sketch.BLOCK
+    many = 4 * multi_tensor.BLOCK * multi_tensor.MIN_BLOCKS_PER_PROGRAM + 7  # several programs
+    sizes = (1, 5, block - 1, block, block + 1, many)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        xs = [(torch.randn(n, generator=g) * 3).to(dtype).to(dev) for n in sizes]
+        with_nan = torch.randn(3000, generator=g).to(dtype).to(dev)
+        with_nan[1234] = math.nan
+        xs.append(with_nan)
+        signs = sketch.signs(dev, max(x.numel() for x in xs))
+        out = multi_tensor.rows(xs, 0.5, signs).cpu()
+        assert out.shape == (len(xs), reduce.WIDTH + sketch.SKETCHES), out.shape
+        for x, row in zip(xs, out, strict=True):
+            check(row[: reduce.WIDTH].tolist(), exact(x, 0.5), f"rows with sketches {dtype} {x.numel()}")
+            check_sketch(row[reduce.WIDTH :], x, f"sketch {dtype} {x.numel()} (batch)")
+    half = torch.randn(4, 4, 128, 64, generator=g)[..., :32].to(dev)  # rotate_half's: strides decrease
+    assert not half.is_contiguous() and reduce.strided_layout(half) is not None
+    out = multi_tensor.rows([half, half[:, :2]], 0.0, sketch.signs(dev, half.numel())).cpu()
+    for x, row in zip((half, half[:, :2]), out, strict=True):
+        check_sketch(row[reduce.WIDTH :], x, f"sketch of a strided view {tuple(x.shape)}")
+    large = torch.randn((1 << 20) + 3, generator=g).to(dev)
+    check_sketch(multi_tensor.rows([large], 0.0, sketch.signs(dev, large.numel()))[0, reduce.WIDTH :], large,
+                 "sketch fp32 2^20 + 3")
+    # sketch.sketch takes the kernel where the multi-tensor kernel runs: complex as its parts, a
+    # non-contiguous tensor in its logical order (a copy), fp64.
+    saved = reduce.MULTI_TENSOR_DEVICES
+    reduce.MULTI_TENSOR_DEVICES = (device,)
+    calls = []
+    kernel = reduce.multi_tensor_kernel(dev)
+
+    def counted(xs, threshold, signs=None):
+        calls.append(signs is not None)
+        return kernel(xs, threshold, signs)
+
+    try:
+        with reduce.multi_tensor_kernel_replaced(counted):
+            cases = [torch.randn(3, 700, generator=g, dtype=torch.complex64).to(dev),
+                     torch.randn(64, 96, generator=g).to(torch.bfloat16).to(dev).t(),
+                     torch.randn(5000, generator=g, dtype=torch.float64).to(dev)]
+            for x in cases:
+                check_sketch(sketch.sketch(x), x, f"routed {x.dtype}")
+            assert calls == [True, True, True], calls
+    finally:
+        reduce.MULTI_TENSOR_DEVICES = saved
 
 
 if __name__ == "__main__":

@@ -119,3 +119,68 @@ def test_a_tensor_above_2_20_elements_with_grad_is_sketched_in_pieces_as_defined
                 if t.shape == (2049, 1029) and op.phase == "backward"}
     assert backward["aten.mul.Tensor"].sketch is not None  # the weight's gradient, 2 everywhere
     assert backward["aten.expand.default"].sketch is None  # sum's gradient: a broadcast view
+
+
+def _sketch_table(root: Path, step: int) -> np.ndarray:
+    return np.load(root / "rank0" / f"step{step}" / "sketch.npy")
+
+
+def test_where_the_kernel_runs_queued_values_are_sketched_in_the_same_read_as_their_statistics(
+        tmp_path: Path, monkeypatch):
+    # The accelerator path (CUDA with Triton; the kernel itself is checked under Triton's
+    # interpreter, tests/multi_tensor_checks.py) taken for the CPU with a stand-in kernel that
+    # makes each row and sketch as the eager forms do: the values the engine queues (above 2^15
+    # elements: a 256 x 512 weight, its gradient, the activations) get their sketches in the call
+    # that reduces their batch, several tensors a call, and no other sketch call is made for them;
+    # every row gets the projections it gets at capture, bit for bit; training is untouched.
+    from probe.modes.statistics import capture, reduce
+    from probe.modes.statistics import sketch as sketch_module
+    from probe.modes.statistics.columns import raw_row
+
+    calls = []
+
+    def stand_in(xs, threshold, signs=None):
+        calls.append((len(xs), signs is not None))
+        rows = [raw_row(x.reshape(-1).double(), threshold) for x in xs]
+        if signs is None:
+            return torch.stack(rows)
+        columns, blocks = signs
+        assert columns.dtype == torch.int8 and blocks.numel() >= -(-max(x.numel() for x in xs) // BLOCK)
+        return torch.stack([torch.cat([row, sketch_module.eager_sketch(x.reshape(-1))])
+                            for row, x in zip(rows, xs, strict=True)])
+
+    def train(root: Path) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+        adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randn(256, 256, generator=torch.Generator().manual_seed(1))
+        losses = []
+        with probe.mode(probe.Stats(sketch=True), out=root) as session:
+            for _ in range(2):
+                loss = model(x).square().mean()
+                loss.backward()
+                adamw.step()
+                adamw.zero_grad(set_to_none=True)
+                losses.append(loss.detach())
+                session.step()
+        return [*losses, *(p.detach() for p in model.parameters())]
+
+    plain = train(tmp_path / "capture")
+    monkeypatch.setattr(sketch_module, "_kernel_failed", False)
+    monkeypatch.setattr(reduce, "MULTI_TENSOR_DEVICES", ("cpu",))
+    monkeypatch.setattr(capture.StepRows, "_on_host", staticmethod(lambda device: False))
+    eager, eager_sketch = [], sketch_module.eager_sketch
+    monkeypatch.setattr(sketch_module, "eager_sketch", lambda x: eager.append(1) or eager_sketch(x))
+    with reduce.multi_tensor_kernel_replaced(stand_in):
+        routed = train(tmp_path / "batched")
+    assert all(torch.equal(a, b) for a, b in zip(routed, plain, strict=True))
+    fused = [n for n, with_signs in calls if with_signs and n > 1]
+    assert fused, calls  # batches of several tensors, their sketches in the same call
+    assert not sketch_module._kernel_failed
+    for step in (0, 1):
+        a, b = _sketch_table(tmp_path / "capture", step), _sketch_table(tmp_path / "batched", step)
+        assert a.shape == b.shape and np.array_equal(np.isnan(a), np.isnan(b))
+        assert np.array_equal(a[~np.isnan(a)], b[~np.isnan(b)])
+        assert (~np.isnan(a[:, 0])).sum() > 10
+    # Every sketch came from a kernel call (the stand-in's eager form), none from the eager path.
+    assert len(eager) == sum(n for n, with_signs in calls if with_signs)

@@ -55,6 +55,7 @@ from probe.modes.statistics.reduce import (
     cpu_rows,
     device_row_blocks,
 )
+from probe.modes.statistics.sketch import SketchRows
 from probe.npu import saturation_mode
 
 STAGE_MAX_NUMEL = 1 << 15
@@ -308,13 +309,17 @@ class StepRows:
     ones (default: as ``stage``); ``eps``: count ``|x| < eps`` (the ``zeros`` column);
     ``budget``: bytes held per device before a batch is reduced (default: per device type);
     ``on_changed``: told the row ids lost to a write after capture (default: the stats
-    mode's warning). The caller runs every method where its own ops stay untraced and
-    autograd records nothing (the stats mode's handler; the monitor's ``untraced()``).
+    mode's warning); ``sketches``: the stats mode's (``sketch=True``): a row it leaves for
+    later (:meth:`queued`) is sketched with its batch, by the multi-tensor kernel's same read
+    where that reduces it. The caller
+    runs every method where its own ops stay untraced and autograd records nothing (the stats
+    mode's handler; the monitor's ``untraced()``).
     """
 
     def __init__(self, stats: TensorStats, stage: bool, saturation: bool | str = "auto", *,
                  queue: bool | None = None, eps: float | None = None, budget: int | None = None,
-                 on_changed: Callable[[list[int]], None] = _stats_mode_changed) -> None:
+                 on_changed: Callable[[list[int]], None] = _stats_mode_changed,
+                 sketches: SketchRows | None = None) -> None:
         self._stats = stats
         self._stage = stage
         self._queue_on = stage if queue is None else queue
@@ -322,6 +327,7 @@ class StepRows:
         self._saturates: dict[torch.device, bool] = {}
         self._eps = eps
         self._on_changed = on_changed
+        self._sketches = sketches
         self._queue = ReductionQueue(budget)
         self.due: set[torch.device] = set()
         """Devices whose queue spent its budget: reduced by :meth:`settle`, before the next op."""
@@ -429,6 +435,12 @@ class StepRows:
             rows.append((*self._append_device_row(self._stats.row(x, eps=self._eps)), numel, multiplicity))
         return len(rows) - 1
 
+    def queued(self, row: int) -> bool:
+        """Whether ``row``'s values are read later, with a batch: queued or held, not reduced or
+        staged at capture."""
+        source, _, numel, _ = self._rows[row]
+        return source == -1 and numel > 0
+
     def hold(self) -> None:
         """Until :meth:`release`, tensors read ``now`` are collected instead of reduced one by one
         (the inputs an op is about to write: a foreach optimizer op's 32 moments or weights)."""
@@ -528,8 +540,10 @@ class StepRows:
         if not kept:
             return
         xs = [queued.tensor for queued in kept]
+        ids = [queued.row for queued in kept]
+        sketches = self._sketches
         device = xs[0].device
-        if device.type == "cpu":
+        if self._on_host(device):
             source, first = self._append_host_rows(cpu_rows(xs, eps=self._eps))
             positions: Sequence[int] = range(first, first + len(kept))
         else:
@@ -537,13 +551,25 @@ class StepRows:
             rows = self._sources[source]
             assert isinstance(rows, DeviceRows)
             at = [0] * len(kept)
-            for indices, block in device_row_blocks(xs, eps=self._eps, stats=self._stats):
+            signs = sketches.signs_for(xs, ids) if sketches is not None else None
+            for indices, block in device_row_blocks(xs, eps=self._eps, stats=self._stats, signs=signs):
+                if block.shape[1] > WIDTH:  # the sketches of the same read
+                    sketches.take([ids[i] for i in indices], block[:, WIDTH:])  # type: ignore[union-attr]
+                    block = block[:, :WIDTH]
                 for position, i in enumerate(indices, rows.add_block(block)):
                     at[i] = position
             positions = at
+        if sketches is not None:
+            sketches.add_batch(xs, ids)  # those no kernel sketched
         for queued, position in zip(kept, positions, strict=True):
             _, _, numel, multiplicity = table[queued.row]
             table[queued.row] = (source, position, numel, multiplicity)
+
+    @staticmethod
+    def _on_host(device: torch.device) -> bool:
+        """Whether a batch on ``device`` is reduced by the host loops (the accelerator path is
+        taken for the CPU in tests)."""
+        return device.type == "cpu"
 
     def _stage_into_chunk(self, x: torch.Tensor) -> tuple[int, int]:
         dtype = torch.float32 if x.dtype in _FP32_EXACT else torch.float64

@@ -14,6 +14,9 @@ of exact, as on every other path), NaN, Inf, -Inf and ``|x| < threshold`` counte
 lanes. A second launch (:func:`_combine`) folds each tensor's partials into its row; a NaN
 anywhere makes its min and max NaN, as ``amin``/``amax`` do.
 
+With a sketch pattern's signs (the stats mode's ``sketch=True``, ``statistics.sketch``), each
+row is followed by the value's projections on them, summed in fp64 from the same read.
+
 The table goes to the device from pinned host memory without a sync. The kernels are
 plain Triton and run under Triton's interpreter on CPU tensors, which is how CI checks them
 (``tests/test_multi_tensor_rows.py``) on a machine without a GPU.
@@ -49,8 +52,9 @@ _WIDENED_TO_FP32 = frozenset({torch.float16, torch.bfloat16, torch.float32})
 copies were), floating-point values below fp64 to fp32 (exact)."""
 
 
-def _partials(table, count, owners_at, partials, threshold, iterations, ELEMENT: tl.constexpr,
-              WIDE: tl.constexpr, ALIGNED: tl.constexpr, STRIDED: tl.constexpr, BLOCK: tl.constexpr):
+def _partials(table, count, owners_at, partials, threshold, iterations, column_signs, block_signs,
+              ELEMENT: tl.constexpr, WIDE: tl.constexpr, ALIGNED: tl.constexpr, STRIDED: tl.constexpr,
+              BLOCK: tl.constexpr, SKETCHES: tl.constexpr, SKETCH_BLOCK: tl.constexpr):
     # One program of a flat grid: the table says whose (``owners``) and which of its programs.
     pid = tl.program_id(0)
     tensor = tl.load(table + owners_at + pid)
@@ -74,6 +78,9 @@ def _partials(table, count, owners_at, partials, threshold, iterations, ELEMENT:
     nonfinite = tl.zeros([BLOCK], tl.int32)
     ninf = tl.zeros([BLOCK], tl.int32)
     small = tl.zeros([BLOCK], tl.int32)
+    if SKETCHES:
+        which = tl.arange(0, SKETCHES)
+        sketch = tl.zeros([SKETCHES], tl.float64)
     # A host-given count of iterations (the batch's longest), not a loop to ``n``: Triton's
     # interpreter cannot loop to a loaded bound; a shorter tensor's programs skip the rest.
     for i in range(0, iterations):
@@ -102,7 +109,14 @@ def _partials(table, count, owners_at, partials, threshold, iterations, ELEMENT:
             nonfinite += (spread != spread).to(tl.int32)
             ninf += (x == float("-inf")).to(tl.int32)
             small += (inside & (tl.abs(x) < threshold)).to(tl.int32)
-    out = partials + pid.to(tl.int64) * 8
+            if SKETCHES:  # value i: its block's sign times its column's (the pattern's tables, cached)
+                block_sign = tl.load(block_signs + offsets // SKETCH_BLOCK, mask=inside, other=0)
+                signed = tl.where(inside, wide, 0.0) * block_sign.to(tl.float64)
+                column = column_signs + (offsets % SKETCH_BLOCK) * SKETCHES
+                for j in tl.static_range(SKETCHES):  # one projection at a time: a [BLOCK] temporary
+                    projected = tl.sum(signed * tl.load(column + j).to(tl.float64), 0)
+                    sketch += tl.where(which == j, projected, 0.0)
+    out = partials + pid.to(tl.int64) * (8 + SKETCHES)
     tl.store(out + 0, tl.min(low, 0).to(tl.float64))
     tl.store(out + 1, tl.max(high, 0).to(tl.float64))
     tl.store(out + 2, tl.sum(total, 0))
@@ -111,18 +125,20 @@ def _partials(table, count, owners_at, partials, threshold, iterations, ELEMENT:
     tl.store(out + 5, tl.sum(nonfinite, 0).to(tl.float64))
     tl.store(out + 6, tl.sum(ninf, 0).to(tl.float64))
     tl.store(out + 7, tl.sum(small, 0).to(tl.float64))
+    if SKETCHES:
+        tl.store(out + 8 + which, sketch)
 
 
-def _combine(table, count, partials, rows, PROGRAMS: tl.constexpr):
+def _combine(table, count, partials, rows, PROGRAMS: tl.constexpr, SKETCHES: tl.constexpr):
     tensor = tl.program_id(0)
     programs = tl.load(table + 2 * count + tensor)
     index = tl.arange(0, PROGRAMS)
     inside = index < programs
-    part = partials + (tl.load(table + 3 * count + tensor) + index) * 8
+    part = partials + (tl.load(table + 3 * count + tensor) + index) * (8 + SKETCHES)
     nan = tl.sum(tl.load(part + 4, mask=inside, other=0.0), 0)
     low = tl.min(tl.load(part + 0, mask=inside, other=float("inf")), 0)
     high = tl.max(tl.load(part + 1, mask=inside, other=float("-inf")), 0)
-    out = rows + tensor.to(tl.int64) * 8
+    out = rows + tensor.to(tl.int64) * (8 + SKETCHES)
     tl.store(out + 0, tl.where(nan > 0, float("nan"), low))
     tl.store(out + 1, tl.where(nan > 0, float("nan"), high))
     tl.store(out + 2, tl.sum(tl.load(part + 2, mask=inside, other=0.0), 0))
@@ -131,6 +147,10 @@ def _combine(table, count, partials, rows, PROGRAMS: tl.constexpr):
     tl.store(out + 5, tl.sum(tl.load(part + 5, mask=inside, other=0.0), 0) - nan)
     tl.store(out + 6, tl.sum(tl.load(part + 6, mask=inside, other=0.0), 0))
     tl.store(out + 7, tl.sum(tl.load(part + 7, mask=inside, other=0.0), 0))
+    if SKETCHES:
+        which = tl.arange(0, SKETCHES)
+        sketches = tl.load(part[:, None] + 8 + which[None, :], mask=inside[:, None], other=0.0)
+        tl.store(out + 8 + which, tl.sum(sketches, 0))
 
 
 @functools.cache
@@ -140,12 +160,17 @@ def _kernels() -> tuple[Callable, Callable]:
     return triton.jit(_partials), triton.jit(_combine)
 
 
-def rows(xs: Sequence[torch.Tensor], threshold: float = 0.0) -> torch.Tensor:
+def rows(xs: Sequence[torch.Tensor], threshold: float = 0.0,
+         signs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Raw rows ``[len(xs), 8]`` in fp64 of tensors of one dtype in :data:`DTYPES` and one
     device, each contiguous or of a :func:`strided_layout`, where they are, in two launches and
     one host-to-device copy of the table.
 
     ``threshold``: ``|x| < threshold`` is counted (0 counts none); Triton takes it as fp32.
+    ``signs``: a sketch pattern's column signs ``[SKETCH_BLOCK, SKETCHES]`` and block signs
+    (int8, on the device, as many blocks as the longest tensor has): each row is followed by the
+    value's ``SKETCHES`` projections (``statistics.sketch``, in its logical order), from the
+    same read: ``[len(xs), 8 + SKETCHES]``.
     """
     first = xs[0]
     device, dtype = first.device, first.dtype
@@ -167,16 +192,20 @@ def rows(xs: Sequence[torch.Tensor], threshold: float = 0.0) -> torch.Tensor:
     if device.type != "cpu":
         table = table.pin_memory().to(device, non_blocking=True)
     iterations = int(np.max(-(-numels // (counts * BLOCK))))
-    partials = torch.empty((len(owners), WIDTH), dtype=torch.float64, device=device)
-    out = torch.empty((len(xs), WIDTH), dtype=torch.float64, device=device)
+    column_signs, block_signs = signs if signs is not None else (table, table)  # (unread without SKETCHES)
+    sketch_block, sketches = column_signs.shape if signs is not None else (1, 0)
+    partials = torch.empty((len(owners), WIDTH + sketches), dtype=torch.float64, device=device)
+    out = torch.empty((len(xs), WIDTH + sketches), dtype=torch.float64, device=device)
     partial, combine = _kernels()
     # Triton launches on the current device: made the tensors' own (a rank's second GPU).
     elsewhere = device.type == "cuda" and device.index != torch.cuda.current_device()
     with torch.cuda.device(device) if elsewhere else contextlib.nullcontext():
         partial[(len(owners),)](
-            table, len(xs), len(columns) * len(xs), partials, float(threshold), iterations,
+            table, len(xs), len(columns) * len(xs), partials, float(threshold), iterations, column_signs,
+            block_signs,
             ELEMENT=_ELEMENT[dtype], WIDE=tl.float32 if dtype in _WIDENED_TO_FP32 else tl.float64,
             ALIGNED=not strided and all(a % 16 == 0 for a in addresses), STRIDED=strided, BLOCK=BLOCK,
-            num_warps=8)
-        combine[(len(xs),)](table, len(xs), partials, out, PROGRAMS=triton.next_power_of_2(int(counts.max())))
+            SKETCHES=sketches, SKETCH_BLOCK=sketch_block, num_warps=8)
+        combine[(len(xs),)](table, len(xs), partials, out, PROGRAMS=triton.next_power_of_2(int(counts.max())),
+                            SKETCHES=sketches)
     return out

@@ -183,7 +183,10 @@ MULTI_TENSOR_DEVICES = ("cuda",)
 """Device types whose tensors the multi-tensor Triton kernel reduces where Triton imports (read
 at call time: the device cost model, ``benchmarks.device_cost``, adds the device it simulates)."""
 
-MultiTensorRows = Callable[[Sequence[torch.Tensor], float], torch.Tensor]
+MultiTensorRows = Callable[..., torch.Tensor]
+"""``multi_tensor.rows(xs, threshold, signs=None)``."""
+Signs = tuple[torch.Tensor, torch.Tensor]
+"""A sketch pattern's column and block signs on a device (``statistics.sketch.signs``)."""
 _multi_tensor: MultiTensorRows | None = None
 _multi_tensor_tried = False
 
@@ -227,17 +230,18 @@ def multi_tensor_kernel_replaced(kernel: MultiTensorRows | None) -> Iterator[Non
         _multi_tensor, _multi_tensor_tried = saved
 
 
-def _multi_tensor_block(xs: Sequence[torch.Tensor], eps: float | None) -> torch.Tensor | None:
+def _multi_tensor_block(xs: Sequence[torch.Tensor], eps: float | None, signs: Signs | None = None
+                        ) -> torch.Tensor | None:
     """Rows of floating-point tensors of one device and dtype, contiguous or all strided, through
-    the multi-tensor kernel (``[len(xs), WIDTH]``), or None where it failed (that form turned off
-    for the process, after one warning)."""
+    the multi-tensor kernel (``[len(xs), WIDTH]``; with ``signs``, each followed by its sketch),
+    or None where it failed (that form turned off for the process, after one warning)."""
     kernel = multi_tensor_kernel(xs[0].device)
     if kernel is None:
         return None
     threshold = 0.0 if eps is None else zeros_threshold(xs[0].dtype, eps)
     try:
         with torch.no_grad():
-            return kernel(xs, threshold)
+            return kernel(xs, threshold) if signs is None else kernel(xs, threshold, signs)
     except Exception as error:  # a Triton that cannot build it here (a GPU without fp64, say)
         global _multi_tensor_strided
         if not all(x.is_contiguous() for x in xs):  # only its strided form: that one off
@@ -484,12 +488,16 @@ RowBlock = tuple[list[int], torch.Tensor]
 """Rows of some of a batch's tensors: their positions in the batch, and ``[len, WIDTH]`` rows."""
 
 
-def device_row_blocks(xs: list[torch.Tensor], eps: float | None = None, stats: TensorStats | None = None
-                      ) -> list[RowBlock]:
+def device_row_blocks(xs: list[torch.Tensor], eps: float | None = None, stats: TensorStats | None = None,
+                      signs: Signs | None = None) -> list[RowBlock]:
     """The rows of :func:`device_rows` as the kernels return them, a block per kernel call: the
     capture queue keeps the blocks until the step's end, where one ``cat`` gathers them (a stack
     per queued batch was a launch per batch: 74 a step of the 7B-wide model,
-    ``benchmarks.device_cost``; a view per row, host work per tensor)."""
+    ``benchmarks.device_cost``; a view per row, host work per tensor).
+
+    ``signs``: the multi-tensor kernel's blocks are ``[len, WIDTH + SKETCHES]``, each row followed
+    by the sketch of the values in the order it read them, from the same read (the others' blocks
+    have none)."""
     stats = stats if stats is not None else TensorStats()
     blocks: list[RowBlock] = []
     multi = [i for i, x in enumerate(xs) if stats.uses_multi_tensor(x)]
@@ -501,7 +509,7 @@ def device_row_blocks(xs: list[torch.Tensor], eps: float | None = None, stats: T
         kinds = {i: (xs[i].dtype, xs[i].data_ptr() % 16 == 0, xs[i].is_contiguous()) for i in multi}
         for kind in set(kinds.values()):
             group = [i for i in multi if kinds[i] == kind]
-            block = _multi_tensor_block([xs[i] for i in group], eps)
+            block = _multi_tensor_block([xs[i] for i in group], eps, signs)
             if block is None:  # failed, and off from now on: the paths below
                 return device_row_blocks(xs, eps, stats)
             blocks.append((group, block))

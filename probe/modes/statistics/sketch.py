@@ -23,13 +23,15 @@ Sums are in the accumulation dtype (fp64 on CPU and CUDA): two runs' sketches di
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
 import torch
 
 from probe.devices import is_accelerator, record_event
-from probe.modes.statistics import pieces
+from probe.errors import warn_once
+from probe.modes.statistics import pieces, reduce
 from probe.modes.statistics.reduce import accumulation_dtype, as_real
 
 SKETCHES = 8
@@ -50,6 +52,7 @@ class _Signs:
     def __init__(self) -> None:
         self._columns: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._blocks: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._host_blocks = torch.empty(0, dtype=torch.int8)  # grown here: never read back from a device
 
     def columns(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """``[BLOCK, SKETCHES]`` signs."""
@@ -65,11 +68,12 @@ class _Signs:
         key = (device, dtype)
         found = self._blocks.get(key)
         if found is None or found.numel() < count:
-            have = 0 if found is None else found.numel() // _BLOCK_SIGNS_CHUNK
+            have = self._host_blocks.numel() // _BLOCK_SIGNS_CHUNK
             need = -(-count // _BLOCK_SIGNS_CHUNK)
-            more = [_random_signs((_BLOCK_SIGNS_CHUNK,), _SEED + 1 + c) for c in range(have, need)]
-            grown = torch.cat(([found.cpu()] if found is not None else []) + more)
-            found = grown.to(device, dtype)
+            if need > have:
+                more = [_random_signs((_BLOCK_SIGNS_CHUNK,), _SEED + 1 + c) for c in range(have, need)]
+                self._host_blocks = torch.cat([self._host_blocks, *more])
+            found = self._host_blocks.to(device, dtype)
             self._blocks[key] = found
         return found[:count]
 
@@ -89,11 +93,52 @@ def sketchable(t: torch.Tensor) -> bool:
             and (t.is_floating_point() or t.is_complex()))
 
 
+KERNEL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+"""What the multi-tensor kernel sketches (``multi_tensor.rows`` with signs)."""
+_kernel_failed = False
+
+
+def signs(device: torch.device, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pattern as the multi-tensor kernel reads it: column signs ``[BLOCK, SKETCHES]`` and the
+    block signs of a tensor of ``numel`` elements, int8 on ``device``."""
+    return _signs.columns(device, torch.int8), _signs.blocks(max(-(-numel // BLOCK), 1), device, torch.int8)
+
+
+def _kernel(device: torch.device) -> reduce.MultiTensorRows | None:
+    """The statistics' multi-tensor kernel (``reduce.multi_tensor_kernel``: CUDA with Triton),
+    unless it failed to sketch once in this process."""
+    return None if _kernel_failed else reduce.multi_tensor_kernel(device)
+
+
+def _by_kernel(kernel: reduce.MultiTensorRows, xs: list[torch.Tensor]) -> torch.Tensor | None:
+    """``[len(xs), SKETCHES]`` (tensors of one device and dtype, contiguous) by the multi-tensor
+    kernel, or None where it failed (then the eager form for the process, after one warning)."""
+    try:
+        with torch.no_grad():
+            return kernel(xs, 0.0, signs(xs[0].device, max(x.numel() for x in xs)))[:, reduce.WIDTH:]
+    except Exception as error:  # a Triton that cannot build it here
+        global _kernel_failed
+        _kernel_failed = True
+        warn_once("sketch-kernel-failed", "the multi-tensor kernel failed to sketch "
+                  f"({type(error).__name__}: {error}); sketches are taken by the eager form from now on")
+        return None
+
+
 def sketch(t: torch.Tensor) -> torch.Tensor:
     """The ``[SKETCHES]`` projections of ``t``'s values (a sketchable tensor), on its device, in
-    its accumulation dtype; no host sync. Large tensors are read a piece at a time
+    its accumulation dtype; no host sync. Where the multi-tensor kernel runs (CUDA with Triton),
+    one launch pair reading each value once; elsewhere large tensors are read a piece at a time
     (``statistics.pieces``), so the widened copy stays bounded."""
     x = as_real(t.detach()).reshape(-1)  # logical order (a copy only for a non-contiguous t)
+    kernel = _kernel(x.device) if x.dtype in KERNEL_DTYPES else None
+    if kernel is not None and (done := _by_kernel(kernel, [x])) is not None:
+        return done[0]
+    return eager_sketch(x)
+
+
+def eager_sketch(x: torch.Tensor) -> torch.Tensor:
+    """:func:`sketch` of a flat real tensor ``x`` by matrix products on its device (the widened
+    copy a piece at a time), whatever kernels the device has."""
     acc = accumulation_dtype(x.device)
     columns = _signs.columns(x.device, acc)
     n = x.numel()
@@ -117,30 +162,93 @@ def sketch(t: torch.Tensor) -> torch.Tensor:
 
 
 class SketchRows:
-    """One step's sketches, keyed by the stats row they go with."""
+    """One step's sketches, keyed by the stats row they go with: taken at capture, or with the
+    engine's batch where the multi-tensor kernel runs (:meth:`batched`: one launch pair a batch)."""
 
     def __init__(self) -> None:
         self._reset()
 
     def _reset(self) -> None:
-        self._sketches: dict[torch.device, list[torch.Tensor]] = {}
+        self._blocks: dict[torch.device, list[torch.Tensor]] = {}  # [k, SKETCHES] each
+        self._counts: dict[torch.device, int] = {}
         self._entries: list[tuple[int, torch.device, int]] = []  # (row, device, position)
+        self._later: set[int] = set()  # rows sketched with their batch (add_batch)
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def add(self, t: torch.Tensor, row: int) -> None:
-        """Sketch ``t``'s values now, for stats row ``row`` (no host sync)."""
+    @staticmethod
+    def batched(t: torch.Tensor) -> bool:
+        """Whether ``t``, queued by the engine, is sketched with its batch: the multi-tensor kernel
+        runs on its device and reads ``t``'s values in their logical order (real, and contiguous
+        or a view whose strides decrease: the kernel reads a view in the order of its strides)."""
+        if t.dtype not in KERNEL_DTYPES or t.is_neg() or _kernel(t.device) is None:
+            return False
+        if t.is_contiguous():
+            return True
+        strides = [stride for stride, size in zip(t.stride(), t.shape, strict=True) if size != 1]
+        return strides[-1] > 0 and all(a > b for a, b in itertools.pairwise(strides))
+
+    def add(self, t: torch.Tensor, row: int, later: bool = False) -> None:
+        """Sketch ``t``'s values for stats row ``row``: now (no host sync), or ``later``, when the
+        engine's batch holding them is reduced (:meth:`take`, :meth:`add_batch`; lost with its
+        statistics)."""
         if not sketchable(t) or any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape, strict=True)):
             return  # a broadcast view: its repeated elements are another layout's in the other run
-        rows = self._sketches.setdefault(t.device, [])
-        rows.append(sketch(t))
-        self._entries.append((row, t.device, len(rows) - 1))
+        if later:
+            self._later.add(row)
+        else:
+            self._append(t.device, sketch(t)[None], [row])
+
+    def signs_for(self, xs: list[torch.Tensor], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The signs the engine's kernel takes to sketch a batch (``xs``, rows ``rows``) as it
+        reduces it, where a row waits for it; else None."""
+        later = self._later
+        if not later or not any(row in later for row in rows) or _kernel_failed:
+            return None
+        return signs(xs[0].device, max(x.numel() for x in xs))
+
+    def take(self, rows: list[int], block: torch.Tensor) -> None:
+        """Sketches ``[len(rows), SKETCHES]`` the engine's kernel made with rows ``rows``: kept for
+        the rows that wait for them."""
+        later = self._later
+        at = self._counts.get(block.device, 0)
+        taken = [(row, at + i) for i, row in enumerate(rows) if row in later]
+        if taken:
+            later.difference_update(row for row, _ in taken)
+            self._blocks.setdefault(block.device, []).append(block)
+            self._counts[block.device] = at + len(rows)
+            self._entries.extend((row, block.device, position) for row, position in taken)
+
+    def add_batch(self, xs: list[torch.Tensor], rows: list[int]) -> None:
+        """The engine reduced ``xs`` (rows ``rows``): sketch those still waiting (its kernel did not
+        take them: another path reduced them), one kernel call per dtype."""
+        later = self._later
+        if not later:
+            return
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, int]]] = {}
+        for x, row in zip(xs, rows, strict=True):
+            if row in later:
+                later.discard(row)
+                groups.setdefault((x.device, x.dtype), []).append((x, row))
+        for (device, _), group in groups.items():
+            tensors = [x for x, _ in group]
+            kernel = _kernel(device)
+            done = _by_kernel(kernel, tensors) if kernel is not None else None
+            if done is None:
+                done = torch.stack([eager_sketch(x.reshape(-1)) for x in tensors])
+            self._append(device, done, [row for _, row in group])
+
+    def _append(self, device: torch.device, block: torch.Tensor, rows: list[int]) -> None:
+        at = self._counts.get(device, 0)
+        self._blocks.setdefault(device, []).append(block)
+        self._counts[device] = at + len(rows)
+        self._entries.extend((row, device, at + i) for i, row in enumerate(rows))
 
     def end_step(self) -> PendingSketches:
         """Stack the step's sketches per device (queued, no sync) and start afresh."""
         with torch.no_grad():
-            stacked = {d: torch.stack(rows) for d, rows in self._sketches.items()}
+            stacked = {d: torch.cat(blocks) for d, blocks in self._blocks.items()}
         events = [record_event(d) for d in stacked if is_accelerator(d)]
         pending = PendingSketches(stacked, self._entries, events)
         self._reset()

@@ -97,6 +97,7 @@ class StatsMode(Mode):
         self._rows = StepRows(
             TensorStats(config.stats_backend), stage=config.stats_backend == "auto",
             saturation=config.saturation,
+            sketches=self._sketches,
         )
         self._parameters = NonfiniteParameters()
         self._reset()
@@ -127,7 +128,7 @@ class StatsMode(Mode):
         if self._distribution is not None:
             self._distribution.add(t, row)
         if self._sketches is not None:
-            self._sketches.add(t, row)
+            self._sketches.add(t, row, later=self._sketches.batched(t) and self._rows.queued(row))
 
     def _input_row(self, call: OpCall, position: int) -> int | None:
         row = self._input_rows.get(position)
