@@ -21,6 +21,14 @@ judging rules look at. Nor is a reshape one run records between a value and its 
 the other reads the value itself (Mamba's mixer under autocast: ``mul`` reads ``view(add)`` in
 one run and the ``add`` in the other): producers are compared through the reshapes that keep
 every element in its order.
+
+In a compiled region's graph (its ops recorded by a re-run: ``regraphed``) the decomposition is
+the compiler's own (a softmax as ``amax``, ``sub``, ``exp``, ``sum``, ``div``; ``_unsafe_view``
+as ``view``), so a value one run made with ops of its own is an insertion only where it is one:
+those ops each read one value computed in the step, back to the twin of the other run's
+producer; and a value from outside the module call that each run made with ops of its own
+is no evidence the two readers are twins. Otherwise (the eager softmax's chain read where the
+graph reads its ``q``: the n-th ``view`` of each) the pair is refused.
 """
 
 from __future__ import annotations
@@ -32,14 +40,15 @@ from probe.rundir.run import OpRecord
 
 
 def refuse_crossed(ops_a: list[OpRecord], ops_b: list[OpRecord], partner: dict[int, OpRecord],
-                   call_a: Callable[[OpRecord], Hashable], call_b: Callable[[OpRecord], Hashable]
-                   ) -> list[int]:
+                   call_a: Callable[[OpRecord], Hashable], call_b: Callable[[OpRecord], Hashable],
+                   regraphed: Collection[int] = ()) -> list[int]:
     """Removes from ``partner`` (A index -> B op) the pairs that read values the two runs made by
     non-corresponding ops of the pair's own module call; returns the A indices removed.
 
     ``call_a``/``call_b``: the module call an op runs in (module path and call index, B's in
     A's names), whatever its phase: a backward op reading what its module call's forward saved
-    reads from inside the box."""
+    reads from inside the box. ``regraphed``: indices of B's ops a compiled region's graph re-run
+    recorded (see the module docstring)."""
     by_index_a = {op.index: op for op in ops_a}
     by_index_b = {op.index: op for op in ops_b}
     a_of_b = {b.index: a for a, b in partner.items()}
@@ -53,7 +62,7 @@ def refuse_crossed(ops_a: list[OpRecord], ops_b: list[OpRecord], partner: dict[i
     for op in ops_a:
         other = partner.get(op.index)
         if other is None or not _crossed(op, other, by_index_a, by_index_b, partner, a_of_b,
-                                         call_a, call_b, scaled):
+                                         call_a, call_b, scaled, other.index in regraphed):
             continue
         del partner[op.index]
         del a_of_b[other.index]
@@ -64,7 +73,7 @@ def refuse_crossed(ops_a: list[OpRecord], ops_b: list[OpRecord], partner: dict[i
 def _crossed(a: OpRecord, b: OpRecord, by_index_a: dict[int, OpRecord], by_index_b: dict[int, OpRecord],
              partner: dict[int, OpRecord], a_of_b: dict[int, int],
              call_a: Callable[[OpRecord], Hashable], call_b: Callable[[OpRecord], Hashable],
-             scaled: tuple[set[Hashable], set[Hashable]]) -> bool:
+             scaled: tuple[set[Hashable], set[Hashable]], regraphed: bool = False) -> bool:
     call = call_a(a)
     for ta, tb in zip(a.inputs, b.inputs, strict=False):
         if ta.source is None or tb.source is None:
@@ -85,6 +94,8 @@ def _crossed(a: OpRecord, b: OpRecord, by_index_a: dict[int, OpRecord], by_index
             if paired_a and paired_b and _paired_otherwise(pa, pb, ta.source, tb.source, by_index_a,
                                                            by_index_b, partner):
                 return True
+            if regraphed and not paired_a and not paired_b:
+                return True  # each run's own ops made it: which of the graph's values is it?
             continue
         if ta.shape != tb.shape:
             return True  # another value: what one run inserts on a value (a cast) keeps its shape
@@ -96,6 +107,13 @@ def _crossed(a: OpRecord, b: OpRecord, by_index_a: dict[int, OpRecord], by_index
             # placed otherwise (SDPA's math path scales q and k by sqrt(scale), eager attention its
             # scores), not an insertion on a shared value; the two agree again past the box.
             return True
+        if regraphed and paired_a != paired_b:
+            # One producer is its run's own (``own``): an insertion on the value the other run's
+            # producer makes, or the compiler's decomposition of something else.
+            own, other_side = (pb, by_index_b) if paired_a else (pa, by_index_a)
+            twin = partner[pa.index].index if paired_a else a_of_b[pb.index]
+            if not _inserted(own, twin, other_side, a_of_b if paired_a else partner):
+                return True
         if paired_a and paired_b and _paired_otherwise(pa, pb, ta.source, tb.source, by_index_a, by_index_b,
                                                        partner):
             return True
@@ -112,6 +130,28 @@ def _paired_otherwise(pa: OpRecord, pb: OpRecord, source_a: tuple[int, int], sou
     ra, rb = _through_reshapes(pa, by_index_a), _through_reshapes(pb, by_index_b)
     same = partner.get(ra.index)
     return (ra is pa and rb is pb) or same is None or same.index != rb.index
+
+
+def _inserted(op: OpRecord, twin: int, by_index: dict[int, OpRecord], paired: Collection[int]) -> bool:
+    """Whether ``op``, of one run only, passes on the value of the op at index ``twin`` (of the same
+    run) through ops of that run only that each read one value computed in the step."""
+    for _ in range(_WALK_INSERTED):
+        sourced = [t.source for t in op.inputs if t.source is not None]
+        if len(sourced) != 1:
+            return False
+        producer = by_index.get(sourced[0][0])
+        if producer is None:
+            return False
+        if producer.index == twin:
+            return True
+        if producer.index in paired:
+            return False
+        op = producer
+    return False
+
+
+_WALK_INSERTED = 8
+"""The most one-run-only ops an insertion walks back through (casts, views, a scaling)."""
 
 
 def _scales(op: OpRecord) -> bool:

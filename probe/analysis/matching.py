@@ -130,7 +130,7 @@ def match_ops(
                 taken.add(remaining_b[j].index)
     # Where two decompositions of a module call differ, pairs by position are other values.
     refuse_crossed(ops_a, ops_b, partner, lambda op: _group_key(op)[1:],
-                   lambda op: _group_key(op, module_map)[1:])
+                   lambda op: _group_key(op, module_map)[1:], shapes_only)
 
     # B-only ops are placed after the A op matched to their nearest earlier B op.
     a_of_b = {other.index: a_index for a_index, other in partner.items()}
