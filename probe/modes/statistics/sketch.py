@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from probe.devices import is_accelerator, record_event
-from probe.errors import warn_once
 from probe.modes.statistics import pieces, reduce
 from probe.modes.statistics.reduce import accumulation_dtype, as_real
 
@@ -95,7 +94,6 @@ def sketchable(t: torch.Tensor) -> bool:
 
 KERNEL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 """What the multi-tensor kernel sketches (``multi_tensor.rows`` with signs)."""
-_kernel_failed = False
 
 
 def signs(device: torch.device, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,24 +102,12 @@ def signs(device: torch.device, numel: int) -> tuple[torch.Tensor, torch.Tensor]
     return _signs.columns(device, torch.int8), _signs.blocks(max(-(-numel // BLOCK), 1), device, torch.int8)
 
 
-def _kernel(device: torch.device) -> reduce.MultiTensorRows | None:
-    """The statistics' multi-tensor kernel (``reduce.multi_tensor_kernel``: CUDA with Triton),
-    unless it failed to sketch once in this process."""
-    return None if _kernel_failed else reduce.multi_tensor_kernel(device)
-
-
-def _by_kernel(kernel: reduce.MultiTensorRows, xs: list[torch.Tensor]) -> torch.Tensor | None:
-    """``[len(xs), SKETCHES]`` (tensors of one device and dtype, contiguous) by the multi-tensor
-    kernel, or None where it failed (then the eager form for the process, after one warning)."""
-    try:
-        with torch.no_grad():
-            return kernel(xs, 0.0, signs(xs[0].device, max(x.numel() for x in xs)))[:, reduce.WIDTH:]
-    except Exception as error:  # a Triton that cannot build it here
-        global _kernel_failed
-        _kernel_failed = True
-        warn_once("sketch-kernel-failed", "the multi-tensor kernel failed to sketch "
-                  f"({type(error).__name__}: {error}); sketches are taken by the eager form from now on")
-        return None
+def _by_kernel(xs: list[torch.Tensor]) -> torch.Tensor | None:
+    """``[len(xs), SKETCHES]`` (tensors of one device and dtype, contiguous) by the statistics'
+    multi-tensor kernel, or None where it does not run or failed (``reduce._multi_tensor_block``:
+    then off for the process, after one warning)."""
+    block = reduce._multi_tensor_block(xs, None, signs(xs[0].device, max(x.numel() for x in xs)))
+    return None if block is None else block[:, reduce.WIDTH:]
 
 
 def sketch(t: torch.Tensor) -> torch.Tensor:
@@ -130,10 +116,8 @@ def sketch(t: torch.Tensor) -> torch.Tensor:
     one launch pair reading each value once; elsewhere large tensors are read a piece at a time
     (``statistics.pieces``), so the widened copy stays bounded."""
     x = as_real(t.detach()).reshape(-1)  # logical order (a copy only for a non-contiguous t)
-    kernel = _kernel(x.device) if x.dtype in KERNEL_DTYPES else None
-    if kernel is not None and (done := _by_kernel(kernel, [x])) is not None:
-        return done[0]
-    return eager_sketch(x)
+    done = _by_kernel([x]) if x.dtype in KERNEL_DTYPES else None
+    return done[0] if done is not None else eager_sketch(x)
 
 
 def eager_sketch(x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +166,7 @@ class SketchRows:
         """Whether ``t``, queued by the engine, is sketched with its batch: the multi-tensor kernel
         runs on its device and reads ``t``'s values in their logical order (real, and contiguous
         or a view whose strides decrease: the kernel reads a view in the order of its strides)."""
-        if t.dtype not in KERNEL_DTYPES or t.is_neg() or _kernel(t.device) is None:
+        if t.dtype not in KERNEL_DTYPES or t.is_neg() or reduce.multi_tensor_kernel(t.device) is None:
             return False
         if t.is_contiguous():
             return True
@@ -204,7 +188,7 @@ class SketchRows:
         """The signs the engine's kernel takes to sketch a batch (``xs``, rows ``rows``) as it
         reduces it, where a row waits for it; else None."""
         later = self._later
-        if not later or not any(row in later for row in rows) or _kernel_failed:
+        if not later or not any(row in later for row in rows):
             return None
         return signs(xs[0].device, max(x.numel() for x in xs))
 
@@ -212,13 +196,9 @@ class SketchRows:
         """Sketches ``[len(rows), SKETCHES]`` the engine's kernel made with rows ``rows``: kept for
         the rows that wait for them."""
         later = self._later
-        at = self._counts.get(block.device, 0)
-        taken = [(row, at + i) for i, row in enumerate(rows) if row in later]
-        if taken:
-            later.difference_update(row for row, _ in taken)
-            self._blocks.setdefault(block.device, []).append(block)
-            self._counts[block.device] = at + len(rows)
-            self._entries.extend((row, block.device, position) for row, position in taken)
+        waiting = [row if row in later else None for row in rows]
+        later.difference_update(rows)
+        self._append(block.device, block, waiting)
 
     def add_batch(self, xs: list[torch.Tensor], rows: list[int]) -> None:
         """The engine reduced ``xs`` (rows ``rows``): sketch those still waiting (its kernel did not
@@ -233,17 +213,19 @@ class SketchRows:
                 groups.setdefault((x.device, x.dtype), []).append((x, row))
         for (device, _), group in groups.items():
             tensors = [x for x, _ in group]
-            kernel = _kernel(device)
-            done = _by_kernel(kernel, tensors) if kernel is not None else None
+            done = _by_kernel(tensors)
             if done is None:
                 done = torch.stack([eager_sketch(x.reshape(-1)) for x in tensors])
             self._append(device, done, [row for _, row in group])
 
-    def _append(self, device: torch.device, block: torch.Tensor, rows: list[int]) -> None:
+    def _append(self, device: torch.device, block: torch.Tensor, rows: list[int | None]) -> None:
+        """``block``'s sketches, row ``rows[i]`` at its i-th (None: none kept from it)."""
+        if all(row is None for row in rows):
+            return
         at = self._counts.get(device, 0)
         self._blocks.setdefault(device, []).append(block)
         self._counts[device] = at + len(rows)
-        self._entries.extend((row, device, at + i) for i, row in enumerate(rows))
+        self._entries.extend((row, device, at + i) for i, row in enumerate(rows) if row is not None)
 
     def end_step(self) -> PendingSketches:
         """Stack the step's sketches per device (queued, no sync) and start afresh."""
