@@ -106,6 +106,8 @@ def _by_kernel(xs: list[torch.Tensor]) -> torch.Tensor | None:
     """``[len(xs), SKETCHES]`` (tensors of one device and dtype, contiguous) by the statistics'
     multi-tensor kernel, or None where it does not run or failed (``reduce._multi_tensor_block``:
     then off for the process, after one warning)."""
+    if reduce.multi_tensor_kernel(xs[0].device) is None:  # (the CPU: no sign tables made)
+        return None
     block = reduce._multi_tensor_block(xs, None, signs(xs[0].device, max(x.numel() for x in xs)))
     return None if block is None else block[:, reduce.WIDTH:]
 
