@@ -55,6 +55,7 @@ from probe.compiled import CompiledKernel
 from probe.modes.statistics import reduce, sketch
 from probe.modes.statistics.capture import PendingRows, StepRows
 from probe.modes.statistics.reduce import TensorStats, as_real, compact_view
+from probe.modes.statistics.strided import strided_layout
 
 DEVICE = torch.device("meta")
 """Where the model runs the engine's accelerator branch."""
@@ -333,13 +334,17 @@ def _accelerator_path(mode: DeviceCostMode, multi_tensor: bool = True) -> Iterat
         # sketch pattern's signs, sketch=True: those small tables too, each row followed by the
         # value's sketch) and a launch folding the partials, after one host-to-device copy of the
         # address table.
+        for i, x in enumerate(xs):  # what the kernel refuses, refused here too
+            reordered = signs is not None and signs.reordered(i)
+            if (not x.is_contiguous() or reordered) and strided_layout(x) is None:
+                raise ValueError(f"multi_tensor.rows: {tuple(x.shape)} {x.stride()} is not strided")
         width = reduce.WIDTH + (0 if signs is None else sketch.SKETCHES)
         silent, mode.silent = mode.silent, True
         try:
             out = torch.empty((len(xs), width), dtype=torch.float64, device=xs[0].device)
         finally:
             mode.silent = silent
-        read = list(xs) if signs is None else [*xs, *signs]
+        read = list(xs) if signs is None else [*xs, signs.columns, signs.blocks]
         mode.count_call("multi-tensor rows", read, [out], sys._getframe(1), MULTI_TENSOR_LAUNCHES)
         return out
 

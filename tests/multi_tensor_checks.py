@@ -87,13 +87,16 @@ def main(device: str) -> None:
         corner[1, 2, 3] = math.nan
         plain = torch.randn(1000, generator=g).to(dtype)
         turned = torch.randn(4, 4, 64, 128, generator=g).to(dtype)[:, :, :32].transpose(-1, -2)
-        assert reduce.strided_layout(half)[0] == 4 * 4 * 128 and reduce.strided_layout(corner)[0] == 4
-        assert reduce.strided_layout(turned)[:2] == (16, 32 * 128)
-        batch = [x.to(device) for x in (half, corner, plain, turned)]
+        four = torch.randn(4, 8, 8, 64, generator=g).to(dtype)[:, :4, :4, :32]
+        assert reduce.strided_layout(half).sizes == (32, 4 * 4 * 128, 1)
+        assert reduce.strided_layout(corner).sizes == (32, 4, 4)
+        assert reduce.strided_layout(turned).sizes == (32 * 128, 16, 1)  # (in storage order)
+        assert reduce.strided_layout(four).sizes == (32, 4, 4)
+        batch = [x.to(device) for x in (half, corner, plain, turned, four)]
         rows = multi_tensor.rows(batch, 0.5).cpu().tolist()
-        for x, row, name in zip(batch, rows, ("half", "corner", "plain", "turned"), strict=True):
+        for x, row, name in zip(batch, rows, ("half", "corner", "plain", "turned", "four"), strict=True):
             check(row, exact(x, 0.5), f"strided {dtype} {name}")
-    assert reduce.strided_layout(torch.randn(4, 8, 8, 64)[:, :4, :4, :32]) is None  # four levels
+    assert reduce.strided_layout(torch.randn(4, 8, 8, 8, 64)[:, :4, :4, :4, :32]) is None  # five levels
     # Integers and bool, widened to fp64 in the kernel (exact below 2^53), one dtype per batch.
     assert multi_tensor.DTYPES == reduce.MULTI_TENSOR_DTYPES
     integers = [torch.arange(-5, 100000, dtype=torch.int64) * 3,
@@ -185,6 +188,32 @@ def check_sketches(device: str) -> None:
     out = multi_tensor.rows([half, half[:, :2]], 0.0, sketch.signs(dev, half.numel())).cpu()
     for x, row in zip((half, half[:, :2]), out, strict=True):
         check_sketch(row[reduce.WIDTH :], x, f"sketch of a strided view {tuple(x.shape)}")
+    # Views the engine queues in storage order (reduce.compact_view), sketched in their logical
+    # order (sketch.batch_order): q or k after transpose(1, 2) (the engine reads it permuted,
+    # contiguous), a gradient transposed in its last dims, rotate_half's halves of those (four
+    # levels), beside a plain tensor and one of five levels in both orders, whose sketch is NaN
+    # (never one of another order) while its statistics stay exact.
+    heads = torch.randn(4, 128, 4, 64, generator=g).to(dev).transpose(1, 2)
+    grad = torch.randn(4, 4, 64, 128, generator=g).to(dev).transpose(-1, -2)
+    plain = torch.randn(3000, generator=g).to(dev)
+    five = torch.randn(2, 128, 3, 5, 64, generator=g).to(dev).permute(0, 2, 1, 3, 4)[..., :32]
+    views = [heads, grad, heads[..., 32:], grad[..., :32], plain, five]
+    queued, positions = [], []
+    for t in views:
+        fits, order = sketch.batch_order(t) if not t.is_contiguous() else (True, None)
+        assert fits or t is five, tuple(t.shape)
+        queued.append(reduce.compact_view(t)[0])
+        positions.append(order if t is not five else [1] * t.dim())
+    assert queued[0].is_contiguous() and positions[0] is not None  # permuted back to storage order
+    assert not queued[2].is_contiguous() and positions[2] is None  # read as it is
+    signs = sketch.signs(dev, max(t.numel() for t in views))._replace(positions=positions)
+    out = multi_tensor.rows(queued, 0.0, signs).cpu()
+    for t, x, row in zip(views, queued, out, strict=True):
+        check(row[: reduce.WIDTH].tolist(), exact(x, 0.0), f"rows of a view queued {tuple(t.shape)}")
+        if t is five:
+            assert torch.isnan(row[reduce.WIDTH :]).all(), row
+        else:
+            check_sketch(row[reduce.WIDTH :], t, f"sketch of a view queued {tuple(t.shape)} {t.stride()}")
     large = torch.randn((1 << 20) + 3, generator=g).to(dev)
     check_sketch(multi_tensor.rows([large], 0.0, sketch.signs(dev, large.numel()))[0, reduce.WIDTH :], large,
                  "sketch fp32 2^20 + 3")

@@ -125,6 +125,15 @@ def _sketch_table(root: Path, step: int) -> np.ndarray:
     return np.load(root / "rank0" / f"step{step}" / "sketch.npy")
 
 
+def _in_order(x: torch.Tensor, positions: list[int] | None) -> torch.Tensor:
+    """``x``'s values flat in the order ``positions`` (its dims' strides in it) gives."""
+    if positions is None:
+        return x.reshape(-1)
+    at = sum(torch.arange(size).view(*[-1 if d == dim else 1 for d in range(x.dim())]) * step
+             for dim, (size, step) in enumerate(zip(x.shape, positions, strict=True)))
+    return torch.empty(x.numel(), dtype=x.dtype).index_put_((at.reshape(-1),), x.reshape(-1))
+
+
 def test_where_the_kernel_runs_queued_values_are_sketched_in_the_same_read_as_their_statistics(
         tmp_path: Path, monkeypatch):
     # The accelerator path (CUDA with Triton; the kernel itself is checked under Triton's
@@ -137,21 +146,32 @@ def test_where_the_kernel_runs_queued_values_are_sketched_in_the_same_read_as_th
     from probe.modes.statistics import sketch as sketch_module
     from probe.modes.statistics.columns import raw_row
 
-    calls = []
+    calls, reordered = [], []
 
     def stand_in(xs, threshold, signs=None):
         calls.append((len(xs), signs is not None))
         rows = [raw_row(x.reshape(-1).double(), threshold) for x in xs]
         if signs is None:
             return torch.stack(rows)
-        columns, blocks = signs
+        columns, blocks, positions = signs
         assert columns.dtype == torch.int8 and blocks.numel() >= -(-max(x.numel() for x in xs) // BLOCK)
-        return torch.stack([torch.cat([row, sketch_module.eager_sketch(x.reshape(-1))])
-                            for row, x in zip(rows, xs, strict=True)])
+        positions = positions or [None] * len(xs)
+        reordered.extend(order is not None for order in positions)
+        return torch.stack([torch.cat([row, sketch_module.eager_sketch(_in_order(x, order))])
+                            for row, x, order in zip(rows, xs, positions, strict=True)])
+
+    class Heads(torch.nn.Module):
+        # An attention's layouts: heads transposed to the front (a permuted result the engine
+        # queues in storage order) and rotate_half's strided halves.
+        def forward(self, y: torch.Tensor) -> torch.Tensor:
+            heads = y.view(256, 8, 64).transpose(0, 1) * 1.5
+            turned = torch.cat([-heads[..., 32:], heads[..., :32]], -1)
+            return (heads + turned).transpose(0, 1).reshape(256, 512)
 
     def train(root: Path) -> list[torch.Tensor]:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512), Heads(), torch.nn.GELU(),
+                                    torch.nn.Linear(512, 256))
         adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
         x = torch.randn(256, 256, generator=torch.Generator().manual_seed(1))
         losses = []
@@ -177,6 +197,7 @@ def test_where_the_kernel_runs_queued_values_are_sketched_in_the_same_read_as_th
     fused = [n for n, with_signs in calls if with_signs and n > 1]
     assert fused, calls  # batches of several tensors, their sketches in the same call
     assert kept is stand_in  # never failed: not turned off
+    assert any(reordered), "no permuted value sketched in its logical order by the kernel"
     for step in (0, 1):
         a, b = _sketch_table(tmp_path / "capture", step), _sketch_table(tmp_path / "batched", step)
         assert a.shape == b.shape and np.array_equal(np.isnan(a), np.isnan(b))

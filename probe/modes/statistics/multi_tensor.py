@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from probe.modes.statistics.strided import strided_layout
+from probe.modes.statistics.strided import LEVELS, Signs, StridedLayout, contiguous_strides, strided_layout
 
 BLOCK = 2048
 """Elements a program reads per iteration (8 per thread of 8 warps: 16-byte loads of bf16)."""
@@ -64,11 +64,18 @@ def _partials(table, count, owners_at, partials, threshold, iterations, column_s
     if ALIGNED:  # 16-byte aligned (the host checked): vector loads (an address loaded from memory
         base = tl.multiple_of(base, 16)  # has no alignment the compiler can see)
     n = tl.load(table + count + tensor)
-    if STRIDED:  # (blocks, rows, cols) with unit stride along cols (see strided.strided_layout)
+    if STRIDED:  # nested levels, the innermost contiguous (see strided.StridedLayout)
         cols = tl.load(table + 4 * count + tensor)
         rows = tl.load(table + 5 * count + tensor)
-        row_stride = tl.load(table + 6 * count + tensor)
-        block_stride = tl.load(table + 7 * count + tensor)
+        blocks = tl.load(table + 6 * count + tensor)
+        row_stride = tl.load(table + 7 * count + tensor)
+        block_stride = tl.load(table + 8 * count + tensor)
+        plane_stride = tl.load(table + 9 * count + tensor)
+        if SKETCHES:  # each level's stride in the sketch's order (all 0: none, see _combine)
+            col_at = tl.load(table + 10 * count + tensor)
+            row_at = tl.load(table + 11 * count + tensor)
+            block_at = tl.load(table + 12 * count + tensor)
+            plane_at = tl.load(table + 13 * count + tensor)
     lanes = tl.arange(0, BLOCK)
     low = tl.full([BLOCK], float("inf"), WIDE)
     high = tl.full([BLOCK], float("-inf"), WIDE)
@@ -89,10 +96,19 @@ def _partials(table, count, owners_at, partials, threshold, iterations, column_s
             offsets = start + lanes
             if STRIDED:
                 row = offsets // cols
+                col = offsets - row * cols
                 block = row // rows
-                where = block * block_stride + (row - block * rows) * row_stride + (offsets - row * cols)
+                row -= block * rows
+                plane = block // blocks
+                block -= plane * blocks
+                where = plane * plane_stride + block * block_stride + row * row_stride + col
+                if SKETCHES:  # read in storage order, signed as its place in the sketch's order
+                    at = plane * plane_at + block * block_at + row * row_at + col * col_at
+                else:
+                    at = offsets
             else:
                 where = offsets
+                at = offsets
             if start + BLOCK <= n:  # a whole block: unmasked (a mask against a loaded bound
                 inside = lanes < BLOCK  # would make every load a scalar one)
                 x = tl.load(base + where).to(WIDE)
@@ -110,9 +126,9 @@ def _partials(table, count, owners_at, partials, threshold, iterations, column_s
             ninf += (x == float("-inf")).to(tl.int32)
             small += (inside & (tl.abs(x) < threshold)).to(tl.int32)
             if SKETCHES:  # value i: its block's sign times its column's (the pattern's tables, cached)
-                block_sign = tl.load(block_signs + offsets // SKETCH_BLOCK, mask=inside, other=0)
+                block_sign = tl.load(block_signs + at // SKETCH_BLOCK, mask=inside, other=0)
                 signed = tl.where(inside, wide, 0.0) * block_sign.to(tl.float64)
-                column = column_signs + (offsets % SKETCH_BLOCK) * SKETCHES
+                column = column_signs + (at % SKETCH_BLOCK) * SKETCHES
                 for j in tl.static_range(SKETCHES):  # one projection at a time: a [BLOCK] temporary
                     projected = tl.sum(signed * tl.load(column + j).to(tl.float64), 0)
                     sketch += tl.where(which == j, projected, 0.0)
@@ -129,7 +145,8 @@ def _partials(table, count, owners_at, partials, threshold, iterations, column_s
         tl.store(out + 8 + which, sketch)
 
 
-def _combine(table, count, partials, rows, PROGRAMS: tl.constexpr, SKETCHES: tl.constexpr):
+def _combine(table, count, partials, rows, PROGRAMS: tl.constexpr, SKETCHES: tl.constexpr,
+             STRIDED: tl.constexpr):
     tensor = tl.program_id(0)
     programs = tl.load(table + 2 * count + tensor)
     index = tl.arange(0, PROGRAMS)
@@ -149,8 +166,10 @@ def _combine(table, count, partials, rows, PROGRAMS: tl.constexpr, SKETCHES: tl.
     tl.store(out + 7, tl.sum(tl.load(part + 7, mask=inside, other=0.0), 0))
     if SKETCHES:
         which = tl.arange(0, SKETCHES)
-        sketches = tl.load(part[:, None] + 8 + which[None, :], mask=inside[:, None], other=0.0)
-        tl.store(out + 8 + which, tl.sum(sketches, 0))
+        sketches = tl.sum(tl.load(part[:, None] + 8 + which[None, :], mask=inside[:, None], other=0.0), 0)
+        if STRIDED:  # a tensor read in an order that is not the sketch's: NaN, never a wrong sketch
+            sketches = tl.where(tl.load(table + 10 * count + tensor) == 0, float("nan"), sketches)
+        tl.store(out + 8 + which, sketches)
 
 
 @functools.cache
@@ -160,39 +179,45 @@ def _kernels() -> tuple[Callable, Callable]:
     return triton.jit(_partials), triton.jit(_combine)
 
 
-def rows(xs: Sequence[torch.Tensor], threshold: float = 0.0,
-         signs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def rows(xs: Sequence[torch.Tensor], threshold: float = 0.0, signs: Signs | None = None) -> torch.Tensor:
     """Raw rows ``[len(xs), 8]`` in fp64 of tensors of one dtype in :data:`DTYPES` and one
     device, each contiguous or of a :func:`strided_layout`, where they are, in two launches and
     one host-to-device copy of the table.
 
     ``threshold``: ``|x| < threshold`` is counted (0 counts none); Triton takes it as fp32.
-    ``signs``: a sketch pattern's column signs ``[SKETCH_BLOCK, SKETCHES]`` and block signs
-    (int8, on the device, as many blocks as the longest tensor has): each row is followed by the
-    value's ``SKETCHES`` projections (``statistics.sketch``, in its logical order), from the
-    same read: ``[len(xs), 8 + SKETCHES]``.
+    ``signs``: a sketch pattern's signs (``reduce.Signs``: column signs ``[SKETCH_BLOCK,
+    SKETCHES]`` and block signs, int8, on the device, as many blocks as the longest tensor has):
+    each row is followed by the value's ``SKETCHES`` projections (``statistics.sketch``, in its
+    logical order or the one ``signs.positions`` gives), from the same read: ``[len(xs), 8 +
+    SKETCHES]``; NaN for a tensor whose sketch order has more than ``strided.LEVELS`` levels.
     """
     first = xs[0]
     device, dtype = first.device, first.dtype
     addresses = [x.data_ptr() for x in xs]
     numels = np.array([x.numel() for x in xs], dtype=np.int64)
-    strided = not all(x.is_contiguous() for x in xs)
+    orders = signs.positions if signs is not None and signs.positions is not None else [None] * len(xs)
+    plain = [x.is_contiguous() and order is None for x, order in zip(xs, orders, strict=True)]
+    strided = not all(plain)
     # Each tensor's own number of programs: one per MIN_BLOCKS_PER_PROGRAM blocks, at most
     # MAX_PROGRAMS (a small tensor's one program does not wait on a large one's).
     counts = np.clip(-(-numels // (BLOCK * MIN_BLOCKS_PER_PROGRAM)), 1, MAX_PROGRAMS)
     firsts = np.cumsum(counts) - counts
     columns = [addresses, numels, counts, firsts]
     if strided:
-        layouts = [(1, x.numel(), 0, 0) if x.is_contiguous() else strided_layout(x) for x in xs]
-        if None in layouts:
-            raise ValueError("multi_tensor.rows: a tensor neither contiguous nor of a strided_layout")
-        columns += [[layout[i] for layout in layouts] for i in (1, 0, 2, 3)]  # type: ignore[index]
+        layouts = [_layout(x, order, signs is not None) if not whole else
+                   StridedLayout((x.numel(), 1, 1), (1, 0, 0, 0), (1, 0, 0, 0))
+                   for x, order, whole in zip(xs, orders, plain, strict=True)]
+        columns += [[layout.sizes[i] for layout in layouts] for i in range(3)]
+        columns += [[layout.strides[i] for layout in layouts] for i in range(1, LEVELS)]
+        columns += [[layout.positions[i] if layout.positions else 0 for layout in layouts]
+                    for i in range(LEVELS)]
     owners = np.repeat(np.arange(len(xs), dtype=np.int64), counts)
     table = torch.from_numpy(np.concatenate([np.asarray(columns, dtype=np.int64).reshape(-1), owners]))
     if device.type != "cpu":
         table = table.pin_memory().to(device, non_blocking=True)
     iterations = int(np.max(-(-numels // (counts * BLOCK))))
-    column_signs, block_signs = signs if signs is not None else (table, table)  # (unread without SKETCHES)
+    # (without signs, any tensor: unread without SKETCHES)
+    column_signs, block_signs = (signs.columns, signs.blocks) if signs is not None else (table, table)
     sketch_block, sketches = column_signs.shape if signs is not None else (1, 0)
     partials = torch.empty((len(owners), WIDTH + sketches), dtype=torch.float64, device=device)
     out = torch.empty((len(xs), WIDTH + sketches), dtype=torch.float64, device=device)
@@ -207,5 +232,16 @@ def rows(xs: Sequence[torch.Tensor], threshold: float = 0.0,
             ALIGNED=not strided and all(a % 16 == 0 for a in addresses), STRIDED=strided, BLOCK=BLOCK,
             SKETCHES=sketches, SKETCH_BLOCK=sketch_block, num_warps=8)
         combine[(len(xs),)](table, len(xs), partials, out, PROGRAMS=triton.next_power_of_2(int(counts.max())),
-                            SKETCHES=sketches)
+                            SKETCHES=sketches, STRIDED=strided)
     return out
+
+
+def _layout(x: torch.Tensor, order: Sequence[int] | None, sketched: bool) -> StridedLayout:
+    """How the kernel reads ``x``: in the sketch's order where ``sketched`` and it fits
+    :data:`strided.LEVELS` levels (``order``: its dims' strides in that order, None: its own
+    logical order), else for its statistics alone."""
+    layout = strided_layout(x, contiguous_strides(x.shape) if order is None else order) if sketched else None
+    layout = layout or strided_layout(x)
+    if layout is None:
+        raise ValueError("multi_tensor.rows: a tensor neither contiguous nor of a strided_layout")
+    return layout

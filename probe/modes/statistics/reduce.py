@@ -50,7 +50,7 @@ from probe.compiled import CompiledKernel, StandaloneCpuKernel
 from probe.errors import warn_once
 from probe.modes.statistics import pieces
 from probe.modes.statistics.columns import RAW_COLUMNS
-from probe.modes.statistics.strided import strided_layout
+from probe.modes.statistics.strided import Signs, strided_layout
 
 BACKENDS = ("auto", "compiled", "eager")
 WIDTH = len(RAW_COLUMNS)
@@ -96,12 +96,18 @@ def compact_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
             if strides[dim] == 0 and t.shape[dim] > 1:
                 multiplicity *= t.shape[dim]
                 t = t.narrow(dim, 0, 1)  # (keeps the other dims' strides)
-    if not t.is_contiguous():
-        order = sorted(range(len(strides)), key=strides.__getitem__, reverse=True)
-        permuted = t.permute(order)
-        if permuted.is_contiguous():
-            t = permuted
-    return t, multiplicity
+    order = storage_order(t)
+    return (t if order is None else t.permute(order)), multiplicity
+
+
+def storage_order(t: torch.Tensor) -> list[int] | None:
+    """The order of ``t``'s dims in which :func:`compact_view` reads a (broadcast-free) ``t``:
+    the permutation that makes it contiguous, or None where it reads ``t`` as it is."""
+    if t.is_contiguous():
+        return None
+    strides = t.stride()
+    order = sorted(range(t.dim()), key=strides.__getitem__, reverse=True)
+    return order if t.permute(order).is_contiguous() else None
 
 
 def as_real(t: torch.Tensor) -> torch.Tensor:
@@ -185,8 +191,6 @@ at call time: the device cost model, ``benchmarks.device_cost``, adds the device
 
 MultiTensorRows = Callable[..., torch.Tensor]
 """``multi_tensor.rows(xs, threshold, signs=None)``."""
-Signs = tuple[torch.Tensor, torch.Tensor]
-"""A sketch pattern's column and block signs on a device (``statistics.sketch.signs``)."""
 _multi_tensor: MultiTensorRows | None = None
 _multi_tensor_tried = False
 
@@ -210,6 +214,11 @@ def multi_tensor_kernel(device: torch.device) -> MultiTensorRows | None:
 
 _multi_tensor_strided = True
 """Whether strided views go to the multi-tensor kernel (off once its strided form failed)."""
+
+
+def multi_tensor_strided() -> bool:
+    """Whether the multi-tensor kernel reads strided views (its strided form has not failed)."""
+    return _multi_tensor_strided
 
 
 def _turn_off_multi_tensor() -> None:
@@ -244,7 +253,8 @@ def _multi_tensor_block(xs: Sequence[torch.Tensor], eps: float | None, signs: Si
             return kernel(xs, threshold) if signs is None else kernel(xs, threshold, signs)
     except Exception as error:  # a Triton that cannot build it here (a GPU without fp64, say)
         global _multi_tensor_strided
-        if not all(x.is_contiguous() for x in xs):  # only its strided form: that one off
+        if not all(x.is_contiguous() for x in xs) or (signs is not None and signs.positions is not None):
+            # only its strided form: that one off
             _multi_tensor_strided = False
             what = "strided views are reduced by the compiled kernels"
         else:
@@ -506,10 +516,12 @@ def device_row_blocks(xs: list[torch.Tensor], eps: float | None = None, stats: T
         # One launch pair per dtype, and apart the tensors not 16-byte aligned (a view at an
         # odd offset), whose loads cannot be vectorized, and the strided ones (their addresses
         # are computed per value).
-        kinds = {i: (xs[i].dtype, xs[i].data_ptr() % 16 == 0, xs[i].is_contiguous()) for i in multi}
+        kinds = {i: (xs[i].dtype, xs[i].data_ptr() % 16 == 0,
+                     xs[i].is_contiguous() and not (signs is not None and signs.reordered(i))) for i in multi}
         for kind in set(kinds.values()):
             group = [i for i in multi if kinds[i] == kind]
-            block = _multi_tensor_block([xs[i] for i in group], eps, signs)
+            group_signs = None if signs is None else signs.of(group)
+            block = _multi_tensor_block([xs[i] for i in group], eps, group_signs)
             if block is None:  # failed, and off from now on: the paths below
                 return device_row_blocks(xs, eps, stats)
             blocks.append((group, block))

@@ -23,7 +23,6 @@ Sums are in the accumulation dtype (fp64 on CPU and CUDA): two runs' sketches di
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import numpy as np
@@ -32,6 +31,7 @@ import torch
 from probe.devices import is_accelerator, record_event
 from probe.modes.statistics import pieces, reduce
 from probe.modes.statistics.reduce import accumulation_dtype, as_real
+from probe.modes.statistics.strided import contiguous_strides, strided_layout
 
 SKETCHES = 8
 """Projections per tensor. The distance estimate is ``||a - b||`` times the square root of a
@@ -96,10 +96,24 @@ KERNEL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.f
 """What the multi-tensor kernel sketches (``multi_tensor.rows`` with signs)."""
 
 
-def signs(device: torch.device, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+def signs(device: torch.device, numel: int) -> reduce.Signs:
     """The pattern as the multi-tensor kernel reads it: column signs ``[BLOCK, SKETCHES]`` and the
     block signs of a tensor of ``numel`` elements, int8 on ``device``."""
-    return _signs.columns(device, torch.int8), _signs.blocks(max(-(-numel // BLOCK), 1), device, torch.int8)
+    return reduce.Signs(_signs.columns(device, torch.int8),
+                        _signs.blocks(max(-(-numel // BLOCK), 1), device, torch.int8))
+
+
+def batch_order(t: torch.Tensor) -> tuple[bool, list[int] | None]:
+    """How the multi-tensor kernel sketches a non-contiguous ``t`` from the view the engine queues
+    (``reduce.compact_view``): whether it can (at most ``strided.LEVELS`` levels merged in both
+    orders) and, where that view is ``t`` permuted, the strides of its dims in ``t``'s logical
+    order (its sketch's order; None: the view is ``t``)."""
+    order = reduce.storage_order(t)
+    positions = contiguous_strides(t.shape)
+    if order is None:
+        return strided_layout(t, positions) is not None, None
+    positions = [positions[dim] for dim in order]
+    return strided_layout(t.permute(order), positions) is not None, positions
 
 
 def _by_kernel(xs: list[torch.Tensor]) -> torch.Tensor | None:
@@ -132,19 +146,21 @@ def eager_sketch(x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         if n <= BLOCK:
             return (x.to(acc) @ columns[:n]).mul_(blocks[0])
-        total = torch.zeros(SKETCHES, dtype=acc, device=x.device)
+        # The blocks' signed sum first (a [BLOCK] vector, one pass over the values), then its
+        # projections: 8x fewer products than projecting each block (5x faster on a 352K-element
+        # fp32 tensor on the CPU).
+        folded = torch.zeros(BLOCK, dtype=acc, device=x.device)
         step = max(pieces.PIECE_NUMEL // BLOCK, 1) * BLOCK
         for start in range(0, n, step):
             piece = x[start : start + step].to(acc)
             whole = piece.numel() // BLOCK
             first = start // BLOCK
             if whole:
-                per_block = piece[: whole * BLOCK].view(whole, BLOCK) @ columns
-                total += blocks[first : first + whole] @ per_block
+                folded.addmv_(piece[: whole * BLOCK].view(whole, BLOCK).t(), blocks[first : first + whole])
             rest = piece.numel() - whole * BLOCK
             if rest:
-                total += (piece[whole * BLOCK :] @ columns[:rest]) * blocks[first + whole]
-        return total
+                folded[:rest].addcmul_(piece[whole * BLOCK :], blocks[first + whole])  # (no host read)
+        return folded @ columns
 
 
 class SketchRows:
@@ -159,6 +175,7 @@ class SketchRows:
         self._counts: dict[torch.device, int] = {}
         self._entries: list[tuple[int, torch.device, int]] = []  # (row, device, position)
         self._later: set[int] = set()  # rows sketched with their batch (add_batch)
+        self._positions: dict[int, list[int]] = {}  # such rows queued permuted: batch_order
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -166,14 +183,12 @@ class SketchRows:
     @staticmethod
     def batched(t: torch.Tensor) -> bool:
         """Whether ``t``, queued by the engine, is sketched with its batch: the multi-tensor kernel
-        runs on its device and reads ``t``'s values in their logical order (real, and contiguous
-        or a view whose strides decrease: the kernel reads a view in the order of its strides)."""
+        runs on its device and can read the view the engine queues (``reduce.compact_view``: a
+        permuted ``t`` in storage order) with each value signed as its place in ``t``'s logical
+        order (:func:`batch_order`)."""
         if t.dtype not in KERNEL_DTYPES or t.is_neg() or reduce.multi_tensor_kernel(t.device) is None:
             return False
-        if t.is_contiguous():
-            return True
-        strides = [stride for stride, size in zip(t.stride(), t.shape, strict=True) if size != 1]
-        return strides[-1] > 0 and all(a > b for a, b in itertools.pairwise(strides))
+        return t.is_contiguous() or (reduce.multi_tensor_strided() and batch_order(t)[0])
 
     def add(self, t: torch.Tensor, row: int, later: bool = False) -> None:
         """Sketch ``t``'s values for stats row ``row``: now (no host sync), or ``later``, when the
@@ -183,16 +198,21 @@ class SketchRows:
             return  # a broadcast view: its repeated elements are another layout's in the other run
         if later:
             self._later.add(row)
+            if not t.is_contiguous() and (positions := batch_order(t)[1]) is not None:
+                self._positions[row] = positions
         else:
             self._append(t.device, sketch(t)[None], [row])
 
-    def signs_for(self, xs: list[torch.Tensor], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def signs_for(self, xs: list[torch.Tensor], rows: list[int]) -> reduce.Signs | None:
         """The signs the engine's kernel takes to sketch a batch (``xs``, rows ``rows``) as it
         reduces it, where a row waits for it; else None."""
         later = self._later
         if not later or not any(row in later for row in rows):
             return None
-        return signs(xs[0].device, max(x.numel() for x in xs))
+        pattern = signs(xs[0].device, max(x.numel() for x in xs))
+        if not self._positions:
+            return pattern
+        return pattern._replace(positions=[self._positions.get(row) for row in rows])
 
     def take(self, rows: list[int], block: torch.Tensor) -> None:
         """Sketches ``[len(rows), SKETCHES]`` the engine's kernel made with rows ``rows``: kept for
