@@ -187,6 +187,20 @@ def test_an_embedding_that_repeats_the_rows_it_selects_reads_what_the_step_befor
     assert outcome.ok, (outcome.answer, outcome.conclusion)
 
 
+def test_a_value_each_run_copies_its_own_way_and_a_sum_of_a_buffer_view_are_rounding(tmp_path: Path):
+    # Longformer, fp32 against bf16 autocast. Its LM head's dense layer reads a slice of the
+    # encoder's output: F.linear in float32 `clone`s it and `_unsafe_view`s it for an `mm`; under
+    # autocast the cast makes it contiguous and a `view` feeds an `addmm`. Each run's producers of
+    # the weight gradient's input were its own ops, so the pair was refused and the gradient judged
+    # as made by ops of run B only ('unmatched producer' at lm_head.dense, step 0). Past that, the
+    # key bias's gradient (zero in exact arithmetic: each run's value is its rounding) sums a view
+    # of a buffer `copy_` filled, which has no statistics of its own: its cancellation was taken
+    # as 1 ('propagation', 1.0 apart against 0.28).
+    outcome = zoo_case("masked-lm", "longformer", "bf16-autocast", tmp_path)
+    assert outcome.error is None and outcome.skipped is None, outcome
+    assert outcome.ok, (outcome.answer, outcome.conclusion)
+
+
 @pytest.mark.parametrize("name", ["glm4", "qwen3_5_moe_text"])
 def test_a_cancelling_sum_of_values_whose_elements_differ_at_random_signs_is_rounding(name, tmp_path: Path):
     # Eager against SDPA attention, fp32: after step 0's AdamW the runs' elements differ at random

@@ -544,7 +544,7 @@ def _judge_by_replay(side_a: _Side, side_b: _Side, c: OpComparison,
             if operands is not None:
                 computed = precision.lower_of(computed, operands)
             reduction = terms[k] if terms is not None else _reduction(op, p)
-            bound = precision.rounding(computed, reduction) * max(precision.condition(op), 1.0)
+            bound = precision.rounding(computed, reduction) * max(_condition(side, op), 1.0)
             if error > bound:
                 return True, (f"output {p}: run {name}'s result is {error:.3g} (relative) from the "
                               f"exact result on its own inputs (fp64 replay), beyond the rounding bound "
@@ -845,6 +845,18 @@ def _producer_output(side: _Side, record: TensorRecord) -> TensorRecord | None:
     return side.ops[source[0]].outputs[source[1]]
 
 
+def _condition(side: _Side, op: OpRecord) -> float:
+    """``precision.condition`` of ``op`` in its run, an input computed in the step that has no
+    statistics of its own (the stats mode records it as its producer's output; a view the tracer
+    did not see made, of the same elements count) described by its producer's output: a key
+    bias's gradient sums a view of a buffer ``copy_`` filled, and its cancellation is all there
+    is to its rounding."""
+    inputs = [record if record.stats is not None or (produced := _producer_output(side, record)) is None
+              or math.prod(produced.shape) != math.prod(record.shape) else produced
+              for record in op.inputs]
+    return precision.condition(op, inputs)
+
+
 def _sketched(side_a: _Side, side_b: _Side, a: TensorRecord, b: TensorRecord) -> float:
     """How far an input's elements are apart in the two runs by their sketches (0 where either
     run took none): statistics understate differences of random sign, which rounding in another
@@ -941,7 +953,7 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
             out_error = error
             out_dtypes = (_dtype(c.a.outputs[t.position]), _dtype(c.b.outputs[t.position]))
             underflow = precision.underflow_rounding(c.a.outputs[t.position], c.b.outputs[t.position])
-    cancellation = max(precision.condition(c.a), precision.condition(c.b))
+    cancellation = max(_condition(side_a, c.a), _condition(side_b, c.b))
     # An op's own rounding is relative to its terms; where they cancel, relative to its result
     # it grows as its inputs' differences do (a gradient that is zero in exact arithmetic, such
     # as a key bias's, is rounding alone).

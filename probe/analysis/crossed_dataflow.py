@@ -20,7 +20,10 @@ leaves the other run's producer paired, so it is never a reason to refuse: it is
 judging rules look at. Nor is a reshape one run records between a value and its reader where
 the other reads the value itself (Mamba's mixer under autocast: ``mul`` reads ``view(add)`` in
 one run and the ``add`` in the other): producers are compared through the reshapes that keep
-every element in its order.
+every element in its order. Two producers each of its own run only that pass on, through such
+reshapes, copies and casts of their dtype, the value of two ops paired with each other are one
+value copied alike (``F.linear`` of a strided slice: ``clone`` and ``_unsafe_view`` in float32,
+autocast's cast and a ``view`` under autocast).
 
 In a compiled region's graph (its ops recorded by a re-run: ``regraphed``) the decomposition is
 the compiler's own (a softmax as ``amax``, ``sub``, ``exp``, ``sum``, ``div``; ``_unsafe_view``
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable
 
-from probe.analysis.precision import SAME_ORDER_VIEWS, faithful_rounding, short_name
+from probe.analysis.precision import SAME_ORDER_VIEWS, VALUE_CASTS, faithful_rounding, short_name
 from probe.rundir.run import OpRecord
 
 
@@ -100,6 +103,8 @@ def _crossed(a: OpRecord, b: OpRecord, by_index_a: dict[int, OpRecord], by_index
         if ta.shape != tb.shape:
             return True  # another value: what one run inserts on a value (a cast) keeps its shape
         if not paired_a and not paired_b:
+            if _copied_alike(pa, pb, by_index_a, by_index_b, partner):
+                continue  # one value, each run copying, casting or reshaping it its own way
             return True  # each run's own ops made it: the decompositions differ here
         inserted = (pb, by_index_b, a_of_b) if paired_a else (pa, by_index_a, partner)
         if paired_a != paired_b and call in scaled[0 if paired_a else 1] and _scaled_on_the_way(*inserted):
@@ -182,9 +187,10 @@ _WALK_SCALED = 8
 """The most element-keeping ops walked back from a one-run-only value to its scaling."""
 
 
-def _through_reshapes(op: OpRecord, by_index: dict[int, OpRecord]) -> OpRecord:
-    """The op whose value ``op`` passes on unchanged in its order (``op`` itself if it computes)."""
-    while op.inputs and op.inputs[0].source is not None and _keeps_its_input(op):
+def _through_reshapes(op: OpRecord, by_index: dict[int, OpRecord], casts: bool = False) -> OpRecord:
+    """The op whose value ``op`` passes on unchanged in its order (``op`` itself if it computes);
+    ``casts``: through casts of its dtype too (each element kept, rounded at most once)."""
+    while op.inputs and op.inputs[0].source is not None and _keeps_its_input(op, casts):
         source = by_index.get(op.inputs[0].source[0])
         if source is None:
             break
@@ -192,8 +198,22 @@ def _through_reshapes(op: OpRecord, by_index: dict[int, OpRecord]) -> OpRecord:
     return op
 
 
-def _keeps_its_input(op: OpRecord) -> bool:
+def _keeps_its_input(op: OpRecord, casts: bool = False) -> bool:
     short = short_name(op.name)
     if short == "expand":  # to the shape it has already: an alias
         return bool(op.outputs) and op.outputs[0].shape == op.inputs[0].shape
+    if casts and short in VALUE_CASTS:
+        return len(op.inputs) == 1 and len(op.outputs) == 1 and op.outputs[0].shape == op.inputs[0].shape
     return short in SAME_ORDER_VIEWS
+
+
+def _copied_alike(pa: OpRecord, pb: OpRecord, by_index_a: dict[int, OpRecord],
+                  by_index_b: dict[int, OpRecord], partner: dict[int, OpRecord]) -> bool:
+    """Whether two one-run-only producers pass on, in its order, the value of two ops paired with
+    each other: each run copying, casting or reshaping it its own way (``F.linear`` of a strided
+    input in float32 ``clone``s it and ``_unsafe_view``s it for an ``mm``; under autocast its cast
+    makes it contiguous and a ``view`` feeds an ``addmm``). Casts are what the precision rules judge,
+    not another value."""
+    ra, rb = _through_reshapes(pa, by_index_a, casts=True), _through_reshapes(pb, by_index_b, casts=True)
+    same = partner.get(ra.index)
+    return ra is not pa and rb is not pb and same is not None and same.index == rb.index

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -732,7 +733,7 @@ def summed_terms(op: OpRecord) -> int:
     return max(op.inputs[0].numel // op.outputs[0].numel, 1)
 
 
-def condition(op: OpRecord) -> float:
+def condition(op: OpRecord, inputs: Sequence[TensorRecord] | None = None) -> float:
     """How much ``op`` may amplify a relative difference of its inputs into one of its outputs,
     estimated from its recorded statistics (1 where nothing says more; the caller's floor,
     ``CONDITION``, covers the ordinary ops).
@@ -741,21 +742,25 @@ def condition(op: OpRecord) -> float:
     (sqrt(K) r / s: bias gradients summed over a batch); an addition whose result is smaller
     than its terms ((r_x + r_y) / s); layer norm's ``x - mean(x)`` (max |x| x max rstd); a
     softmax, which turns a relative difference of its logits into an absolute one of their
-    size (2 max |x|, masks aside); a softmax's backward, whose rows subtract their mean."""
+    size (2 max |x|, masks aside); a softmax's backward, whose rows subtract their mean.
+
+    ``inputs``: the records that describe ``op``'s inputs where they differ from its own (an
+    input computed in the step that the stats mode recorded only as its producer's output)."""
     short = short_name(op.name)
-    if not op.outputs or not op.inputs:
+    inputs = op.inputs if inputs is None else inputs
+    if not op.outputs or not inputs:
         return 1.0
     out_rms = _rms(op.outputs[0])
     if short in _SUMS:
-        return _sum_condition(op.inputs[0], op.outputs[0], mean=short == "mean")
+        return _sum_condition(inputs[0], op.outputs[0], mean=short == "mean")
     if short in _ADDS:
         # A mask's -inf terms make the norms infinite: they say nothing of cancellation (inf / inf).
-        rms = [r for t in op.inputs if (r := _rms(t)) is not None and math.isfinite(r)]
+        rms = [r for t in inputs if (r := _rms(t)) is not None and math.isfinite(r)]
         return sum(rms) / out_rms if rms and out_rms and math.isfinite(out_rms) else 1.0
     if short in _NORMS and len(op.outputs) >= 3:
         # The normalised output through x - mean(x); the row means themselves, a sum's.
-        means = _sum_condition(op.inputs[0], op.outputs[1], mean=True)
-        magnitude = _magnitude(op.inputs[0])
+        means = _sum_condition(inputs[0], op.outputs[1], mean=True)
+        magnitude = _magnitude(inputs[0])
         rstd = op.outputs[2].stats
         if magnitude is None or rstd is None or rstd.get("max") is None:
             return means
@@ -763,21 +768,21 @@ def condition(op: OpRecord) -> float:
     if short == "native_layer_norm_backward" and len(op.outputs) >= 3:
         # The weight's and the bias's gradients sum the output gradient over the rows (the
         # normalised input, which the weight's multiplies it by, has rms 1).
-        grad = op.inputs[0]
+        grad = inputs[0]
         return max(_sum_condition(grad, out, mean=False) for out in op.outputs[1:3])
     if short in _PER_CHANNEL_GRADIENTS:
         # As layer norm's, over the batch and the positions: a bias before a normalisation (a
         # convolution's before BatchNorm) has a gradient that is zero in exact arithmetic, so
         # each run's is its rounding alone.
-        grad = op.inputs[0]
+        grad = inputs[0]
         channels = [out for out in op.outputs
                     if len(grad.shape) >= 2 and len(out.shape) == 1 and out.shape[0] == grad.shape[1]]
         return max((_sum_condition(grad, out, mean=False) for out in channels), default=1.0)
     if short in _SOFTMAX:
-        magnitude = _magnitude(op.inputs[0])
+        magnitude = _magnitude(inputs[0])
         return 2.0 * magnitude if magnitude is not None else 1.0
-    if short == "_softmax_backward_data" and len(op.inputs) >= 2:
-        return _softmax_backward_condition(op.inputs[0], op.inputs[1], out_rms)
+    if short == "_softmax_backward_data" and len(inputs) >= 2:
+        return _softmax_backward_condition(inputs[0], inputs[1], out_rms)
     return 1.0
 
 
