@@ -120,9 +120,12 @@ def match_ops(
     for key, left in groups_a.items():
         right = groups_b.get(key, [])
         for with_shapes in (True, False):
-            remaining_a = [op for op in left if op.index not in partner]
+            # By name alone, never an op made from no tensor (``zeros``, ``arange``): its shape is
+            # all there is to its value, and one of another shape is another constant (autograd's
+            # zeros for a gradient a compiled backward did not produce, paired with SDPA's empty one).
+            remaining_a = [op for op in left if op.index not in partner and (with_shapes or op.inputs)]
             remaining_b = [op for op in right if op.index not in taken
-                           and (with_shapes or op.index not in shapes_only)]
+                           and (with_shapes or (op.index not in shapes_only and op.inputs))]
             if not remaining_a or not remaining_b:
                 break
             for i, j in _align(remaining_a, remaining_b, with_shapes):

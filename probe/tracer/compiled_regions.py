@@ -86,6 +86,20 @@ def _compiled_function_name() -> str | None:
     return None
 
 
+def _compiled_self() -> Any:
+    """The ``self`` of the dynamo-compiled frame that called the running graph (the module whose
+    method dynamo compiled: the object its graph's ``nn_module_stack`` paths start from,
+    ``L['self']``), or None (no such frame, or a function without ``self``)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_fn" and code.co_filename.endswith(_EVAL_FRAME_FILE):
+            caller = frame.f_back
+            return caller.f_locals.get("self") if caller is not None else None
+        frame = frame.f_back
+    return None
+
+
 class RegionCall:
     """One compiled graph as the tracer's ``func``: calling it runs the graph unrecorded."""
 
@@ -171,8 +185,12 @@ def compiled_regions_recorded() -> Iterator[None]:
                     replay = replays[id(tracer)] = RegionReplay(tracer.modules, tracer.dispatch)
                 fx_kwargs = getattr(graph, "fx_kwargs", None) or {}
                 _, frame = tracer.modules.locate()
+                # The paths of the graph's nn_module_stack start from the compiled frame's `self`.
+                base = tracer.modules.names.known(_compiled_self())
+                base = frame.fqn if base is None else base
                 start = len(tracer.records)
-                replay.run(kept, held, frame, fx_kwargs.get("graph_id"), bool(fx_kwargs.get("is_backward")))
+                replay.run(kept, held, frame, fx_kwargs.get("graph_id"), bool(fx_kwargs.get("is_backward")),
+                           base)
                 if start > recorded:  # the region op itself was recorded (selected)
                     op_id = tracer.records[recorded][RECORD_ID]
                     tracer.opened_regions.append((op_id, start, len(tracer.records)))
@@ -180,7 +198,7 @@ def compiled_regions_recorded() -> Iterator[None]:
                     if files is not None:
                         backward = bool(fx_kwargs.get("is_backward"))
                         name = files.graph_name(kept, region.info.name, backward,
-                                                replay.node_modules(kept, frame.fqn))
+                                                replay.node_modules(kept, base))
                         if name is not None:
                             files.record(tracer.step, op_id, name, held, out)
         return out

@@ -84,14 +84,17 @@ class RegionReplay:
         for its backward graph's nodes."""
 
     def run(self, gm: torch.fx.GraphModule, inputs: list[Any], region_frame: Frame, graph_id: Any,
-            backward: bool) -> None:
+            backward: bool, base: str | None = None) -> None:
+        """``base``: the FQN of the object the graph's ``nn_module_stack`` paths start from (the
+        compiled frame's ``self``; by default the region's frame)."""
         frames: dict[str, Frame]
         if backward:
             frames = self._forward_frames.get(graph_id, {})
         else:
             frames = self._forward_frames[graph_id] = {}
         inputs = _unaliased(gm, inputs)
-        interpreter = _AttributingInterpreter(gm, self, frames, region_frame, opens=not backward)
+        interpreter = _AttributingInterpreter(gm, self, frames, region_frame, opens=not backward,
+                                              base=region_frame.fqn if base is None else base)
         devices = sorted({t.device.index for t in inputs if isinstance(t, torch.Tensor)
                           and t.device.type == "cuda" and t.device.index is not None})
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
@@ -110,7 +113,7 @@ class RegionReplay:
         return modules
 
     def frame_of(self, node: torch.fx.Node, frames: dict[str, Frame], region_frame: Frame,
-                 opens: bool) -> Frame:
+                 opens: bool, base: str | None = None) -> Frame:
         stack = node.meta.get("nn_module_stack") or {}
         frame = region_frame
         for key, value in stack.items():
@@ -121,7 +124,7 @@ class RegionReplay:
             if not opens:
                 continue  # a backward node of a module its forward did not show: the nearest known
             path = value[0] if isinstance(value, tuple) and value and isinstance(value[0], str) else ""
-            fqn = self._resolver.fqn(module_path(path), region_frame.fqn)
+            fqn = self._resolver.fqn(module_path(path), region_frame.fqn if base is None else base)
             if fqn is None or fqn == frame.fqn:
                 continue
             frame = frames[key] = self._modules.open_frame(fqn, frame)
@@ -130,14 +133,16 @@ class RegionReplay:
 
 class _AttributingInterpreter(torch.fx.Interpreter):
     def __init__(self, gm: torch.fx.GraphModule, replay: RegionReplay, frames: dict[str, Frame],
-                 region_frame: Frame, opens: bool) -> None:
+                 region_frame: Frame, opens: bool, base: str) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self._replay, self._frames, self._region_frame, self._opens = replay, frames, region_frame, opens
+        self._base = base
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if not isinstance(target, torch._ops.OpOverload):
             return super().call_function(target, args, kwargs)
-        frame = self._replay.frame_of(self.current_node, self._frames, self._region_frame, self._opens)
+        frame = self._replay.frame_of(self.current_node, self._frames, self._region_frame, self._opens,
+                                      self._base)
         with self._replay._modules.speaking_for(frame):
             if target is not torch.ops.aten.view.default or _viewable(args):
                 return self._replay._dispatch(target, args, kwargs)
