@@ -336,3 +336,23 @@ def test_a_cast_meeting_a_query_a_norm_cast_back_is_no_lowering(tmp_path, dtype)
         runs.append(tmp_path / name)
     report = probe.compare(*runs)
     assert report.first_divergence is None and report.ok, report.conclusion
+
+
+def test_a_quotient_by_small_divisors_of_one_sign_amplifies_their_difference(tmp_path):
+    # A divisor known by its statistics to differ by d relative (of the whole) differs by d rms(b)
+    # absolutely, so an element |b| below the rms carries rms(b) / |b| times d into the quotient
+    # (phimoe's router divides by clamped scores down to 1% of their rms: fp16 autocast was
+    # 'propagation' at that div). A divisor changing sign bounds nothing: no amplification taken.
+    from probe.analysis import precision
+
+    scores = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    positive = scores.abs().clamp(min=0.002)
+    with probe.mode("stats", out=str(tmp_path / "run")) as session:
+        (scores / positive).sum()
+        (scores / scores).sum()
+        session.step()
+    divs = [op for op in probe.load(tmp_path / "run").ops(0) if op.name == "aten.div.Tensor"]
+    assert len(divs) == 2
+    rms = float(positive.square().mean().sqrt())
+    assert precision.condition(divs[0]) == pytest.approx(rms / 0.002, rel=1e-6)
+    assert precision.condition(divs[1]) == 1.0

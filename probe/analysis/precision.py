@@ -701,6 +701,7 @@ def _magnitude(record: TensorRecord) -> float | None:
 
 
 _SUMS = frozenset({"sum", "mean", "nansum", "cumsum"})
+_DIVS = frozenset({"div", "div_"})
 _ADDS = frozenset({"add", "sub", "add_", "sub_", "rsub"})
 _SOFTMAX = frozenset({"_softmax", "softmax", "_log_softmax", "log_softmax", "logsumexp"})
 _NORMS = frozenset({"native_layer_norm"})
@@ -709,6 +710,21 @@ _PER_CHANNEL_GRADIENTS = frozenset({"convolution_backward", "native_batch_norm_b
                                     "native_group_norm_backward"})
 """Backward ops whose weight and bias gradients (one value per channel, dim 1 of the output
 gradient, their first input) sum the output gradient over the batch and the positions."""
+
+
+def _quotient_condition(denominator: TensorRecord) -> float:
+    """A quotient by ``denominator``: a relative difference of the denominator known as one of the
+    whole (its statistics') is absolute at its scale, so an element ``|b|`` below its rms carries
+    ``rms / |b|`` of it into the quotient (phimoe's router divides by clamped scores down to 1% of
+    their rms). Of one sign: ``rms / min |b|``; 1 where it changes sign or has no statistics."""
+    stats, rms = denominator.stats, _rms(denominator)
+    if stats is None or rms is None or stats.get("min") is None or stats.get("max") is None:
+        return 1.0
+    low, high = float(stats["min"]), float(stats["max"])
+    if not (math.isfinite(low) and math.isfinite(high)) or (low <= 0.0 <= high):
+        return 1.0
+    smallest = low if low > 0.0 else -high
+    return max(rms / smallest, 1.0) if math.isfinite(rms) else 1.0
 
 
 def _sum_condition(x: TensorRecord, y: TensorRecord, mean: bool) -> float:
@@ -738,11 +754,12 @@ def condition(op: OpRecord, inputs: Sequence[TensorRecord] | None = None) -> flo
     estimated from its recorded statistics (1 where nothing says more; the caller's floor,
     ``CONDITION``, covers the ordinary ops).
 
-    Cancellation is what amplifies: a sum of K terms of rms r whose result has rms s
+    Cancellation is what amplifies, and small divisors: a sum of K terms of rms r whose result has rms s
     (sqrt(K) r / s: bias gradients summed over a batch); an addition whose result is smaller
     than its terms ((r_x + r_y) / s); layer norm's ``x - mean(x)`` (max |x| x max rstd); a
     softmax, which turns a relative difference of its logits into an absolute one of their
-    size (2 max |x|, masks aside); a softmax's backward, whose rows subtract their mean.
+    size (2 max |x|, masks aside); a softmax's backward, whose rows subtract their mean; a
+    quotient by a tensor of one sign (``rms(b) / min |b|``).
 
     ``inputs``: the records that describe ``op``'s inputs where they differ from its own (an
     input computed in the step that the stats mode recorded only as its producer's output)."""
@@ -778,6 +795,8 @@ def condition(op: OpRecord, inputs: Sequence[TensorRecord] | None = None) -> flo
         channels = [out for out in op.outputs
                     if len(grad.shape) >= 2 and len(out.shape) == 1 and out.shape[0] == grad.shape[1]]
         return max((_sum_condition(grad, out, mean=False) for out in channels), default=1.0)
+    if short in _DIVS and len(inputs) == 2:
+        return _quotient_condition(inputs[1])
     if short in _SOFTMAX:
         magnitude = _magnitude(inputs[0])
         return 2.0 * magnitude if magnitude is not None else 1.0
