@@ -113,7 +113,7 @@ class RegionReplay:
         return modules
 
     def frame_of(self, node: torch.fx.Node, frames: dict[str, Frame], region_frame: Frame,
-                 opens: bool, base: str | None = None) -> Frame:
+                 opens: bool, base: str) -> Frame:
         stack = node.meta.get("nn_module_stack") or {}
         frame = region_frame
         for key, value in stack.items():
@@ -124,7 +124,7 @@ class RegionReplay:
             if not opens:
                 continue  # a backward node of a module its forward did not show: the nearest known
             path = value[0] if isinstance(value, tuple) and value and isinstance(value[0], str) else ""
-            fqn = self._resolver.fqn(module_path(path), region_frame.fqn if base is None else base)
+            fqn = self._resolver.fqn(module_path(path), base)
             if fqn is None or fqn == frame.fqn:
                 continue
             frame = frames[key] = self._modules.open_frame(fqn, frame)

@@ -116,6 +116,16 @@ def batch_order(t: torch.Tensor) -> tuple[bool, list[int] | None]:
     return strided_layout(t.permute(order), positions) is not None, positions
 
 
+def _in_batch(t: torch.Tensor) -> tuple[bool, list[int] | None]:
+    """Whether a queued ``t`` is sketched with its batch by the multi-tensor kernel, and the
+    positions of :func:`batch_order` that batch reads it with."""
+    if t.dtype not in KERNEL_DTYPES or t.is_neg() or reduce.multi_tensor_kernel(t.device) is None:
+        return False, None
+    if t.is_contiguous():
+        return True, None
+    return batch_order(t) if reduce.multi_tensor_strided() else (False, None)
+
+
 def _by_kernel(xs: list[torch.Tensor]) -> torch.Tensor | None:
     """``[len(xs), SKETCHES]`` (tensors of one device and dtype, contiguous) by the statistics'
     multi-tensor kernel, or None where it does not run or failed (``reduce._multi_tensor_block``:
@@ -165,7 +175,8 @@ def eager_sketch(x: torch.Tensor) -> torch.Tensor:
 
 class SketchRows:
     """One step's sketches, keyed by the stats row they go with: taken at capture, or with the
-    engine's batch where the multi-tensor kernel runs (:meth:`batched`: one launch pair a batch)."""
+    engine's batch where the multi-tensor kernel runs (:meth:`add` of a queued value: one launch
+    pair a batch)."""
 
     def __init__(self) -> None:
         self._reset()
@@ -180,28 +191,21 @@ class SketchRows:
     def __len__(self) -> int:
         return len(self._entries)
 
-    @staticmethod
-    def batched(t: torch.Tensor) -> bool:
-        """Whether ``t``, queued by the engine, is sketched with its batch: the multi-tensor kernel
-        runs on its device and can read the view the engine queues (``reduce.compact_view``: a
-        permuted ``t`` in storage order) with each value signed as its place in ``t``'s logical
-        order (:func:`batch_order`)."""
-        if t.dtype not in KERNEL_DTYPES or t.is_neg() or reduce.multi_tensor_kernel(t.device) is None:
-            return False
-        return t.is_contiguous() or (reduce.multi_tensor_strided() and batch_order(t)[0])
-
-    def add(self, t: torch.Tensor, row: int, later: bool = False) -> None:
-        """Sketch ``t``'s values for stats row ``row``: now (no host sync), or ``later``, when the
-        engine's batch holding them is reduced (:meth:`take`, :meth:`add_batch`; lost with its
-        statistics)."""
+    def add(self, t: torch.Tensor, row: int, queued: bool = False) -> None:
+        """Sketch ``t``'s values for stats row ``row``: now (no host sync), or, where the engine
+        ``queued`` them and the multi-tensor kernel can read the view it queued
+        (``reduce.compact_view``: a permuted ``t`` in storage order) with each value signed as its
+        place in ``t``'s logical order (:func:`batch_order`), when their batch is reduced
+        (:meth:`take`, :meth:`add_batch`; lost with its statistics)."""
         if not sketchable(t) or any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape, strict=True)):
             return  # a broadcast view: its repeated elements are another layout's in the other run
-        if later:
-            self._later.add(row)
-            if not t.is_contiguous() and (positions := batch_order(t)[1]) is not None:
-                self._positions[row] = positions
-        else:
+        later, positions = _in_batch(t) if queued else (False, None)
+        if not later:
             self._append(t.device, sketch(t)[None], [row])
+            return
+        self._later.add(row)
+        if positions is not None:
+            self._positions[row] = positions
 
     def signs_for(self, xs: list[torch.Tensor], rows: list[int]) -> reduce.Signs | None:
         """The signs the engine's kernel takes to sketch a batch (``xs``, rows ``rows``) as it

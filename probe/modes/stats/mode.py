@@ -128,7 +128,7 @@ class StatsMode(Mode):
         if self._distribution is not None:
             self._distribution.add(t, row)
         if self._sketches is not None:
-            self._sketches.add(t, row, later=self._sketches.batched(t) and self._rows.queued(row))
+            self._sketches.add(t, row, queued=self._rows.queued(row))
 
     def _input_row(self, call: OpCall, position: int) -> int | None:
         row = self._input_rows.get(position)
