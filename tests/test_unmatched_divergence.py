@@ -167,3 +167,56 @@ def test_the_same_autocast_run_unscaled_is_no_divergence(fp32_reference, tmp_pat
     report = probe.compare(fp32_reference, _scaled_output_run(tmp_path / "b", autocast=True, factor=None))
     assert report.divergence is None and report.ok, report.conclusion
     assert report.conclusion == "no divergence: differences consistent with bf16 autocast"
+
+
+class _Rows(torch.nn.Module):
+    """A linear layer whose output rows are taken whole, by an index (``h[arange]``: backward
+    ``new_zeros`` of ``h``'s shape, ``index_put``) or as a strided view (backward ``new_zeros`` of
+    its storage's element count, ``as_strided``, ``copy_``), then scaled by ``factor``."""
+
+    def __init__(self, by_index: bool, factor: float = 1.0):
+        super().__init__()
+        self.inner = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 1)
+        self.by_index, self.factor = by_index, factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inner(x)
+        h = h[torch.arange(h.shape[0])] if self.by_index else h.as_strided(h.shape, h.stride())
+        return self.head(h * self.factor if self.factor != 1.0 else h).square().mean()
+
+
+def _rows_run(out, by_index: bool, factor: float = 1.0):
+    torch.manual_seed(0)
+    model = _Rows(by_index, factor)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    with probe.mode("stats", out=out, model=model) as session:
+        for _ in range(2):
+            model(x).backward()
+            opt.step()
+            opt.zero_grad()
+            session.step()
+    return out
+
+
+def test_zeros_autograd_makes_of_other_shapes_in_two_implementations_are_never_paired(tmp_path):
+    # The class a compiled JetMoe run met in a suite whose earlier tests changed how its graphs
+    # returned views: one run's backward made new_zeros(32, 64), the other's new_zeros(2048), and
+    # paired by name alone they were a 'shape' divergence. An op reading no tensor's values is
+    # a constant of its call: of another shape, it is another constant, not the same one changed.
+    reference = _rows_run(tmp_path / "a", by_index=True)
+    run_a = probe.load(reference)
+    zeros = [op for op in run_a.ops(0) if op.name == "aten.new_zeros.default"]
+    assert [op.outputs[0].shape for op in zeros] == [(8, 16)]
+    strided = _rows_run(tmp_path / "b", by_index=False)
+    assert [op.outputs[0].shape for op in probe.load(strided).ops(0)
+            if op.name == "aten.new_zeros.default"] == [(128,)]
+    report = probe.compare(reference, strided)
+    assert report.divergence is None and report.ok, report.conclusion
+    pairs = [c for c in report.comparisons if (c.a or c.b).name == "aten.new_zeros.default"]
+    assert pairs and all(c.a is None or c.b is None for c in pairs)
+    # The same strided implementation computing otherwise is still found, where it does.
+    wrong = probe.compare(reference, _rows_run(tmp_path / "wrong", by_index=False, factor=1.5))
+    d = wrong.divergence
+    assert d is not None and d.step == 0 and d.op.module == "", wrong.conclusion

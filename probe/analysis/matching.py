@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from probe.analysis.crossed_dataflow import refuse_crossed
 from probe.rundir.run import OpRecord
+from probe.vocabulary.op_class import reads_shape_only
 
 
 @dataclass
@@ -50,6 +51,11 @@ def mapped_id(op: OpRecord, module_map: dict[str, str]) -> str:
     frame, name, n = rest.rsplit(":", 2)
     renamed = rename_module(op.module, module_map) + frame[len(op.module):]
     return f"{phase}:{renamed}:{name}:{n}"
+
+
+def _reads_values(op: OpRecord) -> bool:
+    """Whether ``op`` reads the values of a tensor: an op that does not is a constant of its call."""
+    return bool(op.inputs) and not reads_shape_only(op.name)
 
 
 def _token(op: OpRecord, with_shapes: bool) -> str:
@@ -120,12 +126,14 @@ def match_ops(
     for key, left in groups_a.items():
         right = groups_b.get(key, [])
         for with_shapes in (True, False):
-            # By name alone, never an op made from no tensor (``zeros``, ``arange``): its shape is
-            # all there is to its value, and one of another shape is another constant (autograd's
-            # zeros for a gradient a compiled backward did not produce, paired with SDPA's empty one).
-            remaining_a = [op for op in left if op.index not in partner and (with_shapes or op.inputs)]
+            # By name alone, never an op reading no tensor's values (``zeros``, ``arange``,
+            # ``new_zeros``): its shape is all there is to its value, and one of another shape is
+            # another constant (autograd's zeros for a gradient one run's backward did not produce,
+            # paired with the other run's zeros of another gradient, or with SDPA's empty one).
+            remaining_a = [op for op in left
+                           if op.index not in partner and (with_shapes or _reads_values(op))]
             remaining_b = [op for op in right if op.index not in taken
-                           and (with_shapes or (op.index not in shapes_only and op.inputs))]
+                           and (with_shapes or (op.index not in shapes_only and _reads_values(op)))]
             if not remaining_a or not remaining_b:
                 break
             for i, j in _align(remaining_a, remaining_b, with_shapes):

@@ -9,14 +9,7 @@ from functools import lru_cache
 
 from probe.rundir.records import NAN, NEGINF, POSINF, OpRecord, TensorRecord
 from probe.rundir.written_parts import partial_write, written_parts
-from probe.vocabulary.op_class import returns_view
-
-_READS_SHAPE_ONLY = frozenset({
-    "ones_like", "zeros_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
-    "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full",
-})
-"""Ops that read only a tensor's shape and dtype (``loss.backward()`` seeds its gradient with
-``ones_like(loss)``): reading a non-finite value this way passes nothing on."""
+from probe.vocabulary.op_class import reads_shape_only, returns_view
 
 
 def _short_name(op: OpRecord) -> str:
@@ -103,7 +96,7 @@ def nonfinite_origins_in(ops: list[OpRecord]) -> list[OpRecord]:
     outputs = [[t.nonfinite_kinds for t in op.outputs] for op in ops]
     readers: dict[tuple[int, int], list[int]] = {}
     for op in ops:
-        if _short_name(op) in _READS_SHAPE_ONLY:
+        if reads_shape_only(op.name):
             continue
         for tensor in op.inputs:
             if tensor.source is not None:
@@ -171,7 +164,7 @@ def nonfinite_origins_in(ops: list[OpRecord]) -> list[OpRecord]:
         if not reached:
             continue
         # Kinds its inputs computed in the step held are passed on, not made here.
-        held = held_by(op, op.inputs) if _short_name(op) not in _READS_SHAPE_ONLY else set()
+        held = held_by(op, op.inputs) if not reads_shape_only(op.name) else set()
         if reached - held:
             origins.append(op)
     return origins
@@ -199,7 +192,7 @@ def _constant_ops(ops: list[OpRecord]) -> set[int]:
         short = _short_name(op)
         if short.removesuffix("_") not in _MASK_BUILDERS:
             continue  # arithmetic, a random draw: a value of the program, whatever it is made from
-        if short in _READS_SHAPE_ONLY or all(t.source is not None and t.source[0] in constant
+        if reads_shape_only(op.name) or all(t.source is not None and t.source[0] in constant
                                              for t in op.inputs):
             constant.add(op.index)
     return constant

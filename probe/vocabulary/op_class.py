@@ -46,6 +46,12 @@ _REGION_MARKERS = {
 _UNINITIALIZED = frozenset(
     {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
 )
+_READS_SHAPE_ONLY = frozenset({
+    "ones_like", "zeros_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
+    "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full",
+})
+"""Ops that read only their tensor inputs' shape, dtype and device, never their values
+(``loss.backward()`` seeds its gradient with ``ones_like(loss)``)."""
 # Non-aten ops returning a buffer whose contents are written later (FSDP2's
 # all-gather output, of which only this rank's shard is filled before the collective).
 _UNINITIALIZED_BUFFERS = frozenset({"fsdp.all_gather_copy_in.default"})
@@ -331,6 +337,13 @@ def creates_uninitialized(name: str) -> bool:
     parts = name.split(".")
     aten = len(parts) >= 2 and parts[0] == "aten" and parts[1] in _UNINITIALIZED
     return aten or name in _UNINITIALIZED_BUFFERS
+
+
+def reads_shape_only(name: str) -> bool:
+    """Whether the op named ``name`` reads only its inputs' shapes, dtypes and devices (``new_zeros``,
+    ``ones_like``): its output is a constant of the call, whatever values its inputs hold."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[0] == "aten" and parts[1] in _READS_SHAPE_ONLY
 
 
 _CLASSIFIED: dict[object, OpClass] = {}
