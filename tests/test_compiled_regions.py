@@ -246,3 +246,88 @@ def test_the_re_run_views_a_value_its_eager_kernel_laid_out_otherwise(tmp_path):
     ops = probe.load(tmp_path / "r").ops(0)
     assert [op.name for op in ops] == ["aten.cat.default", "aten.clone.default", "aten.view.default"]
     _assert_stats(ops[-1].outputs[0].stats, torch.cat([value, value]).reshape(-1))
+
+
+class _Gated(nn.Module):
+    """A gate whose forward breaks dynamo's graph: the code after the break runs eagerly, with
+    dynamo's frame callback on, and calls the probe's handler for each of its ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        torch._dynamo.graph_break()
+        gate = h.view(-1)[: h.numel() // 2].view(h.shape[0], -1)  # views made in the eager gap
+        return h * torch.sigmoid(gate.repeat(1, 2))
+
+
+class _BrokenModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.gate = _Gated()
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.gate(torch.relu(self.inp(x))))
+
+
+def _probe_frames_dynamo_compiled() -> dict[str, int]:
+    """The functions of the probe's package that dynamo holds compiled code for, and how many."""
+    import gc
+    import types
+
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    package = str(__import__("pathlib").Path(probe.__file__).parent)
+    found = {}
+    for obj in gc.get_objects():
+        try:
+            if type(obj) is not types.FunctionType or not obj.__code__.co_filename.startswith(package):
+                continue
+        except ReferenceError:
+            continue
+        entries = len(_debug_get_cache_entry_list(obj.__code__))
+        if entries:
+            found[obj.__qualname__] = entries
+    return found
+
+
+@pytest.mark.parametrize("modes", [["stats"], ["monitor"]])
+def test_the_eager_code_between_graph_breaks_never_compiles_the_probe(tmp_path, modes) -> None:
+    # Dynamo's frame callback stays on in the eager code between a compiled model's graphs, and
+    # compiled every probe frame entered from there: the handler, the statistics (in a 2-step
+    # JetMoe, dynamo converted 125 frames, 56 without the probe's), recompiled per guard until
+    # the limit; the module hooks, compiled with is_compiling() folded to True, did nothing.
+    def train(model: _BrokenModel, session=None) -> tuple[list[float], dict[str, torch.Tensor]]:
+        compiled = torch.compile(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        losses = []
+        for _ in range(3):
+            loss = compiled(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if session is not None:
+                session.step()
+        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    plain = train(_BrokenModel())
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _BrokenModel()
+    options = {"sketch": True} if modes == ["stats"] else {"targets": ["gate", "out"]}
+    with probe.mode(modes, out=str(tmp_path / "run"), model=model, compiled="keep", **options) as session:
+        traced = train(model, session)
+    assert _probe_frames_dynamo_compiled() == {}
+    assert traced[0] == plain[0]
+    assert all(torch.equal(traced[1][k], plain[1][k]) for k in plain[1])
+    if modes == ["stats"]:  # the gap's ops were seen, in the gate's module
+        ops = probe.load(tmp_path / "run").ops(0)
+        assert any(op.module == "gate" and op.name == "aten.sigmoid.default" for op in ops)

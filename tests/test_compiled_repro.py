@@ -19,7 +19,10 @@ from probe.analysis.compiled_judge import run_verdicts
 from probe.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
-REGION = "forward:OptimizedModule[0]:compiled.Mlp.forward:0"
+# The compiled model's own module call holds its region, as its eager twin's ops (its hooks ran
+# compiled by dynamo, doing nothing, before the probe's frames were kept out of dynamo: the
+# region sat in the OptimizedModule wrapper's call).
+REGION = "forward:[0]:compiled.Mlp.forward:0"
 
 
 class Mlp(torch.nn.Module):

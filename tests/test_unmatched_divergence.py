@@ -201,8 +201,9 @@ def _rows_run(out, by_index: bool, factor: float = 1.0):
 
 
 def test_zeros_autograd_makes_of_other_shapes_in_two_implementations_are_never_paired(tmp_path):
-    # The class a compiled JetMoe run met in a suite whose earlier tests changed how its graphs
-    # returned views: one run's backward made new_zeros(32, 64), the other's new_zeros(2048), and
+    # The class a compiled JetMoe run met in a suite whose earlier tests had changed what dynamo
+    # compiled (a frame past its recompile limit runs eagerly): one run's backward made
+    # new_zeros(32, 64), the other's new_zeros(2048), and
     # paired by name alone they were a 'shape' divergence. An op reading no tensor's values is
     # a constant of its call: of another shape, it is another constant, not the same one changed.
     reference = _rows_run(tmp_path / "a", by_index=True)

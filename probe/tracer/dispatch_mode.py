@@ -34,6 +34,7 @@ from probe.tracer.collectives import GroupCache, PendingCollectives, collective_
 from probe.tracer.dtensor_layouts import LayoutLabeller, dtensor_class
 from probe.tracer.frames import Frame
 from probe.tracer.module_tracker import ModuleTracker
+from probe.tracer.never_compiled import never_compiled
 from probe.tracer.observer import OpObserver
 from probe.tracer.op_call import OpCall
 from probe.tracer.region_files import RegionFiles
@@ -547,9 +548,9 @@ class ProbeDispatchMode(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # Torch would wrap __torch_dispatch__ in torch._disable_dynamo (~3 us on every op). The
-        # probe never lets dynamo into its handler another way: the user's compiled code runs
-        # eagerly or as whole regions (probe.tracer.compiled_regions), and the probe's own
-        # compiled kernels are called with the default stance (probe.compiled).
+        # handler's code is marked instead (probe.tracer.never_compiled: dynamo's C frame hook
+        # skips it and every frame it calls, at no cost per op), and the probe's own compiled
+        # kernels set their callback themselves, with the default stance (probe.compiled).
         return False
 
     @classmethod
@@ -558,6 +559,7 @@ class ProbeDispatchMode(TorchDispatchMode):
         # for the rest of the process.
         return True
 
+    @never_compiled  # the eager code between a compiled model's graphs calls it
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         for t in types:

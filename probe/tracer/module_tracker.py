@@ -34,6 +34,7 @@ from probe.errors import warn_once
 from probe.optimizer_steps import step_closure, with_closure
 from probe.tracer.autocast_policy import AutocastPolicies
 from probe.tracer.frames import Frame
+from probe.tracer.never_compiled import never_compiled
 
 _ACCUMULATE_GRAD_SEQ = 2**64 - 1
 _FSDP_REGION = re.compile(r"FSDP::\w+ \((?P<fqn>[^()]*)\)|FSDP::\w+_prefetch for (?P<target>.+)")
@@ -54,19 +55,6 @@ _CALL_FRAMES = ("_call_impl", "_wrapped_call_impl")
 _MODULE_CALL_FILE = ("nn/modules/module.py", "nn\\modules\\module.py")
 _trackers = itertools.count()
 """Numbers the trackers, so that each session warns once of its own untraced threads."""
-
-
-_untraced_compiled_call: Callable[..., Frame] | None = None
-
-
-def _compiled_call_untraced() -> Callable[..., Frame]:
-    """``ModuleTracker._compiled_call`` kept out of dynamo: the eager code between a compiled
-    model's graphs runs with dynamo's frame callback on, so the probe's handler called from there
-    would be traced (``is_compiling()`` folded to True, Python frames not the ones that run)."""
-    global _untraced_compiled_call
-    if _untraced_compiled_call is None:
-        _untraced_compiled_call = torch.compiler.disable(ModuleTracker._compiled_call)
-    return _untraced_compiled_call
 
 
 def _is_compile_wrapper(module: nn.Module) -> bool:
@@ -238,6 +226,7 @@ class ModuleTracker:
         )
         return True
 
+    @never_compiled  # torch calls it from the eager code between a compiled model's graphs
     def _enter_module(self, module: nn.Module, args: Any) -> None:
         if not self.enabled or _is_compiling():
             return
@@ -260,6 +249,7 @@ class ModuleTracker:
         self._frame_modules.append(frame_module)
         self.autocast = self.policies.current()
 
+    @never_compiled  # torch calls it from the eager code between a compiled model's graphs
     def _exit_module(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self.enabled or not self.stack or _is_compiling():
             return None
@@ -300,6 +290,7 @@ class ModuleTracker:
         call = origin.call if origin is not None else self._next_call(fqn)
         return Frame(fqn, call, parent, recompute=True, recompute_of=origin)
 
+    @never_compiled  # torch calls it from the eager code between a compiled model's graphs
     def _enter_optimizer(
         self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -331,6 +322,7 @@ class ModuleTracker:
 
         return with_closure(args, kwargs, closure_as_model_ops)
 
+    @never_compiled  # torch calls it from the eager code between a compiled model's graphs
     def _exit_optimizer(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self.enabled or self._optimizer_depth == 0:
             return
@@ -392,7 +384,7 @@ class ModuleTracker:
             if self._wrappers and self.region is None:
                 wrapper = self._wrappers.get(top)
                 if wrapper is not None and not _is_compiling():
-                    return "forward", _compiled_call_untraced()(self, top, wrapper)
+                    return "forward", self._compiled_call(top, wrapper)
             return "forward", top
         if self.stack and self.stack[-1].recompute:
             return "recompute", self.stack[-1]

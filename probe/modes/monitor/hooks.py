@@ -16,6 +16,7 @@ from probe.errors import warn_once
 from probe.modes.monitor.config import Target, describe_value
 from probe.modes.monitor.options import Monitor
 from probe.optimizer_steps import StepNesting, step_closure, with_closure
+from probe.tracer.never_compiled import never_compiled
 
 
 class Recorder(Protocol):
@@ -115,6 +116,7 @@ class OptimizerHooks:
                 self.recorder.record("weight_grad", name, "", call, param.grad)
         self.recorder.flush()
 
+    @never_compiled  # torch calls it from the eager code between a compiled model's graphs
     def _before_optimizer_step(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -143,6 +145,7 @@ class OptimizerHooks:
 
         return with_closure(args, kwargs, closure_then_grads)
 
+    @never_compiled  # torch calls it from the eager code between a compiled model's graphs
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         recorder = self.recorder
         if not self._nesting.exit(optimizer):
@@ -202,12 +205,14 @@ class ModuleWatcher:
 
         return hook
 
+    @never_compiled  # torch calls it from the eager code between a compiled model's graphs
     def before(self, module: nn.Module, args: tuple) -> None:
         if not self.mode.collecting or not self.mode.config.xy_distribution or _in_backward():
             return
         self._current = self._call_index()
         self._capture(args, "input")
 
+    @never_compiled  # torch calls it from the eager code between a compiled model's graphs
     def after(self, module: nn.Module, args: tuple, output: Any) -> None:
         if not self.mode.collecting or not self.mode.config.xy_distribution or _in_backward():
             return

@@ -27,6 +27,7 @@ from probe.errors import warn_once
 from probe.local_part import local_part
 from probe.optimizer_steps import StepNesting, step_closure, with_closure
 from probe.tracer.mode_stack import untraced
+from probe.tracer.never_compiled import never_compiled
 
 NAMES_KEPT = 100
 """Names written per list and step; the count is always exact."""
@@ -113,6 +114,7 @@ class NonfiniteParameters:
             self._at_start = _Pending()
             _queue_check(self._params, self._at_start)
 
+    @never_compiled  # torch calls it from the eager code between a compiled model's graphs
     def _before_optimizer_step(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -149,6 +151,7 @@ class NonfiniteParameters:
             self._gradients = _Pending()
         _queue_check(named, self._gradients)
 
+    @never_compiled  # torch calls it from the eager code between a compiled model's graphs
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._nesting.exit(optimizer)
 
