@@ -164,6 +164,11 @@ def train(built: Built, pair: Pair, out: Path, steps: int, attn: str | None, cli
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=LR)
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
+    if pair.compiled:
+        # What dynamo compiles depends on the process's history: a frame shared by models (a
+        # transformers decorator's wrapper) past its recompile limit runs eagerly from then on,
+        # and a worker's ninth architecture was no longer compiled at its top.
+        torch._dynamo.reset()
     runner = torch.compile(model) if pair.compiled else model
     gen = torch.Generator().manual_seed(1)
     options: dict[str, Any] = {"compiled": "keep"} if pair.compiled else {}

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import re
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -51,15 +50,8 @@ _current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: Non
 _is_grad_enabled = torch.is_grad_enabled
 _top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 _get_ident = threading.get_ident
-_CALL_FRAMES = ("_call_impl", "_wrapped_call_impl")
-_MODULE_CALL_FILE = ("nn/modules/module.py", "nn\\modules\\module.py")
 _trackers = itertools.count()
 """Numbers the trackers, so that each session warns once of its own untraced threads."""
-
-
-def _is_compile_wrapper(module: nn.Module) -> bool:
-    """Whether ``module`` is what ``torch.compile(module)`` returns (dynamo's ``OptimizedModule``)."""
-    return type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
 
 
 def parallel_layout(root: nn.Module) -> str | None:
@@ -185,12 +177,6 @@ class ModuleTracker:
         self._optimizer: Frame | None = None
         self._optimizer_depth = 0
         self._regions: list[Frame | None] = []
-        self._wrappers: dict[Frame, nn.Module] = {}
-        """The open calls of ``torch.compile`` wrappers (``OptimizedModule``) -> the wrapper."""
-        self._compiled_calls: dict[Frame, list[tuple[Any, nn.Module, Frame]]] = {}
-        """Per open wrapper call: the calls of modules inside it that no hook saw, as last found on
-        the Python stack (outermost first): (the call's ``Module.__call__`` frame, module, frame).
-        The Python frames are held so that a frame's id is not reused by a later call while held."""
         self.region: Frame | None = None
         """The module frame an engine's ``record_function`` region speaks for, if any."""
         self.untraced_calls: dict[str, int] = {}
@@ -243,8 +229,6 @@ class ModuleTracker:
             parent.children.setdefault(fqn, []).append(frame)
             self._last_call[fqn] = frame
         frame_module = weakref.ref(module)
-        if _is_compile_wrapper(module):
-            self._wrappers[frame] = module
         self.stack.append(frame)
         self._frame_modules.append(frame_module)
         self.autocast = self.policies.current()
@@ -259,9 +243,6 @@ class ModuleTracker:
         # runs when forward raised, possibly after inner frames were left open.
         for depth in range(len(self.stack) - 1, -1, -1):
             if self._frame_modules[depth]() is module:
-                for frame in self.stack[depth:]:
-                    if self._wrappers.pop(frame, None) is not None:
-                        self._compiled_calls.pop(frame, None)
                 del self.stack[depth:]
                 del self._frame_modules[depth:]
                 break
@@ -380,12 +361,7 @@ class ModuleTracker:
         if self._optimizer is not None:
             return "optimizer", self._optimizer
         if _current_graph_task_id() == -1:
-            top = self.stack[-1] if self.stack else self.outside
-            if self._wrappers and self.region is None:
-                wrapper = self._wrappers.get(top)
-                if wrapper is not None and not _is_compiling():
-                    return "forward", self._compiled_call(top, wrapper)
-            return "forward", top
+            return "forward", self.stack[-1] if self.stack else self.outside
         if self.stack and self.stack[-1].recompute:
             return "recompute", self.stack[-1]
         node = _current_autograd_node()
@@ -401,53 +377,6 @@ class ModuleTracker:
         if frame is None and seq == _ACCUMULATE_GRAD_SEQ:
             frame = self._param_frame(node)
         return "backward", frame or self.outside
-
-    def _compiled_call(self, top: Frame, wrapper: nn.Module) -> Frame:
-        """The innermost module call open inside the call ``top`` of a ``torch.compile`` wrapper.
-
-        Dynamo traces the module hooks of the code it compiles (they are no-ops while compiling),
-        so no hook opens the calls of the modules inside a compiled model: where that code runs
-        eagerly between graph breaks, or calls a graph of a submodule's frame, the module call is
-        found on the Python stack instead (a ``Module.__call__`` frame whose ``self`` is a module
-        of the run), each call numbered once, as a hook would. The wrapped module itself
-        (``_orig_mod``) is the wrapper's own call."""
-        inner = getattr(wrapper, "_orig_mod", None)
-        found: list[tuple[Any, nn.Module]] = []
-        py = sys._getframe(1)
-        while py is not None:
-            code = py.f_code
-            if code.co_name in _CALL_FRAMES and code.co_filename.endswith(_MODULE_CALL_FILE):
-                module = py.f_locals.get("self")
-                if module is wrapper:
-                    break
-                if isinstance(module, nn.Module) and module is not inner and not isinstance(
-                        module, torch.fx.GraphModule):
-                    if found and found[-1][1] is module:
-                        found[-1] = (py, module)  # the outermost Python frame of the call
-                    else:
-                        found.append((py, module))
-            py = py.f_back
-        if py is None:  # not below the wrapper's call (another thread's stack, say)
-            return top
-        found.reverse()
-        held = self._compiled_calls.get(top, [])
-        calls: list[tuple[Any, nn.Module, Frame]] = []
-        parent = top
-        for py, module in found:
-            k = len(calls)
-            if k < len(held) and held[k][0] is py and held[k][1] is module:
-                calls.append(held[k])  # still open: the call found last time
-                parent = held[k][2]
-                continue
-            held = []  # below a call that differs, every call is new
-            fqn = self.names.name(module, parent)
-            if fqn is None:
-                continue
-            frame = self.open_frame(fqn, parent)
-            calls.append((py, module, frame))
-            parent = frame
-        self._compiled_calls[top] = calls
-        return parent
 
     def note_autograd_node(self, frame: Frame) -> None:
         """After a forward op: remember which frame created the newest autograd node.
