@@ -281,11 +281,12 @@ def test_a_compiled_graph_decomposing_otherwise_is_never_paired_by_the_nth_op_of
 def test_a_compiled_model_with_graph_breaks_attributes_its_eager_gaps_to_their_modules(tmp_path: Path):
     # JetMoe under torch.compile breaks its graphs inside the router, the rotary embedding and the
     # attention: dynamo compiled the probe's module hooks run between graphs, to no-ops, so only
-    # the OptimizedModule wrapper's fired, and every eager op between graphs was attributed to it (its embedding did not pair
-    # with the eager run's model.embed_tokens one: 'unmatched producer', step 0); one decoder-layer
-    # graph serving both layers put layer 1's re-run ops in layer 0; and autograd's zeros for a
-    # gradient the compiled backward did not produce was paired by name with SDPA's empty one
-    # ('shape'). Both runs are the same computation: no divergence.
+    # the OptimizedModule wrapper's fired, and every eager op between graphs was attributed to it
+    # (its embedding did not pair with the eager run's model.embed_tokens one: 'unmatched
+    # producer', step 0); one decoder-layer graph serving both layers put layer 1's re-run ops in
+    # layer 0; and autograd's zeros for a gradient the compiled backward did not produce was
+    # paired by name with SDPA's empty one ('shape'). Both runs are the same computation: no
+    # divergence.
     outcome = zoo_case("causal-lm", "jetmoe", "compiled", tmp_path)
     assert outcome.error is None and outcome.skipped is None, outcome
     assert outcome.ok, (outcome.answer, outcome.conclusion)
