@@ -9,14 +9,14 @@ the program (a collective, a random draw).
 
 from __future__ import annotations
 
-from probe.vocabulary.op_class import OpClass, reads_shape_only
+from probe.vocabulary.op_class import OpClass
 
 _DATA_MOVEMENT = frozenset({
     "clone", "_to_copy", "copy_", "copy", "contiguous", "detach", "lift_fresh", "alias", "_unsafe_view",
     "fill_", "zero_", "_local_scalar_dense", "set_", "resize_",
 })
 """Ops whose outputs do not depend on their inputs' values (or copy them), beside those reading
-only their inputs' shapes (:func:`reads_shape_only`)."""
+only their inputs' shapes (``OpClass.reads_shape_only``)."""
 
 
 def eligible(info: OpClass) -> bool:
@@ -24,5 +24,5 @@ def eligible(info: OpClass) -> bool:
     return not (
         info.passthrough or info.is_view or info.is_factory or info.is_random or info.is_collective
         or info.is_host_sync or info.uninitialized_output or info.compiled_region
-        or info.short in _DATA_MOVEMENT or reads_shape_only(info.name)
+        or info.short in _DATA_MOVEMENT or info.reads_shape_only
     )

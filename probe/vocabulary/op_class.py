@@ -90,6 +90,8 @@ class OpClass:
     is_host_sync: bool
     uninitialized_output: bool = False
     """The op allocates without writing (``empty*``): its outputs hold garbage."""
+    reads_shape_only: bool = False
+    """The op reads only its inputs' shapes, dtypes and devices (``new_zeros``, ``ones_like``)."""
     region: int = 0
     """``record_function`` markers: 1 opens a region, -1 closes one (see ModuleTracker.enter_region)."""
     group_arg: int | None = None
@@ -238,6 +240,7 @@ def classify(func: torch._ops.OpOverload) -> OpClass:
         uninitialized_output=(
             (ns == "aten" and func._opname in _UNINITIALIZED) or name in _UNINITIALIZED_BUFFERS
         ),
+        reads_shape_only=ns == "aten" and func._opname in _READS_SHAPE_ONLY,
         group_arg=group_arg,
         region=_REGION_MARKERS.get(name, 0),
         math_bit_view=name in _MATH_BIT_VIEWS,
@@ -331,19 +334,23 @@ def returns_view(name: str) -> bool | None:
         return None
 
 
+def _aten_packet(name: str) -> str | None:
+    """The packet of an aten op's dotted name (``aten.new_zeros.default`` -> ``new_zeros``)."""
+    parts = name.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else None
+
+
 def creates_uninitialized(name: str) -> bool:
     """Whether the op named ``name`` returns memory nothing has written yet (``empty_like``, ...):
     whatever it holds is no value of the program."""
-    parts = name.split(".")
-    aten = len(parts) >= 2 and parts[0] == "aten" and parts[1] in _UNINITIALIZED
-    return aten or name in _UNINITIALIZED_BUFFERS
+    return _aten_packet(name) in _UNINITIALIZED or name in _UNINITIALIZED_BUFFERS
 
 
 def reads_shape_only(name: str) -> bool:
     """Whether the op named ``name`` reads only its inputs' shapes, dtypes and devices (``new_zeros``,
-    ``ones_like``): its output is a constant of the call, whatever values its inputs hold."""
-    parts = name.split(".")
-    return len(parts) >= 2 and parts[0] == "aten" and parts[1] in _READS_SHAPE_ONLY
+    ``ones_like``): its output is a constant of the call, whatever values its inputs hold (read
+    per op from :attr:`OpClass.reads_shape_only`)."""
+    return _aten_packet(name) in _READS_SHAPE_ONLY
 
 
 _CLASSIFIED: dict[object, OpClass] = {}
