@@ -319,3 +319,52 @@ def test_the_eager_code_between_graph_breaks_never_compiles_the_probe(tmp_path, 
     if modes == ["stats"]:  # the gap's ops were seen, in the gate's module
         ops = probe.load(tmp_path / "run").ops(0)
         assert any(op.module == "gate" and op.name == "aten.sigmoid.default" for op in ops)
+
+
+@torch.compile(fullgraph=True)
+def _product_and_rows(x: torch.Tensor, w: torch.Tensor, base: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    # Without autograd Inductor returns the rows as a view of ``base``'s memory, not a copy.
+    return x @ w, base[8:24].view(4, 4)
+
+
+class _ReturnsAView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Parameter(torch.randn(24))
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, rows = _product_and_rows(x, self.lin.weight, self.base.detach())
+        _, second, _ = self.base.split([4, 4, 16])
+        return y.square().mean() + rows.sum() + (second * 2).sum()
+
+
+def test_a_graph_returning_a_view_of_its_input_is_not_where_that_input_comes_from(tmp_path) -> None:
+    # DeepSeek-V4's compiled hyper-connections return a 4x4 view of a parameter; the parameter's
+    # split read after it came from the region op (its memory's latest "write"), so compare
+    # judged run B's parameter as a value of B's own computed in the step, and called the
+    # optimizer's difference carried from step 0 a divergence at step 1.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _ReturnsAView()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with probe.mode("stats", out=str(tmp_path / "run"), model=model, compiled="keep") as session:
+        for _ in range(2):
+            model(torch.randn(4, 8)).backward()
+            opt.step()
+            opt.zero_grad()
+            session.step()
+    run = probe.load(tmp_path / "run")
+    for step in (0, 1):
+        ops = {op.index: op for op in run.ops(step)}
+        region = next(op for op in ops.values() if op.name == "compiled._product_and_rows")
+        assert [t.shape for t in region.outputs][:2] == [(4, 8), (4, 4)]
+        readers = [op for op in ops.values() if op.phase == "forward" and op.inputs
+                   and op.inputs[0].shape == (24,) and op.name != "compiled._product_and_rows"]
+        assert any(op.name == "aten.split_with_sizes.default" for op in readers)
+        assert all(op.inputs[0].source is None or ops[op.inputs[0].source[0]].name == "aten.detach.default"
+                   for op in readers), [(op.id, op.inputs[0].source) for op in readers]
+        # Its own results are still its own: a reader of the returned rows comes from it.
+        assert any(t.source is not None and t.source[0] == region.index
+                   for op in ops.values() for t in op.inputs)

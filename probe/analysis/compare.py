@@ -2014,8 +2014,10 @@ class Report:
     def _ops_conclusion(self) -> str:
         d = self.divergence
         if d is not None:
-            return (f"first divergence at {d.op.id} in {d.op.module or '<outside modules>'} "
-                    f"(rule: {d.rule})")
+            where = d.op.module or "<outside modules>"
+            if d.op.parameter is not None:  # an optimizer op: which parameter's update
+                where = f"the optimizer's update of {d.op.parameter}"
+            return f"first divergence at {d.op.id} in {where} (rule: {d.rule})"
         uncompared = self.counts[NOT_COMPARED]
         explained = [c for c in self.comparisons if c.verdict == WARNING]
         if not explained:

@@ -53,6 +53,32 @@ def mapped_id(op: OpRecord, module_map: dict[str, str]) -> str:
     return f"{phase}:{renamed}:{name}:{n}"
 
 
+def _parameter(op: OpRecord, module_map: dict[str, str]) -> str | None:
+    """The parameter an optimizer op works for, in run A's names (None: not known, or not one)."""
+    if op.parameter is None:
+        return None
+    return rename_module(op.parameter, module_map) if module_map else op.parameter
+
+
+def _pairing_ids(ops: list[OpRecord], module_map: dict[str, str]) -> dict[int, str]:
+    """Op index -> the id ops are paired by: the op id, except for an optimizer op that works for
+    one parameter, numbered within that parameter (``...:aten.lerp_.Scalar@layers.0.up.weight:0``).
+    Two runs whose optimizers update different parameters (a compiled backward gives zeros where
+    the eager one leaves a gradient None) number one parameter's ops alike only this way."""
+    ids: dict[int, str] = {}
+    counts: dict[tuple[str, str], int] = defaultdict(int)
+    for op in ops:
+        parameter = _parameter(op, module_map) if op.phase == "optimizer" else None
+        if parameter is None:
+            ids[op.index] = mapped_id(op, module_map)
+            continue
+        prefix = mapped_id(op, module_map).rsplit(":", 1)[0]
+        n = counts[prefix, parameter]
+        counts[prefix, parameter] = n + 1
+        ids[op.index] = f"{prefix}@{parameter}:{n}"
+    return ids
+
+
 def _reads_values(op: OpRecord) -> bool:
     """Whether ``op`` reads the values of a tensor: an op that does not is a constant of its call."""
     return bool(op.inputs) and not reads_shape_only(op.name)
@@ -72,9 +98,9 @@ def _input_shapes(op: OpRecord) -> list[tuple[int, ...]]:
     return [t.shape for t in op.inputs]
 
 
-def _group_key(op: OpRecord, module_map: dict[str, str] | None = None) -> tuple[str, str, int]:
+def _group_key(op: OpRecord, module_map: dict[str, str] | None = None) -> tuple[str, str, int, str | None]:
     module = rename_module(op.module, module_map) if module_map else op.module
-    return op.phase, module, op.module_call
+    return op.phase, module, op.module_call, _parameter(op, module_map or {})
 
 
 def _align(ops_a: list[OpRecord], ops_b: list[OpRecord], with_shapes: bool) -> list[tuple[int, int]]:
@@ -102,12 +128,14 @@ def match_ops(
     module_map = module_map or {}
     shapes_only = shapes_only or set()
     unpaired = unpaired or set()
-    by_id = {mapped_id(op, module_map): op for op in ops_b if op.index not in unpaired}
+    ids_b = _pairing_ids(ops_b, module_map)
+    by_id = {ids_b[op.index]: op for op in ops_b if op.index not in unpaired}
+    ids_a = _pairing_ids(ops_a, {})
     partner: dict[int, OpRecord] = {}
     how: dict[int, str] = {}
     taken: set[int] = set()
     for op in ops_a:
-        other = by_id.get(op.id)
+        other = by_id.get(ids_a[op.index])
         # Same id, other output shapes: ids shifted (an extra op of that name on one side,
         # e.g. a detach autocast adds in backward); alignment pairs them better.
         if other is not None and _token(other, True) == _token(op, True) and (

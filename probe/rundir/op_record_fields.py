@@ -88,6 +88,7 @@ OP_RECORD_FIELDS: tuple[RecordField, ...] = (
     RecordField("layout", "layout", "layout", default=None),
     RecordField("autocast", "amp", "int", default=0),
     RecordField("constants", "const", "constants", default=()),
+    RecordField("parameter", "param", "str", default=None),
 )
 """The op record's fields in tuple order. Adding one: append it here (optional, so older
 runs still load), build it in ``Tracer._record`` (``probe.tracer``) in the same position."""
@@ -100,10 +101,11 @@ RECORD_SKIPPED = RECORD_FIELD_INDEX["skipped"]
 RECORD_LAYOUT = RECORD_FIELD_INDEX["layout"]
 RECORD_AUTOCAST = RECORD_FIELD_INDEX["autocast"]
 RECORD_CONSTANTS = RECORD_FIELD_INDEX["constants"]
+RECORD_PARAMETER = RECORD_FIELD_INDEX["parameter"]
 
 OpRecordTuple = tuple[
     int, str, str, str, str, int, tuple[str, ...], tuple[InputMeta, ...], tuple[OutputMeta, ...],
-    int | None, GroupMeta | None, tuple[Skipped, ...], LayoutMeta | None, int, Constants,
+    int | None, GroupMeta | None, tuple[Skipped, ...], LayoutMeta | None, int, Constants, str | None,
 ]
 """What the tracer keeps of an op until the step is written, fields as in
 :data:`OP_RECORD_FIELDS`. Only strings, numbers and tuples of them: the garbage

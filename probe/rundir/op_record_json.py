@@ -11,7 +11,8 @@ local op that ran for a DTensor op: ``{"of", "role", "mesh": {"shape", "names", 
 "in", "out"}``, placements one string per mesh dim, null for a plain tensor) and ``amp`` (a
 forward op's autocast policy id into the manifest's ``autocast`` table; absent: 0, off) and
 ``const`` (the floats and strings the call was given beside its tensors, ``{where: value}``,
-where an argument's position or keyword name; absent: none).
+where an argument's position or keyword name; absent: none) and ``param`` (an optimizer op's
+parameter, ``probe.tracer.updated_parameters``; absent: None).
 """
 
 from __future__ import annotations

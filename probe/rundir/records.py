@@ -144,6 +144,10 @@ class OpRecord:
     """The floats and strings the call was given beside its tensors (an eps, a scale, a fill
     value, an approximation's name), by argument position (``"4"``) or keyword name; empty in
     runs written before they were recorded."""
+    parameter: str | None = None
+    """An optimizer op: the parameter it works for (``layers.0.mlp.up.weight``), the one whose
+    value, gradient or optimizer state it read (``probe.tracer.updated_parameters``); None for other
+    phases, an op of several parameters (a ``foreach`` op) or none, and runs written before it."""
     fp8_scales: dict[str, dict[str, Any]] | None = None
     """fp8 ops (stats mode): the scales they were given, ``{argument: {"shape", "values", "min",
     "max"}}`` (``scale_a``, ``scale_b``, ``scale_result``, a float8 subclass input's ``_scale``)."""

@@ -637,7 +637,7 @@ class Run:
                     raise
             try:  # decode checks every field and names the one that is wrong
                 (index, op_id, name, phase, module, call, stack, ins, outs, site, group, skipped, placed,
-                 amp, constants) = decode_op_record(row)
+                 amp, constants, parameter) = decode_op_record(row)
                 autocast = None
                 if policies is not None and phase in _POLICY_PHASES:
                     if not 0 <= amp < len(policies):
@@ -673,6 +673,7 @@ class Run:
                 layout=None if placed is None else encode_layout(placed),
                 autocast=autocast,
                 constants=dict(constants),
+                parameter=parameter,
             )
 
         wanted = range(len(lines)) if only is None else sorted(set(only))

@@ -318,6 +318,9 @@ class Tracer:
         except UNKEYABLE_ERRORS:
             inputs, skipped = self._inputs_skipping_unkeyable(in_tensors)
         op_id = f"{phase}:{origin.key}:{info.name}:{n}"
+        parameter = (self.modules.updated.label(inputs, in_tensors, self.records,
+                                                self.modules.names.param_names)
+                     if phase == "optimizer" else None)
         callsite = self.call_sites.capture(origin.fqn) if self.call_sites is not None else None
         call = (OpCall(index, op_id, info, phase, frame, inputs, in_tensors, args, kwargs, callsite, func)
                 if self._observed or info.is_collective else None)
@@ -386,7 +389,11 @@ class Tracer:
                     else:
                         out_tensors.append(t)
             try:
-                outputs = self.values.register_outputs(out_tensors, index, info.is_view, written, rewritten)
+                if info.compiled_region:
+                    outputs = self._register_region_outputs(out_tensors, in_tensors, index)
+                else:
+                    outputs = self.values.register_outputs(
+                        out_tensors, index, info.is_view, written, rewritten)
             except UNKEYABLE_ERRORS:
                 outputs, skipped_outputs = self._outputs_skipping_unkeyable(
                     out_tensors, written, index, info.is_view, rewritten
@@ -407,7 +414,7 @@ class Tracer:
             self.records.append(
                 (index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack,
                  tuple(inputs), tuple(outputs), callsite, group, skipped, None,
-                 self.modules.autocast if phase in _NODE_CREATING_PHASES else 0, constants)
+                 self.modules.autocast if phase in _NODE_CREATING_PHASES else 0, constants, parameter)
             )
             return out
         except BaseException:
@@ -418,7 +425,7 @@ class Tracer:
                 self.records.append((index, op_id, info.name, phase, origin.fqn, origin.call, origin.stack,
                                      tuple(inputs), tuple(outputs), callsite, None, skipped, None,
                                      self.modules.autocast if phase in _NODE_CREATING_PHASES else 0,
-                                     constants))
+                                     constants, parameter))
             raise
 
     def run_dtensor_op(self, mode: TorchDispatchMode, func: Any, args: tuple, kwargs: dict,
@@ -466,6 +473,19 @@ class Tracer:
     def _is_refilled(self, t: torch.Tensor) -> bool:
         known = self._refilled.get(id(t))
         return known is not None and known() is t
+
+    def _register_region_outputs(self, results: list[torch.Tensor], inputs: list[torch.Tensor],
+                                 index: int) -> list[OutputMeta]:
+        """A compiled graph's results, registered: one in the memory of an input is a view of it
+        the graph returns (Inductor's ``reinterpret_tensor`` of a parameter), not a write, so a
+        later read of that input elsewhere in its memory still comes from where the input came
+        from. Raises as ``ValueIndex.register_outputs``."""
+        read = {t.untyped_storage().data_ptr() for t in inputs if t.data_ptr()}
+        outputs: list[OutputMeta] = []
+        for position, t in enumerate(results):
+            aliases = bool(t.data_ptr()) and t.untyped_storage().data_ptr() in read
+            outputs += self.values.register_outputs([t], index, aliases, [], (), first=position)
+        return outputs
 
     def _outputs_skipping_unkeyable(
         self, results: list[torch.Tensor], written: list[torch.Tensor], index: int, view: bool,

@@ -34,6 +34,7 @@ from probe.optimizer_steps import step_closure, with_closure
 from probe.tracer.autocast_policy import AutocastPolicies
 from probe.tracer.frames import Frame
 from probe.tracer.never_compiled import never_compiled
+from probe.tracer.updated_parameters import UpdatedParameters
 
 _ACCUMULATE_GRAD_SEQ = 2**64 - 1
 _FSDP_REGION = re.compile(r"FSDP::\w+ \((?P<fqn>[^()]*)\)|FSDP::\w+_prefetch for (?P<target>.+)")
@@ -72,6 +73,8 @@ class ModuleNames:
     def __init__(self, roots: nn.Module | dict[str, nn.Module] | None) -> None:
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self._param_owners: dict[int, str] = {}
+        self.param_names: dict[int, str] = {}
+        """``id(parameter)`` -> its name (``layers.0.mlp.up.weight``): what an optimizer op updates."""
         self.types: dict[str, str] = {}
         """FQN -> module class name (for exports that name modules by class)."""
         self._auto_root = roots is None
@@ -96,6 +99,7 @@ class ModuleNames:
             owner = name.rpartition(".")[0]
             fqn = f"{prefix}.{owner}" if prefix and owner else (prefix or owner)
             self._param_owners.setdefault(id(param), fqn)
+            self.param_names.setdefault(id(param), f"{prefix}.{name}" if prefix else name)
 
     def name(self, module: nn.Module, parent: Frame | None) -> str | None:
         """The FQN of ``module``; ``None`` for modules that are not the user's (FX subgraphs)."""
@@ -139,6 +143,8 @@ class ModuleTracker:
         thread inherits it from the thread that called ``backward()``); set by the tracer."""
         self._number = next(_trackers)
         self.policies = AutocastPolicies()
+        self.updated = UpdatedParameters()
+        """Which parameter each op of the optimizer step works for."""
         self.reset_step()
 
     # -- lifecycle -------------------------------------------------------------
@@ -176,6 +182,7 @@ class ModuleTracker:
         self._seq_frames: dict[int, Frame] = {}
         self._optimizer: Frame | None = None
         self._optimizer_depth = 0
+        self.updated.stop()
         self._regions: list[Frame | None] = []
         self.region: Frame | None = None
         """The module frame an engine's ``record_function`` region speaks for, if any."""
@@ -281,6 +288,7 @@ class ModuleTracker:
         if self._optimizer_depth == 1:
             label = f"optimizer.{type(optimizer).__name__}"
             self._optimizer = Frame("", self._next_call(label), None, label=label)
+        self.updated.start(optimizer, self.names.param_names)
         return self._closure_outside_optimizer(args, kwargs)
 
     def _closure_outside_optimizer(
@@ -312,6 +320,7 @@ class ModuleTracker:
         self._optimizer_depth -= 1
         if self._optimizer_depth == 0:
             self._optimizer = None
+            self.updated.stop()
 
     # -- engine regions --------------------------------------------------------
 
