@@ -118,3 +118,16 @@ def test_a_divergence_in_the_optimizer_names_the_parameter_it_updates(tmp_path: 
     op_a, _ = report.first_divergence
     assert (op_a.step, op_a.phase, op_a.parameter) == (0, "optimizer", "layers.2.weight"), report.conclusion
     assert "in the optimizer's update of layers.2.weight" in report.conclusion
+
+
+def test_a_parameter_no_module_holds_is_named_by_its_place(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    scale = nn.Parameter(torch.ones(4))  # a loose tensor the optimizer updates beside the model
+    opt = torch.optim.SGD([{"params": model.parameters()}, {"params": [scale], "lr": 0.1}], lr=0.1)
+    with probe.mode("structure", out=tmp_path / "run", model=model) as session:
+        (model(torch.randn(2, 4)) * scale).sum().backward()
+        opt.step()
+        session.step()
+    labels = {op.parameter for op in Run(tmp_path / "run").ops(0) if op.phase == "optimizer"}
+    assert labels == {"weight", "bias", "param_groups[1][0]"}
