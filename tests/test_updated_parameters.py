@@ -117,7 +117,7 @@ def test_a_divergence_in_the_optimizer_names_the_parameter_it_updates(tmp_path: 
     report = probe.compare(tmp_path / "a", tmp_path / "b")
     op_a, _ = report.first_divergence
     assert (op_a.step, op_a.phase, op_a.parameter) == (0, "optimizer", "layers.2.weight"), report.conclusion
-    assert "in the optimizer's update of layers.2.weight" in report.conclusion
+    assert "in <outside modules>: the optimizer's update of layers.2.weight (rule:" in report.conclusion
 
 
 def test_a_parameter_no_module_holds_is_named_by_its_place(tmp_path: Path) -> None:

@@ -2016,7 +2016,7 @@ class Report:
         if d is not None:
             where = d.op.module or "<outside modules>"
             if d.op.parameter is not None:  # an optimizer op: which parameter's update
-                where = f"the optimizer's update of {d.op.parameter}"
+                where += f": the optimizer's update of {d.op.parameter}"
             return f"first divergence at {d.op.id} in {where} (rule: {d.rule})"
         uncompared = self.counts[NOT_COMPARED]
         explained = [c for c in self.comparisons if c.verdict == WARNING]
