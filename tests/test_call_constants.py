@@ -75,11 +75,11 @@ def test_the_tracer_records_the_floats_and_words_of_each_call():
 
 def test_constants_survive_the_run_format_and_a_bad_form_is_named():
     record = (0, "forward::aten.masked_fill.Scalar:0", "aten.masked_fill.Scalar", "forward", "", 0, (),
-              (), (), None, None, (), None, 0, (("2", float("-inf")), ("approximate", "tanh")))
+              (), (), None, None, (), None, 0, (("2", float("-inf")), ("approximate", "tanh")), None)
     row = json.loads(json.dumps(encode(record)))
     assert row["const"] == {"2": {"float": "-inf"}, "approximate": "tanh"}
     assert decode(row) == record
-    assert "const" not in encode((*record[:-1], ()))  # absent when the call had none
+    assert "const" not in encode((*record[:-2], (), None))  # absent when the call had none
     with pytest.raises(ProbeError, match="'const'"):
         decode({**row, "const": {"2": [1.0]}})
 

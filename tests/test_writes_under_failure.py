@@ -158,11 +158,12 @@ def small_tmpfs(tmp_path):
 
 def _fill(disk: Path) -> Path:
     filler = disk / "filler"
-    with open(filler, "wb") as f:
+    # Unbuffered: a buffered file keeps the bytes a short write left, and its close flushes them
+    # into the full disk again (the ENOSPC then escapes, as the free space modulo 64 KiB decides).
+    with open(filler, "wb", buffering=0) as f:
         try:
             while True:
                 f.write(b"\0" * 65536)
-                f.flush()
         except OSError as e:
             assert e.errno == errno.ENOSPC
     return filler

@@ -767,12 +767,14 @@ class _Folder:
             # would shift the ids of the model's own ops of that name.
             base, count = op.id.rsplit(":", 1)
             op_id, module, stack = f"{base}:{int(count) - dropped[base]}", op.module, op.module_stack
+            parameter = op.parameter
             if self.unwrap:
                 op_id, module, stack = _unwrapped(op_id, op.module, op.module_stack)
+                parameter = None if parameter is None else _unwrap_name(parameter)
             folded.append(OpRecord(
                 index=len(folded), id=op_id, name=op.name, phase=op.phase, module=module,
                 module_call=op.module_call, module_stack=stack, step=op.step, rank=op.rank,
-                inputs=inputs, outputs=outputs, stack=op.stack, layout=op.layout))
+                inputs=inputs, outputs=outputs, stack=op.stack, layout=op.layout, parameter=parameter))
         # A partial value takes the statistics of the collective that reduced it.
         for (index, position), collective in partial_results.items():
             if index in kept:
