@@ -318,8 +318,7 @@ class Tracer:
         except UNKEYABLE_ERRORS:
             inputs, skipped = self._inputs_skipping_unkeyable(in_tensors)
         op_id = f"{phase}:{origin.key}:{info.name}:{n}"
-        parameter = (self.modules.updated.label(inputs, in_tensors, self.records,
-                                                self.modules.names.param_names)
+        parameter = (self.modules.updated.label(inputs, in_tensors, self.records)
                      if phase == "optimizer" else None)
         callsite = self.call_sites.capture(origin.fqn) if self.call_sites is not None else None
         call = (OpCall(index, op_id, info, phase, frame, inputs, in_tensors, args, kwargs, callsite, func)

@@ -72,9 +72,9 @@ class ModuleNames:
 
     def __init__(self, roots: nn.Module | dict[str, nn.Module] | None) -> None:
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-        self._param_owners: dict[int, str] = {}
         self.param_names: dict[int, str] = {}
-        """``id(parameter)`` -> its name (``layers.0.mlp.up.weight``): what an optimizer op updates."""
+        """``id(parameter)`` -> its name (``layers.0.mlp.up.weight``): what an optimizer op updates,
+        and, without its last part, the module that owns it."""
         self.types: dict[str, str] = {}
         """FQN -> module class name (for exports that name modules by class)."""
         self._auto_root = roots is None
@@ -96,9 +96,6 @@ class ModuleNames:
             self._names.setdefault(module, fqn)
             self.types.setdefault(fqn, type(module).__name__)
         for name, param in root.named_parameters(remove_duplicate=False):
-            owner = name.rpartition(".")[0]
-            fqn = f"{prefix}.{owner}" if prefix and owner else (prefix or owner)
-            self._param_owners.setdefault(id(param), fqn)
             self.param_names.setdefault(id(param), f"{prefix}.{name}" if prefix else name)
 
     def name(self, module: nn.Module, parent: Frame | None) -> str | None:
@@ -125,7 +122,8 @@ class ModuleNames:
         return self._names.get(module) if isinstance(module, nn.Module) else None
 
     def param_owner(self, param: torch.Tensor) -> str | None:
-        return self._param_owners.get(id(param))
+        name = self.param_names.get(id(param))
+        return None if name is None else name.rpartition(".")[0]
 
 
 class ModuleTracker:

@@ -41,8 +41,8 @@ class UpdatedParameters:
         self._names: dict[int, str] = {}
         """Data pointer -> the name of the parameter whose value, gradient or state lives there."""
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._state_size = 0
-        """State tensors the optimizers held when last learnt."""
+        self._name_of: dict[int, str] = {}
+        """``id(parameter)`` -> its name, from the modules (``ModuleNames.param_names``)."""
         self._learnt: dict[int, int] = {}
         """``id(parameter)`` -> how many state entries it had when learnt this step."""
 
@@ -51,32 +51,36 @@ class UpdatedParameters:
         if not self._optimizers:
             self.stop()
         self._optimizers.append(optimizer)
-        self._learn(optimizer, name_of)
+        self._name_of = name_of
+        self._learn(optimizer)
 
     def stop(self) -> None:
         """The outermost optimizer step ended."""
         self._optimizers.clear()
         self._names.clear()
         self._learnt.clear()
-        self._state_size = 0
 
-    def _learn(self, optimizer: torch.optim.Optimizer, name_of: dict[int, str]) -> None:
+    def _learn(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Learns the memory of the parameters whose state grew since they were learnt (all of
+        them at the step's start); returns whether there were any."""
+        grew = False
         for g, group in enumerate(optimizer.param_groups):
             for i, param in enumerate(group["params"]):
                 state = optimizer.state.get(param, {})
                 if self._learnt.get(id(param)) == len(state):
-                    continue  # learnt already this step (the state grew elsewhere)
+                    continue
+                grew = True
                 self._learnt[id(param)] = len(state)
                 # A parameter no module names (an optimizer over loose tensors) is named by its
                 # place, which is the same in two runs of one program.
-                name = name_of.get(id(param)) or f"param_groups[{g}][{i}]"
+                name = self._name_of.get(id(param)) or f"param_groups[{g}][{i}]"
                 for t in (param, param.grad, *state.values()):
                     if isinstance(t, torch.Tensor) and (pointer := _pointer(t)) is not None:
                         self._names[pointer] = name
-        self._state_size = self._state_tensors()
+        return grew
 
     def label(self, inputs: Sequence[InputMeta], tensors: Sequence[torch.Tensor],
-              records: Sequence[OpRecordTuple], name_of: dict[int, str]) -> str | None:
+              records: Sequence[OpRecordTuple]) -> str | None:
         """The parameter an op works for, or None (none, or several): ``inputs`` are its inputs'
         metadata (their sources), ``tensors`` the inputs themselves, ``records`` the step's."""
         # Per optimizer op, so no helper calls: an input an earlier optimizer op made carries its
@@ -104,13 +108,8 @@ class UpdatedParameters:
                 found = name
             elif name != found:
                 return None
-        # A tensor not seen before, in a step whose optimizer state grew since it was learnt:
-        # AdamW's first step makes each parameter's step counter before its first update.
-        if found is None and missed and self._state_tensors() != self._state_size:
-            for optimizer in self._optimizers:
-                self._learn(optimizer, name_of)
-            return self.label(inputs, tensors, records, name_of)
+        # A tensor not seen before, where the optimizer's state grew since it was learnt: AdamW's
+        # first step makes each parameter's step counter before its first update.
+        if found is None and missed and any([self._learn(o) for o in self._optimizers]):
+            return self.label(inputs, tensors, records)
         return found
-
-    def _state_tensors(self) -> int:
-        return sum(len(state) for o in self._optimizers for state in o.state.values())
