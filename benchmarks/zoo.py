@@ -322,13 +322,15 @@ def _fails_without_probe(built: Built, pair: Pair) -> str | None:
     return None if bad is None else f"the gradient of {bad} is not finite on the first batch"
 
 
-def cases_for(arch: Architecture, pairs: Iterable[str], faults: Iterable[str], steps: int) -> list[Case]:
+def cases_for(arch: Architecture, pairs: Iterable[str], faults: Iterable[str], steps: int,
+              fault_pairs: Iterable[str] | None = None) -> list[Case]:
     """The healthy pairs, then each fault on the fp32 pair and on a mixed-precision pair chosen
-    (seeded) for this architecture and fault."""
+    (seeded) for this architecture and fault, or on each of ``fault_pairs`` where given."""
     cases = [Case(arch, p, None, steps) for p in pairs]
     for fault in faults:
         mixed = MIXED[zlib.crc32(f"{arch.name}/{fault}".encode()) % len(MIXED)]
-        cases += [Case(arch, "fp32", fault, steps), Case(arch, mixed, fault, steps)]
+        on = list(fault_pairs) if fault_pairs is not None else ["fp32", mixed]
+        cases += [Case(arch, pair, fault, steps) for pair in on]
     return cases
 
 
@@ -554,6 +556,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--task", default="causal-lm", help=f"one of {', '.join(TASKS)}, or all")
     parser.add_argument("--pairs", default="all", help="healthy pairs, comma-separated, all or none")
     parser.add_argument("--faults", default="all", help="fault kinds, comma-separated, all or none")
+    parser.add_argument("--fault-on", default=None,
+                        help="plant the faults on these pairs (comma-separated) instead of fp32 and a "
+                             "mixed-precision pair in rotation")
     parser.add_argument("--archs", default=None, help="only these model types (comma-separated)")
     parser.add_argument("--from", dest="start", default=None,
                         help="start at this model type (in the listing's order): a slice, or a run resumed")
@@ -587,7 +592,8 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"--from {args.start}: no such architecture of {args.task}")
             archs = archs[names.index(args.start):]
         archs = archs[: args.limit] if args.limit is not None else archs
-        plan = {a: cases_for(a, pairs, faults, args.steps) for a in archs}
+        fault_pairs = _names(args.fault_on, PAIRS, "pair", parser) if args.fault_on is not None else None
+        plan = {a: cases_for(a, pairs, faults, args.steps, fault_pairs) for a in archs}
     command = "python -m benchmarks.zoo " + " ".join(argv if argv is not None else sys.argv[1:])
     console = Console()
     results: list[ArchResult] = []

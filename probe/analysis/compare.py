@@ -44,7 +44,8 @@ from probe.analysis.compiled_regions import compare_notes, opened_regions, repla
 from probe.analysis.layouts import LogicalRun, LogicalStep, layout_notes, logical_pair, partial_sums
 from probe.analysis.matching import MICRO_BATCHES, Match, mapped_id, match_ops, rename_module
 from probe.analysis.metrics import stats_metrics, tensor_metrics
-from probe.analysis.micro_batches import MicroBatches, accumulation_end, micro_batches
+from probe.analysis.micro_batches import NOT_FOLDED, MicroBatches, Unfoldable, accumulation_end, micro_batches
+from probe.analysis.micro_batches import fold as fold_micro_batches
 from probe.analysis.mode_records import StepDump
 from probe.analysis.module_graph import common_module
 from probe.analysis.overwrites import overwritten_inputs
@@ -189,6 +190,17 @@ class _Side:
         self.ops, self.loss_scale, self._scaled = precision.unscaled(run.ops(step, rank))
         self.held = precision.held_precision(self.ops)
         self.dump: StepDump | None = run.dump(step, rank) if run.has_dump(step, rank) else None
+        self.folded = False
+        """Whether :meth:`fold` replaced the run's ops (and the dump is not read)."""
+
+    def fold(self, ops: list[OpRecord]) -> None:
+        """Takes ``ops`` as the step's: its micro-batches folded into one batch
+        (:func:`probe.analysis.micro_batches.fold`). Their indices are no longer the dump's, so the
+        side is judged on statistics."""
+        self.ops, self.loss_scale, self._scaled = precision.unscaled(ops)
+        self.held = precision.held_precision(self.ops)
+        self.dump = None
+        self.folded = True
 
     def __getstate__(self) -> dict[str, Any]:
         # A piece of work (compare_pieces) hands its sides back without the run and its open
@@ -198,7 +210,8 @@ class _Side:
     def attach(self, run: Run, step: int, rank: int) -> None:
         """Reattaches the run (and its dump) after the side was pickled."""
         self.run = run
-        self.dump = run.dump(step, rank) if run.has_dump(step, rank) else None
+        if not self.folded:
+            self.dump = run.dump(step, rank) if run.has_dump(step, rank) else None
 
     def unscale(self, op: OpRecord, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """An op's outputs recomputed from its dumped inputs, with the loss scale divided out
@@ -286,7 +299,8 @@ def compare_tensors(
     if (ta.stats is None) != (tb.stats is None):
         # One run measured it, the other did not (its memory freed before it was read, a
         # filter, a mode the other run lacked): nothing to compare it against, never a pass.
-        missing = "B" if tb.stats is None else "A"
+        missing, why = ("B", tb.skipped) if tb.stats is None else ("A", ta.skipped)
+        note = "; ".join(n for n in (note, why if why == NOT_FOLDED else None) if n)
         message = f"no statistics in run {missing}" + (f" ({note})" if note else "")
         return TensorComparison(io, position, NOT_COMPARED, message, "none", {}, RULE_NOT_COMPARED)
     if ta.dtype != tb.dtype:
@@ -1829,6 +1843,25 @@ def _micro_batch_rows(ops_a: list[OpRecord], ops_b: list[OpRecord], structure: M
     return rows
 
 
+def _fold_micro_batches(side_a: _Side, side_b: _Side, structure: MicroBatches,
+                        module_map: dict[str, str]) -> bool:
+    """Folds the side that took several micro-batches into one batch against the other's one
+    (False: neither took one batch, or the micro-batches are laid out otherwise, and the
+    micro-batches stay "not compared")."""
+    def b_id(op: OpRecord) -> str:
+        return mapped_id(op, module_map)
+    try:
+        if structure.calls_a == 1:
+            side_b.fold(fold_micro_batches(side_b.ops, structure.calls_b, side_a.ops, b_id, lambda op: op.id))
+        elif structure.calls_b == 1:
+            side_a.fold(fold_micro_batches(side_a.ops, structure.calls_a, side_b.ops, lambda op: op.id, b_id))
+        else:
+            return False
+    except Unfoldable:
+        return False
+    return True
+
+
 @dataclass
 class MatchedStep:
     """One step of one rank read, matched and measured but not judged yet: what a piece of work
@@ -1852,6 +1885,8 @@ def match_step(run_a: Run, run_b: Run, step: int, rank: int, module_map: dict[st
     side_a, side_b = _Side(run_a, step, rank), _Side(run_b, step, rank)
     structure = micro_batches(side_a.ops, side_b.ops, lambda module: rename_module(module, module_map or {}))
     comparisons: list[OpComparison] = []
+    if structure is not None and _fold_micro_batches(side_a, side_b, structure, module_map or {}):
+        structure = None  # folded: compared as two steps of one batch
     ops_a, ops_b = side_a.ops, side_b.ops
     if structure is not None:  # the micro-batches' forward and backward: not compared op for op
         end_a, end_b = accumulation_end(ops_a), accumulation_end(ops_b)
@@ -1860,7 +1895,8 @@ def match_step(run_a: Run, run_b: Run, step: int, rank: int, module_map: dict[st
         if on_op is not None:
             for _ in range(end_a):
                 on_op()
-    matches = match_ops(ops_a, ops_b, module_map, *replayed_ops(run_b, step, rank))
+    replayed = ((set(), set()) if side_a.folded or side_b.folded else replayed_ops(run_b, step, rank))
+    matches = match_ops(ops_a, ops_b, module_map, *replayed)
     for m in matches:
         comparisons.append(_compare_pair(side_a, side_b, m, step, rank))
         if on_op is not None and m.a is not None:

@@ -16,12 +16,13 @@ called r times as often in run B as in run A, for one ratio r other than 1.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from probe.rundir.run import OpRecord
+from probe.analysis.layouts import combine_stats
+from probe.rundir.run import OpRecord, TensorRecord
 
 
 @dataclass(frozen=True)
@@ -72,3 +73,194 @@ def accumulation_end(ops: list[OpRecord]) -> int:
     if last is None:
         last = max((i for i, op in enumerate(ops) if op.phase == "forward" and op.module), default=-1)
     return last + 1
+
+
+# --------------------------------------------------------------------------- the fold in time
+
+NOT_FOLDED = ("a value of each micro-batch that is no slice of the full batch's "
+              "(a sum or a loss per micro-batch)")
+"""Why a folded value has no statistics: compare says "not compared", with this reason."""
+
+
+def _frame(entry: str) -> tuple[str, int] | None:
+    """A module stack entry ``name[call]`` as (name, call)."""
+    name, bracket, call = entry.rpartition("[")
+    if not bracket or not call.endswith("]") or not call[:-1].isdigit():
+        return None
+    return name, int(call[:-1])
+
+
+class _Segments:
+    """A step's micro-batches: which ops each holds and each module's calls per micro-batch."""
+
+    def __init__(self, ops: list[OpRecord], calls: int) -> None:
+        called: dict[str, set[int]] = defaultdict(set)  # the model itself ("") included
+        for op in ops:
+            if op.phase == "forward" and op.module_call >= 0:
+                called[op.module].add(op.module_call)
+        forward = {module: len(indices) for module, indices in called.items()}
+        if any(count % calls for count in forward.values()):
+            raise Unfoldable("a module is called a number of times the micro-batches do not divide")
+        self.per_call = {module: count // calls for module, count in forward.items()}
+        self.of: list[int] = []
+        """Op position -> its micro-batch. An op outside modules belongs to the micro-batch around
+        it; one in forward after a micro-batch's backward, to the next (its slicing of the batch)."""
+        current, backward_seen = 0, False
+        for op in ops:
+            if op.module_call >= 0 and op.module in self.per_call:
+                segment = op.module_call // self.per_call[op.module]
+            else:
+                segment = current + 1 if op.phase == "forward" and backward_seen else current
+            if segment < current or segment >= calls:
+                raise Unfoldable("the micro-batches' ops interleave")
+            if segment != current:
+                current, backward_seen = segment, False
+            backward_seen = backward_seen or op.phase == "backward"
+            self.of.append(segment)
+
+    def renumber(self, op: OpRecord, segment: int, counts: Counter[tuple[str, str, str]]) -> OpRecord:
+        """``op`` as the first micro-batch's call would have recorded it: its module calls and its
+        id counted within the micro-batch."""
+        def call(module: str, c: int) -> int:
+            return c - segment * self.per_call.get(module, 0)
+        stack = []
+        for entry in op.module_stack:
+            frame = _frame(entry)
+            stack.append(entry if frame is None else f"{frame[0]}[{call(*frame)}]")
+        module_call = call(op.module, op.module_call) if op.module_call >= 0 else op.module_call
+        frame_name = f"{op.module}[{module_call}]" if op.module_call >= 0 else ""
+        key = (op.phase, frame_name, op.name)
+        n = counts[key]
+        counts[key] += 1
+        return replace(op, id=f"{op.phase}:{frame_name}:{op.name}:{n}", module_call=module_call,
+                       module_stack=stack)
+
+
+class Unfoldable(Exception):
+    """The step's micro-batches are not laid out as one fold can read (said in the reason)."""
+
+
+def _fold_record(records: list[TensorRecord], reference: TensorRecord | None, varies: bool) -> TensorRecord:
+    """One tensor of the micro-batches' op as the full batch's: where the reference's shape is the
+    micro-batches' sizes added along one dim, the concatenation (statistics combined exactly); a
+    value made from no micro-batch's data (``varies`` False: a weight, a constant) and alike in
+    each is itself; else unknown, with the reason (a per-micro-batch loss or count, a partial sum
+    of a gradient: alike in shape, not in value)."""
+    lead = records[0]
+    shapes = [tuple(r.shape) for r in records]
+    if reference is not None and tuple(reference.shape) != shapes[0]:
+        full = tuple(reference.shape)
+        dims = [d for d in range(len(full)) if len(shapes[0]) == len(full) and full[d] != shapes[0][d]]
+        if len(dims) == 1 and all(len(s) == len(full) for s in shapes) and \
+                sum(s[dims[0]] for s in shapes) == full[dims[0]] and \
+                all(s[:dims[0]] + s[dims[0] + 1:] == full[:dims[0]] + full[dims[0] + 1:] for s in shapes):
+            stats = combine_stats([(r.stats, tuple(r.shape)) for r in records])
+            return replace(lead, shape=full, stats=stats, distribution=None, histogram=None, sketch=None,
+                           skipped=None if stats is not None else lead.skipped)
+    elif not varies and all(s == shapes[0] for s in shapes) and all(r.stats == lead.stats for r in records):
+        return lead
+    return _unknown(lead)
+
+
+def _unknown(record: TensorRecord) -> TensorRecord:
+    return replace(record, stats=None, distribution=None, histogram=None, sketch=None, skipped=NOT_FOLDED)
+
+
+def fold(ops: list[OpRecord], calls: int, reference: list[OpRecord],
+         key: Callable[[OpRecord], str] = lambda op: op.id,
+         reference_key: Callable[[OpRecord], str] = lambda op: op.id) -> list[OpRecord]:
+    """A step of ``calls`` micro-batches as the step of one full batch: ``reference``, the other
+    run's step of one batch, says what each value's full shape is. The micro-batches' ops are the
+    first's, their values folded (:func:`_fold_record`); gradients accumulated into ``.grad`` in
+    place by the later micro-batches are the first's gradient op's values; ops of the first
+    micro-batch's slicing the reference lacks are dropped (what reads them reads the batch); the
+    ops after the accumulation follow, their sources remapped. ``key`` and ``reference_key`` give
+    the ops of both runs in one naming (a module map). Raises :class:`Unfoldable`."""
+    end = accumulation_end(ops)
+    micro, rest = ops[:end], ops[end:]
+    segments = _Segments(micro, calls)
+    counts: list[Counter[tuple[str, str, str]]] = [Counter() for _ in range(calls)]
+    renumbered = [segments.renumber(op, segments.of[k], counts[segments.of[k]]) for k, op in enumerate(micro)]
+    by_id: list[dict[str, OpRecord]] = [{} for _ in range(calls)]
+    for op, segment in zip(renumbered, segments.of, strict=True):
+        by_id[segment][op.id] = op
+    references = {reference_key(op): op for op in reference[:accumulation_end(reference)]}
+    first_forward = next((k for k, op in enumerate(micro) if op.module_call >= 0), len(micro))
+
+    # Later micro-batches' in-place additions into a gradient: the value each holds when done.
+    accumulated: dict[tuple[int, int], TensorRecord] = {}
+    root_of: dict[int, tuple[int, int]] = {}  # op index -> the first micro-batch's value it adds into
+    for k, op in enumerate(micro):
+        if segments.of[k] == 0 or op.phase != "backward" or not op.outputs or not op.outputs[0].mutated \
+                or not op.inputs or op.inputs[0].source is None:
+            continue
+        source = op.inputs[0].source
+        root = root_of.get(source[0], source if segments.of[source[0]] == 0 else None)
+        if root is not None:
+            root_of[op.index] = root
+            accumulated[root] = op.outputs[0]
+
+    readers: dict[int, set[int]] = defaultdict(set)  # op index -> the micro-batches reading its results
+    for k, op in enumerate(micro):
+        for t in op.inputs:
+            if t.source is not None:
+                readers[t.source[0]].add(segments.of[k])
+    new_index: dict[int, int] = {}
+    varying: set[int] = set()  # ops whose results the micro-batches' data make (no value alike in each)
+    folded: list[OpRecord] = []
+    for k, (op, lead) in enumerate(zip(micro, renumbered, strict=True)):
+        if segments.of[k] != 0:
+            continue
+        partner = references.get(key(lead))
+        if k < first_forward and (partner is None or len(readers[op.index]) > 1):
+            continue  # the batch sliced into micro-batches
+        peers = [peer for t in range(1, calls) if (peer := by_id[t].get(lead.id)) is not None]
+        new_index[op.index] = len(folded)
+        inputs_vary = [t.source[0] in varying or t.source[0] not in new_index if t.source is not None else
+                       any(position >= len(p.inputs) or p.inputs[position].stats != t.stats for p in peers)
+                       for position, t in enumerate(op.inputs)]
+        if any(inputs_vary):
+            varying.add(op.index)
+        folded.append(_folded_op(lead, peers, len(peers) in (0, calls - 1), partner, accumulated,
+                                 op.index, inputs_vary))
+    for op in rest:
+        new_index[op.index] = len(folded)
+        folded.append(op)
+
+    def source_of(source: tuple[int, int] | None) -> tuple[int, int] | None:
+        if source is None:
+            return None
+        source = root_of.get(source[0], source)
+        return (new_index[source[0]], source[1]) if source[0] in new_index else None
+
+    return [replace(op, index=i, inputs=[replace(t, source=source_of(t.source)) for t in op.inputs])
+            for i, op in enumerate(folded)]
+
+
+def _folded_op(lead: OpRecord, peers: list[OpRecord], complete: bool, partner: OpRecord | None,
+               accumulated: dict[tuple[int, int], TensorRecord], index: int,
+               inputs_vary: list[bool]) -> OpRecord:
+    """The first micro-batch's op with its values folded over its ``peers`` (the same op in the
+    later micro-batches: none, an op done once for all of them; ``complete`` False: some lack it,
+    so nothing folds). ``partner``: the reference's op; ``inputs_vary``: whether the micro-batches'
+    data make each input (and so its results, where one does); ``accumulated``: the values later
+    micro-batches add into in place, when done."""
+    def folded(io: str, position: int, record: TensorRecord) -> TensorRecord:
+        if io == "output" and (index, position) in accumulated:
+            return replace(accumulated[(index, position)], source=None, mutated=record.mutated)
+        if not peers and complete:  # done once: itself, unless made from the first micro-batch alone
+            varies = inputs_vary[position] if io == "input" else any(inputs_vary)
+            return _unknown(record) if varies else record
+        if not complete:
+            return _unknown(record)
+        tensors = [(p.outputs if io == "output" else p.inputs) for p in peers]
+        if any(position >= len(t) for t in tensors):
+            return _unknown(record)
+        mine = partner.outputs if partner is not None and io == "output" else \
+            partner.inputs if partner is not None else []
+        return _fold_record([record, *(t[position] for t in tensors)],
+                            mine[position] if position < len(mine) else None,
+                            inputs_vary[position] if io == "input" else any(inputs_vary))
+    return replace(lead, inputs=[replace(folded("input", p, t), source=t.source)
+                                 for p, t in enumerate(lead.inputs)],
+                   outputs=[folded("output", p, t) for p, t in enumerate(lead.outputs)])
