@@ -396,9 +396,10 @@ def _fingerprint(record: TensorRecord) -> tuple | None:
 
 
 def _leaves_state(op: OpRecord, output: TensorRecord) -> bool:
-    """Whether an output of ``op`` may be read again in a later step: written in place, or by
-    the optimizer (its moments, momentum buffers, the weights)."""
-    return op.phase == "optimizer" or output.mutated
+    """Whether an output of ``op`` may be read again in a later step: written in place, by the
+    optimizer (its moments, momentum buffers, the weights), or in forward, where a model may keep
+    what it computed (a positional table it extends and casts to its input's dtype, a cache)."""
+    return op.phase in ("optimizer", "forward") or output.mutated
 
 
 def _left_state(ops: list[OpRecord]) -> dict[tuple, tuple[int, str, int]]:
@@ -719,8 +720,9 @@ def _computed_otherwise(c: OpComparison, carry: Carry,
             _stats_alike(ta, tb) if ta.source is None else (ta.dtype, ta.shape) == (tb.dtype, tb.shape)
             for ta, tb in zip(c.a.inputs, c.b.inputs, strict=True)):
         return None
-    differing = [t.position for t in c.outputs
-                 if not _alike(t, c.a.outputs[t.position], c.b.outputs[t.position])]
+    # (A result one run has no statistics of is unknown, not different.)
+    differing = [t.position for t in c.outputs if t.verdict != NOT_COMPARED
+                 and not _alike(t, c.a.outputs[t.position], c.b.outputs[t.position])]
     if not differing:
         return None
     return (f"the runs computed alike bit for bit up to here with the same kernels (versions, devices, "

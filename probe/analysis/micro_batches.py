@@ -140,26 +140,44 @@ class Unfoldable(Exception):
     """The step's micro-batches are not laid out as one fold can read (said in the reason)."""
 
 
-def _fold_record(records: list[TensorRecord], reference: TensorRecord | None, varies: bool) -> TensorRecord:
+def _fold_record(records: list[TensorRecord], reference: TensorRecord | None, varies: bool,
+                 result: bool) -> TensorRecord:
     """One tensor of the micro-batches' op as the full batch's: where the reference's shape is the
     micro-batches' sizes added along one dim, the concatenation (statistics combined exactly); a
     value made from no micro-batch's data (``varies`` False: a weight, a constant) and alike in
     each is itself; else unknown, with the reason (a per-micro-batch loss or count, a partial sum
-    of a gradient: alike in shape, not in value)."""
+    of a gradient: alike in shape, not in value). An integer or bool ``result`` of the batch's size
+    is unknown too, in its full shape: it may be positions within its micro-batch (a sort's
+    indices, an ``arange`` over its tokens), no slice of the full batch's positions."""
     lead = records[0]
-    shapes = [tuple(r.shape) for r in records]
-    if reference is not None and tuple(reference.shape) != shapes[0]:
-        full = tuple(reference.shape)
-        dims = [d for d in range(len(full)) if len(shapes[0]) == len(full) and full[d] != shapes[0][d]]
-        if len(dims) == 1 and all(len(s) == len(full) for s in shapes) and \
-                sum(s[dims[0]] for s in shapes) == full[dims[0]] and \
-                all(s[:dims[0]] + s[dims[0] + 1:] == full[:dims[0]] + full[dims[0] + 1:] for s in shapes):
-            stats = combine_stats([(r.stats, tuple(r.shape)) for r in records])
-            return replace(lead, shape=full, stats=stats, distribution=None, histogram=None, sketch=None,
-                           skipped=None if stats is not None else lead.skipped)
-    elif not varies and all(s == shapes[0] for s in shapes) and all(r.stats == lead.stats for r in records):
+    full = _concatenated([tuple(r.shape) for r in records], reference)
+    if full is not None:
+        if result and not lead.floating:
+            return _unknown(replace(lead, shape=full))
+        stats = combine_stats([(r.stats, tuple(r.shape)) for r in records])
+        return replace(lead, shape=full, stats=stats, distribution=None, histogram=None, sketch=None,
+                       skipped=None if stats is not None else lead.skipped)
+    if not varies and all(r.shape == lead.shape and r.stats == lead.stats for r in records):
         return lead
     return _unknown(lead)
+
+
+def _concatenated(shapes: list[tuple[int, ...]], reference: TensorRecord | None) -> tuple[int, ...] | None:
+    """The reference's shape where it is ``shapes`` concatenated along one dim (None: it is not)."""
+    if reference is None or tuple(reference.shape) == shapes[0]:
+        return None
+    full = tuple(reference.shape)
+    if any(len(shape) != len(full) for shape in shapes):
+        return None
+    dims = [d for d in range(len(full)) if full[d] != shapes[0][d]]
+    if len(dims) != 1:
+        return None
+    d = dims[0]
+    rest = full[:d] + full[d + 1:]
+    if sum(shape[d] for shape in shapes) != full[d] \
+            or any(shape[:d] + shape[d + 1:] != rest for shape in shapes):
+        return None
+    return full
 
 
 def _unknown(record: TensorRecord) -> TensorRecord:
@@ -260,7 +278,10 @@ def _folded_op(lead: OpRecord, peers: list[OpRecord], complete: bool, partner: O
             partner.inputs if partner is not None else []
         return _fold_record([record, *(t[position] for t in tensors)],
                             mine[position] if position < len(mine) else None,
-                            inputs_vary[position] if io == "input" else any(inputs_vary))
+                            inputs_vary[position] if io == "input" else any(inputs_vary), io == "output")
+    # An argument each micro-batch gives otherwise (a count of its tokens) is its data's, no
+    # constant of the computation to hold against the reference's.
+    constants = {k: v for k, v in lead.constants.items() if all(p.constants.get(k) == v for p in peers)}
     return replace(lead, inputs=[replace(folded("input", p, t), source=t.source)
                                  for p, t in enumerate(lead.inputs)],
-                   outputs=[folded("output", p, t) for p, t in enumerate(lead.outputs)])
+                   outputs=[folded("output", p, t) for p, t in enumerate(lead.outputs)], constants=constants)
