@@ -1,60 +1,125 @@
-"""Gradient accumulation against one full batch (``probe.analysis.micro_batches``): the micro-batches'
-forward and backward are "not compared" with the reason, never paired op for op; the optimizer step
-on the accumulated gradients is compared, and a fault there is found."""
+"""Gradient accumulation against one full batch (``probe.analysis.micro_batches``): the step of k
+micro-batches is folded into the step of one batch and compared op for op (values concatenate,
+gradients accumulated into ``.grad`` are compared when done); what each micro-batch has of its own
+(its loss, a partial weight gradient) is "not compared" with the reason; a fault in forward,
+backward or the optimizer step is found at its module and step."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import pytest
 import torch
+from hf_models import zoo_case
 from torch import nn
 
 import probe
+from probe.analysis.micro_batches import NOT_FOLDED
 from probe.analysis.verdicts import NOT_COMPARED, PASS, WARNING
+
+
+class Act(nn.Module):
+    """GELU, its output scaled by ``factor`` where a test plants a fault (1: not scaled, no op)."""
+
+    factor = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.gelu(x)
+        return y * self.factor if self.factor != 1.0 else y
 
 
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(8, 16)
-        self.act = nn.GELU()
+        self.act = Act()
         self.out = nn.Linear(16, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.act(self.inp(x)))
 
 
-def _train(out, micro_batches: int, lr: float = 1e-2, steps: int = 2) -> None:
-    """AdamW steps on a batch of 8, in ``micro_batches`` slices whose gradients accumulate
-    (each loss divided by their number, as gradient accumulation does)."""
+def _train(out: Path, micro_batches: int, lr: float = 1e-2, steps: int = 2,
+           scale: tuple[int, int, float] | None = None) -> None:
+    """AdamW steps on a batch of 8, in ``micro_batches`` slices whose gradients accumulate (each
+    loss divided by their number, as gradient accumulation does; one batch is not sliced).
+    ``scale``: (step, micro-batch, factor), the GELU's output scaled there (a planted fault)."""
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(1)
     with probe.mode("stats", out=str(out), model=model) as session:
-        for _ in range(steps):
+        for step in range(steps):
             x, y = torch.randn(8, 8, generator=gen), torch.randint(0, 3, (8,), generator=gen)
-            for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True):
+            parts = zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True) if micro_batches > 1 \
+                else [(x, y)]
+            for index, (xs, ys) in enumerate(parts):
+                model.act.factor = scale[2] if scale is not None and scale[:2] == (step, index) else 1.0
                 (nn.functional.cross_entropy(model(xs), ys) / micro_batches).backward()
             opt.step()
             opt.zero_grad()
             session.step()
 
 
-def test_two_micro_batches_against_one_batch_compare_the_optimizer_step_and_nothing_else(tmp_path):
+def _rows(report: Any, phase: str) -> list:
+    return [c for c in report.comparisons if (c.a or c.b).phase == phase]
+
+
+def test_two_micro_batches_fold_into_the_full_batch_and_compare_op_for_op(tmp_path):
     _train(tmp_path / "a", 1)
     _train(tmp_path / "b", 2)
     report = probe.compare(tmp_path / "a", tmp_path / "b")
     assert report.divergence is None, report.conclusion
-    rows = report.comparisons
-    micro = [c for c in rows if (c.a or c.b).phase in ("forward", "backward")]
-    optimizer = [c for c in rows if (c.a or c.b).phase == "optimizer"]
-    assert micro and all(c.verdict == NOT_COMPARED and "micro-batches: 2 calls" in c.message for c in micro)
-    # Run B's second micro-batch (its gradients added into .grad) is shown, not left unmatched.
-    assert any(c.a is None and c.b.name.startswith("aten.add_") and c.b.phase == "backward" for c in micro)
+    forward = [c for c in _rows(report, "forward") if c.a is not None and c.a.module in ("inp", "act", "out")]
+    # Every module op of the full batch has the first micro-batch's op as its partner, measured on
+    # the micro-batches' values together (the output's shape is the full batch's).
+    assert forward and all(c.b is not None and c.verdict in (PASS, WARNING) for c in forward)
+    gelu = next(c for c in forward if c.a.name == "aten.gelu.default")
+    assert gelu.b.outputs[0].shape == gelu.a.outputs[0].shape == (8, 16)
+    assert gelu.outputs[0].metrics and gelu.outputs[0].kind == "stats"
+    # The loss is each micro-batch's own: not compared, with the reason.
+    loss = next(c for c in _rows(report, "forward") if c.a is not None and "nll_loss_forward" in c.a.name)
+    assert loss.verdict == NOT_COMPARED and NOT_FOLDED in loss.message
+    # The gradients the optimizer reads are compared where AccumulateGrad made them, when accumulated.
+    grads = [c for c in _rows(report, "backward") if c.a is not None and c.a.name == "aten.detach.default"
+             and c.a.module in ("inp", "out")]
+    assert len(grads) == 8 and all(c.verdict == PASS for c in grads), [(c.a.id, c.message) for c in grads]
+    optimizer = _rows(report, "optimizer")
     assert optimizer and all(c.a is not None and c.b is not None and c.verdict in (PASS, WARNING)
                              for c in optimizer)
-    assert {c.step for c in optimizer} == {0, 1}
-    assert not report.ok  # missing data is never agreement
-    assert "not compared" in report.conclusion and "did not start alike" not in report.conclusion
+    assert not report.ok  # what was not compared is never agreement
+    assert "not compared" in report.conclusion
+
+
+@pytest.mark.parametrize("micro_batch", [0, 1])
+def test_a_module_scaled_in_one_micro_batch_is_found_at_its_module_and_step(tmp_path, micro_batch):
+    _train(tmp_path / "a", 1)
+    _train(tmp_path / "b", 2, scale=(1, micro_batch, 1.5))
+    d = probe.compare(tmp_path / "a", tmp_path / "b").divergence
+    assert d is not None and d.step == 1 and d.op.module == "act", d and (d.step, d.op.id)
+
+
+def test_the_run_with_micro_batches_may_be_run_a(tmp_path):
+    _train(tmp_path / "a", 2)
+    _train(tmp_path / "b", 1)
+    report = probe.compare(tmp_path / "a", tmp_path / "b")
+    assert report.divergence is None, report.conclusion
+    assert any(c.a is not None and c.a.name == "aten.gelu.default" and c.verdict == PASS
+               for c in report.comparisons)
+    _train(tmp_path / "c", 1, scale=(0, 0, 2.0))
+    d = probe.compare(tmp_path / "a", tmp_path / "c").divergence
+    assert d is not None and d.step == 0 and d.op.module == "act"
+
+
+def test_micro_batches_of_another_count_on_both_sides_are_not_compared(tmp_path):
+    # Two against four: neither run holds the full batch the other's values are slices of.
+    _train(tmp_path / "a", 2)
+    _train(tmp_path / "b", 4)
+    report = probe.compare(tmp_path / "a", tmp_path / "b")
+    assert report.divergence is None, report.conclusion
+    micro = [c for c in report.comparisons if (c.a or c.b).phase in ("forward", "backward")]
+    assert micro and all(c.verdict == NOT_COMPARED and "micro-batches: 4 calls" in c.message for c in micro)
 
 
 def test_a_fault_in_the_optimizer_step_of_accumulated_gradients_is_found_there(tmp_path):
@@ -63,3 +128,18 @@ def test_a_fault_in_the_optimizer_step_of_accumulated_gradients_is_found_there(t
     report = probe.compare(tmp_path / "a", tmp_path / "b")
     d = report.divergence
     assert d is not None and d.step == 0 and d.op.phase == "optimizer", report.conclusion
+
+
+@pytest.mark.parametrize("name", ["llama", "afmoe"])
+def test_a_transformers_model_in_two_micro_batches_compares_clean(name, tmp_path):
+    # AFMoE's experts sort the tokens' expert choices: a sort's indices and an arange over the
+    # tokens are positions within each micro-batch, no slices of the full batch's positions.
+    outcome = zoo_case("causal-lm", name, "accumulate-2", tmp_path)
+    assert outcome.error is None and outcome.skipped is None, outcome
+    assert outcome.ok, (outcome.answer, outcome.conclusion)
+
+
+def test_a_fault_in_a_transformers_model_in_micro_batches_is_found_at_its_module_and_step(tmp_path):
+    outcome = zoo_case("causal-lm", "llama", "accumulate-2", tmp_path, fault="scale-output")
+    assert outcome.error is None and outcome.skipped is None, outcome
+    assert outcome.ok, (outcome.site, outcome.answer)

@@ -91,24 +91,29 @@ def _frame(entry: str) -> tuple[str, int] | None:
 
 
 class _Segments:
-    """A step's micro-batches: which ops each holds and each module's calls per micro-batch."""
+    """A step's micro-batches: which ops each holds, and where each module's calls start in each.
+
+    An op in a module call belongs to the micro-batch of its outermost call (the model's: called
+    once per micro-batch); an op outside modules to the micro-batch around it, or, in forward after
+    a micro-batch's backward, to the next (its slicing of the batch). Inner modules may be called
+    a different number of times in each (a mixture of experts' experts, called for the tokens
+    routed to them): their calls are counted from each micro-batch's first."""
 
     def __init__(self, ops: list[OpRecord], calls: int) -> None:
-        called: dict[str, set[int]] = defaultdict(set)  # the model itself ("") included
+        outer: dict[str, set[int]] = defaultdict(set)
         for op in ops:
-            if op.phase == "forward" and op.module_call >= 0:
-                called[op.module].add(op.module_call)
-        forward = {module: len(indices) for module, indices in called.items()}
-        if any(count % calls for count in forward.values()):
-            raise Unfoldable("a module is called a number of times the micro-batches do not divide")
-        self.per_call = {module: count // calls for module, count in forward.items()}
+            if op.module_stack and (frame := _frame(op.module_stack[0])) is not None:
+                outer[frame[0]].add(frame[1])
+        if any(len(indices) % calls for indices in outer.values()):
+            raise Unfoldable("the model is called a number of times the micro-batches do not divide")
+        per_call = {module: len(indices) // calls for module, indices in outer.items()}
         self.of: list[int] = []
-        """Op position -> its micro-batch. An op outside modules belongs to the micro-batch around
-        it; one in forward after a micro-batch's backward, to the next (its slicing of the batch)."""
+        """Op position -> its micro-batch."""
         current, backward_seen = 0, False
         for op in ops:
-            if op.module_call >= 0 and op.module in self.per_call:
-                segment = op.module_call // self.per_call[op.module]
+            frame = _frame(op.module_stack[0]) if op.module_stack else None
+            if frame is not None:
+                segment = sorted(outer[frame[0]]).index(frame[1]) // per_call[frame[0]]
             else:
                 segment = current + 1 if op.phase == "forward" and backward_seen else current
             if segment < current or segment >= calls:
@@ -117,12 +122,19 @@ class _Segments:
                 current, backward_seen = segment, False
             backward_seen = backward_seen or op.phase == "backward"
             self.of.append(segment)
+        self.first: list[dict[str, int]] = [{} for _ in range(calls)]
+        """Micro-batch -> module -> its first call there."""
+        for op, segment in zip(ops, self.of, strict=True):
+            for entry in op.module_stack:
+                if (frame := _frame(entry)) is not None:
+                    first = self.first[segment]
+                    first[frame[0]] = min(first.get(frame[0], frame[1]), frame[1])
 
     def renumber(self, op: OpRecord, segment: int, counts: Counter[tuple[str, str, str]]) -> OpRecord:
         """``op`` as the first micro-batch's call would have recorded it: its module calls and its
         id counted within the micro-batch."""
         def call(module: str, c: int) -> int:
-            return c - segment * self.per_call.get(module, 0)
+            return c - self.first[segment].get(module, 0)
         stack = []
         for entry in op.module_stack:
             frame = _frame(entry)
@@ -226,6 +238,30 @@ def fold(ops: list[OpRecord], calls: int, reference: list[OpRecord],
     new_index: dict[int, int] = {}
     varying: set[int] = set()  # ops whose results the micro-batches' data make (no value alike in each)
     folded: list[OpRecord] = []
+    def own_op(index: int) -> bool:
+        """Whether op ``index`` is one a later micro-batch alone ran in the model."""
+        op = renumbered[index]
+        return segments.of[index] != 0 and op.id not in by_id[0] and op.module_call >= 0 \
+            and index not in root_of
+
+    def add_own(index: int) -> None:
+        """Adds a later micro-batch's own op (and its own producers first), its results unknown."""
+        if index in new_index:
+            return
+        op = renumbered[index]
+        inputs = []
+        for t in op.inputs:
+            source = t.source
+            if source is not None and own_op(source[0]):
+                add_own(source[0])
+            elif source is not None and segments.of[source[0]] != 0:
+                twin = by_id[0].get(renumbered[source[0]].id)  # the first micro-batch's value of it
+                source = (twin.index, source[1]) if twin is not None else None
+            inputs.append(replace(t, source=source))
+        new_index[index] = len(folded)
+        varying.add(index)
+        folded.append(replace(op, inputs=inputs, outputs=[_unknown(t) for t in op.outputs]))
+
     for k, (op, lead) in enumerate(zip(micro, renumbered, strict=True)):
         if segments.of[k] != 0:
             continue
@@ -233,6 +269,17 @@ def fold(ops: list[OpRecord], calls: int, reference: list[OpRecord],
         if k < first_forward and (partner is None or len(readers[op.index]) > 1):
             continue  # the batch sliced into micro-batches
         peers = [peer for t in range(1, calls) if (peer := by_id[t].get(lead.id)) is not None]
+        # A later micro-batch reading a value of its own here (an op the first lacks: a fault in
+        # that micro-batch alone) reads it in the fold too, so that the value enters there.
+        redirected: dict[int, tuple[int, int]] = {}
+        for peer in peers:
+            for position, t in enumerate(peer.inputs[:len(op.inputs)]):
+                if t.source is not None and own_op(t.source[0]):
+                    add_own(t.source[0])
+                    redirected[position] = t.source
+        if redirected:
+            op, lead = (replace(o, inputs=[replace(t, source=redirected.get(p, t.source))
+                                           for p, t in enumerate(o.inputs)]) for o in (op, lead))
         new_index[op.index] = len(folded)
         inputs_vary = [t.source[0] in varying or t.source[0] not in new_index if t.source is not None else
                        any(position >= len(p.inputs) or p.inputs[position].stats != t.stats for p in peers)
