@@ -45,6 +45,7 @@ from probe.analysis.layouts import LogicalRun, LogicalStep, layout_notes, logica
 from probe.analysis.matching import MICRO_BATCHES, Match, mapped_id, match_ops, rename_module
 from probe.analysis.metrics import stats_metrics, tensor_metrics
 from probe.analysis.micro_batches import NOT_FOLDED, MicroBatches, Unfoldable, accumulation_end, micro_batches
+from probe.analysis.micro_batches import Folded as FoldedMicroBatches
 from probe.analysis.micro_batches import fold as fold_micro_batches
 from probe.analysis.mode_records import StepDump
 from probe.analysis.module_graph import common_module
@@ -192,12 +193,15 @@ class _Side:
         self.dump: StepDump | None = run.dump(step, rank) if run.has_dump(step, rank) else None
         self.folded = False
         """Whether :meth:`fold` replaced the run's ops (and the dump is not read)."""
+        self.partial_sums: dict[tuple[int, int], int] = {}
+        """A folded side's values its micro-batches summed in parts (see :meth:`fold`)."""
 
-    def fold(self, ops: list[OpRecord]) -> None:
-        """Takes ``ops`` as the step's: its micro-batches folded into one batch
+    def fold(self, folded: FoldedMicroBatches) -> None:
+        """Takes the step's micro-batches folded into one batch as its ops
         (:func:`probe.analysis.micro_batches.fold`). Their indices are no longer the dump's, so the
         side is judged on statistics."""
-        self.ops, self.loss_scale, self._scaled = precision.unscaled(ops)
+        self.ops, self.loss_scale, self._scaled = precision.unscaled(folded.ops)
+        self.partial_sums = folded.partial_sums
         self.held = precision.held_precision(self.ops)
         self.dump = None
         self.folded = True
@@ -1781,7 +1785,8 @@ def _judge_reduction_order(side_a: _Side, side_b: _Side, c: OpComparison, by_ind
     leaves the op to the other rules. Runs of one layout never get here."""
     assert c.a is not None and c.b is not None
     positions = range(min(len(c.a.outputs), len(c.b.outputs)))
-    sums = (partial_sums(side_a.run, c.step), partial_sums(side_b.run, c.step))
+    sides = (side_a, side_b)
+    sums = tuple(side.partial_sums if side.folded else partial_sums(side.run, c.step) for side in sides)
     parts = [(sums[0].get((c.a.index, p), 1), sums[1].get((c.b.index, p), 1)) for p in positions]
     changed = [p for p, (pa, pb) in zip(positions, parts, strict=True) if pa != pb]
     if not changed:
@@ -1798,9 +1803,9 @@ def _judge_reduction_order(side_a: _Side, side_b: _Side, c: OpComparison, by_ind
     if judged is None or judged[0]:
         return False
     orders = ", ".join(f"run {name} sums {total} terms in one" if n == 1 else
-                       f"run {name} in {n} partial sums of {-(-total // n)}, then across ranks "
-                       f"(rounding of {k} terms)"
-                       for name, n, k in zip("AB", split, terms, strict=True))
+                       f"run {name} in {n} partial sums of {-(-total // n)}, then across "
+                       f"{'micro-batches' if side.folded else 'ranks'} (rounding of {k} terms)"
+                       for name, side, n, k in zip("AB", sides, split, terms, strict=True))
     note = f"consistent with a different reduction order ({how}): {orders}; {judged[1]}"
     c.rule = RULE_REDUCTION_ORDER
     if c.verdict != PASS:

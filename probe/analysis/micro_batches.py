@@ -16,6 +16,7 @@ called r times as often in run B as in run A, for one ratio r other than 1.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -23,6 +24,7 @@ from fractions import Fraction
 
 from probe.analysis.layouts import combine_stats
 from probe.rundir.run import OpRecord, TensorRecord
+from probe.vocabulary.op_class import returns_view
 
 
 @dataclass(frozen=True)
@@ -82,12 +84,39 @@ NOT_FOLDED = ("a value of each micro-batch that is no slice of the full batch's 
 """Why a folded value has no statistics: compare says "not compared", with this reason."""
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
 def _frame(entry: str) -> tuple[str, int] | None:
     """A module stack entry ``name[call]`` as (name, call)."""
     name, bracket, call = entry.rpartition("[")
     if not bracket or not call.endswith("]") or not call[:-1].isdigit():
         return None
     return name, int(call[:-1])
+
+
+_SCALINGS = frozenset({"aten.div.Tensor", "aten.div.Scalar", "aten.mul.Tensor", "aten.mul.Scalar"})
+
+
+def _loss_scalings(ops: list[OpRecord]) -> set[int]:
+    """The ops that scale each loss by a number before its backward (``loss / k``, gradient
+    accumulation's) and that scaling's backward: a 0-dim ``div`` or ``mul`` outside the model whose
+    result autograd seeds (``ones_like``), and the backward op of its name reading the seed."""
+    found: set[int] = set()
+    for seed in ops:
+        if seed.name != "aten.ones_like.default" or seed.module_call >= 0 or not seed.inputs \
+                or seed.inputs[0].source is None:
+            continue
+        scaling = ops[seed.inputs[0].source[0]]
+        if scaling.name not in _SCALINGS or scaling.module_call >= 0 or not scaling.outputs \
+                or tuple(scaling.outputs[0].shape) != ():
+            continue
+        backward = next((op for op in ops[seed.index + 1:] if op.phase == "backward"
+                         and any(t.source == (seed.index, 0) for t in op.inputs)), None)
+        if backward is not None and backward.name == scaling.name:
+            found |= {scaling.index, backward.index}
+    return found
 
 
 class _Segments:
@@ -148,6 +177,18 @@ class _Segments:
                        module_stack=stack)
 
 
+@dataclass
+class Folded:
+    """A step of micro-batches folded into one batch (:func:`fold`)."""
+
+    ops: list[OpRecord]
+    """The step's ops as one batch's, indexed from 0."""
+    partial_sums: dict[tuple[int, int], int]
+    """(op index, output position) -> how many partial sums the micro-batches computed it in: a
+    gradient summed over each micro-batch's slice of the batch and accumulated in ``.grad``
+    (compare's "reduction order" rule, as for the partial sums of a folded multi-rank run)."""
+
+
 class Unfoldable(Exception):
     """The step's micro-batches are not laid out as one fold can read (said in the reason)."""
 
@@ -198,7 +239,7 @@ def _unknown(record: TensorRecord) -> TensorRecord:
 
 def fold(ops: list[OpRecord], calls: int, reference: list[OpRecord],
          key: Callable[[OpRecord], str] = lambda op: op.id,
-         reference_key: Callable[[OpRecord], str] = lambda op: op.id) -> list[OpRecord]:
+         reference_key: Callable[[OpRecord], str] = lambda op: op.id) -> Folded:
     """A step of ``calls`` micro-batches as the step of one full batch: ``reference``, the other
     run's step of one batch, says what each value's full shape is. The micro-batches' ops are the
     first's, their values folded (:func:`_fold_record`); gradients accumulated into ``.grad`` in
@@ -209,8 +250,14 @@ def fold(ops: list[OpRecord], calls: int, reference: list[OpRecord],
     end = accumulation_end(ops)
     micro, rest = ops[:end], ops[end:]
     segments = _Segments(micro, calls)
+    # Each micro-batch's loss divided by their number, where the reference's is not: part of the
+    # accumulation, like the slicing of the batch (and not counted, so that the ids of the ops of
+    # that name after it are the reference's).
+    scalings = _loss_scalings(micro) if not _loss_scalings(reference[:accumulation_end(reference)]) else set()
     counts: list[Counter[tuple[str, str, str]]] = [Counter() for _ in range(calls)]
-    renumbered = [segments.renumber(op, segments.of[k], counts[segments.of[k]]) for k, op in enumerate(micro)]
+    renumbered = [replace(op, id=f"{op.id} (loss scaling)") if k in scalings
+                  else segments.renumber(op, segments.of[k], counts[segments.of[k]])
+                  for k, op in enumerate(micro)]
     by_id: list[dict[str, OpRecord]] = [{} for _ in range(calls)]
     for op, segment in zip(renumbered, segments.of, strict=True):
         by_id[segment][op.id] = op
@@ -229,6 +276,22 @@ def fold(ops: list[OpRecord], calls: int, reference: list[OpRecord],
         if root is not None:
             root_of[op.index] = root
             accumulated[root] = op.outputs[0]
+    # The accumulated value is also what the first micro-batch's sum that made the gradient holds
+    # once every micro-batch's is added (the same elements through its views: ``t``, ``view``,
+    # AccumulateGrad's ``detach``): that sum is the gradient in partial sums, one per micro-batch.
+    partial_sums: dict[tuple[int, int], int] = {}
+    for root, record in list(accumulated.items()):
+        at = root
+        while True:
+            producer = micro[at[0]]
+            source = producer.inputs[0].source if producer.inputs else None
+            if not (returns_view(producer.name) and source is not None and segments.of[source[0]] == 0
+                    and _numel(micro[source[0]].outputs[source[1]].shape) == _numel(record.shape)):
+                break
+            at = source
+            accumulated[at] = replace(record, shape=micro[at[0]].outputs[at[1]].shape)
+        if at != root:
+            partial_sums[at] = calls
 
     readers: dict[int, set[int]] = defaultdict(set)  # op index -> the micro-batches reading its results
     for k, op in enumerate(micro):
@@ -266,8 +329,8 @@ def fold(ops: list[OpRecord], calls: int, reference: list[OpRecord],
         if segments.of[k] != 0:
             continue
         partner = references.get(key(lead))
-        if k < first_forward and (partner is None or len(readers[op.index]) > 1):
-            continue  # the batch sliced into micro-batches
+        if k in scalings or (k < first_forward and (partner is None or len(readers[op.index]) > 1)):
+            continue  # the loss scaled for the accumulation, the batch sliced into micro-batches
         peers = [peer for t in range(1, calls) if (peer := by_id[t].get(lead.id)) is not None]
         # A later micro-batch reading a value of its own here (an op the first lacks: a fault in
         # that micro-batch alone) reads it in the fold too, so that the value enters there.
@@ -288,6 +351,8 @@ def fold(ops: list[OpRecord], calls: int, reference: list[OpRecord],
             varying.add(op.index)
         folded.append(_folded_op(lead, peers, len(peers) in (0, calls - 1), partner, accumulated,
                                  op.index, inputs_vary))
+        if any(f.shape != t.shape for f, t in zip(folded[-1].inputs, lead.inputs, strict=True)):
+            varying.add(op.index)
     for op in rest:
         new_index[op.index] = len(folded)
         folded.append(op)
@@ -298,8 +363,9 @@ def fold(ops: list[OpRecord], calls: int, reference: list[OpRecord],
         source = root_of.get(source[0], source)
         return (new_index[source[0]], source[1]) if source[0] in new_index else None
 
-    return [replace(op, index=i, inputs=[replace(t, source=source_of(t.source)) for t in op.inputs])
-            for i, op in enumerate(folded)]
+    return Folded([replace(op, index=i, inputs=[replace(t, source=source_of(t.source)) for t in op.inputs])
+                   for i, op in enumerate(folded)],
+                  {(new_index[i], p): n for (i, p), n in partial_sums.items() if i in new_index})
 
 
 def _folded_op(lead: OpRecord, peers: list[OpRecord], complete: bool, partner: OpRecord | None,
@@ -310,11 +376,10 @@ def _folded_op(lead: OpRecord, peers: list[OpRecord], complete: bool, partner: O
     so nothing folds). ``partner``: the reference's op; ``inputs_vary``: whether the micro-batches'
     data make each input (and so its results, where one does); ``accumulated``: the values later
     micro-batches add into in place, when done."""
-    def folded(io: str, position: int, record: TensorRecord) -> TensorRecord:
+    def folded(io: str, position: int, record: TensorRecord, varies: bool) -> TensorRecord:
         if io == "output" and (index, position) in accumulated:
             return replace(accumulated[(index, position)], source=None, mutated=record.mutated)
         if not peers and complete:  # done once: itself, unless made from the first micro-batch alone
-            varies = inputs_vary[position] if io == "input" else any(inputs_vary)
             return _unknown(record) if varies else record
         if not complete:
             return _unknown(record)
@@ -324,11 +389,14 @@ def _folded_op(lead: OpRecord, peers: list[OpRecord], complete: bool, partner: O
         mine = partner.outputs if partner is not None and io == "output" else \
             partner.inputs if partner is not None else []
         return _fold_record([record, *(t[position] for t in tensors)],
-                            mine[position] if position < len(mine) else None,
-                            inputs_vary[position] if io == "input" else any(inputs_vary), io == "output")
+                            mine[position] if position < len(mine) else None, varies, io == "output")
+    inputs = [replace(folded("input", p, t, inputs_vary[p]), source=t.source)
+              for p, t in enumerate(lead.inputs)]
+    # An input the full batch's size where each micro-batch's is smaller: what the op makes of it is
+    # the batch's (a sum of a value expanded over the batch), even alike in every micro-batch.
+    varies = any(inputs_vary) or any(f.shape != t.shape for f, t in zip(inputs, lead.inputs, strict=True))
     # An argument each micro-batch gives otherwise (a count of its tokens) is its data's, no
     # constant of the computation to hold against the reference's.
     constants = {k: v for k, v in lead.constants.items() if all(p.constants.get(k) == v for p in peers)}
-    return replace(lead, inputs=[replace(folded("input", p, t), source=t.source)
-                                 for p, t in enumerate(lead.inputs)],
-                   outputs=[folded("output", p, t) for p, t in enumerate(lead.outputs)], constants=constants)
+    outputs = [folded("output", p, t, varies) for p, t in enumerate(lead.outputs)]
+    return replace(lead, inputs=inputs, outputs=outputs, constants=constants)
