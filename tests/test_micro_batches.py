@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_models import zoo_case
+from hf_models import tiny_llama, zoo_case
 from torch import nn
 
 import probe
@@ -143,3 +143,40 @@ def test_a_fault_in_a_transformers_model_in_micro_batches_is_found_at_its_module
     outcome = zoo_case("causal-lm", "llama", "accumulate-2", tmp_path, fault="scale-output")
     assert outcome.error is None and outcome.skipped is None, outcome
     assert outcome.ok, (outcome.site, outcome.answer)
+
+
+def _train_llama(out: Path, micro_batches: int, scale_mlp: float = 1.0) -> None:
+    """Two AdamW steps of a Llama at hidden 256 on a batch of 4 x 128 tokens (its MLP's activations
+    2^20 elements), in ``micro_batches`` slices; ``scale_mlp``: layer 1's MLP output scaled in
+    step 1's last micro-batch (a planted fault)."""
+    model = tiny_llama(hidden_size=256, intermediate_size=2048, vocab_size=256, max_position_embeddings=128)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    mlp = model.model.layers[1].mlp
+    with probe.mode("stats", out=str(out), model=model) as session:
+        for step in range(2):
+            ids = torch.randint(0, 256, (4, 128), generator=gen)
+            parts = ids.chunk(micro_batches) if micro_batches > 1 else [ids]
+            for index, part in enumerate(parts):
+                hook = None
+                if scale_mlp != 1.0 and step == 1 and index == len(parts) - 1:
+                    hook = mlp.down_proj.register_forward_hook(lambda _m, _i, output: output * scale_mlp)
+                (model(input_ids=part, labels=part).loss / len(parts)).backward()
+                if hook is not None:
+                    hook.remove()
+            opt.step()
+            opt.zero_grad()
+            session.step()
+
+
+def test_at_a_realistic_size_the_fold_is_clean_and_a_fault_in_one_micro_batch_is_found(tmp_path):
+    _train_llama(tmp_path / "a", 1)
+    _train_llama(tmp_path / "b", 2)
+    report = probe.compare(tmp_path / "a", tmp_path / "b")
+    assert report.divergence is None, report.conclusion
+    big = [c for c in report.comparisons if c.a is not None and c.b is not None
+           and c.a.outputs and c.a.outputs[0].numel >= 1 << 20 and c.verdict == PASS]
+    assert big, "no value of 2^20 elements compared"
+    _train_llama(tmp_path / "c", 2, scale_mlp=1.25)
+    d = probe.compare(tmp_path / "a", tmp_path / "c").divergence
+    assert d is not None and d.step == 1 and d.op.module.startswith("model.layers.1.mlp"), d and d.op.id
