@@ -89,7 +89,6 @@ from probe.rundir.run import OpRecord, Run, TensorRecord
 from probe.rundir.tensor_layouts import STRIDED, dense_values
 from probe.rundir.written_parts import partial_write, written_part_sources, written_parts
 from probe.vocabulary.op_class import creates_uninitialized, draws_random, probability_argument, returns_view
-from probe.vocabulary.rounding import reduction_length
 
 METRIC_KEYS = ("cosine", "max_abs_err", "max_rel_err", "one_thousandth_ratio",
                "five_thousandth_ratio", "rmse", "max_ulp", "ref_rms", "max_ulp_at_scale")
@@ -256,6 +255,10 @@ def compare_tensors(
     others = op_b.inputs if io == "input" else op_b.outputs
     ta: TensorRecord = records[position]
     tb: TensorRecord = others[position]
+    unfolded = next((name for name, t in (("A", ta), ("B", tb)) if t.skipped == NOT_FOLDED), None)
+    if unfolded is not None and ta.shape != tb.shape:  # a micro-batch's value the fold did not make whole
+        return TensorComparison(io, position, NOT_COMPARED, f"no statistics in run {unfolded} ({NOT_FOLDED})",
+                                "none", {}, RULE_NOT_COMPARED)
     if ta.shape != tb.shape:
         return TensorComparison(io, position, ERROR, f"shape {list(ta.shape)} vs {list(tb.shape)}",
                                 rule=RULE_SHAPE)
@@ -497,17 +500,6 @@ def _error_of(t: TensorComparison, a: TensorRecord, b: TensorRecord) -> float | 
     return None
 
 
-def _reduction(op: OpRecord, output: int = 0) -> int:
-    """Terms per element of output ``output`` of a contraction (1 for other ops), from the
-    recorded shapes."""
-    args: list[Any] = [torch.empty(t.shape, device="meta") for t in op.inputs]
-    if op.name == "aten.native_layer_norm_backward.default" and len(op.inputs) >= 3:
-        # Its normalized shape is no tensor: each row's mean (input 2) stands for a row.
-        rows = max(op.inputs[2].numel, 1)
-        args = [*args[:2], [max(op.inputs[0].numel // rows, 1)], *args[2:]]
-    return reduction_length(op.name, args, output)
-
-
 def _dtype(record: TensorRecord) -> torch.dtype:
     dtype = getattr(torch, record.dtype)
     return dtype if dtype.is_floating_point else torch.float64
@@ -562,7 +554,7 @@ def _judge_by_replay(side_a: _Side, side_b: _Side, c: OpComparison,
             operands = precision.input_precision(op)
             if operands is not None:
                 computed = precision.lower_of(computed, operands)
-            reduction = terms[k] if terms is not None else _reduction(op, p)
+            reduction = terms[k] if terms is not None else precision.contraction_terms(op, p)
             bound = precision.rounding(computed, reduction) * max(_condition(side, op), 1.0)
             if error > bound:
                 return True, (f"output {p}: run {name}'s result is {error:.3g} (relative) from the "
@@ -929,7 +921,8 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
     assert c.a is not None and c.b is not None
     in_error = sketched = 0.0
     overwritten = overwritten_inputs(c.a)
-    summed = _reduction(c.a) > 1 or precision.summed_terms(c.a) > 1 or _multiplies_tensors(c.a)
+    summed = precision.contraction_terms(c.a) > 1 or precision.summed_terms(c.a) > 1 \
+        or _multiplies_tensors(c.a)
     for position, record in enumerate(c.a.inputs):
         if position >= len(c.b.inputs) or position in overwritten \
                 or _uninitialized(record, c.b.inputs[position], by_index):
@@ -977,7 +970,8 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
     # An op's own rounding is relative to its terms; where they cancel, relative to its result
     # it grows as its inputs' differences do (a gradient that is zero in exact arithmetic, such
     # as a key bias's, is rounding alone).
-    reductions = terms if terms is not None else (_reduction(c.a), _reduction(c.b))
+    reductions = terms if terms is not None else \
+        (precision.contraction_terms(c.a), precision.contraction_terms(c.b))
     rounding = max(cancellation, 1.0) * (precision.rounding(out_dtypes[0], reductions[0], floor=False)
                                          + precision.rounding(out_dtypes[1], reductions[1], floor=False))
     # A result below its dtype's normal range rounds absolutely, already relative to itself.
@@ -1470,7 +1464,7 @@ def _chain_terms(producers: list[OpRecord]) -> int:
     terms = 1.0
     for op in producers:
         amplified = max(precision.condition(op), 1.0)
-        terms += max(_reduction(op), precision.summed_terms(op), 1) * amplified * amplified
+        terms += max(precision.contraction_terms(op), precision.summed_terms(op), 1) * amplified * amplified
     return int(min(terms, 2.0 ** 62))
 
 
@@ -1742,6 +1736,11 @@ def _judge_op(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int,
         return
     if not tainted and _judge_reduction_order(side_a, side_b, c, by_index, replay_limit, carried):
         return
+    unknown = None if tainted else _reads_unfolded(side_a, side_b, c)
+    if unknown is not None:  # no bound follows from a value the fold does not know: never a verdict
+        c.verdict, c.rule = NOT_COMPARED, RULE_NOT_COMPARED
+        c.message = f"{unknown}; {c.message}" if c.message else unknown
+        return
     # Downstream of a divergence a replay would only say where it grows: the cheap bound does.
     skipped = None if tainted else _replay_skipped(c, replay_limit)
     judged, rule = (None if tainted or skipped else _judge_by_replay(side_a, side_b, c)), RULE_REPLAY
@@ -1766,11 +1765,17 @@ def _judge_op(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int,
             t.verdict, t.rule = c.verdict, c.rule
 
 
-def _summation_terms(op: OpRecord, position: int) -> int:
-    """Terms each element of output ``position`` sums: a contraction's, a sum's (or mean's, a
-    loss's) input elements per output element."""
-    ratio = op.inputs[0].numel // max(op.outputs[position].numel, 1) if op.inputs else 1
-    return max(_reduction(op, position), precision.summed_terms(op), ratio, 1)
+def _reads_unfolded(side_a: _Side, side_b: _Side, c: OpComparison) -> str | None:
+    """Why ``c`` cannot be judged (None: it can): it reads a value a side folded from its
+    micro-batches does not know (a gradient assembled from per-micro-batch parts)."""
+    for side, op in ((side_a, c.a), (side_b, c.b)):
+        if not side.folded or op is None:
+            continue
+        for position, t in enumerate(op.inputs):
+            if t.source is not None and side.ops[t.source[0]].outputs[t.source[1]].skipped == NOT_FOLDED:
+                return (f"input {position} is a value of the micro-batches the fold does not know "
+                        f"({NOT_FOLDED})")
+    return None
 
 
 def _judge_reduction_order(side_a: _Side, side_b: _Side, c: OpComparison, by_index: dict[int, OpComparison],
@@ -1792,7 +1797,7 @@ def _judge_reduction_order(side_a: _Side, side_b: _Side, c: OpComparison, by_ind
     if not changed:
         return False
     p = changed[0]
-    total = max(_summation_terms(c.a, p), _summation_terms(c.b, p))
+    total = max(precision.summation_terms(c.a, p), precision.summation_terms(c.b, p))
     split = [parts[p][k] for k in (0, 1)]
     terms = tuple(-(-total // n) + n - 1 for n in split)
     skipped = _replay_skipped(c, replay_limit)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from probe.analysis.layouts import combine_stats
+from probe.analysis.precision import summation_terms
 from probe.rundir.run import OpRecord, TensorRecord
 from probe.vocabulary.op_class import returns_view
 
@@ -119,6 +120,11 @@ def _loss_scalings(ops: list[OpRecord]) -> set[int]:
     return found
 
 
+def _moves_values(name: str) -> bool:
+    """Whether an op's result holds its input's elements as they are (a view, a copy)."""
+    return bool(returns_view(name)) or name in ("aten.clone.default", "aten._unsafe_view.default")
+
+
 class _Segments:
     """A step's micro-batches: which ops each holds, and where each module's calls start in each.
 
@@ -187,6 +193,44 @@ class Folded:
     """(op index, output position) -> how many partial sums the micro-batches computed it in: a
     gradient summed over each micro-batch's slice of the batch and accumulated in ``.grad``
     (compare's "reduction order" rule, as for the partial sums of a folded multi-rank run)."""
+
+
+class _References:
+    """The reference's ops, found for a folded op by its id, or near it where ids shifted."""
+
+    def __init__(self, ops: list[OpRecord], key: Callable[[OpRecord], str]) -> None:
+        self.by_id = {key(op): op for op in ops}
+        self.by_kind: dict[str, list[OpRecord]] = defaultdict(list)
+        for op in ops:
+            self.by_kind[key(op).rsplit(":", 1)[0]].append(op)
+
+    def partner(self, op_id: str, ops: list[OpRecord]) -> OpRecord | None:
+        """The reference's op of id ``op_id`` when its results' shapes are the micro-batches' ops'
+        (``ops``) or their concatenation; else the nearest op of its kind (module call, name) whose
+        are: the full batch may run one op of a name more or less than a micro-batch (a view a
+        batch of one needs), which shifts the ids after it."""
+        kind, _, n = op_id.rpartition(":")
+        candidates = self.by_kind.get(kind, [])
+        if not n.isdigit() or not candidates:
+            return self.by_id.get(op_id)
+        count = int(n)
+        for k in sorted(range(len(candidates)), key=lambda k: (abs(k - count), k)):
+            if abs(k - count) > 2:
+                break
+            if _fits(candidates[k], ops):
+                return candidates[k]
+        return self.by_id.get(op_id)
+
+
+def _fits(reference: OpRecord, ops: list[OpRecord]) -> bool:
+    """Whether the reference's results are shaped as the micro-batches' ops' or their concatenation."""
+    if any(len(op.outputs) != len(reference.outputs) for op in ops):
+        return False
+    for position, t in enumerate(reference.outputs):
+        shapes = [tuple(op.outputs[position].shape) for op in ops]
+        if tuple(t.shape) != shapes[0] and _concatenated(shapes, t) is None:
+            return False
+    return True
 
 
 class Unfoldable(Exception):
@@ -261,7 +305,7 @@ def fold(ops: list[OpRecord], calls: int, reference: list[OpRecord],
     by_id: list[dict[str, OpRecord]] = [{} for _ in range(calls)]
     for op, segment in zip(renumbered, segments.of, strict=True):
         by_id[segment][op.id] = op
-    references = {reference_key(op): op for op in reference[:accumulation_end(reference)]}
+    references = _References(reference[:accumulation_end(reference)], reference_key)
     first_forward = next((k for k, op in enumerate(micro) if op.module_call >= 0), len(micro))
 
     # Later micro-batches' in-place additions into a gradient: the value each holds when done.
@@ -278,20 +322,25 @@ def fold(ops: list[OpRecord], calls: int, reference: list[OpRecord],
             accumulated[root] = op.outputs[0]
     # The accumulated value is also what the first micro-batch's sum that made the gradient holds
     # once every micro-batch's is added (the same elements through its views: ``t``, ``view``,
-    # AccumulateGrad's ``detach``): that sum is the gradient in partial sums, one per micro-batch.
+    # AccumulateGrad's ``detach``, copies): that sum is the gradient in partial sums, one per
+    # micro-batch.
     partial_sums: dict[tuple[int, int], int] = {}
     for root, record in list(accumulated.items()):
-        at = root
+        chain = [root]
         while True:
-            producer = micro[at[0]]
+            producer = micro[chain[-1][0]]
             source = producer.inputs[0].source if producer.inputs else None
-            if not (returns_view(producer.name) and source is not None and segments.of[source[0]] == 0
+            if not (_moves_values(producer.name) and source is not None and segments.of[source[0]] == 0
                     and _numel(micro[source[0]].outputs[source[1]].shape) == _numel(record.shape)):
                 break
-            at = source
-            accumulated[at] = replace(record, shape=micro[at[0]].outputs[at[1]].shape)
-        if at != root:
-            partial_sums[at] = calls
+            chain.append(source)
+        if summation_terms(micro[chain[-1][0]], chain[-1][1]) > 1:
+            partial_sums[chain[-1]] = calls
+            for at in chain:
+                accumulated[at] = replace(record, shape=micro[at[0]].outputs[at[1]].shape)
+        else:  # made of parts (a stack of sums, a copy): no sum whose order the rounding of which is known
+            for at in chain:
+                accumulated[at] = _unknown(replace(record, shape=micro[at[0]].outputs[at[1]].shape))
 
     readers: dict[int, set[int]] = defaultdict(set)  # op index -> the micro-batches reading its results
     for k, op in enumerate(micro):
@@ -328,10 +377,10 @@ def fold(ops: list[OpRecord], calls: int, reference: list[OpRecord],
     for k, (op, lead) in enumerate(zip(micro, renumbered, strict=True)):
         if segments.of[k] != 0:
             continue
-        partner = references.get(key(lead))
+        peers = [peer for t in range(1, calls) if (peer := by_id[t].get(lead.id)) is not None]
+        partner = references.partner(key(lead), [lead, *peers])
         if k in scalings or (k < first_forward and (partner is None or len(readers[op.index]) > 1)):
             continue  # the loss scaled for the accumulation, the batch sliced into micro-batches
-        peers = [peer for t in range(1, calls) if (peer := by_id[t].get(lead.id)) is not None]
         # A later micro-batch reading a value of its own here (an op the first lacks: a fault in
         # that micro-batch alone) reads it in the fold too, so that the value enters there.
         redirected: dict[int, tuple[int, int]] = {}

@@ -25,13 +25,14 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from probe.analysis.metrics import TensorMetrics
 from probe.rundir.loss_scaler import is_scaler_op, scaler_step_in
 from probe.rundir.run import OpRecord, TensorRecord
-from probe.vocabulary.rounding import CONDITION, ROUNDING_ULPS, eps, threshold
+from probe.vocabulary.rounding import CONDITION, ROUNDING_ULPS, eps, reduction_length, threshold
 
 __all__ = [
     "CONDITION",
@@ -734,6 +735,24 @@ def _sum_condition(x: TensorRecord, y: TensorRecord, mean: bool) -> float:
         return 1.0
     terms = max(x.numel // y.numel, 1)
     return math.sqrt(terms) * in_rms / ((terms if mean else 1) * out_rms)
+
+
+def contraction_terms(op: OpRecord, output: int = 0) -> int:
+    """Terms per element of output ``output`` of a contraction (1 for other ops), from the
+    recorded shapes."""
+    args: list[Any] = [torch.empty(t.shape, device="meta") for t in op.inputs]
+    if op.name == "aten.native_layer_norm_backward.default" and len(op.inputs) >= 3:
+        # Its normalized shape is no tensor: each row's mean (input 2) stands for a row.
+        rows = max(op.inputs[2].numel, 1)
+        args = [*args[:2], [max(op.inputs[0].numel // rows, 1)], *args[2:]]
+    return reduction_length(op.name, args, output)
+
+
+def summation_terms(op: OpRecord, position: int) -> int:
+    """Terms each element of output ``position`` sums: a contraction's, a sum's (or mean's, a
+    loss's) input elements per output element."""
+    ratio = op.inputs[0].numel // max(op.outputs[position].numel, 1) if op.inputs else 1
+    return max(contraction_terms(op, position), summed_terms(op), ratio, 1)
 
 
 def summed_terms(op: OpRecord) -> int:
