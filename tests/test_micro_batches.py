@@ -139,8 +139,12 @@ def test_a_transformers_model_in_two_micro_batches_compares_clean(name, tmp_path
     assert outcome.ok, (outcome.answer, outcome.conclusion)
 
 
-def test_a_fault_in_a_transformers_model_in_micro_batches_is_found_at_its_module_and_step(tmp_path):
-    outcome = zoo_case("causal-lm", "llama", "accumulate-2", tmp_path, fault="scale-output")
+@pytest.mark.parametrize("name", ["llama", "jetmoe"])
+def test_a_fault_in_a_transformers_model_in_micro_batches_is_found_at_its_module_and_step(name, tmp_path):
+    # JetMoE's fault sits in an expert: the router's indices, positions within each micro-batch,
+    # are not compared, which is no evidence that the routing differs (the zoo's seed: x1.122 at
+    # layer 1's experts' input_linear, step 1; before, 'no divergence', every expert op excused).
+    outcome = zoo_case("causal-lm", name, "accumulate-2", tmp_path, fault="scale-output")
     assert outcome.error is None and outcome.skipped is None, outcome
     assert outcome.ok, (outcome.site, outcome.answer)
 

@@ -1620,7 +1620,9 @@ def _judge_routing_decision(side_a: _Side, side_b: _Side, c: OpComparison,
     if c.a is None or c.b is None or c.rule in (RULE_LOWERED, RULE_OUTSIDE, RULE_ARGUMENTS) \
             or not (decides(c.a) and decides(c.b)):
         return
-    differing = [t for t in c.outputs if t.verdict != PASS and t.position < len(c.b.outputs)
+    # (A discrete result one run has no statistics of, a micro-batch's positions, is no evidence.)
+    differing = [t for t in c.outputs if t.verdict not in (PASS, NOT_COMPARED)
+                 and t.position < len(c.b.outputs)
                  and discrete(c.a.outputs[t.position]) and discrete(c.b.outputs[t.position])]
     if not differing:
         return

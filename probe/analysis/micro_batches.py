@@ -3,17 +3,21 @@ another number (one full batch, say).
 
 Such a step is the same training step computed over other slices of the batch: the model is
 called k times, each call's backward adds into ``.grad`` (``param.grad += ...`` after the
-first), the loss is divided by k, and the optimizer steps once. Its forward and backward ops
-have no partner op for op (a micro-batch's op sees half the rows of the full batch's), so they
-are "not compared" with the reason, never paired by position and never taken as agreement.
-What both runs compute on whole values is compared as usual: the ops after the last backward
-op (gradient clipping, a GradScaler's unscale, the optimizer step), which read the accumulated
-gradients and write the parameters the next step reads.
+first), the loss is divided by k, and the optimizer steps once. The structure is recognised
+from the records alone: every module both runs call in forward is called r times as often in
+run B as in run A, for one ratio r other than 1 (:func:`micro_batches`).
 
-The structure is recognised from the records alone: every module both runs call in forward is
-called r times as often in run B as in run A, for one ratio r other than 1.
+Against one full batch, the step of micro-batches is **folded in time** into the step of one
+batch (:func:`fold`), the way a data-parallel run is folded across ranks
+(``probe.analysis.layouts``): the first micro-batch's ops stand for the step's, each value the
+micro-batches' values concatenated (statistics combined exactly) where the other run's shape
+says so, each gradient accumulated in ``.grad`` the sum that made it in k partial sums; what
+each micro-batch has of its own (its loss, positions within it) is unknown, "not compared" with
+the reason. Micro-batches on both sides in other numbers are not folded: their forward and
+backward are "not compared", and the ops after the last backward op (gradient clipping, a
+GradScaler's unscale, the optimizer step), which read the accumulated gradients, are compared
+as usual.
 """
-
 from __future__ import annotations
 
 import math
@@ -281,6 +285,50 @@ def _unknown(record: TensorRecord) -> TensorRecord:
     return replace(record, stats=None, distribution=None, histogram=None, sketch=None, skipped=NOT_FOLDED)
 
 
+def _accumulations(micro: list[OpRecord], of: list[int]
+                   ) -> tuple[dict[tuple[int, int], TensorRecord], dict[int, tuple[int, int]]]:
+    """The later micro-batches' in-place additions into a gradient (``.grad += g``): the first
+    micro-batch's value each adds into -> the value it holds when done, and each addition's op
+    index -> that first value (``of``: each op's micro-batch)."""
+    accumulated: dict[tuple[int, int], TensorRecord] = {}
+    root_of: dict[int, tuple[int, int]] = {}
+    for k, op in enumerate(micro):
+        if of[k] == 0 or op.phase != "backward" or not op.outputs or not op.outputs[0].mutated \
+                or not op.inputs or op.inputs[0].source is None:
+            continue
+        source = op.inputs[0].source
+        root = root_of.get(source[0], source if of[source[0]] == 0 else None)
+        if root is not None:
+            root_of[op.index] = root
+            accumulated[root] = op.outputs[0]
+    return accumulated, root_of
+
+
+def _gradient_sums(micro: list[OpRecord], of: list[int], accumulated: dict[tuple[int, int], TensorRecord],
+                   calls: int) -> dict[tuple[int, int], int]:
+    """The sums that made the accumulated gradients, each in ``calls`` partial sums; the values
+    between such a sum and its gradient (its views: ``t``, ``view``, AccumulateGrad's ``detach``,
+    copies) hold the accumulated value too, added to ``accumulated``. A gradient made of parts
+    (a stack of sums) is unknown there: no sum's rounding in parts bounds it."""
+    partial_sums: dict[tuple[int, int], int] = {}
+    for root, record in list(accumulated.items()):
+        chain = [root]
+        while True:
+            producer = micro[chain[-1][0]]
+            source = producer.inputs[0].source if producer.inputs else None
+            if not (_moves_values(producer.name) and source is not None and of[source[0]] == 0
+                    and _numel(micro[source[0]].outputs[source[1]].shape) == _numel(record.shape)):
+                break
+            chain.append(source)
+        summed = summation_terms(micro[chain[-1][0]], chain[-1][1]) > 1
+        if summed:
+            partial_sums[chain[-1]] = calls
+        for at in chain:
+            value = replace(record, shape=micro[at[0]].outputs[at[1]].shape)
+            accumulated[at] = value if summed else _unknown(value)
+    return partial_sums
+
+
 def fold(ops: list[OpRecord], calls: int, reference: list[OpRecord],
          key: Callable[[OpRecord], str] = lambda op: op.id,
          reference_key: Callable[[OpRecord], str] = lambda op: op.id) -> Folded:
@@ -308,39 +356,8 @@ def fold(ops: list[OpRecord], calls: int, reference: list[OpRecord],
     references = _References(reference[:accumulation_end(reference)], reference_key)
     first_forward = next((k for k, op in enumerate(micro) if op.module_call >= 0), len(micro))
 
-    # Later micro-batches' in-place additions into a gradient: the value each holds when done.
-    accumulated: dict[tuple[int, int], TensorRecord] = {}
-    root_of: dict[int, tuple[int, int]] = {}  # op index -> the first micro-batch's value it adds into
-    for k, op in enumerate(micro):
-        if segments.of[k] == 0 or op.phase != "backward" or not op.outputs or not op.outputs[0].mutated \
-                or not op.inputs or op.inputs[0].source is None:
-            continue
-        source = op.inputs[0].source
-        root = root_of.get(source[0], source if segments.of[source[0]] == 0 else None)
-        if root is not None:
-            root_of[op.index] = root
-            accumulated[root] = op.outputs[0]
-    # The accumulated value is also what the first micro-batch's sum that made the gradient holds
-    # once every micro-batch's is added (the same elements through its views: ``t``, ``view``,
-    # AccumulateGrad's ``detach``, copies): that sum is the gradient in partial sums, one per
-    # micro-batch.
-    partial_sums: dict[tuple[int, int], int] = {}
-    for root, record in list(accumulated.items()):
-        chain = [root]
-        while True:
-            producer = micro[chain[-1][0]]
-            source = producer.inputs[0].source if producer.inputs else None
-            if not (_moves_values(producer.name) and source is not None and segments.of[source[0]] == 0
-                    and _numel(micro[source[0]].outputs[source[1]].shape) == _numel(record.shape)):
-                break
-            chain.append(source)
-        if summation_terms(micro[chain[-1][0]], chain[-1][1]) > 1:
-            partial_sums[chain[-1]] = calls
-            for at in chain:
-                accumulated[at] = replace(record, shape=micro[at[0]].outputs[at[1]].shape)
-        else:  # made of parts (a stack of sums, a copy): no sum whose order the rounding of which is known
-            for at in chain:
-                accumulated[at] = _unknown(replace(record, shape=micro[at[0]].outputs[at[1]].shape))
+    accumulated, root_of = _accumulations(micro, segments.of)
+    partial_sums = _gradient_sums(micro, segments.of, accumulated, calls)
 
     readers: dict[int, set[int]] = defaultdict(set)  # op index -> the micro-batches reading its results
     for k, op in enumerate(micro):
