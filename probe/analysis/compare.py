@@ -384,7 +384,8 @@ class Carry:
     """Run A's values the step before left (what it wrote in place or in its optimizer, and
     what it read from outside), by :func:`_fingerprint`, with their difference from run B's."""
     state_b: frozenset[tuple] = field(default=frozenset(), repr=False)
-    """Run B's values the step before left, by :func:`_fingerprint`."""
+    """Run B's values the step before may have left (what forward made included: a value run B
+    holds that is none of these changed between the steps), by :func:`_fingerprint`."""
     same_kernels: bool = False
     """The runs computed with the same kernels (:func:`run_identity.same_kernels`): in the exact
     regime, an op whose inputs are bit-identical and whose results are not computed otherwise."""
@@ -402,22 +403,24 @@ def _fingerprint(record: TensorRecord) -> tuple | None:
             stats.get("nan"), stats.get("inf"))
 
 
-def _leaves_state(op: OpRecord, output: TensorRecord) -> bool:
-    """Whether an output of ``op`` may be read again in a later step: written in place, by the
-    optimizer (its moments, momentum buffers, the weights), or in forward, where a model may keep
-    what it computed (a positional table it extends and casts to its input's dtype, a cache)."""
-    return op.phase in ("optimizer", "forward") or output.mutated
+def _leaves_state(op: OpRecord, output: TensorRecord, kept: bool = False) -> bool:
+    """Whether an output of ``op`` may be read again in a later step: written in place, or by
+    the optimizer (its moments, momentum buffers, the weights); with ``kept``, any output of
+    forward too, where a model may keep what it computed (a positional table it extends and
+    casts to its input's dtype, a cache) and a program what it drew (the next batches)."""
+    return op.phase == "optimizer" or output.mutated or (kept and op.phase == "forward")
 
 
-def _left_state(ops: list[OpRecord]) -> dict[tuple, tuple[int, str, int]]:
-    """The values a step leaves for the next (fingerprint -> where: op index, io, position)."""
+def _left_state(ops: list[OpRecord], kept: bool = False) -> dict[tuple, tuple[int, str, int]]:
+    """The values a step leaves for the next (fingerprint -> where: op index, io, position);
+    ``kept``: with every value forward made (see :func:`_leaves_state`)."""
     found: dict[tuple, tuple[int, str, int]] = {}
     for op in ops:
         for position, t in enumerate(op.inputs):
             if t.source is None and (key := _fingerprint(t)) is not None:
                 found[key] = (op.index, "input", position)
         for position, t in enumerate(op.outputs):
-            if _leaves_state(op, t) and (key := _fingerprint(t)) is not None:
+            if _leaves_state(op, t, kept) and (key := _fingerprint(t)) is not None:
                 found[key] = (op.index, "output", position)
     return found
 
@@ -1542,7 +1545,7 @@ def _judge(side_a: _Side, side_b: _Side, comparisons: list[OpComparison],
         written, written_absolute = max(written, error), max(written_absolute, absolute)
     explained = carry.explained and not any(c.enters for c in comparisons)
     return Carry(carry.before + 1, identical, explained, written, written_absolute,
-                 _state_errors(comparisons, side_a), frozenset(_left_state(side_b.ops)))
+                 _state_errors(comparisons, side_a), frozenset(_left_state(side_b.ops, kept=True)))
 
 
 def _blame_unmatched(blamed: OpComparison, message: str) -> None:
