@@ -290,3 +290,12 @@ def test_a_compiled_model_with_graph_breaks_attributes_its_eager_gaps_to_their_m
     outcome = zoo_case("causal-lm", "jetmoe", "compiled", tmp_path)
     assert outcome.error is None and outcome.skipped is None, outcome
     assert outcome.ok, (outcome.answer, outcome.conclusion)
+
+
+def test_a_table_the_model_casts_and_keeps_in_forward_is_state_the_next_step_reads(tmp_path: Path):
+    # wav2vec2-conformer's relative positions: step 0 extends its fp32 table and, under autocast,
+    # keeps it cast to bf16; step 1 reads the bf16 table from outside the step. Run B's step 0
+    # made that value (a forward op's result), so it did not change between the steps.
+    outcome = zoo_case("audio-classification", "wav2vec2-conformer", "bf16-autocast", tmp_path)
+    assert outcome.error is None and outcome.skipped is None, outcome
+    assert outcome.ok, (outcome.answer, outcome.conclusion)
