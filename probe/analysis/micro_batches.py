@@ -29,7 +29,7 @@ from fractions import Fraction
 from probe.analysis.layouts import combine_stats
 from probe.analysis.precision import summation_terms
 from probe.rundir.run import OpRecord, TensorRecord
-from probe.vocabulary.op_class import returns_view
+from probe.vocabulary.op_class import draws_random, returns_view
 
 
 @dataclass(frozen=True)
@@ -445,6 +445,8 @@ def _folded_op(lead: OpRecord, peers: list[OpRecord], complete: bool, partner: O
     def folded(io: str, position: int, record: TensorRecord, varies: bool) -> TensorRecord:
         if io == "output" and (index, position) in accumulated:
             return replace(accumulated[(index, position)], source=None, mutated=record.mutated)
+        if io == "output" and peers and draws_random(lead.name):  # each micro-batch's own draw
+            return _unknown(record)
         if not peers and complete:  # done once: itself, unless made from the first micro-batch alone
             return _unknown(record) if varies else record
         if not complete:
