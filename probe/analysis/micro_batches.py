@@ -20,7 +20,6 @@ as usual.
 """
 from __future__ import annotations
 
-import math
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -87,10 +86,6 @@ def accumulation_end(ops: list[OpRecord]) -> int:
 NOT_FOLDED = ("a value of each micro-batch that is no slice of the full batch's "
               "(a sum or a loss per micro-batch)")
 """Why a folded value has no statistics: compare says "not compared", with this reason."""
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
 
 
 def _frame(entry: str) -> tuple[str, int] | None:
@@ -317,7 +312,7 @@ def _gradient_sums(micro: list[OpRecord], of: list[int], accumulated: dict[tuple
             producer = micro[chain[-1][0]]
             source = producer.inputs[0].source if producer.inputs else None
             if not (_moves_values(producer.name) and source is not None and of[source[0]] == 0
-                    and _numel(micro[source[0]].outputs[source[1]].shape) == _numel(record.shape)):
+                    and micro[source[0]].outputs[source[1]].numel == record.numel):
                 break
             chain.append(source)
         summed = summation_terms(micro[chain[-1][0]], chain[-1][1]) > 1
@@ -345,7 +340,8 @@ def fold(ops: list[OpRecord], calls: int, reference: list[OpRecord],
     # Each micro-batch's loss divided by their number, where the reference's is not: part of the
     # accumulation, like the slicing of the batch (and not counted, so that the ids of the ops of
     # that name after it are the reference's).
-    scalings = _loss_scalings(micro) if not _loss_scalings(reference[:accumulation_end(reference)]) else set()
+    reference = reference[:accumulation_end(reference)]
+    scalings = _loss_scalings(micro) if not _loss_scalings(reference) else set()
     counts: list[Counter[tuple[str, str, str]]] = [Counter() for _ in range(calls)]
     renumbered = [replace(op, id=f"{op.id} (loss scaling)") if k in scalings
                   else segments.renumber(op, segments.of[k], counts[segments.of[k]])
@@ -353,7 +349,7 @@ def fold(ops: list[OpRecord], calls: int, reference: list[OpRecord],
     by_id: list[dict[str, OpRecord]] = [{} for _ in range(calls)]
     for op, segment in zip(renumbered, segments.of, strict=True):
         by_id[segment][op.id] = op
-    references = _References(reference[:accumulation_end(reference)], reference_key)
+    references = _References(reference, reference_key)
     first_forward = next((k for k, op in enumerate(micro) if op.module_call >= 0), len(micro))
 
     accumulated, root_of = _accumulations(micro, segments.of)
