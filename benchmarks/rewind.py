@@ -2,14 +2,17 @@
 
 Run from the repository root::
 
-    python -m benchmarks.rewind [--seeds 5] [--steps 30] [--markdown benchmarks/results/rewind.md]
+    python -m benchmarks.rewind [--seeds 5] [--steps 30] [--every 1,4] \
+        [--markdown benchmarks/results/rewind.md]
 
 **Cost.** The demo model (``probe.demo``) at two sizes trains with and without what
 ``session.step_fn`` adds to a step (``StepStart.keep``: the host copy of parameters, buffers,
-optimizer state, RNGs and batch; then the one-sync finiteness check of the loss and
-parameters), steps alternating so both see the same machine; the median wall and process-CPU
-time per step, and the host bytes kept against one copy of parameters + buffers + optimizer state
-(+ the two batches kept).
+optimizer state, RNGs and batch; with ``keep_every=N`` (``--every``) that copy every N steps and
+each step's boundary and batch (``probe.rewind.interval``); then the loss held and the one-sync
+finiteness check of the loss and parameters), steps alternating so both see the same machine; the
+median wall and process-CPU time per step, and the host bytes kept against one copy of parameters +
+buffers + optimizer state (+ the batches kept: two, or N + 1). The labels are measured at each
+``--every`` too.
 
 **Labels.** Per seed and kind, the demo model (a wrapper adding the planted fault) trains until two
 steps after the bad step ``k = 1 + seed % 3`` under ``probe.mode("monitor")`` with
@@ -51,8 +54,11 @@ import probe
 from benchmarks.overhead import machine_line
 from probe.demo.model import LlamaConfig, TinyLlama, synthetic_batch
 from probe.rewind import StepStart, nonfinite_after_step
+from probe.rewind.interval import KeptSteps
 
 KINDS = ("transient", "non-determinism", "precision", "data", "code")
+EVERY = (1, 4)
+"""``keep_every`` of the cost table: the whole state copied every step, or every fourth."""
 SIZES = {
     "demo (hidden 64, 2 layers, batch 4x32)": (LlamaConfig(), 4, 32),
     "hidden 256, 4 layers, batch 4x128": (LlamaConfig(hidden_size=256, intermediate_size=688, num_layers=4,
@@ -102,7 +108,9 @@ def training_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callabl
 # -- cost -------------------------------------------------------------------------------
 
 
-def measure_cost(config: LlamaConfig, batch: int, seq: int, steps: int) -> dict[str, float]:
+def measure_cost(config: LlamaConfig, batch: int, seq: int, steps: int, every: int = 1) -> dict[str, float]:
+    """Plain steps alternating with kept ones (what ``step_fn`` adds: the start kept, whole every
+    ``every`` kept steps, the loss held for a replay, the finiteness check)."""
     torch.manual_seed(0)
     model = Planted(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -110,14 +118,20 @@ def measure_cost(config: LlamaConfig, batch: int, seq: int, steps: int) -> dict[
 
     fn = training_step(model, optimizer)
     start = StepStart(model, optimizer)
+    interval = KeptSteps(start, every) if every > 1 else None
     times: dict[str, list[tuple[float, float]]] = {"plain": [], "kept": []}
     for index, b in enumerate(data):
         kept = index % 2 == 1
         wall, cpu = time.perf_counter(), time.process_time()
-        if kept:
+        if kept and interval is not None:
+            interval.keep(index // 2, b, fn)  # the kept steps numbered apart from the plain ones
+        elif kept:
             start.keep(index, b)
         loss = fn(b)
         if kept:
+            held = loss.detach().clone()
+            if interval is not None:
+                interval.ran(index // 2, held)
             nonfinite_after_step(loss, start.parameters)
         else:
             loss.item()  # the plain loop reads its loss too (a logged loss): the same one sync
@@ -134,7 +148,8 @@ def measure_cost(config: LlamaConfig, batch: int, seq: int, steps: int) -> dict[
     return {
         "plain_ms": 1e3 * median("plain", 0), "kept_ms": 1e3 * median("kept", 0),
         "plain_cpu_ms": 1e3 * median("plain", 1), "kept_cpu_ms": 1e3 * median("kept", 1),
-        "kept_mb": start.nbytes() / 2**20, "state_mb": state / 2**20, "batch_kb": batch_bytes / 2**10,
+        "kept_mb": (interval or start).nbytes() / 2**20, "state_mb": state / 2**20,
+        "batch_kb": batch_bytes / 2**10,
     }
 
 
@@ -149,9 +164,10 @@ class Case:
     named: str
     right: bool
     seconds: float
+    every: int = 1
 
 
-def run_case(kind: str, seed: int, out: Path) -> Case:
+def run_case(kind: str, seed: int, out: Path, every: int = 1) -> Case:
     config, batch, seq = LlamaConfig(), 4, 32
     bad = 1 + seed % 3
     layer = seed % config.num_layers
@@ -205,13 +221,13 @@ def run_case(kind: str, seed: int, out: Path) -> Case:
             if kind == "precision" and step == bad:
                 with torch.no_grad():
                     model.model.layers[layer].mlp.up_proj.weight.mul_(1e5)
-            session.step_fn(fn, b, optimizer=optimizer)
+            session.step_fn(fn, b, optimizer=optimizer, keep_every=every)
             if kind == "non-determinism" and step == bad:
                 session.rewind()  # the user's call: nothing non-finite, the step merely suspect
     verdicts = probe.rewind.read_verdicts(out)
     seconds = time.perf_counter() - began
     if not verdicts:
-        return Case(kind, seed, "no rewind", "-", False, seconds)
+        return Case(kind, seed, "no rewind", "-", False, seconds, every)
     verdict = verdicts[0]
     located = verdict.located or {}
     named = (f"samples {verdict.samples}" if kind == "data" else
@@ -230,36 +246,36 @@ def run_case(kind: str, seed: int, out: Path) -> Case:
         "code": located.get("name") == "aten.sqrt.default",
     }[kind]
     right = verdict.verdict == ("transient" if kind == "non-determinism" else kind) and verdict.step == bad
-    return Case(kind, seed, verdict.verdict, named, right and place, seconds)
+    return Case(kind, seed, verdict.verdict, named, right and place, seconds, every)
 
 
 # -- report -------------------------------------------------------------------------------
 
 
-def report(costs: dict[str, dict[str, float]], cases: list[Case]) -> str:
+def report(costs: dict[tuple[str, int], dict[str, float]], cases: list[Case]) -> str:
     lines = ["# Rewind: cost of keeping the start, right-label rate", "",
              f"`python -m benchmarks.rewind` ({machine_line()}; load average {_load()} on a machine shared "
              "with other jobs: the process-CPU column is the steadier one).", "",
              "## Keeping each step's start (CPU)", "",
-             "| model | step ms plain | step ms kept | wall ratio | CPU ms plain | CPU ms kept | CPU ratio "
-             "| kept MB | params+buffers+optimizer MB | batch KB |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name, c in costs.items():
-        lines.append(f"| {name} | {c['plain_ms']:.2f} | {c['kept_ms']:.2f} "
+             "| model | whole copy every | step ms plain | step ms kept | wall ratio | CPU ms plain "
+             "| CPU ms kept | CPU ratio | kept MB | params+buffers+optimizer MB | batch KB |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for (name, every), c in costs.items():
+        lines.append(f"| {name} | {every} | {c['plain_ms']:.2f} | {c['kept_ms']:.2f} "
                      f"| {c['kept_ms'] / c['plain_ms']:.3f} | {c['plain_cpu_ms']:.2f} "
                      f"| {c['kept_cpu_ms']:.2f} "
                      f"| {c['kept_cpu_ms'] / c['plain_cpu_ms']:.3f} | {c['kept_mb']:.2f} "
                      f"| {c['state_mb']:.2f} | {c['batch_kb']:.1f} |")
     lines += ["", "## Right label over planted faults (demo model, CPU)", "",
-              "| kind | right | verdicts | named (seed 0) | seconds per case (median) |",
-              "| --- | ---: | --- | --- | ---: |"]
-    for kind in dict.fromkeys(c.kind for c in cases):
-        mine = [c for c in cases if c.kind == kind]
+              "| kind | whole copy every | right | verdicts | named (seed 0) | seconds per case (median) |",
+              "| --- | ---: | ---: | --- | --- | ---: |"]
+    for kind, every in dict.fromkeys((c.kind, c.every) for c in cases):
+        mine = [c for c in cases if (c.kind, c.every) == (kind, every)]
         verdicts = ", ".join(sorted({c.verdict for c in mine}))
-        lines.append(f"| {kind} | {sum(c.right for c in mine)}/{len(mine)} | {verdicts} | {mine[0].named} "
-                     f"| {statistics.median(c.seconds for c in mine):.1f} |")
+        lines.append(f"| {kind} | {every} | {sum(c.right for c in mine)}/{len(mine)} | {verdicts} "
+                     f"| {mine[0].named} | {statistics.median(c.seconds for c in mine):.1f} |")
     wrong = [c for c in cases if not c.right]
-    listed = "; ".join(f"{c.kind} seed {c.seed}: {c.verdict} ({c.named})" for c in wrong)
+    listed = "; ".join(f"{c.kind} seed {c.seed} every {c.every}: {c.verdict} ({c.named})" for c in wrong)
     lines += ["", "Wrong: " + (listed or "none"), ""]
     return "\n".join(lines)
 
@@ -279,16 +295,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads (1: steadier on a shared machine)")
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--kinds", default=",".join(KINDS), help="planted kinds, comma-separated")
+    parser.add_argument("--every", type=lambda text: [int(n) for n in text.split(",")], default=list(EVERY),
+                        help="keep_every values of the cost table, comma-separated")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     torch.set_num_threads(args.threads)
-    costs = {name: measure_cost(config, batch, seq, args.steps)
-             for name, (config, batch, seq) in SIZES.items()}
+    costs = {(name, every): measure_cost(config, batch, seq, args.steps, every)
+             for name, (config, batch, seq) in SIZES.items() for every in args.every}
     cases = []
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.kinds.split(","):
-            for seed in range(args.seeds):
-                cases.append(run_case(kind, seed, Path(tmp) / f"{kind}-{seed}"))
+            for every in args.every:
+                for seed in range(args.seeds):
+                    cases.append(run_case(kind, seed, Path(tmp) / f"{kind}-{every}-{seed}", every))
                 print(cases[-1], file=sys.stderr)
     text = report(costs, cases)
     print(text)

@@ -361,7 +361,9 @@ class Session:
         monitor alert about the step, rewinds it (docs/rewind.md). ``optimizer=``, ``scaler=``: what the
         step updates besides ``model=``; ``scheduler=``: the learning-rate scheduler ``fn`` steps (or a
         list of objects with ``state_dict``/``load_state_dict``), put back after the reruns;
-        ``keep_grads=True`` where gradients accumulate across steps. Returns what ``fn`` returned."""
+        ``keep_grads=True`` where gradients accumulate across steps; ``keep_every=N``: the training
+        state copied every N steps only, a rewind replaying the steps between (cheaper on small
+        models; N + 1 batches kept). Returns what ``fn`` returned."""
         from probe.rewind import rewinder_of  # the rewind builds sessions of its own: imported late
 
         return rewinder_of(self).step_fn(fn, batch, **state)

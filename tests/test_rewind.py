@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ from torch import nn
 
 import probe
 from probe.cli import main
-from probe.rewind import read_verdicts
+from probe.rewind import read_verdicts, rewinder_of
 from probe.tracer.mode_stack import untraced
 
 BAD_STEP = 2
@@ -34,7 +36,15 @@ def _batches(dtype: torch.dtype = torch.float32, n: int = 4) -> list[tuple[torch
              torch.randn(6, 1, generator=generator).to(dtype)) for _ in range(n)]
 
 
-def _train(model: nn.Module, batches: list, out: Path, rewind_after: int | None = None) -> list:
+@pytest.fixture(params=[1, 3], ids=["kept-every-step", "kept-every-3-steps"])
+def keep_every(request: pytest.FixtureRequest) -> int:
+    """Each verdict the same whether every step's start is copied or every third one's (step 2's start
+    is then step 0's with steps 0 and 1 replayed)."""
+    return request.param
+
+
+def _train(model: nn.Module, batches: list, out: Path, rewind_after: int | None = None,
+           keep_every: int = 1) -> list:
     # eps 1e-4: AdamW's 1e-8 is 0 in fp16, which the fp16 case would find at step 0 (rightly: precision).
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
 
@@ -49,13 +59,13 @@ def _train(model: nn.Module, batches: list, out: Path, rewind_after: int | None 
     verdicts = []
     with probe.mode("stats", out=out, model=model) as session:
         for step, batch in enumerate(batches):
-            session.step_fn(fn, batch, optimizer=optimizer)
+            session.step_fn(fn, batch, optimizer=optimizer, keep_every=keep_every)
             if step == rewind_after:
                 verdicts.append(session.rewind())
     return verdicts + read_verdicts(out)
 
 
-def test_bit_flip_once_is_transient_and_the_op_it_reached_is_named(tmp_path: Path) -> None:
+def test_bit_flip_once_is_transient_and_the_op_it_reached_is_named(tmp_path: Path, keep_every: int) -> None:
     model = _mlp()
     calls = []
 
@@ -66,7 +76,7 @@ def test_bit_flip_once_is_transient_and_the_op_it_reached_is_named(tmp_path: Pat
                 output.detach().view(-1).view(torch.int32)[0] ^= 1 << 30
 
     model[0].register_forward_hook(flip_once)
-    verdicts = _train(model, _batches(), tmp_path / "run")
+    verdicts = _train(model, _batches(), tmp_path / "run", keep_every=keep_every)
     [verdict] = verdicts
     assert (verdict.step, verdict.verdict, verdict.trigger) == (BAD_STEP, "transient", "non-finite loss")
     # The flip happened after linear 0's addmm was recorded: the first values that differ are the ReLU's.
@@ -79,12 +89,13 @@ def test_bit_flip_once_is_transient_and_the_op_it_reached_is_named(tmp_path: Pat
     assert "transient (hardware)" in verdict.line()
 
 
-def test_fp16_overflow_float64_avoids_is_precision_named_at_the_op_that_overflowed(tmp_path: Path) -> None:
+def test_fp16_overflow_float64_avoids_is_precision_named_at_the_op_that_overflowed(tmp_path: Path,
+                                                                                  keep_every: int) -> None:
     model = _mlp(torch.float16)
     batches = _batches(torch.float16)
     x, y = batches[BAD_STEP]
     batches[BAD_STEP] = (x * 3000, y)  # the squared error passes fp16's 65504; float64 holds it
-    [verdict] = _train(model, batches, tmp_path / "run")
+    [verdict] = _train(model, batches, tmp_path / "run", keep_every=keep_every)
     assert verdict.verdict == "precision", verdict.why
     assert verdict.located is not None
     assert (verdict.located["name"], verdict.located["module"]) == ("aten.pow.Tensor_Scalar", "")
@@ -92,13 +103,13 @@ def test_fp16_overflow_float64_avoids_is_precision_named_at_the_op_that_overflow
     assert verdict.reruns[1].nonfinite is None and verdict.reruns[0].nonfinite is not None
 
 
-def test_poisoned_sample_is_data_and_named(tmp_path: Path) -> None:
+def test_poisoned_sample_is_data_and_named(tmp_path: Path, keep_every: int) -> None:
     batches = _batches()
     x, y = batches[BAD_STEP]
     x = x.clone()
     x[3, 1] = float("inf")  # one sample poisoned: no precision holds it
     batches[BAD_STEP] = (x, y)
-    [verdict] = _train(_mlp(), batches, tmp_path / "run")
+    [verdict] = _train(_mlp(), batches, tmp_path / "run", keep_every=keep_every)
     assert verdict.verdict == "data", verdict.why
     assert verdict.samples == [3]
     assert [r.kind for r in verdict.reruns] == ["same", "float64", "previous_batch"]
@@ -167,8 +178,8 @@ class _WarmupThatRunsOut(nn.Module):
         return self.body(x) * scale
 
 
-def test_nan_made_by_a_condition_of_the_code_is_code_named_at_its_op(tmp_path: Path) -> None:
-    [verdict] = _train(_WarmupThatRunsOut(), _batches(), tmp_path / "run")
+def test_nan_made_by_a_condition_of_the_code_is_code_named_at_its_op(tmp_path: Path, keep_every: int) -> None:
+    [verdict] = _train(_WarmupThatRunsOut(), _batches(), tmp_path / "run", keep_every=keep_every)
     assert verdict.verdict == "code", verdict.why
     assert verdict.located is not None
     assert (verdict.located["name"], verdict.located["module"]) == ("aten.sqrt.default", "")
@@ -183,7 +194,8 @@ def _state(model: nn.Module, optimizer_state: dict) -> list[torch.Tensor]:
     return tensors
 
 
-def test_training_after_a_rewind_is_bit_identical_to_training_without_it(tmp_path: Path) -> None:
+def test_training_after_a_rewind_is_bit_identical_to_training_without_it(tmp_path: Path,
+                                                                          keep_every: int) -> None:
     def run(out: Path, rewind_after: int | None) -> tuple[list[torch.Tensor], torch.Tensor, Any, Any, list]:
         torch.manual_seed(0)
         random.seed(0)
@@ -205,7 +217,8 @@ def test_training_after_a_rewind_is_bit_identical_to_training_without_it(tmp_pat
         verdicts = []
         with probe.mode("stats", out=out, model=model) as session:
             for step, batch in enumerate(_batches(n=4)):  # step 1 rewound, then steps 2 and 3
-                session.step_fn(fn, batch, optimizer=optimizer, scaler=scaler)
+                # keep_every=3: step 1's start is step 0's, step 0 replayed (its RNG draws included)
+                session.step_fn(fn, batch, optimizer=optimizer, scaler=scaler, keep_every=keep_every)
                 if step == rewind_after:
                     verdicts.append(session.rewind())
         return ([*_state(model, optimizer.state), scaler.get_scale() * torch.ones(())], torch.get_rng_state(),
@@ -337,6 +350,74 @@ def test_a_step_that_does_not_reproduce_itself_is_non_determinism_kernel_or_prog
     assert "between the two reruns" in verdict.located["how"]
     assert not torch.are_deterministic_algorithms_enabled()  # the flag as it was
     assert not torch.backends.cudnn.benchmark
+
+
+def test_a_replay_that_does_not_reproduce_its_step_is_not_classified(tmp_path: Path) -> None:
+    """keep_every=3: step 1's start is step 0's with step 0 replayed; step 0 reads a counter held outside
+    the model, so its replay gives another loss. The start of step 1 is then unknown: no verdict is
+    made from it, and training goes on from the original's end."""
+    model = _ReadsAGlobalCounter(False)
+    verdicts = _train(model, _batches(), tmp_path / "run", rewind_after=1, keep_every=3)
+    verdict = verdicts[0]
+    assert (verdict.step, verdict.verdict) == (1, "not classified")
+    assert "replaying step 0 from the start kept at step 0" in verdict.why and "not known" in verdict.why
+    assert verdict.reruns == []
+
+
+def test_the_loops_own_draws_and_schedule_between_steps_are_replayed_as_they_were(tmp_path: Path) -> None:
+    """Between steps the loop draws from torch's RNG (a sampler) and steps an LR scheduler, outside
+    ``fn``. Each step's boundary keeps both, so step 4, started from step 3's kept start (keep_every=3),
+    replays to the original's start: the rerun is bit for bit the original, and training after the
+    rewind is that of a run without the probe. Host memory: one copy of the state, 4 batches."""
+    def run(traced: bool) -> tuple[list[torch.Tensor], Any, Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 1))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+
+        def fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = ((model(batch[0]) - batch[1]) ** 2).mean()
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        verdicts = []
+        session = probe.mode("stats", out=tmp_path / f"run-{traced}", model=model) if traced else None
+        with contextlib.ExitStack() as stack, warnings.catch_warnings():
+            warnings.simplefilter("ignore", probe.ProbeWarning)  # the scheduler is stepped outside fn
+            if session is not None:
+                stack.enter_context(session)
+            for step, batch in enumerate(_batches(n=7)):
+                if session is None:
+                    fn(batch)
+                else:
+                    session.step_fn(fn, batch, optimizer=optimizer, keep_every=3)
+                    if step == 4:
+                        verdicts.append(session.rewind())
+                        interval = rewinder_of(session).interval
+                        assert interval is not None
+                        state = sum(t.numel() * t.element_size() for t in _state(model, optimizer.state))
+                        batch_bytes = sum(t.numel() * t.element_size() for t in batch)
+                        assert interval.nbytes() <= state + 4 * batch_bytes
+                scheduler.step()
+                torch.rand(3)
+        return _state(model, optimizer.state), torch.get_rng_state(), verdicts
+
+    plain, plain_rng, _ = run(False)
+    rewound, rewound_rng, [verdict] = run(True)
+    assert verdict.verdict == "reproducible", verdict.why
+    assert verdict.reruns[0].bitwise_equal
+    assert all(torch.equal(a, b) for a, b in zip(plain, rewound, strict=True))
+    assert torch.equal(plain_rng, rewound_rng)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, "3", True])
+def test_keep_every_that_is_no_count_of_steps_is_refused_naming_it(tmp_path: Path, bad: Any) -> None:
+    model = _mlp()
+    with probe.mode("stats", out=tmp_path / "run", model=model) as session, \
+            pytest.raises(probe.ProbeError, match=rf"keep_every={bad!r}"):
+        session.step_fn(lambda batch: None, _batches()[0], keep_every=bad)
 
 
 def _rewind_ranks(tmp_path: Path, wrap: str) -> Path:

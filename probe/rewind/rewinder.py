@@ -36,6 +36,7 @@ import torch
 from probe.errors import ProbeError, warn_once
 from probe.local_part import local_part
 from probe.rewind.determinism import HARDWARE, KERNEL, PROGRAM, deterministic_algorithms
+from probe.rewind.interval import KeptSteps, ReplayMismatch, checked_every
 from probe.rewind.precision import float64_step
 from probe.rewind.ranks import Ranks
 from probe.rewind.start import Batch, StepStart, leaves, rebuild, same_bits
@@ -113,6 +114,9 @@ class Rewinder:
     def __init__(self, session: Session) -> None:
         self._session = weakref.ref(session)
         self.start: StepStart | None = None
+        self.interval: KeptSteps | None = None
+        """The steps since the last whole copy, where ``step_fn(keep_every=N > 1)`` makes one every N
+        steps."""
         self.last: _Original | None = None
         self.verdicts: list[Verdict] = []
         self._heard: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -139,13 +143,13 @@ class Rewinder:
 
     def step_fn(self, fn: Callable[[Batch], Any], batch: Batch,
                 optimizer: torch.optim.Optimizer | None = None, scaler: Any = None,
-                keep_grads: bool = False, scheduler: Any = None) -> Any:
+                keep_grads: bool = False, scheduler: Any = None, keep_every: int = 1) -> Any:
         attached = optimizer is not None and getattr(optimizer.step, "_wrapped_by_lr_sched", False)
         if scheduler is None and attached:
             warn_once("rewind-scheduler", "step_fn: a learning-rate scheduler is attached to the optimizer; "
                       "if fn steps it, pass scheduler=<it> so that a rewind puts it back (each rerun of the "
                       "step would step it again)")
-        self.keep_start(batch, optimizer, scaler, keep_grads, scheduler)
+        self.keep_start(batch, optimizer, scaler, keep_grads, scheduler, keep_every=keep_every, fn=fn)
         loss = fn(batch)
         trigger = self.step_ran(fn, loss)
         self.session.step()
@@ -153,11 +157,14 @@ class Rewinder:
         return loss
 
     def keep_start(self, batch: Batch | None, optimizer: torch.optim.Optimizer | None = None,
-                   scaler: Any = None, keep_grads: bool = False, scheduler: Any = None) -> None:
+                   scaler: Any = None, keep_grads: bool = False, scheduler: Any = None,
+                   keep_every: int = 1, fn: Callable[[Batch], Any] | None = None) -> None:
         """Before a step the loop runs itself (a framework's callback): keep its start, ``batch``
         what it will run on (None: given to :meth:`keep_batch` when the step ran). ``scheduler``:
         what else the step advances (one object or several, each with ``state_dict`` and
-        ``load_state_dict``: the learning-rate scheduler ``fn`` steps)."""
+        ``load_state_dict``: the learning-rate scheduler ``fn`` steps). ``keep_every=N``: the
+        training state copied every N steps, the steps between replayed by ``fn`` on a rewind
+        (:mod:`probe.rewind.interval`; needs the batch and ``fn`` now)."""
         session = self.session
         session._running_tracer("step_fn")
         model = self._model()
@@ -166,11 +173,25 @@ class Rewinder:
         if start is None or (start.model, start.optimizer, start.scaler, start.keep_grads,
                              start.stateful) != (model, optimizer, scaler, keep_grads, stateful):
             start = self.start = StepStart(model, optimizer, scaler, keep_grads, stateful)
+        interval = None
+        if checked_every(keep_every) != 1:
+            if fn is None or batch is None:
+                raise ProbeError(f"keep_every={keep_every!r} replays the steps between two kept starts and "
+                                 "needs each step's batch and function: use session.step_fn(fn, batch, "
+                                 "keep_every=...)")
+            interval = self.interval
+            if interval is None or interval.start is not start or interval.every != keep_every:
+                interval = KeptSteps(start, keep_every)
+        self.interval = interval
         self._listen()
         if self.ranks is None:
             self.ranks = Ranks()
         with untraced():  # the probe's own copies are no ops of the step
-            start.keep(session.step_index, batch)
+            if interval is not None:
+                assert fn is not None
+                interval.keep(session.step_index, batch, fn)
+            else:
+                start.keep(session.step_index, batch)
 
     def keep_batch(self, batch: Batch) -> None:
         """The batch of the step kept by :meth:`keep_start` with none (a loop that hands the step its
@@ -190,6 +211,8 @@ class Rewinder:
             kept = loss.detach().clone() if isinstance(loss, torch.Tensor) else None
         began_here = nonfinite is not None and (self.last is None or self.last.nonfinite is None)
         self.last = _Original(self.session.step_index, fn, kept, nonfinite)
+        if self.interval is not None:
+            self.interval.ran(self.last.step, kept)
         return nonfinite if began_here else None
 
     def _listen(self) -> None:
@@ -245,8 +268,9 @@ class Rewinder:
         written: said in a warning). Training state afterwards: the original step's end, bit for bit."""
         session = self.session
         session._running_tracer("rewind")
-        last, start = self.last, self.start
-        if last is None or start is None or start.step != last.step:
+        last, start, interval = self.last, self.start, self.interval
+        if last is None or start is None or not (
+                start.step == last.step if interval is None else interval.holds(last.step)):
             raise ProbeError("session.rewind() re-runs the step session.step_fn(fn, batch) ran last; no step "
                              "ran through step_fn in this session")
         began = time.perf_counter()
@@ -259,7 +283,12 @@ class Rewinder:
         ranks = self.ranks or Ranks()
         try:
             with session.set_aside():  # nothing of the rewind is an op of the step the session is in
+                if interval is not None:
+                    with untraced():
+                        start = interval.start_of(last.step)
                 verdict = _Classification(self, last, start, end, rank, ranks, trigger).run()
+        except ReplayMismatch as e:  # the step's start is not known: nothing to classify from
+            verdict = Verdict(last.step, rank, trigger, "not classified", str(e))
         except Exception as e:  # the probe never raises into training: the failure is the verdict
             verdict = Verdict(last.step, rank, trigger, "not classified", f"{type(e).__name__}: {e}")
         finally:

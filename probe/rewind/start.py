@@ -59,6 +59,45 @@ class RngStates:
         np.random.set_state(self.numpy)
 
 
+@dataclass
+class Boundary:
+    """What a step starts from besides the tensors of the training state: the RNG states, the
+    GradScaler's state, the state dicts of what else the step advances (``stateful``: learning-rate
+    schedulers) and the optimizer's hyper-parameters. Small: kept at every step's start, where the
+    tensors may be kept only every N steps (:class:`probe.rewind.interval.KeptSteps`)."""
+
+    rng: RngStates
+    scaler: dict[str, Any] | None
+    stateful: list[dict[str, Any]]
+    groups: list[dict[str, Any]]
+
+    @classmethod
+    def now(cls, optimizer: torch.optim.Optimizer | None, scaler: Any, stateful: tuple[Any, ...]) -> Boundary:
+        groups = [] if optimizer is None else [{k: _copied(v) for k, v in group.items() if k != "params"}
+                                               for group in optimizer.param_groups]
+        return cls(RngStates.now(), copy.deepcopy(scaler.state_dict()) if scaler is not None else None,
+                   [copy.deepcopy(item.state_dict()) for item in stateful], groups)
+
+    def restore(self, optimizer: torch.optim.Optimizer | None, scaler: Any,
+                stateful: tuple[Any, ...]) -> None:
+        if optimizer is not None:
+            for group, kept in zip(optimizer.param_groups, self.groups, strict=True):
+                group.update(copy.deepcopy(kept))
+        if scaler is not None and self.scaler is not None:
+            scaler.load_state_dict(copy.deepcopy(self.scaler))
+        for item, state in zip(stateful, self.stateful, strict=True):
+            item.load_state_dict(copy.deepcopy(state))
+        self.rng.restore()
+
+    def equals_live(self, scaler: Any, stateful: tuple[Any, ...]) -> bool:
+        """The scaler's and ``stateful``'s states and torch's CPU RNG as kept."""
+        if scaler is not None and scaler.state_dict() != self.scaler:
+            return False
+        if [item.state_dict() for item in stateful] != self.stateful:
+            return False
+        return same_bits(torch.get_rng_state(), self.rng.torch_cpu)
+
+
 class HostCopies:
     """Host copies of a list of tensors, in buffers allocated once and reused every step.
 
@@ -163,7 +202,6 @@ class StepStart:
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.keep_grads = keep_grads
         self.stateful = stateful
-        self._stateful_states: list[dict[str, Any]] = []
         # Walked once (a module walk is half of a small model's keep): parameters are updated in
         # place or through .data, and buffers are read from their slot, so a rebound buffer is seen.
         self.parameters = list(model.parameters())
@@ -180,11 +218,9 @@ class StepStart:
         """The optimizer state's values as last seen: the layout is walked again when they change."""
         self._optimizer_live: list[torch.Tensor] = []
         self._optimizer_other_slots: list[tuple[int, str]] = []
-        self._groups: list[dict[str, Any]] = []
         self._grads = HostCopies()
         self._had_grad: list[bool] = []
-        self._scaler_state: dict[str, Any] | None = None
-        self._rng: RngStates | None = None
+        self.boundary: Boundary | None = None
         self.batch = KeptBatch()
         self.previous_batch = KeptBatch()
         """The batch of the step before, for the rewind's rerun with another batch."""
@@ -212,9 +248,7 @@ class StepStart:
             if self.keep_grads:
                 self._grads.take([local_part(p.grad) for p in params if p.grad is not None])
             self._keep_optimizer()
-            self._scaler_state = copy.deepcopy(self.scaler.state_dict()) if self.scaler is not None else None
-            self._stateful_states = [copy.deepcopy(item.state_dict()) for item in self.stateful]
-            self._rng = RngStates.now()
+            self.boundary = Boundary.now(self.optimizer, self.scaler, self.stateful)
         self.step = step
         if batch is not None:
             self.keep_batch(batch)
@@ -248,8 +282,6 @@ class StepStart:
         self._optimizer_other = [(index, key, copy.deepcopy(state[params[index]][key]))
                                  for index, key in self._optimizer_other_slots]
         self._optimizer_tensors.take(self._optimizer_live)
-        self._groups = [{k: _copied(v) for k, v in group.items() if k != "params"}
-                        for group in self.optimizer.param_groups]
 
     def nbytes(self) -> int:
         """Host bytes held (parameters, buffers, gradients, optimizer state, both batches)."""
@@ -275,12 +307,8 @@ class StepStart:
             kept += self._optimizer_tensors.buffers
         if not all(same_bits(a, b) for a, b in zip(live, kept, strict=True)):
             return False
-        if self.scaler is not None and self.scaler.state_dict() != self._scaler_state:
-            return False
-        if [item.state_dict() for item in self.stateful] != self._stateful_states:
-            return False
-        assert self._rng is not None
-        return same_bits(torch.get_rng_state(), self._rng.torch_cpu)
+        assert self.boundary is not None
+        return self.boundary.equals_live(self.scaler, self.stateful)
 
     # -- putting it back ------------------------------------------------------------
 
@@ -310,12 +338,8 @@ class StepStart:
                 else:
                     param.grad = None
             self._restore_optimizer()
-        if self.scaler is not None and self._scaler_state is not None:
-            self.scaler.load_state_dict(copy.deepcopy(self._scaler_state))
-        for item, state in zip(self.stateful, self._stateful_states, strict=True):
-            item.load_state_dict(copy.deepcopy(state))
-        assert self._rng is not None
-        self._rng.restore()
+        assert self.boundary is not None
+        self.boundary.restore(self.optimizer, self.scaler, self.stateful)
 
     def _restore_optimizer(self) -> None:
         if self.optimizer is None:
@@ -333,8 +357,6 @@ class StepStart:
             fresh.setdefault(params[index], {})[key] = copy.deepcopy(value)
         live.clear()  # state a step created (the first step's moments) is dropped, as at the start
         live.update(fresh)
-        for group, kept_group in zip(self.optimizer.param_groups, self._groups, strict=True):
-            group.update(copy.deepcopy(kept_group))
 
 
 _NO_STATE: dict[str, Any] = {}
