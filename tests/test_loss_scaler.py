@@ -29,9 +29,9 @@ def _mlp() -> nn.Module:
 
 
 def _train_mlp(model: nn.Module, scaler: torch.amp.GradScaler, session=None,
-               poison_step: int | None = None) -> list[torch.Tensor]:
-    """SGD steps under fp16 autocast with ``scaler``; ``poison_step``: the last layer's output is
-    Inf in that step's forward (a fault of the model, whatever the scaler does)."""
+               poison_step: int | None = None, autocast: bool = True) -> list[torch.Tensor]:
+    """SGD steps under fp16 autocast (fp32 without ``autocast``) with ``scaler``; ``poison_step``: the
+    last layer's output is Inf in that step's forward (a fault of the model, whatever the scaler does)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 1, generator=gen)
@@ -39,7 +39,7 @@ def _train_mlp(model: nn.Module, scaler: torch.amp.GradScaler, session=None,
     for step in range(STEPS):
         poison = model[2].register_forward_hook(lambda m, a, out: out * float("inf")) \
             if step == poison_step else None
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
             loss = nn.functional.mse_loss(model(x).float(), y)
         if poison is not None:
             poison.remove()
@@ -153,6 +153,55 @@ def test_a_fault_in_the_forward_stays_a_fault_in_a_skipped_step(tmp_path):
     # The monitor alerts on the model's output; its gradient's NaN is the one the scaler skipped.
     assert [(a.step, a.module, a.metric, a.rule) for a in run.anomalies()] == [(2, "", "output.inf",
                                                                                  "nonfinite")]
+
+
+def _fp32_reference(out) -> probe.rundir.run.Run:
+    """The fp32 twin of ``mlp_run``: the same scaler at 2**18, which fp32 gradients never overflow."""
+    model, scaler = _mlp(), torch.amp.GradScaler("cpu", init_scale=2.0**18)
+    with probe.mode("stats", out=out, model=model) as session:
+        _train_mlp(model, scaler, session, autocast=False)
+    assert scaler.get_scale() == 2.0**18
+    return probe.load(out)
+
+
+def test_compare_stops_where_one_runs_scaler_skipped_an_update_the_other_made(mlp_run, tmp_path):
+    """fp32 against fp16 autocast, one scaler each at 2**18: run B's step 0 overflows in the backward
+    and is skipped, run A's is not. That is loss scaling at work, no divergence; but from the overflow
+    on the runs do different things (Inf gradients in B, an update in A only), and steps 1-3 start
+    from weights an update apart: not compared, and said. Missing data is no agreement: not ok."""
+    report = probe.compare(_fp32_reference(tmp_path / "fp32"), mlp_run)
+    assert report.divergence is None, report.conclusion
+    assert not report.ok
+    skipped = "run B's step 0 skipped by the loss scaler: gradients overflowed at scale 262144"
+    assert skipped in report.conclusion
+    assert "run A's did not skip" in report.conclusion
+    origin = mlp_run.first_nonfinite(handled=True)
+    assert origin is not None and (origin.step, origin.phase) == (0, "backward")
+    step0 = [c for c in report.comparisons if c.step == 0]
+    before = [c for c in step0 if c.b is not None and c.b.index < origin.index]
+    assert len(before) > 10 and all(c.verdict != "not compared" for c in before)  # compared as usual
+    after = [c for c in step0 if c.b is not None and c.b.index >= origin.index]
+    assert after and all(c.verdict == "not compared" for c in after)
+    assert [c.verdict for c in after if c.b.id == origin.id] == ["not compared"]
+    later = [c for c in report.comparisons if c.step > 0]
+    assert later and all(c.verdict == "not compared" and "one update apart" in c.message for c in later)
+    assert [s["step"] for s in report.summary["apart"]] == [0, 1, 2, 3]
+
+
+def test_a_forward_fault_in_a_step_one_scaler_skipped_is_still_the_divergence(tmp_path):
+    """The scaler skips step 2 of run B because the model's forward made an Inf: that overflow is
+    the model's, not the scaler's, and compare names it."""
+    runs = []
+    for name, poison in (("a", None), ("b", 2)):
+        model, scaler = _mlp(), torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        with probe.mode("stats", out=tmp_path / name, model=model) as session:
+            _train_mlp(model, scaler, session, poison_step=poison)
+        runs.append(probe.load(tmp_path / name))
+    assert [s.step for s in runs[1].skipped_steps()] == [2] and not runs[0].skipped_steps()
+    report = probe.compare(*runs)
+    d = report.divergence
+    assert d is not None and (d.step, d.op.phase) == (2, "forward"), report.conclusion
+    assert not report.summary["apart"]
 
 
 def test_the_monitor_records_the_scale_in_force_each_step(tmp_path):

@@ -55,6 +55,7 @@ from probe.analysis.replay import recompute
 from probe.analysis.report_writers import write_report
 from probe.analysis.routing import Routed, decides, discrete
 from probe.analysis.run_identity import Identity, identity, same_kernels
+from probe.analysis.scaler_skips import not_compared_from, one_sided_skip
 from probe.analysis.verdicts import (
     ERROR,
     NOT_COMPARED,
@@ -437,6 +438,10 @@ class StepComparison:
     """What this step hands to the next (:class:`Carry`)."""
     unreadable: str | None = None
     """Why the step could not be read in one run or both (its ops are "not compared"); None when read."""
+    apart: str | None = None
+    """Why the runs' training parted in this step or before it (one run's loss scaler skipped an update
+    the other made: ``probe.analysis.scaler_skips``): its ops from there, and every later step's, are
+    "not compared"; None while they train alike."""
 
 
 def _inputs_agree(op: OpComparison, by_index: dict[int, OpComparison]) -> tuple[bool, bool]:
@@ -931,9 +936,13 @@ def _judge_by_propagation(side_a: _Side, side_b: _Side, c: OpComparison,
                 or _uninitialized(record, c.b.inputs[position], by_index):
             continue
         if record.source is None and c.b.inputs[position].source is None:
-            if carried is not None:  # state from the steps before: its difference is explained
+            if carried is not None and position in carried:  # state the steps before explain
                 gain = _concentration(side_a, side_b, c, position)
-                in_error = max(in_error, carried.get(position, 0.0) * gain)
+                # Its statistics understate an update that differs in a few elements (Adam's first
+                # step moves each by +-lr: a gradient's sign flipped by rounding moves one by 2 lr,
+                # which leaves the norm as it was); the sketches measure the elements.
+                sketched = max(sketched, _sketched(side_a, side_b, record, c.b.inputs[position]))
+                in_error = max(in_error, carried[position] * gain, sketched)
             continue
         t = compare_tensors(side_a, side_b, c.a, c.b, "input", position)
         if t.verdict == ERROR and t.rule in (RULE_SHAPE, RULE_NONFINITE):
@@ -1296,7 +1305,8 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
         # value is rounded to subnormal spacings, up to flushed to zero: an absolute error.
         held = (_chain_precision(c.a.inputs[position], walks[0][0]),  # type: ignore[index]
                 _chain_precision(c.b.inputs[position], walks[1][0]))  # type: ignore[index]
-        rounding += precision.underflow_rounding(c.a.inputs[position], c.b.inputs[position], held)
+        underflow = precision.underflow_rounding(c.a.inputs[position], c.b.inputs[position], held)
+        rounding += underflow
         changed = _changed_between_steps(ops, position, walks, carry)
         if changed is not None:
             return views[1].comparisons[changed.index], (
@@ -1319,7 +1329,9 @@ def _entered_through_unmatched(c: OpComparison, views: tuple[_RunView, _RunView]
             # updated differs from the single process's by less, and its matched start by 0).
             floor = max(precision.eps(_chain_precision(op.inputs[position], w[0])) / 2
                         for op, w in zip(ops, walks, strict=True) if w is not None)
-            factor, rounding = FAITHFUL_MARGIN, FAITHFUL_MARGIN * (faithful + floor)
+            # A cast into fp16 of values below its normal range (a layer scale of 1e-6 times a
+            # gradient) rounds each to subnormal spacings: an absolute error the relative model lacks.
+            factor, rounding = FAITHFUL_MARGIN, FAITHFUL_MARGIN * (faithful + floor) + underflow
         else:
             factor = precision.CONDITION
         bound = factor * worst_upstream + rounding
@@ -1950,24 +1962,34 @@ def compare_step(run_a: Run, run_b: Run, step: int, rank: int,
 def _unreadable_step(run_a: Run, run_b: Run, step: int, rank: int, reason: str) -> StepComparison:
     """A step one run (or both) cannot read: each op of a run that can is "not compared", with
     the reason (paired by id when both runs read their ops)."""
-    ops: dict[str, list[OpRecord] | None] = {}
-    why: dict[str, str] = {}
+    why = {side: damage for side, run in (("A", run_a), ("B", run_b))
+           if (damage := run.step_damage(step, rank)) is not None}
+    message = "; ".join(f"run {side}: unreadable: {damage}" for side, damage in why.items()) or \
+        f"unreadable: {reason}"
+    rows = _rows_not_compared(run_a, run_b, step, rank, "not read", message)
+    return StepComparison(step, rank, rows, None, unreadable=message)
+
+
+def _apart_step(run_a: Run, run_b: Run, step: int, rank: int, apart: str) -> StepComparison:
+    """A step after the runs' training parted (``StepComparison.apart``): each op "not compared"."""
+    message = f"not compared: {apart}"
+    return StepComparison(step, rank, _rows_not_compared(run_a, run_b, step, rank, "apart", message), None,
+                          apart=apart)
+
+
+def _rows_not_compared(run_a: Run, run_b: Run, step: int, rank: int, match: str,
+                       message: str) -> list[OpComparison]:
+    """A "not compared" row per op of each run that can read the step (paired by id where both can)."""
+    ops: dict[str, list[OpRecord]] = {}
     for side, run in (("A", run_a), ("B", run_b)):
-        damage = run.step_damage(step, rank)
-        if damage is not None:
-            why[side] = damage
         try:
             ops[side] = run.ops(step, rank)
         except ProbeError:
-            ops[side] = None
-    message = "; ".join(f"run {side}: unreadable: {damage}" for side, damage in why.items()) or \
-        f"unreadable: {reason}"
-    ops_a, ops_b = ops["A"] or [], ops["B"] or []
-    by_id = {op.id: op for op in ops_b}
-    pairs = [(a, by_id.pop(a.id, None)) for a in ops_a] + [(None, b) for b in by_id.values()]
-    rows = [OpComparison(step, rank, a, b, "not read", NOT_COMPARED, message, rule=RULE_NOT_COMPARED)
+            ops[side] = []
+    by_id = {op.id: op for op in ops["B"]}
+    pairs = [(a, by_id.pop(a.id, None)) for a in ops["A"]] + [(None, b) for b in by_id.values()]
+    return [OpComparison(step, rank, a, b, match, NOT_COMPARED, message, rule=RULE_NOT_COMPARED)
             for a, b in pairs]
-    return StepComparison(step, rank, rows, None, unreadable=message)
 
 
 def _match_piece(spec_a: tuple[str, bool], spec_b: tuple[str, bool], partitions: dict[str, str | int] | None,
@@ -2084,6 +2106,9 @@ class Report:
             steps = ", ".join(f"step {s.step} rank {s.rank}" for s in self.unreadable[:5])
             more = f" and {len(self.unreadable) - 5} more" if len(self.unreadable) > 5 else ""
             text += f"; {len(self.unreadable)} step(s) not compared, unreadable: {steps}{more}"
+        parted = next((s for s in self.steps if s.apart is not None), None)
+        if parted is not None:
+            text += f"; not compared from there: {parted.apart}"
         routed = sum(c.rule == RULE_ROUTING for c in self.comparisons)
         if routed:
             text += (f"; routing differs (discrete choices of values within precision): {routed} op(s) "
@@ -2146,6 +2171,8 @@ class Report:
             "steps": sorted({s.step for s in self.steps}), "ranks": sorted({s.rank for s in self.steps}),
             "counts": self.counts, "ok": self.ok, "missing": self.missing, "per_rank": self.by_rank(),
             "unreadable": [{"step": s.step, "rank": s.rank, "reason": s.unreadable} for s in self.unreadable],
+            "apart": [{"step": s.step, "rank": s.rank, "reason": s.apart} for s in self.steps
+                      if s.apart is not None],
             "conclusion": self.conclusion,
             "identity": None if self.identity is None else self.identity.to_dict(),
             "first_divergence": None if d is None else {
@@ -2291,10 +2318,14 @@ def _compare_pieces(run_a: Run, run_b: Run, plan: dict[int, list[int]], module_m
         while next_of[rank] < len(steps) and (steps[next_of[rank]], rank) in matched:
             i = next_of[rank]
             step = steps[i]
-            before = judged.get((steps[i - 1], rank)) if i and steps[i - 1] == step - 1 else None
+            earlier = judged.get((steps[i - 1], rank)) if i else None
+            before = earlier if earlier is not None and steps[i - 1] == step - 1 else None
             carry = before.carry if before is not None and before.unreadable is None else None
-            judged[step, rank] = _judged(run_a, run_b, matched.pop((step, rank)), step, rank,
-                                         replay_limit, carry)
+            result = matched.pop((step, rank))
+            if earlier is not None and earlier.apart is not None:  # the runs trained apart since
+                judged[step, rank] = _apart_step(run_a, run_b, step, rank, earlier.apart)
+            else:
+                judged[step, rank] = _judged(run_a, run_b, result, step, rank, replay_limit, carry)
             next_of[rank] += 1
 
     def done(piece: tuple[int, int], result: MatchedStep | str) -> None:
@@ -2323,9 +2354,16 @@ def _judged(run_a: Run, run_b: Run, matched: MatchedStep | str, step: int, rank:
     if isinstance(matched, str):
         return _unreadable_step(run_a, run_b, step, rank, matched)
     try:
-        return judge_step(run_a, matched, replay_limit, carry)
+        judged = judge_step(run_a, matched, replay_limit, carry)
     except ProbeError as e:  # a damaged step: its ops are not compared, the other steps are
         return _unreadable_step(run_a, run_b, step, rank, str(e))
+    skip = one_sided_skip((run_a, run_b), (matched.sides[0].ops, matched.sides[1].ops), step, rank)
+    if skip is not None:
+        side, origin, reason = skip
+        not_compared_from(judged.comparisons, side, origin, reason)
+        judged.divergence = _divergence(run_a, step, rank, judged.comparisons)
+        judged.apart = f"{reason}, at step {step}"
+    return judged
 
 
 def _adopt_folded(run: Run, folded: LogicalStep) -> None:

@@ -79,7 +79,17 @@ def _crossed(a: OpRecord, b: OpRecord, by_index_a: dict[int, OpRecord], by_index
              scaled: tuple[set[Hashable], set[Hashable]], regraphed: bool = False) -> bool:
     call = call_a(a)
     for ta, tb in zip(a.inputs, b.inputs, strict=False):
+        if ta.source is None and tb.source is None:
+            continue
         if ta.source is None or tb.source is None:
+            # A value from outside the step (a weight) in one run, one the module call computed with
+            # ops of its own in the other: the weight's ``t`` of one linear's backward paired with
+            # the ``t`` of the other's weight gradient (``mm`` against ``addmm`` decompositions).
+            # A cast or view of the outside value (autocast's weight cast) is that value.
+            if _computed_otherwise(ta.source or tb.source, by_index_b if ta.source is None else by_index_a,
+                                   a_of_b if ta.source is None else partner,
+                                   call_b if ta.source is None else call_a, call):
+                return True
             continue
         if ta.floating != tb.floating:
             # Another kind of value wherever it was made: a mask of booleans that SDPA reads in one
@@ -123,6 +133,20 @@ def _crossed(a: OpRecord, b: OpRecord, by_index_a: dict[int, OpRecord], by_index
                                                        partner):
             return True
     return False
+
+
+def _computed_otherwise(source: tuple[int, int] | None, by_index: dict[int, OpRecord],
+                        paired: Collection[int], call_of: Callable[[OpRecord], Hashable],
+                        call: Hashable) -> bool:
+    """Whether the value at ``source`` (in one run, where the other run reads a value from outside
+    the step) is computed in the module call ``call`` by ops of that run only, not a cast or
+    reshape of a value from outside the step."""
+    producer = by_index.get(source[0]) if source is not None else None
+    if producer is None or producer.index in paired or call_of(producer) != call:
+        return False
+    origin = _through_reshapes(producer, by_index, casts=True)
+    reads_outside = _keeps_its_input(origin, casts=True) and origin.inputs[0].source is None
+    return not reads_outside and origin.index not in paired
 
 
 def _paired_otherwise(pa: OpRecord, pb: OpRecord, source_a: tuple[int, int], source_b: tuple[int, int],

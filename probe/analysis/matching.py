@@ -14,7 +14,8 @@ of run B (``{"encoder": "model.encoder"}``) before matching.
 from __future__ import annotations
 
 import difflib
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from probe.analysis.crossed_dataflow import refuse_crossed
@@ -79,6 +80,16 @@ def _pairing_ids(ops: list[OpRecord], module_map: dict[str, str]) -> dict[int, s
     return ids
 
 
+def _numbered(op_id: str) -> str:
+    """What an id numbers its op within: the id without its count."""
+    return op_id.rsplit(":", 1)[0]
+
+
+def _counts(ids: Iterable[str]) -> set[tuple[str, int]]:
+    """(what each id numbers within, how many ids number within it)."""
+    return set(Counter(map(_numbered, ids)).items())
+
+
 def _reads_values(op: OpRecord) -> bool:
     """Whether ``op`` reads the values of a tensor: an op that does not is a constant of its call."""
     return bool(op.inputs) and not reads_shape_only(op.name)
@@ -131,10 +142,16 @@ def match_ops(
     ids_b = _pairing_ids(ops_b, module_map)
     by_id = {ids_b[op.index]: op for op in ops_b if op.index not in unpaired}
     ids_a = _pairing_ids(ops_a, {})
+    # An id numbers the ops of one name in one module call; where the runs hold a different number
+    # of them (a cast autocast adds, a loss's cast outside every module), the n-th of one run is not
+    # the n-th of the other from the first extra one on: those are aligned below, in order.
+    shifted = {numbered for numbered, _ in _counts(ids_a.values()) ^ _counts(ids_b.values())}
     partner: dict[int, OpRecord] = {}
     how: dict[int, str] = {}
     taken: set[int] = set()
     for op in ops_a:
+        if _numbered(ids_a[op.index]) in shifted:
+            continue
         other = by_id.get(ids_a[op.index])
         # Same id, other output shapes: ids shifted (an extra op of that name on one side,
         # e.g. a detach autocast adds in backward); alignment pairs them better.

@@ -821,7 +821,38 @@ def condition(op: OpRecord, inputs: Sequence[TensorRecord] | None = None) -> flo
         return 2.0 * magnitude if magnitude is not None else 1.0
     if short == "_softmax_backward_data" and len(inputs) >= 2:
         return _softmax_backward_condition(inputs[0], inputs[1], out_rms)
+    if short in _ATTENTION_BACKWARD and len(inputs) >= 4:
+        return _attention_backward_condition(*inputs[:4], op.outputs)
     return 1.0
+
+
+_ATTENTION_BACKWARD = frozenset({
+    "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
+    "_scaled_dot_product_fused_attention_overrideable_backward"})
+"""Fused attention backwards: their tensor inputs begin with the output's gradient, q, k and v."""
+
+
+def _attention_backward_condition(grad: TensorRecord, q: TensorRecord, k: TensorRecord, v: TensorRecord,
+                                  outputs: Sequence[TensorRecord]) -> float:
+    """A fused attention's backward: the gradients of q and k pass through its softmax's backward,
+    ``dS = P (dP - rowsum(P dP))`` with ``dP = dO V^T``, which cancels where the scores' gradients
+    barely depend on the key (exactly, with one key: both gradients are zero in exact arithmetic,
+    and each run's is its rounding alone). Their terms' rms, at most ``2 rms(dO) rms(V) rms(K)`` for
+    q's (a row of P sums to 1, so its rms is at most ``1/sqrt(keys)``; the default scale
+    ``1/sqrt(head dim)``) and ``sqrt(queries/keys)`` times that with ``rms(Q)`` for k's, over the
+    results' rms."""
+    rms = [_rms(t) for t in (grad, q, k, v)]
+    if any(r is None or not math.isfinite(r) for r in rms) or len(q.shape) < 2 or len(k.shape) < 2:
+        return 1.0
+    r_grad, r_q, r_k, r_v = rms  # type: ignore[misc]
+    queries, keys = q.shape[-2], k.shape[-2]
+    if not queries or not keys:
+        return 1.0
+    terms = (2 * r_grad * r_v * r_k, 2 * r_grad * r_v * r_q * math.sqrt(queries / keys))
+    conditions = [term / out for term, result in zip(terms, outputs[:2], strict=False)
+                  if (out := _rms(result)) and math.isfinite(out)]
+    return max(conditions, default=1.0)
 
 
 def _softmax_backward_condition(grad: TensorRecord, probs: TensorRecord, out_rms: float | None) -> float:
