@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import probe
-from probe.analysis.compare import _of_dtype_limits
+from probe.analysis.judging.arguments import of_dtype_limits
 from probe.errors import ProbeError
 from probe.rundir.op_record_json import decode, encode
 from probe.tracer.call_constants import call_constants
@@ -99,11 +99,11 @@ def test_a_changed_eps_is_found_at_its_norm_in_a_mixed_pair_however_small_its_ef
 
 def test_a_limit_each_run_takes_from_its_own_dtype_is_told_from_a_changed_number():
     f32, bf16, f16 = (torch.finfo(d) for d in (torch.float32, torch.bfloat16, torch.float16))
-    assert _of_dtype_limits(f32.min, bf16.min) and _of_dtype_limits(f16.max - 1000, f32.max - 1000)
-    assert _of_dtype_limits(f32.eps, bf16.eps)  # nn.RMSNorm's default eps is its input dtype's
+    assert of_dtype_limits(f32.min, bf16.min) and of_dtype_limits(f16.max - 1000, f32.max - 1000)
+    assert of_dtype_limits(f32.eps, bf16.eps)  # nn.RMSNorm's default eps is its input dtype's
     # Each near some limit (fp32's eps, fp16's eps), but not the same limit of two dtypes: GLM-4's
     # eps raised by the zoo.
-    assert not _of_dtype_limits(1.5625e-07, 1e-3) and not _of_dtype_limits(1e-5, 1e-3)
+    assert not of_dtype_limits(1.5625e-07, 1e-3) and not of_dtype_limits(1e-5, 1e-3)
 
 
 def test_numbers_each_run_takes_from_its_own_dtype_are_no_difference(tmp_path):
