@@ -374,14 +374,7 @@ def test_the_loops_own_draws_and_schedule_between_steps_are_replayed_as_they_wer
         model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 1))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
-
-        def fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-            optimizer.zero_grad()
-            loss = ((model(batch[0]) - batch[1]) ** 2).mean()
-            loss.backward()
-            optimizer.step()
-            return loss
-
+        fn = _adamw_step(model, optimizer)
         verdicts = []
         session = probe.mode("stats", out=tmp_path / f"run-{traced}", model=model) if traced else None
         with contextlib.ExitStack() as stack, warnings.catch_warnings():
