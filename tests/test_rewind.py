@@ -405,6 +405,25 @@ def test_the_loops_own_draws_and_schedule_between_steps_are_replayed_as_they_wer
     assert torch.equal(plain_rng, rewound_rng)
 
 
+def test_a_weight_written_between_steps_makes_that_steps_start_a_whole_copy(tmp_path: Path) -> None:
+    """keep_every=3, and the loop scales a weight in place between steps 1 and 2, outside ``fn``: a
+    replay from step 0 could not make that write, so step 2's start is copied whole (its version
+    counter moved since step 1 ended) and the rewind of step 2 reproduces it."""
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fn = _adamw_step(model, optimizer)
+    with probe.mode("stats", out=tmp_path / "run", model=model) as session:
+        for step, batch in enumerate(_batches(n=3)):
+            if step == 2:
+                with torch.no_grad():
+                    model[0].weight.mul_(1.5)
+            session.step_fn(fn, batch, optimizer=optimizer, keep_every=3)
+        interval = rewinder_of(session).interval
+        assert interval is not None and interval.replayed(2) is None
+        verdict = session.rewind()
+    assert (verdict.step, verdict.verdict) == (2, "reproducible"), verdict.why
+
+
 @pytest.mark.parametrize("bad", [0, -2, 2.5, "3", True])
 def test_keep_every_that_is_no_count_of_steps_is_refused_naming_it(tmp_path: Path, bad: Any) -> None:
     model = _mlp()

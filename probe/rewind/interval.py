@@ -12,6 +12,13 @@ The replay is checked: each replayed step must give the loss it gave the first t
 Where one does not (a transient fault or non-determinism in a step before k), the start of step k is
 not known and the rewind says so; it never classifies from a start it could not reproduce.
 
+What the loop does to the training state between steps is not replayed: a step that starts from
+a state written since the step before ended (a weight edited in place under ``no_grad``, a
+``.data`` rebound, optimizer state loaded; the tensors' version counters and addresses tell) is
+copied whole. A write that bumps no counter (in place through ``.data`` or ``.numpy()``, a bit flip
+in memory) is not seen: the replayed start then lacks it, and the rerun, differing from the
+original, reads as transient; the verdict says its start was replayed.
+
 Host memory: one copy of the training state, plus N + 1 batches (the steps since the kept start and
 the one before them, the data rerun's batch).
 """
@@ -54,11 +61,15 @@ class KeptSteps:
         """The steps from the one before the kept start to the last one, in order."""
         self._spare: list[KeptBatch] = []
         """Batch buffers of steps dropped, reused."""
+        self._ended: list[tuple[int, int]] | None = None
+        """The state's version counters when the last step ended (``StepStart.versions``)."""
 
     def keep(self, step: int, batch: Batch, fn: Callable[[Batch], Any]) -> None:
         """Before ``step`` runs ``fn(batch)``: its start (a whole copy every ``every`` steps)."""
         start = self.start
         whole = start.step is None or step - start.step >= self.every or step < start.step
+        # Written between the steps (not by a step a replay runs again): this start is copied.
+        whole = whole or self._ended is None or start.versions() != self._ended
         if whole:
             start.keep(step)  # its boundary too; the batch is kept below, with the steps'
             # The step before the kept start stays: its batch is the data rerun's.
@@ -75,6 +86,12 @@ class KeptSteps:
         """``step`` ran and returned ``loss`` (a copy, detached): what its replay must give again."""
         if self._steps and self._steps[-1].step == step:
             self._steps[-1].loss, self._steps[-1].ran = loss, True
+        self._ended = self.start.versions()
+
+    def replayed(self, step: int) -> int | None:
+        """The step whose whole copy the start of ``step`` is replayed from (None: copied whole)."""
+        start = self.start.step
+        return start if start is not None and start < step else None
 
     def holds(self, step: int) -> bool:
         """Whether the start of ``step`` can be reached."""

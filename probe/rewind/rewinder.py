@@ -287,6 +287,12 @@ class Rewinder:
                     with untraced():
                         start = interval.start_of(last.step)
                 verdict = _Classification(self, last, start, end, rank, ranks, trigger).run()
+                replayed = interval.replayed(last.step) if interval is not None else None
+                if replayed is not None and verdict.verdict == "transient":
+                    verdict.why += (f"; its start was replayed from the whole copy of step {replayed} "
+                                    f"(keep_every={interval.every}): a write to the training state between "
+                                    "steps that bumps no version counter (in place through .data) would also "
+                                    "read as this")
         except ReplayMismatch as e:  # the step's start is not known: nothing to classify from
             verdict = Verdict(last.step, rank, trigger, "not classified", str(e))
         except Exception as e:  # the probe never raises into training: the failure is the verdict

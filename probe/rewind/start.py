@@ -283,6 +283,16 @@ class StepStart:
                                  for index, key in self._optimizer_other_slots]
         self._optimizer_tensors.take(self._optimizer_live)
 
+    def versions(self) -> list[tuple[int, int]] | None:
+        """The version counter and address of each parameter, buffer and optimizer state tensor (an
+        in-place write through the tensor bumps its counter; a rebound ``.data`` moves its address):
+        equal lists at two moments mean no op wrote any of them in between. An in-place write
+        through ``.data`` bumps no counter. None where a tensor has no counter (an inference tensor)."""
+        try:
+            return [(t._version, t.data_ptr()) for t in (*self._state_tensors(), *self._optimizer_live)]
+        except RuntimeError:
+            return None
+
     def nbytes(self) -> int:
         """Host bytes held (parameters, buffers, gradients, optimizer state, both batches)."""
         return (self._params.nbytes() + self._grads.nbytes() + self._optimizer_tensors.nbytes()
