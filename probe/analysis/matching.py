@@ -80,6 +80,12 @@ def _pairing_ids(ops: list[OpRecord], module_map: dict[str, str]) -> dict[int, s
     return ids
 
 
+ALIGN_LIMIT = 2048
+"""The most ops of one name in one module call that are aligned rather than paired by id where the
+runs hold different numbers of them: sequence alignment of n like tokens costs about n^2 (2,000 of
+them 0.8 s, 4,000 3 s); beyond it the ids pair them, shifted or not."""
+
+
 def _numbered(op_id: str) -> str:
     """What an id numbers its op within: the id without its count."""
     return op_id.rsplit(":", 1)[0]
@@ -145,7 +151,10 @@ def match_ops(
     # An id numbers the ops of one name in one module call; where the runs hold a different number
     # of them (a cast autocast adds, a loss's cast outside every module), the n-th of one run is not
     # the n-th of the other from the first extra one on: those are aligned below, in order.
-    shifted = {numbered for numbered, _ in _counts(ids_a.values()) ^ _counts(ids_b.values())}
+    shifted = {numbered for numbered, count in _counts(ids_a.values()) ^ _counts(ids_b.values())
+               if count <= ALIGN_LIMIT}
+    shifted -= {numbered for numbered, count in _counts(ids_a.values()) | _counts(ids_b.values())
+                if count > ALIGN_LIMIT}
     partner: dict[int, OpRecord] = {}
     how: dict[int, str] = {}
     taken: set[int] = set()
