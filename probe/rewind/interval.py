@@ -44,7 +44,6 @@ class _Step:
     batch: KeptBatch
     fn: Callable[[Batch], Any]
     loss: torch.Tensor | None = None
-    ran: bool = False
 
 
 class ReplayMismatch(ProbeError):
@@ -85,7 +84,7 @@ class KeptSteps:
     def ran(self, step: int, loss: torch.Tensor | None) -> None:
         """``step`` ran and returned ``loss`` (a copy, detached): what its replay must give again."""
         if self._steps and self._steps[-1].step == step:
-            self._steps[-1].loss, self._steps[-1].ran = loss, True
+            self._steps[-1].loss = loss
         self._ended = self.start.versions()
 
     def replayed(self, step: int) -> int | None:
