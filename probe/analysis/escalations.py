@@ -27,6 +27,7 @@ from probe.analysis.mode_records import Alert, AlertReader
 from probe.analysis.summary import StepSummary, ranked
 from probe.errors import ProbeError
 from probe.rundir.layout import ESCALATED_KEY, ESCALATION_REFUSED_KEY
+from probe.rundir.records import frame_module
 from probe.rundir.run import OpRecord, Run
 
 TOP_JUMPS = 3
@@ -47,11 +48,6 @@ class Jump:
     def describe(self) -> str:
         return (f"{self.module} {self.phase} x{self.ratio:.3g} (norm {self.entering:.3g} in, "
                 f"{self.leaving:.3g} out, step {self.step})")
-
-
-def _frame_module(frame: str) -> str:
-    """``model.layers.1[0]`` -> ``model.layers.1`` (a module stack entry is ``fqn[call]``)."""
-    return frame.rpartition("[")[0] if frame.endswith("]") else frame
 
 
 def _inside(fqn: str, module: str) -> bool:
@@ -95,7 +91,7 @@ def module_jumps(ops: list[OpRecord], step: int, within: str = "", top: int = TO
                 leaving[key] = max(leaving.get(key, 0.0), norm)
     jumps = []
     for (frame, phase), norm_in in entering.items():
-        module = _frame_module(frame)
+        module = frame_module(frame)
         if module and _inside(module, within) and (frame, phase) in leaving:
             call = frame[len(module):]
             name = module if call in ("", "[0]") else f"{module}{call}"

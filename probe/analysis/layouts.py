@@ -77,6 +77,7 @@ from probe.analysis.local_placements import base_name, local_placement, shard_di
 from probe.analysis.overwrites import overwritten_inputs
 from probe.errors import ProbeError
 from probe.rundir.op_graph import build_graph
+from probe.rundir.records import frame_module
 from probe.rundir.run import OpRecord, Run, TensorRecord
 from probe.vocabulary.rounding import ROUNDING_ULPS, eps
 
@@ -1051,8 +1052,8 @@ def _unwrapped(op_id: str, module: str, module_stack: list[str]) -> tuple[str, s
     unwrapped = _unwrap_name(module)
     op_id = f"{phase}:{unwrapped}{frame[len(module):]}:{name}:{n}"
     module = unwrapped
-    stack = [_unwrap_name(entry.split("[")[0]) + entry[len(entry.split("[")[0]):] for entry in module_stack
-             if entry.split("[")[0] != ""]
+    names = [(entry, frame_module(entry)) for entry in module_stack]
+    stack = [_unwrap_name(name) + entry[len(name):] for entry, name in names if name != ""]
     return op_id, module, stack
 
 

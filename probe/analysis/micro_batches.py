@@ -27,6 +27,7 @@ from fractions import Fraction
 
 from probe.analysis.layouts import combine_stats
 from probe.analysis.precision import summation_terms
+from probe.rundir.records import module_frame
 from probe.rundir.run import OpRecord, TensorRecord
 from probe.vocabulary.op_class import draws_random, returns_view
 
@@ -88,14 +89,6 @@ NOT_FOLDED = ("a value of each micro-batch that is no slice of the full batch's 
 """Why a folded value has no statistics: compare says "not compared", with this reason."""
 
 
-def _frame(entry: str) -> tuple[str, int] | None:
-    """A module stack entry ``name[call]`` as (name, call)."""
-    name, bracket, call = entry.rpartition("[")
-    if not bracket or not call.endswith("]") or not call[:-1].isdigit():
-        return None
-    return name, int(call[:-1])
-
-
 _SCALINGS = frozenset({"aten.div.Tensor", "aten.div.Scalar", "aten.mul.Tensor", "aten.mul.Scalar"})
 
 
@@ -136,7 +129,7 @@ class _Segments:
     def __init__(self, ops: list[OpRecord], calls: int) -> None:
         outer: dict[str, set[int]] = defaultdict(set)
         for op in ops:
-            if op.module_stack and (frame := _frame(op.module_stack[0])) is not None:
+            if op.module_stack and (frame := module_frame(op.module_stack[0])) is not None:
                 outer[frame[0]].add(frame[1])
         if any(len(indices) % calls for indices in outer.values()):
             raise Unfoldable("the model is called a number of times the micro-batches do not divide")
@@ -145,7 +138,7 @@ class _Segments:
         """Op position -> its micro-batch."""
         current, backward_seen = 0, False
         for op in ops:
-            frame = _frame(op.module_stack[0]) if op.module_stack else None
+            frame = module_frame(op.module_stack[0]) if op.module_stack else None
             if frame is not None:
                 segment = sorted(outer[frame[0]]).index(frame[1]) // per_call[frame[0]]
             else:
@@ -160,7 +153,7 @@ class _Segments:
         """Micro-batch -> module -> its first call there."""
         for op, segment in zip(ops, self.of, strict=True):
             for entry in op.module_stack:
-                if (frame := _frame(entry)) is not None:
+                if (frame := module_frame(entry)) is not None:
                     first = self.first[segment]
                     first[frame[0]] = min(first.get(frame[0], frame[1]), frame[1])
 
@@ -171,7 +164,7 @@ class _Segments:
             return c - self.first[segment].get(module, 0)
         stack = []
         for entry in op.module_stack:
-            frame = _frame(entry)
+            frame = module_frame(entry)
             stack.append(entry if frame is None else f"{frame[0]}[{call(*frame)}]")
         module_call = call(op.module, op.module_call) if op.module_call >= 0 else op.module_call
         frame_name = f"{op.module}[{module_call}]" if op.module_call >= 0 else ""

@@ -111,6 +111,22 @@ def _all_finite(tensors: list[TensorRecord]) -> bool | None:
     return None if None in known else True
 
 
+def module_frame(entry: str) -> tuple[str, int] | None:
+    """An entry of an op's ``module_stack``, ``fqn[call]`` (``model.layers.1[0]``), as (fqn, call);
+    None when it is not of that form."""
+    name, bracket, call = entry.rpartition("[")
+    if not bracket or not call.endswith("]") or not call[:-1].isdigit():
+        return None
+    return name, int(call[:-1])
+
+
+def frame_module(entry: str) -> str:
+    """The module of a ``module_stack`` entry (``model.layers.1[0]`` -> ``model.layers.1``); the
+    entry itself when it is not ``fqn[call]``."""
+    frame = module_frame(entry)
+    return entry if frame is None else frame[0]
+
+
 @dataclass(slots=True)
 class OpRecord:
     """One traced op call, as loaded from a run."""
