@@ -34,13 +34,12 @@ from probe.analysis.comparison_records import Carry, OpComparison, StepCompariso
 from probe.analysis.comparison_report import Report
 from probe.analysis.compiled_regions import compare_notes, opened_regions, replayed_ops
 from probe.analysis.judging.propagation import REPLAY_LIMIT
-from probe.analysis.judging.step import judge_step, step_divergence
+from probe.analysis.judging.step import judge_step
 from probe.analysis.layouts import LogicalRun, LogicalStep, layout_notes, logical_pair
 from probe.analysis.matching import MICRO_BATCHES, mapped_id, match_ops, rename_module
 from probe.analysis.micro_batches import MicroBatches, Unfoldable, accumulation_end, micro_batches
 from probe.analysis.micro_batches import fold as fold_micro_batches
 from probe.analysis.run_identity import identity
-from probe.analysis.scaler_skips import not_compared_from, one_sided_skip
 from probe.analysis.step_sides import MatchedStep, Side, compare_pair
 from probe.analysis.verdicts import NOT_COMPARED, RULE_NOT_COMPARED
 from probe.errors import ProbeError
@@ -294,16 +293,10 @@ def _judged(run_a: Run, run_b: Run, matched: MatchedStep | str, step: int, rank:
     if isinstance(matched, str):
         return _unreadable_step(run_a, run_b, step, rank, matched)
     try:
-        judged = judge_step(run_a, matched, replay_limit, carry)
+        return judge_step(run_a, matched, replay_limit, carry)
     except ProbeError as e:  # a damaged step: its ops are not compared, the other steps are
         return _unreadable_step(run_a, run_b, step, rank, str(e))
-    skip = one_sided_skip((run_a, run_b), (matched.sides[0].ops, matched.sides[1].ops), step, rank)
-    if skip is not None:
-        side, origin, reason = skip
-        not_compared_from(judged.comparisons, side, origin, reason)
-        judged.divergence = step_divergence(run_a, step, rank, judged.comparisons)
-        judged.apart = f"{reason}, at step {step}"
-    return judged
+
 
 def _adopt_folded(run: Run, folded: LogicalStep) -> None:
     """Keeps a logical step folded in another process in this process's folded run, so that

@@ -86,9 +86,9 @@ def _crossed(a: OpRecord, b: OpRecord, by_index_a: dict[int, OpRecord], by_index
             # ops of its own in the other: the weight's ``t`` of one linear's backward paired with
             # the ``t`` of the other's weight gradient (``mm`` against ``addmm`` decompositions).
             # A cast or view of the outside value (autocast's weight cast) is that value.
-            if _computed_otherwise(ta.source or tb.source, by_index_b if ta.source is None else by_index_a,
-                                   a_of_b if ta.source is None else partner,
-                                   call_b if ta.source is None else call_a, call):
+            computing = ((tb.source, by_index_b, a_of_b, call_b) if ta.source is None
+                         else (ta.source, by_index_a, partner, call_a))
+            if _computed_otherwise(*computing, call):
                 return True
             continue
         if ta.floating != tb.floating:
@@ -135,13 +135,13 @@ def _crossed(a: OpRecord, b: OpRecord, by_index_a: dict[int, OpRecord], by_index
     return False
 
 
-def _computed_otherwise(source: tuple[int, int] | None, by_index: dict[int, OpRecord],
+def _computed_otherwise(source: tuple[int, int], by_index: dict[int, OpRecord],
                         paired: Collection[int], call_of: Callable[[OpRecord], Hashable],
                         call: Hashable) -> bool:
     """Whether the value at ``source`` (in one run, where the other run reads a value from outside
     the step) is computed in the module call ``call`` by ops of that run only, not a cast or
     reshape of a value from outside the step."""
-    producer = by_index.get(source[0]) if source is not None else None
+    producer = by_index.get(source[0])
     if producer is None or producer.index in paired or call_of(producer) != call:
         return False
     origin = _through_reshapes(producer, by_index, casts=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import difflib
 from collections import Counter, defaultdict
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from probe.analysis.crossed_dataflow import refuse_crossed
@@ -91,11 +90,6 @@ def _numbered(op_id: str) -> str:
     return op_id.rsplit(":", 1)[0]
 
 
-def _counts(ids: Iterable[str]) -> set[tuple[str, int]]:
-    """(what each id numbers within, how many ids number within it)."""
-    return set(Counter(map(_numbered, ids)).items())
-
-
 def _reads_values(op: OpRecord) -> bool:
     """Whether ``op`` reads the values of a tensor: an op that does not is a constant of its call."""
     return bool(op.inputs) and not reads_shape_only(op.name)
@@ -151,10 +145,10 @@ def match_ops(
     # An id numbers the ops of one name in one module call; where the runs hold a different number
     # of them (a cast autocast adds, a loss's cast outside every module), the n-th of one run is not
     # the n-th of the other from the first extra one on: those are aligned below, in order.
-    shifted = {numbered for numbered, count in _counts(ids_a.values()) ^ _counts(ids_b.values())
-               if count <= ALIGN_LIMIT}
-    shifted -= {numbered for numbered, count in _counts(ids_a.values()) | _counts(ids_b.values())
-                if count > ALIGN_LIMIT}
+    counts_a, counts_b = Counter(map(_numbered, ids_a.values())), Counter(map(_numbered, ids_b.values()))
+    shifted = {numbered for numbered in counts_a.keys() | counts_b.keys()
+               if counts_a[numbered] != counts_b[numbered]
+               and max(counts_a[numbered], counts_b[numbered]) <= ALIGN_LIMIT}
     partner: dict[int, OpRecord] = {}
     how: dict[int, str] = {}
     taken: set[int] = set()

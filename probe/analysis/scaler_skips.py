@@ -29,6 +29,8 @@ from probe.rundir.records import OpRecord
 class _Scaled(Protocol):
     def loss_scaler(self, step: int | None = None, rank: int | None = None) -> ScalerStep | None: ...
 
+    def outputs_nonfinite(self, step: int | None = None, rank: int | None = None) -> bool | None: ...
+
 
 class _Output(Protocol):
     verdict: str
@@ -51,10 +53,13 @@ def one_sided_skip(runs: tuple[_Scaled, _Scaled], ops: tuple[Sequence[OpRecord],
     """Where exactly one of two runs' loss scalers skipped ``step`` for a gradient overflow it
     handled: (which run, 0 for A or 1 for B; that run's first non-finite op; the reason, in words).
     None otherwise (neither skipped, both did, or the non-finite values began in the forward)."""
-    scalers = []
+    scalers: list[ScalerStep | None] = []
     for run in runs:
         try:
-            scalers.append(run.loss_scaler(step, rank))
+            # A skip leaves Inf or NaN in the gradients: without one (the stats table says, no op
+            # decoded), the scaler's ops are not looked for.
+            overflowed = run.outputs_nonfinite(step, rank) is not False
+            scalers.append(run.loss_scaler(step, rank) if overflowed else None)
         except ProbeError:  # a damaged step: judged as it is
             scalers.append(None)
     skipped = [side for side, scaler in enumerate(scalers) if scaler is not None and scaler.skipped]
@@ -73,11 +78,10 @@ def one_sided_skip(runs: tuple[_Scaled, _Scaled], ops: tuple[Sequence[OpRecord],
     return side, origins[0], reason
 
 
-def not_compared_from(rows: Sequence[_Row], side: int, origin: OpRecord, reason: str) -> int:
+def not_compared_from(rows: Sequence[_Row], side: int, origin: OpRecord, reason: str) -> None:
     """Marks ``rows`` "not compared" from the first whose op of run ``side`` is ``origin`` or comes
-    after it (rows are in execution order, the other run's unpaired ops among them); returns how
-    many were marked."""
-    cut, marked = False, 0
+    after it (rows are in execution order, the other run's unpaired ops among them)."""
+    cut = False
     for row in rows:
         op = row.b if side else row.a
         cut = cut or (op is not None and op.index >= origin.index)
@@ -85,5 +89,3 @@ def not_compared_from(rows: Sequence[_Row], side: int, origin: OpRecord, reason:
             row.verdict, row.rule, row.message, row.enters = NOT_COMPARED, RULE_NOT_COMPARED, reason, False
             for output in row.outputs:
                 output.verdict, output.rule, output.message = NOT_COMPARED, RULE_NOT_COMPARED, reason
-            marked += 1
-    return marked

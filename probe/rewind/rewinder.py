@@ -36,7 +36,7 @@ import torch
 from probe.errors import ProbeError, warn_once
 from probe.local_part import local_part
 from probe.rewind.determinism import HARDWARE, KERNEL, PROGRAM, deterministic_algorithms
-from probe.rewind.interval import KeptSteps, ReplayMismatch, checked_every
+from probe.rewind.interval import KeptSteps, checked_every
 from probe.rewind.precision import float64_step
 from probe.rewind.ranks import Ranks
 from probe.rewind.start import Batch, StepStart, leaves, rebuild, same_bits
@@ -293,8 +293,6 @@ class Rewinder:
                                     f"(keep_every={interval.every}): a write to the training state between "
                                     "steps that bumps no version counter (in place through .data) would also "
                                     "read as this")
-        except ReplayMismatch as e:  # the step's start is not known: nothing to classify from
-            verdict = Verdict(last.step, rank, trigger, "not classified", str(e))
         except Exception as e:  # the probe never raises into training: the failure is the verdict
             verdict = Verdict(last.step, rank, trigger, "not classified", f"{type(e).__name__}: {e}")
         finally:

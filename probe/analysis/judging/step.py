@@ -37,6 +37,7 @@ from probe.analysis.matching import MICRO_BATCHES
 from probe.analysis.micro_batches import NOT_FOLDED
 from probe.analysis.routing import Routed
 from probe.analysis.run_identity import same_kernels
+from probe.analysis.scaler_skips import not_compared_from, one_sided_skip
 from probe.analysis.step_sides import MatchedStep, Side
 from probe.analysis.verdicts import (
     ERROR,
@@ -340,5 +341,10 @@ def judge_step(run_a: Run, matched: MatchedStep, replay_limit: int = REPLAY_LIMI
     side_a, side_b = matched.sides
     step, rank, comparisons = matched.step, matched.rank, matched.comparisons
     handed_on = _judge(side_a, side_b, comparisons, matched.lowerings, replay_limit, carry)
+    # Where one run's loss scaler skipped the step, the runs part at its overflow: not compared on.
+    skip = one_sided_skip((side_a.run, side_b.run), (side_a.ops, side_b.ops), step, rank)
+    if skip is not None:
+        not_compared_from(comparisons, *skip)
     divergence = step_divergence(run_a, step, rank, comparisons)
-    return StepComparison(step, rank, comparisons, divergence, matched.policy, handed_on)
+    return StepComparison(step, rank, comparisons, divergence, matched.policy, handed_on,
+                          apart=None if skip is None else skip[2])
