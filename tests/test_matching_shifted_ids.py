@@ -64,3 +64,65 @@ def test_beyond_the_alignment_limit_the_ids_pair_them(tmp_path: Path,
     # reaches them; none is paired with its twin.
     assert all(a == b for a, b, how in pairs if how == "id")
     assert not [p for p in pairs if int(p[1]) == int(p[0]) + 1]
+
+
+class _Norm(nn.Module):
+    """RMSNorm as transformers writes it: in float32, its result cast back to the input's dtype
+    (two ``_to_copy`` under autocast, none in float32), then times its weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 16))
+        self.scale: float | None = None  # a planted fault: the output scaled
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        y = self.weight * x.to(dtype)
+        return y * self.scale if self.scale is not None else y
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.norm, self.out = nn.Linear(16, 16), _Norm(), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.proj(x)))
+
+
+def _train_block(out: Path, autocast: bool, scale: float | None) -> None:
+    torch.manual_seed(0)
+    model = _Block()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    with probe.mode("stats", out=out, model=model) as session:
+        for step in range(2):
+            x = torch.randn(8, 16, generator=gen)
+            model.norm.scale = scale if step == 1 else None
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            session.step()
+
+
+def test_ops_alike_in_name_and_shape_align_with_the_ops_reading_alike(tmp_path: Path) -> None:
+    # Under bf16 autocast the norm casts twice, and the planted scaling adds a third `mul` of the
+    # norm's shape after its two. Aligned by name and shape alone, run A's two `mul`s went with the
+    # longest run of like tokens, run B's last two (the weight's and the fault's); dataflow then
+    # refused both pairs and the fault stayed inside an unpaired box: 'no divergence' (the zoo's
+    # Doge, OLMoE, GLM-4-MoE, AXK2 and MiniCPM3 at their QK or input norms, x1.06 to x1.71).
+    _train_block(tmp_path / "a", False, None)
+    _train_block(tmp_path / "b", True, 1.6)
+    report = probe.compare(tmp_path / "a", tmp_path / "b")
+    muls = [c for c in report.comparisons if c.a is not None and c.a.module == "norm"
+            and c.a.phase == "forward" and c.a.name == "aten.mul.Tensor" and c.a.step == 1]
+    assert [(c.a.id.rsplit(":", 1)[1], c.b.id.rsplit(":", 1)[1] if c.b else None) for c in muls] == \
+        [("0", "0"), ("1", "1")]
+    d = report.divergence
+    assert d is not None and d.step == 1 and d.op.module == "norm", report.conclusion
+    _train_block(tmp_path / "c", True, None)
+    assert probe.compare(tmp_path / "a", tmp_path / "c").divergence is None

@@ -16,6 +16,7 @@ from torch import nn
 
 import probe
 from probe.analysis.micro_batches import NOT_FOLDED
+from probe.analysis.random_draws import draws
 from probe.analysis.verdicts import NOT_COMPARED, PASS, WARNING
 
 
@@ -130,11 +131,14 @@ def test_a_fault_in_the_optimizer_step_of_accumulated_gradients_is_found_there(t
     assert d is not None and d.step == 0 and d.op.phase == "optimizer", report.conclusion
 
 
-@pytest.mark.parametrize("name", ["llama", "afmoe", "phimoe"])
+@pytest.mark.parametrize("name", ["llama", "afmoe", "phimoe", "moss_transcribe_diarize", "falcon_mamba"])
 def test_a_transformers_model_in_two_micro_batches_compares_clean(name, tmp_path):
     # AFMoE's experts sort the tokens' expert choices: a sort's indices and an arange over the
     # tokens are positions within each micro-batch, no slices of the full batch's positions.
     # PhiMoE's router draws noise (exponential_) in training: each micro-batch draws its own.
+    # Moss calls SDPA with dropout_p=0.0: no draw (before: 'propagation' at step 1's rotary backward).
+    # FalconMamba's out_proj backward has one `t` more in the micro-batches' step: aligned by name,
+    # the weight's `t` went with a `t` of the output gradient ('shape'), a pair dataflow refuses.
     outcome = zoo_case("causal-lm", name, "accumulate-2", tmp_path)
     assert outcome.error is None and outcome.skipped is None, outcome
     assert outcome.ok, (outcome.answer, outcome.conclusion)
@@ -185,3 +189,66 @@ def test_at_a_realistic_size_the_fold_is_clean_and_a_fault_in_one_micro_batch_is
     _train_llama(tmp_path / "c", 2, scale_mlp=1.25)
     d = probe.compare(tmp_path / "a", tmp_path / "c").divergence
     assert d is not None and d.step == 1 and d.op.module.startswith("model.layers.1.mlp"), d and d.op.id
+
+
+class SelfAttention(nn.Module):
+    """Two heads of self-attention by SDPA, its dropout probability ``p`` (HF's models pass 0.0)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.qkv, self.p = nn.Linear(16, 48), p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.unflatten(-1, (2, 8)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        return nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.p)
+
+
+class Attention(nn.Module):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.attn, self.out = SelfAttention(p), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.attn(x).transpose(1, 2).flatten(2).mean(1))
+
+
+def _train_attention(out: Path, micro_batches: int, p: float) -> None:
+    torch.manual_seed(0)
+    model = Attention(p)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    with probe.mode("stats", out=str(out), model=model) as session:
+        for _ in range(2):
+            x, y = torch.randn(8, 6, 16, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+            for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True):
+                (nn.functional.cross_entropy(model(xs), ys) / micro_batches).backward()
+            opt.step()
+            opt.zero_grad()
+            session.step()
+
+
+def test_attention_given_dropout_probability_zero_folds_as_any_op(tmp_path):
+    # SDPA can draw (its dropout_p), so every micro-batch was taken to draw its own: its results,
+    # and everything the attention backward made from them, "not compared" (Moss's accumulation:
+    # the rotary backward judged on statistics alone, then 'propagation' at step 1). Given 0.0, as
+    # HF's models give it, it draws nothing: its values concatenate like any op's.
+    _train_attention(tmp_path / "a", 1, 0.0)
+    _train_attention(tmp_path / "b", 2, 0.0)
+    report = probe.compare(tmp_path / "a", tmp_path / "b")
+    assert report.divergence is None, report.conclusion
+    attention = [c for c in report.comparisons if c.a is not None and "scaled_dot_product" in c.a.name]
+    assert len(attention) == 4, [c.a.id for c in attention]  # forward and backward, two steps
+    assert all(c.verdict in (PASS, WARNING) and c.outputs[0].kind == "stats" for c in attention), \
+        [(c.a.id, c.message) for c in attention]
+    assert attention[0].b.outputs[0].shape == (8, 2, 6, 8)  # the micro-batches' values together
+
+
+def test_an_op_that_draws_in_each_micro_batch_is_not_compared(tmp_path):
+    # Given 0.5, attention's dropout draws in each micro-batch: no slice of the full batch's draw.
+    _train_attention(tmp_path / "a", 1, 0.5)
+    _train_attention(tmp_path / "b", 2, 0.5)
+    report = probe.compare(tmp_path / "a", tmp_path / "b")
+    drawn = [c for c in report.comparisons if c.a is not None and c.a.module == "attn" and draws(c.a, True)]
+    assert drawn, [c.a.name for c in report.comparisons if c.a is not None][:40]
+    assert all(c.verdict == NOT_COMPARED and NOT_FOLDED in c.message for c in drawn), \
+        [(c.a.id, c.verdict, c.message) for c in drawn]

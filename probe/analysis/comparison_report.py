@@ -17,11 +17,11 @@ from probe.analysis.comparison_records import (
     StepComparison,
     count_verdicts,
 )
+from probe.analysis.random_draws import draws, records_constants
 from probe.analysis.report_writers import write_report
 from probe.analysis.run_identity import Identity
 from probe.analysis.verdicts import NOT_COMPARED, RULE_REDUCTION_ORDER, RULE_ROUTING, WARNING
 from probe.rundir.run import OpRecord
-from probe.vocabulary.op_class import draws_random
 
 _OVERLAY_KEYS = frozenset(("verdict", "message", "op_b", *METRIC_KEYS, *STATS_KEYS))
 """The fields of a row the graph viewer's overlay shows (:meth:`Report.overlay`)."""
@@ -115,14 +115,17 @@ class Report:
         return "; ".join([text, *self.notes])
 
     def _random_ops(self, last_step: int | None) -> bool | None:
-        """Whether a compared op (up to ``last_step``) draws random numbers: False only when
-        every op is known not to (an op this process cannot resolve is not known)."""
+        """Whether a compared op (up to ``last_step``) drew random numbers: False only when
+        every op is known not to (an op this process cannot resolve is not known; one given
+        probability 0 draws none, :mod:`probe.analysis.random_draws`)."""
         unknown = False
+        recorded = [records_constants([op for c in self.comparisons if (op := getattr(c, side)) is not None])
+                    for side in ("a", "b")]
         for c in self.comparisons:
-            for op in (c.a, c.b):
+            for op, constants in zip((c.a, c.b), recorded, strict=True):
                 if op is None or (last_step is not None and op.step > last_step):
                     continue
-                random = draws_random(op.name)
+                random = draws(op, constants)
                 if random:
                     return True
                 unknown = unknown or random is None

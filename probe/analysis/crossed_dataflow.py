@@ -84,7 +84,9 @@ def _crossed(a: OpRecord, b: OpRecord, by_index_a: dict[int, OpRecord], by_index
         if ta.source is None or tb.source is None:
             # A value from outside the step (a weight) in one run, one the module call computed with
             # ops of its own in the other: the weight's ``t`` of one linear's backward paired with
-            # the ``t`` of the other's weight gradient (``mm`` against ``addmm`` decompositions).
+            # the ``t`` of the other's weight gradient (``mm`` against ``addmm`` decompositions);
+            # or one computed by an op paired with another (the weight's ``t`` with a ``t`` of the
+            # output gradient, aligned by name where one run has more ``t``s: a micro-batch's).
             # A cast or view of the outside value (autocast's weight cast) is that value.
             computing = ((tb.source, by_index_b, a_of_b, call_b) if ta.source is None
                          else (ta.source, by_index_a, partner, call_a))
@@ -139,14 +141,36 @@ def _computed_otherwise(source: tuple[int, int], by_index: dict[int, OpRecord],
                         paired: Collection[int], call_of: Callable[[OpRecord], Hashable],
                         call: Hashable) -> bool:
     """Whether the value at ``source`` (in one run, where the other run reads a value from outside
-    the step) is computed in the module call ``call`` by ops of that run only, not a cast or
-    reshape of a value from outside the step."""
+    the step) is computed otherwise in the module call ``call``, not a cast or reshape of a value
+    from outside the step: by ops of that run only, or by an op paired with another op of the
+    other run (whose value the other run's op does not read: it reads the outside value)."""
     producer = by_index.get(source[0])
-    if producer is None or producer.index in paired or call_of(producer) != call:
+    if producer is None or call_of(producer) != call:
         return False
+    if producer.index in paired:
+        # Outside every module, the step's own making of its batch (a ``randint``, an ``index`` of
+        # a dataset) is read as from outside where the micro-batch fold dropped its slicing.
+        return producer.module_call >= 0 and not _of_outside_value(producer, by_index)
     origin = _through_reshapes(producer, by_index, casts=True)
     reads_outside = _keeps_its_input(origin, casts=True) and origin.inputs[0].source is None
     return not reads_outside and origin.index not in paired
+
+
+def _of_outside_value(op: OpRecord, by_index: dict[int, OpRecord]) -> bool:
+    """Whether ``op`` computes from one value from outside the step alone, through ops of one
+    input each (a weight's autocast cast and its transpose, which one run records where the other
+    reads the weight as it is)."""
+    for _ in range(_WALK_INSERTED):
+        if len(op.inputs) != 1:
+            return False
+        source = op.inputs[0].source
+        if source is None:
+            return True
+        producer = by_index.get(source[0])
+        if producer is None:
+            return False
+        op = producer
+    return False
 
 
 def _paired_otherwise(pa: OpRecord, pb: OpRecord, source_a: tuple[int, int], source_b: tuple[int, int],

@@ -95,14 +95,20 @@ def _reads_values(op: OpRecord) -> bool:
     return bool(op.inputs) and not reads_shape_only(op.name)
 
 
-def _token(op: OpRecord, with_shapes: bool) -> str:
+def _token(op: OpRecord, with_shapes: bool, with_sources: bool = False) -> str:
     # The kind of value each result is, always: a cast to integers (``gates.long()``) is no twin
     # of a cast to float that one run alone makes first (``logits.float()`` of a bf16 matmul), and
     # sharing the name and the n-th place would pair them.
     kinds = "".join("f" if t.floating else "b" if t.dtype == "bool" else "i" for t in op.outputs)
     if not with_shapes:
         return f"{op.name}|{kinds}"
-    return f"{op.name}|{kinds}|" + ";".join(",".join(map(str, t.shape)) for t in op.outputs)
+    token = f"{op.name}|{kinds}|" + ";".join(",".join(map(str, t.shape)) for t in op.outputs)
+    if with_sources:
+        # Which inputs the step computed and which it read from outside (a weight): a norm's
+        # ``x * rsqrt(...)`` and ``weight * x`` are both a ``mul`` of one shape; a third ``mul``
+        # one run adds after them (a scaling) reads one tensor.
+        token += "|" + "".join("o" if t.source is None else "s" for t in op.inputs)
+    return token
 
 
 def _input_shapes(op: OpRecord) -> list[tuple[int, ...]]:
@@ -114,9 +120,11 @@ def _group_key(op: OpRecord, module_map: dict[str, str] | None = None) -> tuple[
     return op.phase, module, op.module_call, _parameter(op, module_map or {})
 
 
-def _align(ops_a: list[OpRecord], ops_b: list[OpRecord], with_shapes: bool) -> list[tuple[int, int]]:
+def _align(ops_a: list[OpRecord], ops_b: list[OpRecord], with_shapes: bool,
+           with_sources: bool) -> list[tuple[int, int]]:
     matcher = difflib.SequenceMatcher(
-        a=[_token(op, with_shapes) for op in ops_a], b=[_token(op, with_shapes) for op in ops_b],
+        a=[_token(op, with_shapes, with_sources) for op in ops_a],
+        b=[_token(op, with_shapes, with_sources) for op in ops_b],
         autojunk=False,
     )
     pairs = []
@@ -173,7 +181,10 @@ def match_ops(
             groups_b[_group_key(op, module_map)].append(op)
     for key, left in groups_a.items():
         right = groups_b.get(key, [])
-        for with_shapes in (True, False):
+        # Finest first: alike ops that also read alike (computed or outside values), then alike
+        # in shapes, then in name. Like tokens in a row otherwise align with the longest run of
+        # them, whichever ops it holds (a norm's two ``mul``s with the last two of three).
+        for with_shapes, with_sources in ((True, True), (True, False), (False, False)):
             # By name alone, never an op reading no tensor's values (``zeros``, ``arange``,
             # ``new_zeros``): its shape is all there is to its value, and one of another shape is
             # another constant (autograd's zeros for a gradient one run's backward did not produce,
@@ -184,7 +195,7 @@ def match_ops(
                            and (with_shapes or (op.index not in shapes_only and _reads_values(op)))]
             if not remaining_a or not remaining_b:
                 break
-            for i, j in _align(remaining_a, remaining_b, with_shapes):
+            for i, j in _align(remaining_a, remaining_b, with_shapes, with_sources):
                 partner[remaining_a[i].index], how[remaining_a[i].index] = remaining_b[j], "aligned"
                 taken.add(remaining_b[j].index)
     # Where two decompositions of a module call differ, pairs by position are other values.

@@ -27,9 +27,10 @@ from fractions import Fraction
 
 from probe.analysis.layouts import combine_stats
 from probe.analysis.precision import summation_terms
+from probe.analysis.random_draws import draws, records_constants
 from probe.rundir.records import module_frame
 from probe.rundir.run import OpRecord, TensorRecord
-from probe.vocabulary.op_class import draws_random, returns_view
+from probe.vocabulary.op_class import returns_view
 
 
 @dataclass(frozen=True)
@@ -344,6 +345,7 @@ def fold(ops: list[OpRecord], calls: int, reference: list[OpRecord],
         by_id[segment][op.id] = op
     references = _References(reference, reference_key)
     first_forward = next((k for k, op in enumerate(micro) if op.module_call >= 0), len(micro))
+    recorded = records_constants(ops)
 
     accumulated, root_of = _accumulations(micro, segments.of)
     partial_sums = _gradient_sums(micro, segments.of, accumulated, calls)
@@ -405,7 +407,7 @@ def fold(ops: list[OpRecord], calls: int, reference: list[OpRecord],
         if any(inputs_vary):
             varying.add(op.index)
         folded.append(_folded_op(lead, peers, len(peers) in (0, calls - 1), partner, accumulated,
-                                 op.index, inputs_vary))
+                                 op.index, inputs_vary, recorded))
         if any(f.shape != t.shape for f, t in zip(folded[-1].inputs, lead.inputs, strict=True)):
             varying.add(op.index)
     for op in rest:
@@ -425,16 +427,17 @@ def fold(ops: list[OpRecord], calls: int, reference: list[OpRecord],
 
 def _folded_op(lead: OpRecord, peers: list[OpRecord], complete: bool, partner: OpRecord | None,
                accumulated: dict[tuple[int, int], TensorRecord], index: int,
-               inputs_vary: list[bool]) -> OpRecord:
+               inputs_vary: list[bool], recorded: bool) -> OpRecord:
     """The first micro-batch's op with its values folded over its ``peers`` (the same op in the
     later micro-batches: none, an op done once for all of them; ``complete`` False: some lack it,
     so nothing folds). ``partner``: the reference's op; ``inputs_vary``: whether the micro-batches'
     data make each input (and so its results, where one does); ``accumulated``: the values later
-    micro-batches add into in place, when done."""
+    micro-batches add into in place, when done; ``recorded``: whether the run records constants
+    (an op's probability among them, :func:`probe.analysis.random_draws.draws`)."""
     def folded(io: str, position: int, record: TensorRecord, varies: bool) -> TensorRecord:
         if io == "output" and (index, position) in accumulated:
             return replace(accumulated[(index, position)], source=None, mutated=record.mutated)
-        if io == "output" and peers and draws_random(lead.name):  # each micro-batch's own draw
+        if io == "output" and peers and draws(lead, recorded):  # each micro-batch's own draw
             return _unknown(record)
         if not peers and complete:  # done once: itself, unless made from the first micro-batch alone
             return _unknown(record) if varies else record

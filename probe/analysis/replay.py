@@ -23,12 +23,13 @@ import torch
 
 from probe.analysis.metrics import scaled_error, tensor_metrics
 from probe.analysis.mode_records import StepDump
+from probe.analysis.random_draws import draws
 from probe.analysis.replay_confinement import ReplayRefused, check_footprint, checked_budget, refusal
 from probe.devices import usable_device
 from probe.errors import ProbeError
 from probe.rundir.call_args import decode_args
 from probe.rundir.run import OpRecord, Run
-from probe.vocabulary.op_class import classify, draws_random, resolve_op
+from probe.vocabulary.op_class import classify, resolve_op
 from probe.vocabulary.op_tensors import results_of
 
 
@@ -92,7 +93,7 @@ def recompute(run: Run, op: OpRecord, device: torch.device, dtype: torch.dtype |
     budget = checked_budget(memory_budget)
     func = resolve_op(op.name)
     info = classify(func)
-    if info.is_random:
+    if draws(op, bool(op.constants)):
         raise ProbeError(f"op {op.id} draws random numbers; its result cannot be reproduced")
     why = refusal(func)
     if why is not None:
@@ -194,7 +195,7 @@ def _why_not_replayable(dump: StepDump | None, op: OpRecord) -> tuple[str | None
         func = resolve_op(op.name)
     except ProbeError as e:  # its message names the op and what to import
         return "unknown op", str(e)
-    if draws_random(op.name):
+    if draws(op, bool(op.constants)):
         return "random", "it draws random numbers: its result cannot be reproduced"
     why = refusal(func)
     if why is not None:

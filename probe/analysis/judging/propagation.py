@@ -159,9 +159,18 @@ _PASSED_ON_DEPTH = 4
 """The most producers that passed on statistics walked up to the differences they carry."""
 
 def _multiplies_tensors(op: OpRecord) -> bool:
-    """Whether ``op`` multiplies (or divides) two tensors of more than one element each."""
+    """Whether ``op`` multiplies (or divides) two tensors of more than one element each: ``mul``,
+    ``div``, and the backward of a pointwise function (``silu_backward``, ``gelu_backward``,
+    ``tanh_backward``: the gradient times the function's derivative at another tensor, element by
+    element, one result per element of the gradient)."""
     tensors = [t for t in op.inputs if t.floating and math.prod(t.shape) > 1]
-    return precision.short_name(op.name) in ("mul", "div") and len(tensors) >= 2
+    if len(tensors) < 2:
+        return False
+    name = precision.short_name(op.name)
+    if name in ("mul", "div"):
+        return True
+    return name.endswith("_backward") and bool(op.outputs) \
+        and all(tuple(t.shape) == tuple(op.outputs[0].shape) for t in tensors)
 
 def measured_input_error(side_a: Side, side_b: Side, c: OpComparison, position: int,
                  t: TensorComparison) -> float | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from probe.analysis import precision
 from probe.analysis.comparison_records import OpComparison
 from probe.analysis.judging.propagation import held_apart, sources_error
+from probe.analysis.random_draws import draws
 from probe.analysis.routing import Routed, decides, discrete
 from probe.analysis.step_sides import Side
 from probe.analysis.verdicts import (
@@ -20,8 +21,7 @@ from probe.analysis.verdicts import (
     WARNING,
     worst,
 )
-from probe.rundir.run import OpRecord
-from probe.vocabulary.op_class import draws_random, probability_argument
+from probe.vocabulary.op_class import draws_random
 
 
 def follows_routing(c: OpComparison, routed: tuple[Routed, Routed],
@@ -49,19 +49,6 @@ def follows_routing(c: OpComparison, routed: tuple[Routed, Routed],
     c.verdict = worst([t.verdict for t in c.outputs] + [WARNING])
     return True
 
-def _probability(op: OpRecord, recorded: bool) -> float | None:
-    """The probability ``op`` was given (dropout's ``p``, attention's ``dropout_p``), from its
-    recorded constants; its schema's default where the call left it out and its run recorded
-    constants (``recorded``); None where unknown or it takes none."""
-    found = probability_argument(op.name)
-    if found is None:
-        return None
-    position, name, default = found
-    value = op.constants.get(str(position), op.constants.get(name))
-    if value is None:
-        return default if recorded else None
-    return value if isinstance(value, float) else None
-
 def judge_random_draw(c: OpComparison, routed: tuple[Routed, Routed], recorded: tuple[bool, bool]) -> bool:
     """Judges again an op drawing random numbers into another dtype in each run (``rand_like`` of
     scores that autocast made fp16: PhiMoE's jitter): the generator draws other numbers for each
@@ -69,8 +56,8 @@ def judge_random_draw(c: OpComparison, routed: tuple[Routed, Routed], recorded: 
     inside its module is routed (:func:`follows_routing`), never a pass. True when it was one."""
     if c.a is None or c.b is None or c.verdict == PASS \
             or c.rule in (RULE_LOWERED, RULE_OUTSIDE, RULE_ARGUMENTS) \
-            or not (draws_random(c.a.name) and draws_random(c.b.name)) \
-            or (_probability(c.a, recorded[0]) == 0.0 and _probability(c.b, recorded[1]) == 0.0):
+            or not (draws(c.a, recorded[0]) or draws(c.b, recorded[1])) \
+            or not (draws_random(c.a.name) and draws_random(c.b.name)):
         return False
     dtypes = [(ta.dtype, tb.dtype) for ta, tb in zip(c.a.outputs, c.b.outputs, strict=False)
               if ta.dtype != tb.dtype]
