@@ -7,8 +7,8 @@ input's rounding) is not a fault the comparison could be asked to find. The kind
 
 - ``scale-output``: a module's output multiplied by (1 + delta), from step k on;
 - ``cast-matmul``, ``cast-norm``, ``cast-softmax``: an explicit cast to bf16 of the inputs of
-  the matmuls called in a module, of a norm module's input, or of a softmax's input (computed
-  in bf16), from step k on (``cast-matmul`` is not applicable under bf16 autocast, which runs
+  the matmuls called in a module, of a norm module's input (where it is not bf16 already), or
+  of a softmax's input (computed in bf16), from step k on (``cast-matmul`` is not applicable under bf16 autocast, which runs
   matmuls in bf16 itself: :meth:`FaultKind.not_applicable`);
 - ``bitflip-mantissa``, ``bitflip-exponent``: one bit of one weight element flipped before
   step k (k >= 1: between steps), outside the trace;
@@ -393,8 +393,14 @@ def plant(kind: FaultKind, model: torch.nn.Module, site: str, rng: random.Random
         _wrap_forward(module, cast_calls)
         fault.detail = "inputs to bf16"
     elif name == "cast-norm":
-        _wrap_forward(module, lambda f, x, *a, **k: f(x.to(LOW), *a, **k).to(x.dtype) if fault.active
-                      else f(x, *a, **k))
+        def cast_input(f: Callable[..., Any], x: Any, *a: Any, **k: Any) -> Any:
+            # An input already in bf16 (a linear's output under autocast) has no cast to plant:
+            # casting the norm's result back to it is what every transformers norm does under
+            # autocast (``.to(input_dtype)``), no fault (MobileBERT's NoNorm, before).
+            if not fault.active or x.dtype == LOW:
+                return f(x, *a, **k)
+            return f(x.to(LOW), *a, **k).to(x.dtype)
+        _wrap_forward(module, cast_input)
         fault.detail = "input to bf16"
     elif name == "eps":
         attribute = next(a for a in NORM_ATTRIBUTES if isinstance(getattr(module, a, None), float))

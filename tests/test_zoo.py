@@ -251,6 +251,48 @@ class _SharedActivation(torch.nn.Module):
         return self.act1(self.second(self.act0(self.first(x))))
 
 
+class _NoNorm(torch.nn.Module):
+    """MobileBERT's NoNorm: an elementwise affine map, its fp32 weight promoting a bf16 input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight, self.bias = torch.nn.Parameter(torch.rand(8) + 0.5), torch.nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight + self.bias
+
+
+class _NormAfterLinear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense, self.norm = torch.nn.Linear(8, 8), _NoNorm()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.dense(x))
+
+
+def test_a_cast_of_a_norm_input_already_in_bf16_plants_nothing():
+    # Under bf16 autocast a linear's output is bf16 already: the planted cast of the norm's input
+    # did nothing, and casting the norm's fp32 result back to bf16 is what every transformers norm
+    # does under autocast (``.to(input_dtype)``): a 'fault' no bound can tell from the idiom
+    # (MobileBERT's NoNorm, a miss of the masked-LM slice).
+    model = _NormAfterLinear()
+    fault = plant(KINDS["cast-norm"], model, "norm", random.Random(0), PAIRS["bf16-autocast"], steps=2)
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inner = model.dense(x)
+        healthy = model.norm(inner)
+        fault.active = True
+        planted = model.norm(inner)
+    assert inner.dtype == torch.bfloat16 and healthy.dtype == planted.dtype == torch.float32
+    assert torch.equal(planted, healthy)
+    wide = torch.randn(4, 8)  # an fp32 input is cast: the fault changes the result
+    fault.active = False
+    healthy = model.norm(wide)
+    fault.active = True
+    assert not torch.equal(model.norm(wide), healthy)
+
+
 def test_a_fault_planted_in_a_shared_module_runs_at_its_site_only():
     # XLM's feed-forward layers all call one module-level activation: a scale planted in it ran at
     # every layer and in every model the process built after (the next case's healthy run B).
