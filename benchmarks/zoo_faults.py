@@ -8,8 +8,8 @@ input's rounding) is not a fault the comparison could be asked to find. The kind
 - ``scale-output``: a module's output multiplied by (1 + delta), from step k on;
 - ``cast-matmul``, ``cast-norm``, ``cast-softmax``: an explicit cast to bf16 of the inputs of
   the matmuls called in a module, of a norm module's input (where it is not bf16 already), or
-  of a softmax's input (computed in bf16), from step k on (``cast-matmul`` is not applicable under bf16 autocast, which runs
-  matmuls in bf16 itself: :meth:`FaultKind.not_applicable`);
+  of a softmax's input (computed in bf16), from step k on (``cast-matmul`` is not applicable
+  under bf16 autocast, which runs matmuls in bf16 itself: :meth:`FaultKind.not_applicable`);
 - ``bitflip-mantissa``, ``bitflip-exponent``: one bit of one weight element flipped before
   step k (k >= 1: between steps), outside the trace;
 - ``eps``: a norm's eps changed;

@@ -221,3 +221,54 @@ def test_zeros_autograd_makes_of_other_shapes_in_two_implementations_are_never_p
     wrong = probe.compare(reference, _rows_run(tmp_path / "wrong", by_index=False, factor=1.5))
     d = wrong.divergence
     assert d is not None and d.step == 0 and d.op.module == "", wrong.conclusion
+
+
+class _Positions(torch.nn.Module):
+    """Sinusoidal positions as Pegasus-X builds them: a buffer ``zeros`` whose two halves ``copy_``
+    fills (sin, cos), read broadcast over the batch (``expand``); ``scale``: a planted fault."""
+
+    scale: float | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], dtype=torch.float32)[:, None]
+        angles = positions * torch.exp(-torch.arange(8, dtype=torch.float32) / 4)
+        table = torch.zeros(x.shape[1], 16)
+        table[:, :8] = torch.sin(angles)
+        table[:, 8:] = torch.cos(angles)
+        out = table[None].expand(x.shape[0], -1, -1)
+        return out * self.scale if self.scale is not None else out
+
+
+class _Encoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.positions, self.out = torch.nn.Linear(16, 16), _Positions(), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(x) + self.positions(x))
+
+
+def test_a_buffer_filled_in_parts_and_read_broadcast_is_measured_where_it_is_read(tmp_path):
+    # The add reads the table through its `expand`, and its recorded source is the last `copy_`
+    # (half of the table): no statistics of the value read. Run B scales the positions by 1.015 in
+    # an op of its own; before, that difference was unknown at the add, which the thresholds alone
+    # then called the divergence, one op after the fault (Pegasus-X's embed_positions in the zoo).
+    # The table's halves combined are its statistics, and read broadcast, its values repeated.
+    def train(out, scale):
+        torch.manual_seed(0)
+        model = _Encoder()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with probe.mode("stats", out=out, model=model) as session:
+            for step in range(2):
+                model.positions.scale = scale if step == 1 else None
+                x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(step))
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                session.step()
+    train(tmp_path / "a", None)
+    train(tmp_path / "b", 1.015)
+    d = probe.compare(tmp_path / "a", tmp_path / "b").divergence
+    assert d is not None and d.step == 1 and d.op.module == "positions", d and (d.step, d.op.id)
+    train(tmp_path / "c", None)
+    assert probe.compare(tmp_path / "a", tmp_path / "c").divergence is None

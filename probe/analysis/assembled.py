@@ -21,18 +21,26 @@ def assembled_record(parts: Sequence[TensorRecord], record: TensorRecord) -> Ten
     """``record`` with the statistics of the whole tensor, combined from ``parts``
     (:func:`written_parts`) when the writes cover it exactly once, or cover part of a buffer
     filled with one value (``full(-inf)``, ``zeros``: a padded buffer), whose other elements
-    still hold it; None otherwise (a tensor partly overwritten, overlapping writes)."""
+    still hold it; None otherwise (a tensor partly overwritten, overlapping writes). A ``record``
+    that reads the buffer broadcast (a whole number of times its size: an ``expand`` over the
+    batch) holds its values repeated, and their statistics so."""
     if not parts:
         return None
-    if sum(p.numel for p in parts) == record.numel:
-        return TensorRecord(record.dtype, record.shape, combined_stats(parts), record.source)
-    *written, base = parts
-    rest = record.numel - sum(p.numel for p in written)
-    fill = _filled_with(base)
-    if base.numel != record.numel or not written or rest <= 0 or fill is None:
-        return None
-    return TensorRecord(record.dtype, record.shape, combined_stats([*written, _constant(fill, rest)]),
-                        record.source)
+    total = sum(p.numel for p in parts)
+    if total and record.numel % total == 0 and all(p.mutated for p in parts):  # writes alone
+        whole, stats = total, combined_stats(parts)
+    else:  # the buffer they wrote into holds the rest
+        *written, base = parts
+        whole = base.numel
+        rest = whole - sum(p.numel for p in written)
+        fill = _filled_with(base)
+        if not written or rest <= 0 or fill is None or record.numel % whole:
+            return None
+        stats = combined_stats([*written, _constant(fill, rest)])
+    if record.numel > whole:
+        buffer = TensorRecord(record.dtype, (whole,), stats)
+        stats = combined_stats([buffer] * (record.numel // whole))
+    return TensorRecord(record.dtype, record.shape, stats, record.source)
 
 
 def _filled_with(record: TensorRecord) -> float | None:

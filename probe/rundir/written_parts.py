@@ -45,14 +45,22 @@ def written_part_sources(ops: Sequence[OpRecord], record: TensorRecord) -> list[
     parts: list[tuple[int, int]] = []
     last_numel = 0
     covered = 0
+    whole = record.numel
     source = record.source
     for _ in range(_WALK_LIMIT):
         output = _output(ops, source)
         if output is None or source is None:
             return None
         op = ops[source[0]]
-        if output.numel >= record.numel:  # the tensor itself, before these writes
-            if covered < record.numel and not creates_uninitialized(op.name):
+        base = output.numel >= record.numel  # the tensor itself, before these writes
+        if not base and not output.mutated and not (returns_view(op.name) and op.inputs):
+            # A smaller tensor no view of which it is: the buffer ``record`` reads broadcast (an
+            # ``expand`` of positions filled piece by piece over the batch), its values repeated.
+            if output.numel == 0 or record.numel % output.numel:
+                return None
+            base, whole = True, output.numel
+        if base:
+            if covered < whole and not creates_uninitialized(op.name):
                 parts.append((source[0], source[1]))
                 last_numel = output.numel
             break
@@ -60,12 +68,10 @@ def written_part_sources(ops: Sequence[OpRecord], record: TensorRecord) -> list[
             parts.append((source[0], source[1]))
             covered += output.numel
             last_numel = output.numel
-        elif not (returns_view(op.name) and op.inputs):
-            return None
         source = op.inputs[0].source if op.inputs else None  # up the written view to its base
     else:
         return None
-    if covered < record.numel and last_numel < record.numel:
+    if covered < whole and last_numel < whole:
         return None
     return parts
 
