@@ -18,6 +18,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from probe.analysis.crossed_dataflow import refuse_crossed
+from probe.analysis.precision import VALUE_CASTS, short_name
 from probe.rundir.run import OpRecord
 from probe.vocabulary.op_class import reads_shape_only
 
@@ -120,6 +121,14 @@ def _group_key(op: OpRecord, module_map: dict[str, str] | None = None) -> tuple[
     return op.phase, module, op.module_call, _parameter(op, module_map or {})
 
 
+def _one_program(ops_a: list[OpRecord], ops_b: list[OpRecord]) -> bool:
+    """Whether two runs' ops of a module call are one program: the same op names, apart from the
+    casts one run adds (autocast's)."""
+    def names(ops: list[OpRecord]) -> set[str]:
+        return {op.name for op in ops if short_name(op.name) not in VALUE_CASTS}
+    return names(ops_a) == names(ops_b)
+
+
 def _align(ops_a: list[OpRecord], ops_b: list[OpRecord], with_shapes: bool,
            with_sources: bool) -> list[tuple[int, int]]:
     matcher = difflib.SequenceMatcher(
@@ -181,10 +190,14 @@ def match_ops(
             groups_b[_group_key(op, module_map)].append(op)
     for key, left in groups_a.items():
         right = groups_b.get(key, [])
-        # Finest first: alike ops that also read alike (computed or outside values), then alike
-        # in shapes, then in name. Like tokens in a row otherwise align with the longest run of
-        # them, whichever ops it holds (a norm's two ``mul``s with the last two of three).
-        for with_shapes, with_sources in ((True, True), (True, False), (False, False)):
+        # Finest first: in one program, alike ops that also read alike (computed or outside
+        # values), then alike in shapes, then in name. Like tokens in a row otherwise align with
+        # the longest run of them, whichever ops it holds (a norm's two ``mul``s with the last two
+        # of three). Two decompositions (eager attention's backward against SDPA's) read their
+        # values each its own way: where each reads what says nothing of which op is which.
+        levels = ((True, True), (True, False), (False, False)) if _one_program(left, right) \
+            else ((True, False), (False, False))
+        for with_shapes, with_sources in levels:
             # By name alone, never an op reading no tensor's values (``zeros``, ``arange``,
             # ``new_zeros``): its shape is all there is to its value, and one of another shape is
             # another constant (autograd's zeros for a gradient one run's backward did not produce,
