@@ -56,8 +56,8 @@ def judge_random_draw(c: OpComparison, routed: tuple[Routed, Routed], recorded: 
     inside its module is routed (:func:`follows_routing`), never a pass. True when it was one."""
     if c.a is None or c.b is None or c.verdict == PASS \
             or c.rule in (RULE_LOWERED, RULE_OUTSIDE, RULE_ARGUMENTS) \
-            or not (draws(c.a, recorded[0]) or draws(c.b, recorded[1])) \
-            or not (draws_random(c.a.name) and draws_random(c.b.name)):
+            or not (draws_random(c.a.name) and draws_random(c.b.name)) \
+            or not (draws(c.a, recorded[0]) or draws(c.b, recorded[1])):  # both given 0: no draw
         return False
     dtypes = [(ta.dtype, tb.dtype) for ta, tb in zip(c.a.outputs, c.b.outputs, strict=False)
               if ta.dtype != tb.dtype]

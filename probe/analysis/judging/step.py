@@ -35,6 +35,7 @@ from probe.analysis.judging.routing_decisions import (
 from probe.analysis.layouts import LogicalRun, partial_sums
 from probe.analysis.matching import MICRO_BATCHES
 from probe.analysis.micro_batches import NOT_FOLDED
+from probe.analysis.random_draws import records_constants
 from probe.analysis.routing import Routed
 from probe.analysis.run_identity import same_kernels
 from probe.analysis.scaler_skips import not_compared_from, one_sided_skip
@@ -147,7 +148,7 @@ def _judge(side_a: Side, side_b: Side, comparisons: list[OpComparison],
     reached_a: set[int] = set()
     reached_b: set[int] = set()
     routed = (Routed(side_a.ops), Routed(side_b.ops))
-    recorded = (any(op.constants for op in side_a.ops), any(op.constants for op in side_b.ops))
+    recorded = (records_constants(side_a.ops), records_constants(side_b.ops))
     for c in comparisons:
         tainted = (c.a is not None and (_tainted(c, by_index) or _reads(c.a, reached_a))) \
             or (c.b is not None and _reads(c.b, reached_b))
