@@ -122,6 +122,10 @@ class Carry:
     same_kernels: bool = False
     """The runs computed with the same kernels (:func:`run_identity.same_kernels`): in the exact
     regime, an op whose inputs are bit-identical and whose results are not computed otherwise."""
+    elements_apart: float = 0.0
+    """How far apart, element by element, the state this step reads is (the largest sketched
+    distance of an input from outside the step, forward and backward; 0 without sketches): what
+    a value computed from it may differ by where its own elements were not measured."""
 
 @dataclass
 class StepComparison:

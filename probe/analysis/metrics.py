@@ -33,7 +33,7 @@ metrics.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -59,8 +59,16 @@ def lower_precision(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     return a if ra <= rb else b
 
 
+class _NumbersOnly:
+    """A dataclass whose fields are numbers: its dict is a shallow copy of its attributes
+    (``dataclasses.asdict`` deep-copies each field: a tenth of a CNN's compare, 18,637 calls)."""
+
+    def as_dict(self) -> dict[str, float | int]:
+        return dict(vars(self))
+
+
 @dataclass
-class TensorMetrics:
+class TensorMetrics(_NumbersOnly):
     cosine: float
     max_abs_err: float
     max_rel_err: float
@@ -77,8 +85,6 @@ class TensorMetrics:
     """ULPs at the spacing of ``max(|a|, |b|, ref_rms)``: elements below the reference's rms
     counted at its scale (see the module's docstring)."""
 
-    def as_dict(self) -> dict[str, float | int]:
-        return asdict(self)
 
 
 def scaled_error(max_abs_err: float | None, ref_rms: float | None) -> float | None:
@@ -245,7 +251,7 @@ def tensor_metrics(a: torch.Tensor, b: torch.Tensor) -> TensorMetrics:
 
 
 @dataclass
-class StatsMetrics:
+class StatsMetrics(_NumbersOnly):
     """Relative differences of statistics (``|b - a| / max(|a|, |b|)``), and count differences."""
 
     max_rel: float
@@ -256,8 +262,6 @@ class StatsMetrics:
     nan_diff: int
     inf_diff: int
 
-    def as_dict(self) -> dict[str, float | int]:
-        return asdict(self)
 
 
 def _rel(a: float | None, b: float | None) -> float:

@@ -777,8 +777,8 @@ def condition(op: OpRecord, inputs: Sequence[TensorRecord] | None = None) -> flo
     (sqrt(K) r / s: bias gradients summed over a batch); an addition whose result is smaller
     than its terms ((r_x + r_y) / s); layer norm's ``x - mean(x)`` (max |x| x max rstd); a
     softmax, which turns a relative difference of its logits into an absolute one of their
-    size (2 max |x|, masks aside); a softmax's backward, whose rows subtract their mean; a
-    quotient by a tensor of one sign (``rms(b) / min |b|``).
+    size (2 max |x|, masks aside); a softmax's backward, whose rows subtract their mean, and a
+    log-softmax's, their sums; a quotient by a tensor of one sign (``rms(b) / min |b|``).
 
     ``inputs``: the records that describe ``op``'s inputs where they differ from its own (an
     input computed in the step that the stats mode recorded only as its producer's output)."""
@@ -821,6 +821,8 @@ def condition(op: OpRecord, inputs: Sequence[TensorRecord] | None = None) -> flo
         return 2.0 * magnitude if magnitude is not None else 1.0
     if short == "_softmax_backward_data" and len(inputs) >= 2:
         return _softmax_backward_condition(inputs[0], inputs[1], out_rms)
+    if short == "_log_softmax_backward_data":
+        return _log_softmax_backward_condition(inputs[0], out_rms)
     if short in _ATTENTION_BACKWARD and len(inputs) >= 4:
         return _attention_backward_condition(*inputs[:4], op.outputs)
     return 1.0
@@ -864,6 +866,17 @@ def _softmax_backward_condition(grad: TensorRecord, probs: TensorRecord, out_rms
         return 1.0
     terms = y_max * g_rms + y_rms * g_max
     return terms / out_rms if math.isfinite(terms) else 1.0
+
+
+def _log_softmax_backward_condition(grad: TensorRecord, out_rms: float | None) -> float:
+    """Log-softmax's backward, ``g - exp(y) sum(g)`` by row, cancels where the predictions are
+    certain (a cross entropy's: exp(y) = 1 at the target, whose gradient is the row's sum, and the
+    result is rounding alone). Its second term is the first less the result, so its terms have rms
+    at most ``2 rms(g) + rms(result)``: against the result's rms, with nothing assumed of the rows."""
+    g_rms = _rms(grad)
+    if g_rms is None or not math.isfinite(g_rms) or not out_rms or not math.isfinite(out_rms):
+        return 1.0
+    return (2.0 * g_rms + out_rms) / out_rms
 
 
 _SAVED_FOR_BACKWARD = {

@@ -3,6 +3,7 @@ matched step, and the measure of a pair of tensors: on dumped data, else statist
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +108,13 @@ class Side:
 def is_float_dtype(dtype: str) -> bool:
     return getattr(torch, dtype).is_floating_point or getattr(torch, dtype).is_complex
 
+
+def same_elements(a: Sequence[int], b: Sequence[int]) -> bool:
+    """Whether tensors of shapes ``a`` and ``b`` hold their elements alike, in the same order:
+    equal shapes, or shapes apart by dimensions of size 1 only (autograd reduces a bias's gradient
+    to ``[1, 1, n]`` from a batch of 2 and to ``[1, n]`` from a micro-batch of 1)."""
+    return tuple(a) == tuple(b) or [d for d in a if d != 1] == [d for d in b if d != 1]
+
 def compare_tensors(
     side_a: Side, side_b: Side, op_a: OpRecord, op_b: OpRecord, io: str, position: int,
 ) -> TensorComparison:
@@ -118,7 +126,7 @@ def compare_tensors(
     if unfolded is not None and ta.shape != tb.shape:  # a micro-batch's value the fold did not make whole
         return TensorComparison(io, position, NOT_COMPARED, f"no statistics in run {unfolded} ({NOT_FOLDED})",
                                 "none", {}, RULE_NOT_COMPARED)
-    if ta.shape != tb.shape:
+    if not same_elements(ta.shape, tb.shape):
         return TensorComparison(io, position, ERROR, f"shape {list(ta.shape)} vs {list(tb.shape)}",
                                 rule=RULE_SHAPE)
     if is_float_dtype(ta.dtype) != is_float_dtype(tb.dtype):
@@ -126,6 +134,9 @@ def compare_tensors(
     dtype = lower_precision_of(ta.dtype, tb.dtype)
     data_a, why_a = side_a.data(op_a, io, position)
     data_b, why_b = side_b.data(op_b, io, position)
+    if data_a is not None and data_b is not None and data_a.shape != data_b.shape \
+            and same_elements(data_a.shape, data_b.shape):
+        data_b = data_b.reshape(data_a.shape)
     if data_a is not None and data_b is not None and data_a.shape != data_b.shape:  # nested: each its own
         return TensorComparison(io, position, ERROR, f"dumped values {list(data_a.shape)} vs "
                                 f"{list(data_b.shape)}", rule=RULE_SHAPE)

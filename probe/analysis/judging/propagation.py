@@ -230,10 +230,55 @@ def _sketched(side_a: Side, side_b: Side, a: TensorRecord, b: TensorRecord) -> f
     run took none): statistics understate differences of random sign, which rounding in another
     order makes, and a sum with cancellation shows them. An input computed in the step is
     described by its producer's output."""
-    found = [record if record.sketch is not None else producer_output(side, record) or record
-             for side, record in ((side_a, a), (side_b, b))]
-    error = precision.sketch_error(*found)
+    error = precision.sketch_error(_with_sketch(side_a, a), _with_sketch(side_b, b))
     return error if error is not None else 0.0
+
+def _with_sketch(side: Side, record: TensorRecord) -> TensorRecord:
+    """``record``, or where it has no sketch its producer's output (which describes an input
+    computed in the step)."""
+    return record if record.sketch is not None else producer_output(side, record) or record
+
+def _sketched_once(side_a: Side, side_b: Side, a: TensorRecord, b: TensorRecord) -> bool:
+    """Whether a sketch describes an input in one run only (a value the other joined from parts)."""
+    return (_with_sketch(side_a, a).sketch is None) != (_with_sketch(side_b, b).sketch is None)
+
+def elements_apart(comparisons: list[OpComparison]) -> float:
+    """How far apart, element by element, the state a step reads is: the largest distance the
+    sketches of its inputs from outside the step measure, in forward and backward (0 where the
+    runs took no sketches). Every value computed in the step from that state may be that far
+    apart, whatever its statistics say."""
+    apart = 0.0
+    for c in comparisons:
+        if c.a is None or c.b is None or c.a.phase == "optimizer":
+            continue
+        for a, b in zip(c.a.inputs, c.b.inputs, strict=False):
+            if a.source is None and b.source is None and a.sketch is not None and b.sketch is not None:
+                error = precision.sketch_error(a, b)
+                if error is not None and math.isfinite(error):
+                    apart = max(apart, error)
+    return apart
+
+def unmeasured_elements(side_a: Side, side_b: Side, c: OpComparison) -> str | None:
+    """Why ``c``'s difference beyond the propagation bound is no verdict (None: it is one): the op
+    cancels (its condition beyond ``CONDITION``: a difference of random signs, which statistics
+    understate, shows in its result) and an input computed in the step has a sketch in one run
+    only, so its element-wise difference is not measured: a value the other run joined from parts
+    (micro-batches concatenated, ranks' shards) whose sketches do not join, the sign pattern being
+    the position's in the whole tensor."""
+    assert c.a is not None and c.b is not None
+    cancellation = max(_condition(side_a, c.a), _condition(side_b, c.b))
+    if cancellation <= precision.CONDITION:
+        return None
+    for position, (a, b) in enumerate(zip(c.a.inputs, c.b.inputs, strict=False)):
+        if a.source is None or b.source is None:
+            continue
+        if _sketched_once(side_a, side_b, a, b):
+            in_a = _with_sketch(side_a, a).sketch is not None
+            return (f"input {position} has a sketch in run {'A' if in_a else 'B'} only (a value joined from "
+                    f"parts, whose sketches do not join): its element-wise difference, which this op's "
+                    f"cancellation (x{cancellation:.3g}) shows and its statistics understate, is not "
+                    "measured")
+    return None
 
 def _sketches_taken(c: OpComparison) -> bool:
     """Whether both runs took sketches of this op's values (then a 0 from them is a measure)."""
@@ -264,12 +309,15 @@ def _uninitialized(a: TensorRecord, b: TensorRecord, by_index: dict[int, OpCompa
 def judge_by_propagation(side_a: Side, side_b: Side, c: OpComparison,
                           by_index: dict[int, OpComparison],
                           carried: dict[int, float] | None = None,
-                          terms: tuple[int, int] | None = None) -> tuple[bool, str] | None:
+                          terms: tuple[int, int] | None = None,
+                          unmeasured: float = 0.0) -> tuple[bool, str] | None:
     """(enters, message) from the inputs' difference: beyond ``CONDITION`` x it plus each run's
     rounding, the difference enters here. None when an input computed in the step is unknown.
     ``carried``: the differences of inputs from outside the step that earlier steps explain
     (input position -> relative difference). ``terms``: each run's terms for its rounding, as
-    :func:`judge_by_replay` takes them."""
+    :func:`judge_by_replay` takes them. ``unmeasured``: the element-wise difference of the state
+    the step reads (:func:`elements_apart`), at least what an input computed in the step differs
+    by where a sketch measured it in one run only (a value a fold joined from parts)."""
     assert c.a is not None and c.b is not None
     in_error = sketched = 0.0
     overwritten = overwritten_inputs(c.a)
@@ -304,6 +352,10 @@ def judge_by_propagation(side_a: Side, side_b: Side, c: OpComparison,
             return None
         floor = held_apart(side_a, side_b, record, c.b.inputs[position])
         sketched = max(sketched, _sketched(side_a, side_b, record, c.b.inputs[position]))
+        if unmeasured and _sketched_once(side_a, side_b, record, c.b.inputs[position]):
+            # Statistics understate a difference of random signs; the state the value was computed
+            # from is that far apart element by element.
+            floor = max(floor, unmeasured)
         in_error = max(in_error, error, floor, sketched)
     out_error, out_dtypes, underflow = 0.0, (torch.float64, torch.float64), 0.0
     primary = precision.primary_outputs(c.a)

@@ -22,10 +22,12 @@ from probe.analysis.judging.carried_state import (
 )
 from probe.analysis.judging.propagation import (
     REPLAY_LIMIT,
+    elements_apart,
     judge_by_propagation,
     judge_by_replay,
     replay_skipped,
     replayable,
+    unmeasured_elements,
 )
 from probe.analysis.judging.routing_decisions import (
     follows_routing,
@@ -129,7 +131,8 @@ def _judge(side_a: Side, side_b: Side, comparisons: list[OpComparison],
     runs = (side_a.run, side_b.run)
     carry = replace(carry or Carry(), same_kernels=all(run is not None and not isinstance(run, LogicalRun)
                                                        for run in runs)
-                    and same_kernels(side_a.run, side_b.run, rank))
+                    and same_kernels(side_a.run, side_b.run, rank),
+                    elements_apart=elements_apart(comparisons))
     identical, written, written_absolute = carry.identical, carry.bound, carry.absolute
     # Read by the exact regime's rule only, which a step begun outside that regime never enters.
     layout_unknown = (layouts_unknown(side_a.ops), layouts_unknown(side_b.ops)) \
@@ -245,13 +248,19 @@ def _judge_op(side_a: Side, side_b: Side, c: OpComparison, by_index: dict[int, O
     skipped = None if tainted else replay_skipped(c, replay_limit)
     judged, rule = (None if tainted or skipped else judge_by_replay(side_a, side_b, c)), RULE_REPLAY
     if judged is None:
-        judged, rule = judge_by_propagation(side_a, side_b, c, by_index, carried), RULE_PROPAGATION
+        judged, rule = judge_by_propagation(side_a, side_b, c, by_index, carried,
+                                            unmeasured=carry.elements_apart), RULE_PROPAGATION
         if judged is not None and skipped and replayable(side_a, c.a) and replayable(side_b, c.b):
             judged = (judged[0], f"{judged[1]} ({skipped})")
     if judged is None:  # an input unknown: the thresholds alone decide
         c.enters = magnitude == ERROR and not tainted
         return
     enters, note = judged
+    unmeasured = unmeasured_elements(side_a, side_b, c) if enters and rule == RULE_PROPAGATION else None
+    if unmeasured is not None:  # a bound from statistics the cancellation makes no measure of
+        c.verdict, c.rule = NOT_COMPARED, RULE_NOT_COMPARED
+        c.message = f"{unmeasured} ({note}); {c.message}" if c.message else f"{unmeasured} ({note})"
+        return
     if enters:
         c.verdict, c.rule, c.enters = ERROR, rule, True
     elif tainted and magnitude == ERROR:
