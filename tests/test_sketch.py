@@ -205,3 +205,40 @@ def test_where_the_kernel_runs_queued_values_are_sketched_in_the_same_read_as_th
         assert (~np.isnan(a[:, 0])).sum() > 10
     # Every sketch came from a kernel call (the stand-in's eager form), none from the eager path.
     assert len(eager) == sum(n for n, with_signs in calls if with_signs)
+
+
+def _permuted_weight_run(out: Path, permute: bool, sketch: bool) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 1))
+    if permute:  # the same values in other places: every statistic of the weight as it was
+        with torch.no_grad():
+            w = model[0].weight
+            order = torch.randperm(w.numel(), generator=torch.Generator().manual_seed(1))
+            w.copy_(w.flatten()[order].view_as(w))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
+    with probe.mode("stats", out=str(out), model=model, sketch=sketch, checksums=False) as session:
+        for _ in range(2):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            session.step()
+
+
+@pytest.mark.parametrize("sketch", [False, True])
+def test_a_weight_whose_elements_moved_is_found_by_its_sketches_and_without_them_the_report_says_so(
+        sketch: bool, tmp_path: Path):
+    # A weight permuted in run B: its min, max, mean and norm are run A's, bit for bit. Without
+    # sketches compare sees its reader's result differ from inputs that agree ('propagation') and
+    # says what to record; with them, the weight itself differs at step 0 ('outside input').
+    _permuted_weight_run(tmp_path / "a", False, sketch)
+    _permuted_weight_run(tmp_path / "b", True, sketch)
+    divergence = probe.compare(tmp_path / "a", tmp_path / "b").divergence
+    assert divergence is not None and divergence.step == 0 and divergence.op.module == "0"
+    message = divergence.comparison.message
+    if sketch:
+        assert divergence.rule == "outside input", message
+        assert "its elements differ (its sketches), its statistics do not" in message
+    else:
+        assert divergence.rule == "propagation", message
+        assert "record both runs with sketch=True" in message

@@ -127,8 +127,10 @@ def external_inputs_differ(side_a: Side, side_b: Side, c: OpComparison, carry: C
         if carry.identical:
             # Another dtype by design (a bf16 model) is judged by the thresholds of the lower one.
             if not measured_alike(t, record, other) and (record.dtype == other.dtype or beyond_thresholds):
+                why = t.message or ("its statistics differ" if not _stats_alike(record, other, sketches=False)
+                                    else "its elements differ (its sketches), its statistics do not")
                 differ.append(f"input {position} (from outside the step) differs while the runs computed "
-                              f"alike bit for bit up to here: {t.message or 'its statistics differ'}")
+                              f"alike bit for bit up to here: {why}")
             continue
         error = error_of(t, record, other)
         fa, fb = fingerprint(record), fingerprint(other)
@@ -194,9 +196,9 @@ def measured_alike(t: TensorComparison, a: TensorRecord, b: TensorRecord) -> boo
         return t.metrics.get("max_abs_err") == 0 and not t.metrics.get("nonfinite_mismatch")
     return _stats_alike(a, b)
 
-def _stats_alike(a: TensorRecord, b: TensorRecord) -> bool:
+def _stats_alike(a: TensorRecord, b: TensorRecord, sketches: bool = True) -> bool:
     """Whether two records are of one dtype and shape with equal statistics (their fp64 sums up
-    to their own rounding)."""
+    to their own rounding) and, where both took them and ``sketches``, equal sketches."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     if a.stats is None or b.stats is None:
@@ -211,7 +213,14 @@ def _stats_alike(a: TensorRecord, b: TensorRecord) -> bool:
                 return False
         elif x != y:
             return False
-    return True
+    return not sketches or _sketches_alike(a, b, rms * math.sqrt(a.numel))
+
+def _sketches_alike(a: TensorRecord, b: TensorRecord, norm: float) -> bool:
+    """Whether two records' sketches agree up to their fp64 sums' rounding (True where either has
+    none): elements moved to other places leave every statistic as it was, never the sketch."""
+    if a.sketch is None or b.sketch is None or len(a.sketch) != len(b.sketch):
+        return True
+    return all(abs(x - y) <= SUM_ROUNDING * norm for x, y in zip(a.sketch, b.sketch, strict=True))
 
 def written_error(c: OpComparison) -> tuple[float, float]:
     """The largest difference of a value ``c`` leaves for later steps to read, relative and times
