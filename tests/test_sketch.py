@@ -242,3 +242,23 @@ def test_a_weight_whose_elements_moved_is_found_by_its_sketches_and_without_them
     else:
         assert divergence.rule == "propagation", message
         assert "record both runs with sketch=True" in message
+
+
+def test_records_alike_in_the_exact_regime_compare_their_sketches_non_finite_ones_included():
+    from probe.analysis.judging.carried_state import _stats_alike
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    moved = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(1))]
+    masked = x.clone()
+    masked[::7] = -math.inf
+
+    def record(t: torch.Tensor) -> TensorRecord:
+        finite = t[t.isfinite()].double()
+        stats = {"min": float(t.min()), "max": float(t.max()), "mean": float(t.double().mean()),
+                 "norm": float(finite.norm()), "nan": 0, "inf": int(t.isinf().sum())}
+        return TensorRecord("float32", tuple(t.shape), stats, sketch=tuple(sketch(t).tolist()))
+
+    assert _stats_alike(record(x), record(x.clone()))
+    assert not _stats_alike(record(x), record(moved))  # every statistic alike, the elements not
+    assert _stats_alike(record(x), record(moved), sketches=False)
+    assert _stats_alike(record(masked), record(masked.clone()))  # -inf projections, alike in both

@@ -220,7 +220,9 @@ def _sketches_alike(a: TensorRecord, b: TensorRecord, norm: float) -> bool:
     none): elements moved to other places leave every statistic as it was, never the sketch."""
     if a.sketch is None or b.sketch is None or len(a.sketch) != len(b.sketch):
         return True
-    return all(abs(x - y) <= SUM_ROUNDING * norm for x, y in zip(a.sketch, b.sketch, strict=True))
+    # Non-finite values make non-finite projections: alike where both runs made the same.
+    return all(x == y or (math.isnan(x) and math.isnan(y)) or abs(x - y) <= SUM_ROUNDING * norm
+               for x, y in zip(a.sketch, b.sketch, strict=True))
 
 def written_error(c: OpComparison) -> tuple[float, float]:
     """The largest difference of a value ``c`` leaves for later steps to read, relative and times
