@@ -406,7 +406,13 @@ def record(case: Case, out: Path, side: str) -> Planted | None:
     # Both runs scale their losses alike when B uses a GradScaler (A's in fp32 never overflows).
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if PAIRS[case.pair].scaler else None
     gen = torch.Generator().manual_seed(1)
-    with _threads(pair.threads), probe.mode(list(case.modes), out=str(out), model=model) as session:
+    # With sketches where the stats mode records, as docs/compare.md asks of a compare: without them
+    # a difference of random signs is measured by statistics that understate it, and whether a
+    # healthy pair crosses its bound depends on the CPU's kernels (T5's fp16-autocast layer norm
+    # does on an Intel VM, not on an AMD one).
+    options = {"sketch": True} if "stats" in case.modes else {}
+    with _threads(pair.threads), \
+            probe.mode(list(case.modes), out=str(out), model=model, **options) as session:
         for step in range(case.steps):
             batch = family.batch(gen, vocab)
             if pair.model_dtype is not None:
