@@ -238,9 +238,11 @@ def _with_sketch(side: Side, record: TensorRecord) -> TensorRecord:
     computed in the step)."""
     return record if record.sketch is not None else producer_output(side, record) or record
 
-def _sketched_once(side_a: Side, side_b: Side, a: TensorRecord, b: TensorRecord) -> bool:
-    """Whether a sketch describes an input in one run only (a value the other joined from parts)."""
-    return (_with_sketch(side_a, a).sketch is None) != (_with_sketch(side_b, b).sketch is None)
+def _sketched_once(side_a: Side, side_b: Side, a: TensorRecord, b: TensorRecord) -> str | None:
+    """The run ("A" or "B") whose sketch alone describes an input (the other joined the value
+    from parts); None where both runs' do, or neither's."""
+    in_a, in_b = (_with_sketch(side, t).sketch is not None for side, t in ((side_a, a), (side_b, b)))
+    return None if in_a == in_b else "A" if in_a else "B"
 
 def elements_apart(comparisons: list[OpComparison]) -> float:
     """How far apart, element by element, the state a step reads is: the largest distance the
@@ -272,9 +274,9 @@ def unmeasured_elements(side_a: Side, side_b: Side, c: OpComparison) -> str | No
     for position, (a, b) in enumerate(zip(c.a.inputs, c.b.inputs, strict=False)):
         if a.source is None or b.source is None:
             continue
-        if _sketched_once(side_a, side_b, a, b):
-            in_a = _with_sketch(side_a, a).sketch is not None
-            return (f"input {position} has a sketch in run {'A' if in_a else 'B'} only (a value joined from "
+        sketched_in = _sketched_once(side_a, side_b, a, b)
+        if sketched_in is not None:
+            return (f"input {position} has a sketch in run {sketched_in} only (a value joined from "
                     f"parts, whose sketches do not join): its element-wise difference, which this op's "
                     f"cancellation (x{cancellation:.3g}) shows and its statistics understate, is not "
                     "measured")
@@ -352,7 +354,7 @@ def judge_by_propagation(side_a: Side, side_b: Side, c: OpComparison,
             return None
         floor = held_apart(side_a, side_b, record, c.b.inputs[position])
         sketched = max(sketched, _sketched(side_a, side_b, record, c.b.inputs[position]))
-        if unmeasured and _sketched_once(side_a, side_b, record, c.b.inputs[position]):
+        if unmeasured and _sketched_once(side_a, side_b, record, c.b.inputs[position]) is not None:
             # Statistics understate a difference of random signs; the state the value was computed
             # from is that far apart element by element.
             floor = max(floor, unmeasured)
