@@ -9,8 +9,10 @@ In one process, on one model: the bare step and the stats step timed alternately
 (median of ``--steps``, the stats step inside one open session, ``session.step()``
 included); one stats step under ``torch.profiler`` (device kernels and host ops by
 self time, with counts); the same step under ``cProfile`` (the probe's host functions);
-and the statistics kernel alone (``reduce._COMPILED`` on one large tensor against a
-plain copy's bandwidth, and its host cost per call on a small one). Tables are printed
+the step with its files written on the writer thread and on the training thread (where
+the wall time goes that the training thread's CPU time does not show); and the
+multi-tensor statistics kernel alone (single tensors and batches, against one read and
+one copy's bandwidth, and its host cost per call on a small tensor). Tables are printed
 and written under ``--out``.
 """
 
@@ -91,6 +93,51 @@ def step_times(workload: str, device: str, dtype: str, steps: int, backends: lis
     return "\n".join(lines), *kept
 
 
+def writer_share(workload: str, device: str, dtype: str, steps: int) -> str:
+    """Where a stats step's wall time goes that the training thread's CPU time does not show: the
+    step with its files written on the writer thread (the default) and on the training thread
+    (``async_flush=False``), with the training thread's and the whole process's CPU time and the
+    write's own wall and CPU time (the writer thread holds the GIL while it encodes)."""
+    import probe
+    from probe import session_writer
+
+    writes: list[tuple[float, float]] = []
+    original = session_writer.SessionWriter._write_step
+
+    def timed_write(self: Any, *args: Any, **kwargs: Any) -> None:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        original(self, *args, **kwargs)
+        writes.append(((time.perf_counter() - wall) * 1e3, (time.thread_time() - cpu) * 1e3))
+
+    lines = ["| files written on | step ms | training thread cpu ms | process cpu ms | write ms | "
+             "write cpu ms |", "|---|---:|---:|---:|---:|---:|"]
+    session_writer.SessionWriter._write_step = timed_write
+    try:
+        for flush in (True, False):
+            trainer = workloads()[workload].trainer(device, dtype)
+            writes.clear()
+            rows: list[tuple[float, float, float]] = []
+            with probe.mode("stats", out=tempfile.mkdtemp(), overwrite=True, model=trainer.model,
+                            async_flush=flush) as session:
+                for index in range(3 + steps):
+                    _sync(device)
+                    wall, cpu, process = time.perf_counter(), time.thread_time(), time.process_time()
+                    trainer.step()
+                    session.step()
+                    _sync(device)
+                    if index >= 3:
+                        rows.append(((time.perf_counter() - wall) * 1e3, (time.thread_time() - cpu) * 1e3,
+                                     (time.process_time() - process) * 1e3))
+            medians = [statistics.median(column) for column in zip(*rows, strict=True)]
+            written = [statistics.median(column) for column in zip(*writes[3:], strict=True)]
+            where = "the writer thread" if flush else "the training thread"
+            lines.append(f"| {where} | {medians[0]:.1f} | {medians[1]:.1f} | {medians[2]:.1f} | "
+                         f"{written[0]:.1f} | {written[1]:.1f} |")
+    finally:
+        session_writer.SessionWriter._write_step = original
+    return "\n".join(lines)
+
+
 def profiled(stats_step: Callable, device: str) -> str:
     activities = [torch.profiler.ProfilerActivity.CPU]
     on_gpu = torch.device(device).type == "cuda"
@@ -124,60 +171,48 @@ def host_profile(stats_step: Callable, device: str) -> str:
     return text.getvalue()
 
 
+def _median_ms(fn: Callable[[], object], device: str) -> float:
+    for _ in range(3):
+        fn()
+    runs = sorted(_timed(fn, device) for _ in range(10))
+    return runs[len(runs) // 2]
+
+
 def kernel_alone(device: str) -> str:
-    from probe.modes.statistics import reduce
+    """The multi-tensor kernel alone on single tensors and batches, in GB/s of values read, beside
+    one read (``x.sum()``) and one copy of the first tensor; then its host time per call."""
     from probe.modes.statistics.multi_tensor import rows as multi_rows
 
-    lines = ["| tensor | what | ms | GB/s read |", "|---|---|---:|---:|"]
-    shapes = ((torch.bfloat16, 4096 * 11008), (torch.float32, 4096 * 11008), (torch.bfloat16, 32000 * 4096))
-    for dtype, numel in shapes:
-        x = torch.randn(numel, device=device).to(dtype)
-        thr = reduce._threshold(x, None)
-        candidates = {
-            "compiled row": lambda x=x, thr=thr: reduce._COMPILED(x, thr),
-            "multi-tensor row": lambda x=x: multi_rows([x], 0.0),
-            "x.sum()": lambda x=x: x.sum(),
-            "x.float().sum()": lambda x=x: x.float().sum(),
-            "clone (r+w)": lambda x=x: x.clone(),
-        }
-        for name, fn in candidates.items():
-            for _ in range(3):
-                fn()
-            runs = sorted(_timed(fn, device) for _ in range(10))
-            ms = runs[len(runs) // 2]
-            rate = numel * x.element_size() / ms / 1e6
-            lines.append(f"| {dtype} x {numel} | {name} | {ms:.3f} | {rate:.0f} |")
-    for count, numel in ((64, 1 << 20), (400, 4096), (8, 4096 * 11008)):
-        batch = [torch.randn(numel, device=device).bfloat16() for _ in range(count)]
-        for _ in range(3):
-            multi_rows(batch, 0.0)
-        runs = sorted(_timed(lambda batch=batch: multi_rows(batch, 0.0), device) for _ in range(10))
-        ms = runs[len(runs) // 2]
-        lines.append(f"| bf16 batch {count} x {numel} | multi-tensor rows | {ms:.3f} | "
-                     f"{count * numel * 2 / ms / 1e6:.0f} |")
+    cases = [(f"{str(dtype)[6:]} x {numel:,}", [torch.randn(numel, device=device).to(dtype)])
+             for dtype, numel in ((torch.bfloat16, 4096 * 11008), (torch.float32, 4096 * 11008),
+                                  (torch.bfloat16, 32000 * 4096))]
+    cases += [(f"bf16 batch {count} x {numel:,}", [torch.randn(numel, device=device).bfloat16()
+                                                    for _ in range(count)])
+              for count, numel in ((8, 4096 * 11008), (64, 1 << 20), (400, 4096))]
+    lines = ["GB/s of values read (median of 10 after 3 warm-ups)", "",
+             "| values | multi-tensor rows | x.sum() | clone (r+w) |", "|---|---:|---:|---:|"]
+    for label, xs in cases:
+        nbytes = sum(x.numel() * x.element_size() for x in xs)
+        cells = [f"{nbytes / _median_ms(lambda xs=xs: multi_rows(xs, 0.0), device) / 1e6:.0f}"]
+        one = xs[0].numel() * xs[0].element_size()
+        cells += [f"{one / _median_ms(fn, device) / 1e6:.0f}" for fn in (xs[0].sum, xs[0].clone)]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     small = torch.randn(4096, device=device)
-    thr = reduce._threshold(small, None)
-    for _ in range(5):
-        reduce._COMPILED(small, thr)
-    _sync(device)
+    multi_rows([small], 0.0)
     n = 500
-    t0 = time.perf_counter()
-    for _ in range(n):
-        reduce._COMPILED(small, thr)
-    host = (time.perf_counter() - t0) / n * 1e6
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        small.sum()
-    eager = (time.perf_counter() - t0) / n * 1e6
     _sync(device)
     t0 = time.perf_counter()
     for _ in range(n):
         multi_rows([small], 0.0)
     multi = (time.perf_counter() - t0) / n * 1e6
     _sync(device)
-    lines.append(f"\nhost time per call on 4096 fp32 values: compiled row {host:.1f} us, "
-                 f"multi-tensor row {multi:.1f} us, eager sum {eager:.1f} us")
+    t0 = time.perf_counter()
+    for _ in range(n):
+        small.sum()
+    eager = (time.perf_counter() - t0) / n * 1e6
+    _sync(device)
+    lines.append(f"\nhost time per call on 4096 fp32 values: multi-tensor rows {multi:.1f} us, "
+                 f"eager sum {eager:.1f} us")
     return "\n".join(lines)
 
 
@@ -189,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--sections", default="times,profile,host,kernel")
+    parser.add_argument("--sections", default="times,writer,profile,host,kernel")
     parser.add_argument("--backends", default="auto,compiled",
                         help="stats_backend values, the first profiled")
     args = parser.parse_args(argv)
@@ -210,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     if "host" in sections:
         report["host"] = host_profile(stats_step, args.device)
     session.__exit__(None, None, None)
+    if "writer" in sections:
+        report["writer"] = writer_share(args.workload, args.device, args.dtype, args.steps)
+        print(report["writer"], "\n", flush=True)
     if "kernel" in sections:
         report["kernel"] = kernel_alone(args.device)
         print(report["kernel"], "\n", flush=True)

@@ -82,17 +82,18 @@ def main(device: str) -> None:
     # a slice in two dims of a 3-d tensor (three levels), with a contiguous tensor in the batch.
     g = torch.Generator().manual_seed(1)
     for dtype in (torch.bfloat16, torch.float32):
-        half = torch.randn(4, 4, 128, 64, generator=g).to(dtype)[..., :32]
-        corner = torch.randn(4, 8, 64, generator=g).to(dtype)[:, :4, :32]
+        # (each made on the device, then sliced: .to() of a view copies it, contiguous, to a GPU)
+        half = torch.randn(4, 4, 128, 64, generator=g).to(device, dtype)[..., :32]
+        corner = torch.randn(4, 8, 64, generator=g).to(device, dtype)[:, :4, :32]
         corner[1, 2, 3] = math.nan
-        plain = torch.randn(1000, generator=g).to(dtype)
-        turned = torch.randn(4, 4, 64, 128, generator=g).to(dtype)[:, :, :32].transpose(-1, -2)
-        four = torch.randn(4, 8, 8, 64, generator=g).to(dtype)[:, :4, :4, :32]
+        plain = torch.randn(1000, generator=g).to(device, dtype)
+        turned = torch.randn(4, 4, 64, 128, generator=g).to(device, dtype)[:, :, :32].transpose(-1, -2)
+        four = torch.randn(4, 8, 8, 64, generator=g).to(device, dtype)[:, :4, :4, :32]
         assert reduce.strided_layout(half).sizes == (32, 4 * 4 * 128, 1)
         assert reduce.strided_layout(corner).sizes == (32, 4, 4)
         assert reduce.strided_layout(turned).sizes == (32 * 128, 16, 1)  # (in storage order)
         assert reduce.strided_layout(four).sizes == (32, 4, 4)
-        batch = [x.to(device) for x in (half, corner, plain, turned, four)]
+        batch = [half, corner, plain, turned, four]
         rows = multi_tensor.rows(batch, 0.5).cpu().tolist()
         for x, row, name in zip(batch, rows, ("half", "corner", "plain", "turned", "four"), strict=True):
             check(row, exact(x, 0.5), f"strided {dtype} {name}")
@@ -183,7 +184,8 @@ def check_sketches(device: str) -> None:
         for x, row in zip(xs, out, strict=True):
             check(row[: reduce.WIDTH].tolist(), exact(x, 0.5), f"rows with sketches {dtype} {x.numel()}")
             check_sketch(row[reduce.WIDTH :], x, f"sketch {dtype} {x.numel()} (batch)")
-    half = torch.randn(4, 4, 128, 64, generator=g)[..., :32].to(dev)  # rotate_half's: strides decrease
+    # (sliced on the device: .to() of a CPU view copies it, contiguous, where dev is not the CPU)
+    half = torch.randn(4, 4, 128, 64, generator=g).to(dev)[..., :32]  # rotate_half's: strides decrease
     assert not half.is_contiguous() and reduce.strided_layout(half) is not None
     out = multi_tensor.rows([half, half[:, :2]], 0.0, sketch.signs(dev, half.numel())).cpu()
     for x, row in zip((half, half[:, :2]), out, strict=True):
