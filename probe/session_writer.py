@@ -4,7 +4,14 @@ in place, and the failures it gave up on, said once.
 The session (``probe/session.py``) hands over a step as plain data (:meth:`SessionWriter.step_job`:
 the tracer's records and manifest entries, each plug-in's result) while the tracer and the modes
 let go of it; the write itself (:meth:`SessionWriter.hand_over`) runs on the writer thread, at
-most one step in flight, so when ``step()`` returns every earlier step is on disk. A step whose
+most one step in flight, so when ``step()`` returns every earlier step is on disk.
+
+The op records are encoded to JSON here, on the training thread, and only their bytes handed
+over: encoding holds the GIL, which the training thread gives up at each torch call, so on the
+writer thread it delayed the step by more than its own time (H200, HF Llama at 7B width: a stats
+step 90 ms with all of the write on the writer thread, 84 ms with all of it in place;
+``benchmarks/cuda_profile.py``'s writer table). The writer thread keeps what waits: the device's
+copies of the modes' results, file writes and fsyncs. A step whose
 files cannot be written is recorded in the run and given up (one warning), never raised, unless
 a mode's result asks for write failures to stop training."""
 
@@ -36,7 +43,7 @@ from probe.rundir.op_record_fields import (
     OpRecordTuple,
 )
 from probe.rundir.op_record_json import encode
-from probe.rundir.writer import RunWriter
+from probe.rundir.writer import RunWriter, jsonl_chunks
 from probe.tracer.dispatch_mode import Tracer
 from probe.tracer.mode_stack import untraced
 
@@ -162,8 +169,11 @@ class SessionWriter:
         if npu_overflow is not None:
             manifest["npu_overflow"] = npu_overflow
 
+        # (The records' bytes only, not the records: the write holds the smaller of the two.)
+        ops, op_count = list(jsonl_chunks(map(encode, records))), len(records)
+
         def write() -> None:
-            self._write_step(step, tail, records, results, used_sites, module_types, manifest)
+            self._write_step(step, tail, ops, op_count, results, used_sites, module_types, manifest)
 
         return write
 
@@ -191,7 +201,8 @@ class SessionWriter:
         self,
         step: int,
         tail: bool,
-        records: list[OpRecordTuple],
+        ops: list[bytes],
+        op_count: int,
         results: list[tuple[str, StepResult | None]],
         sites: dict[int, list[str]] | None,
         module_types: dict[str, str],
@@ -203,14 +214,14 @@ class SessionWriter:
         assert run_writer is not None
         try:
             writer = run_writer.step(step, tail)
-            writer.write_jsonl(layout.OPS_FILE, (encode(r) for r in records))
+            writer.write_chunks(layout.OPS_FILE, ops)
             writer.write_json(layout.MODULES_FILE, module_types)
             if sites is not None:
                 writer.write_json(layout.CALLSITES_FILE, {str(i): s for i, s in sorted(sites.items())})
             modes = {name: result.write(writer) for name, result in results if result is not None}
             writer.commit({**manifest, "modes": modes})
         except OSError as e:
-            failure = run_writer.record_failure(step, tail, e, len(records), [name for name, _ in results])
+            failure = run_writer.record_failure(step, tail, e, op_count, [name for name, _ in results])
             # A mode may ask for write failures to stop training (base.StepResult).
             stopping = [name for name, result in results
                         if getattr(result, "stops_training_on_write_failure", False)]

@@ -90,7 +90,7 @@ STAGES = [
     Stage("submit", lambda m: BackgroundWriter, "submit", "before", only_async=True, handed_over=True),
     Stage("submitted", lambda m: BackgroundWriter, "submit", "after", only_async=True, handed_over=True),
     # The writer (on the writer thread with async_flush): a file, and the commit.
-    Stage("write ops", lambda m: StepWriter, "write_jsonl", "before", step_of=lambda args, _: args[0].step),
+    Stage("write ops", lambda m: StepWriter, "write_chunks", "before", step_of=lambda args, _: args[0].step),
     Stage("commit", lambda m: StepWriter, "commit", "before", step_of=lambda args, _: args[0].step),
 ]
 

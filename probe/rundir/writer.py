@@ -20,7 +20,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,20 @@ from probe.rundir.lock import RankLock
 _COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
 _JSONL_BATCH = 1024
 """Rows of a JSON-lines file encoded into one write."""
+
+
+def jsonl_chunks(rows: Iterable[Any]) -> Iterator[bytes]:
+    """A JSON-lines file's bytes, one chunk per :data:`_JSONL_BATCH` rows, encoded as they are
+    asked for."""
+    encode = _COMPACT_JSON.encode
+    batch: list[str] = []
+    for row in rows:
+        batch.append(encode(row))
+        if len(batch) == _JSONL_BATCH:
+            yield ("\n".join(batch) + "\n").encode()
+            batch = []
+    if batch:
+        yield ("\n".join(batch) + "\n").encode()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -100,16 +114,13 @@ class StepWriter:
     def write_jsonl(self, name: str, rows: Iterable[Any]) -> None:
         """One JSON line per row, encoded and written a batch of rows at a time: a step of 10^6
         op records is never held whole as text (before: its lines, their join and its bytes)."""
-        encode = _COMPACT_JSON.encode
+        self.write_chunks(name, jsonl_chunks(rows))
+
+    def write_chunks(self, name: str, chunks: Iterable[bytes]) -> None:
+        """A file of these bytes, written one chunk at a time (:func:`jsonl_chunks`'s)."""
         with open(self.directory / name, "wb") as f:
-            batch: list[str] = []
-            for row in rows:
-                batch.append(encode(row))
-                if len(batch) == _JSONL_BATCH:
-                    f.write(("\n".join(batch) + "\n").encode())
-                    batch = []
-            if batch:
-                f.write(("\n".join(batch) + "\n").encode())
+            for chunk in chunks:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
 
