@@ -319,8 +319,14 @@ class Built:
     @property
     def has_batchnorm(self) -> bool:
         """Whether a module normalises over the batch: gradient accumulation then changes the
-        computation (its micro-batches' statistics), so that pair does not apply."""
-        return self.config is None or "batch_norm" in str(self.config.to_dict()).lower()
+        computation (its micro-batches' statistics), so that pair does not apply. Read from the
+        model's modules, not its config: wav2vec2-conformer's convolution module has a BatchNorm
+        that no config key names."""
+        if self.config is None:
+            return True
+        with torch.random.fork_rng(devices=[]):  # (building seeds torch's generator)
+            model = self.model()
+        return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
 def loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

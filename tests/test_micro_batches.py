@@ -6,6 +6,7 @@ backward or the optimizer step is found at its module and step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,18 +42,23 @@ class Net(nn.Module):
         return self.out(self.act(self.inp(x)))
 
 
+def _rows_of_8(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(8, 8, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+
+
 def _train(out: Path, micro_batches: int, lr: float = 1e-2, steps: int = 2,
-           scale: tuple[int, int, float] | None = None) -> None:
-    """AdamW steps on a batch of 8, in ``micro_batches`` slices whose gradients accumulate (each
-    loss divided by their number, as gradient accumulation does; one batch is not sliced).
-    ``scale``: (step, micro-batch, factor), the GELU's output scaled there (a planted fault)."""
+           scale: tuple[int, int, float] | None = None, net: Callable[[], nn.Module] = Net,
+           draw: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]] = _rows_of_8) -> None:
+    """AdamW steps on a batch (``draw``'s: 8 rows), in ``micro_batches`` slices whose gradients
+    accumulate (each loss divided by their number, as gradient accumulation does; one batch is not
+    sliced). ``scale``: (step, micro-batch, factor), the GELU's output scaled there (a planted fault)."""
     torch.manual_seed(0)
-    model = Net()
+    model = net()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(1)
     with probe.mode("stats", out=str(out), model=model) as session:
         for step in range(steps):
-            x, y = torch.randn(8, 8, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+            x, y = draw(gen)
             parts = zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True) if micro_batches > 1 \
                 else [(x, y)]
             for index, (xs, ys) in enumerate(parts):
@@ -252,3 +258,35 @@ def test_an_op_that_draws_in_each_micro_batch_is_not_compared(tmp_path):
     assert drawn, [c.a.name for c in report.comparisons if c.a is not None][:40]
     assert all(c.verdict == NOT_COMPARED and NOT_FOLDED in c.message for c in drawn), \
         [(c.a.id, c.verdict, c.message) for c in drawn]
+
+
+class TokenNet(nn.Module):
+    """A learned token before each sample's rows (a ViT's or AST's CLS token), expanded over the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.token = nn.Parameter(torch.randn(1, 1, 8))
+        self.act = Act()
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = torch.cat([self.token.expand(x.shape[0], -1, -1), x], dim=1)
+        return self.out(self.act(rows)[:, 0])
+
+
+def _two_samples(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(2, 4, 8, generator=gen), torch.randint(0, 3, (2,), generator=gen)
+
+
+def test_a_micro_batch_of_one_whose_gradient_becomes_grad_is_folded_as_the_batch_slice(tmp_path):
+    # With a micro-batch of one, the token's gradient is the slice of cat's gradient itself (the
+    # expand's backward sums nothing), which AccumulateGrad keeps as .grad and the second micro-batch
+    # adds into; the full batch slices [2, 1, 8] and sums it. The slice is compared as the batch's
+    # slice, not as the accumulated .grad of another shape (before: a "shape" divergence, AST).
+    _train(tmp_path / "a", 1, net=TokenNet, draw=_two_samples)
+    _train(tmp_path / "b", 2, net=TokenNet, draw=_two_samples)
+    report = probe.compare(tmp_path / "a", tmp_path / "b")
+    assert report.divergence is None, report.conclusion
+    _train(tmp_path / "fault", 2, scale=(1, 1, 1.5), net=TokenNet, draw=_two_samples)
+    d = probe.compare(tmp_path / "a", tmp_path / "fault").divergence
+    assert d is not None and d.step == 1 and d.op.module == "act", d and (d.step, d.op.id)

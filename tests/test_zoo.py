@@ -384,3 +384,28 @@ def test_the_masked_lm_populations_other_pairs(name: str, pair: str, tmp_path: P
     outcome = zoo_case("masked-lm", name, pair, tmp_path)
     assert outcome.error is None and outcome.skipped is None, outcome
     assert outcome.ok, (outcome.answer, outcome.conclusion)
+
+
+def test_the_audio_population_accumulate_pair():
+    # AST's CLS and distillation tokens are expanded over the batch: with micro-batches of one,
+    # AccumulateGrad keeps cat's gradient slice itself as .grad, which the second adds into; the
+    # slice was compared as that .grad, a 'shape' divergence against the batch's [2, 1, 64].
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        outcome = zoo_case("audio-classification", "audio-spectrogram-transformer", "accumulate-2", root)
+    assert outcome.error is None and outcome.skipped is None, outcome
+    assert outcome.ok, (outcome.answer, outcome.conclusion)
+
+
+@pytest.mark.parametrize(("name", "batchnorm"), [("wav2vec2-conformer", True), ("hubert", False)])
+def test_batchnorm_is_read_from_the_modules_not_the_config(name: str, batchnorm: bool):
+    # wav2vec2-conformer's convolution module has a BatchNorm no config key names (its accumulate
+    # pair was run, and called divergent: micro-batches normalise over themselves); HuBERT's config
+    # has a key 'conv_pos_batch_norm' (False), and its pair was skipped.
+    arch = next(a for a in architectures("audio-classification") if a.name == name)
+    built = build(arch)
+    assert isinstance(built, Built), built
+    state = torch.random.get_rng_state()
+    assert built.has_batchnorm is batchnorm
+    assert torch.equal(torch.random.get_rng_state(), state)  # building it drew nothing of the caller's
