@@ -436,12 +436,12 @@ def _folded_op(lead: OpRecord, peers: list[OpRecord], complete: bool, partner: O
     (an op's probability among them, :func:`probe.analysis.random_draws.draws`)."""
     def folded(io: str, position: int, record: TensorRecord, varies: bool) -> TensorRecord:
         # A value later micro-batches add into in place (``.grad``) is their sum, unless the
-        # reference's op makes a value of another shape there: a micro-batch of one's gradient
+        # reference's op makes a value of another size there: a micro-batch of one's gradient
         # that AccumulateGrad kept as ``.grad`` (no sum over the batch, which the reference does
         # after this op), so that this op's value is the batch's slice, folded as any other.
         if io == "output" and (index, position) in accumulated and not (
                 partner is not None and position < len(partner.outputs)
-                and tuple(partner.outputs[position].shape) != tuple(accumulated[(index, position)].shape)):
+                and partner.outputs[position].numel != accumulated[(index, position)].numel):
             return replace(accumulated[(index, position)], source=None, mutated=record.mutated)
         if io == "output" and peers and draws(lead, recorded):  # each micro-batch's own draw
             return _unknown(record)
