@@ -290,3 +290,41 @@ def test_a_micro_batch_of_one_whose_gradient_becomes_grad_is_folded_as_the_batch
     _train(tmp_path / "fault", 2, scale=(1, 1, 1.5), net=TokenNet, draw=_two_samples)
     d = probe.compare(tmp_path / "a", tmp_path / "fault").divergence
     assert d is not None and d.step == 1 and d.op.module == "act", d and (d.step, d.op.id)
+
+
+class Routed(nn.Module):
+    """Each sample through one of two experts, an expert called only where a sample is routed to
+    it (a mixture's dispatch): how often it is called is its data's, not the model's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 2)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.act = Act()
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.gate(x).argmax(-1).tolist()
+        rows = [self.experts[e](x[i:i + 1]) for i, e in enumerate(choice)]
+        return self.out(self.act(torch.cat(rows)))
+
+
+def _routed_batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(4, 8, generator=gen), torch.randint(0, 3, (4,), generator=gen)
+
+
+def test_the_micro_batches_are_the_model_s_calls_not_its_experts(tmp_path):
+    # An expert called only where samples are routed to it is called 1, 2 or 3 times as often with
+    # micro-batches (Switch Transformers): the ratio of module calls was not one number, so the
+    # step was compared unfolded ('shape' at the embedding). The model's own calls (its root
+    # frames) count the micro-batches.
+    _train(tmp_path / "a", 1, net=Routed, draw=_routed_batch)
+    _train(tmp_path / "b", 2, net=Routed, draw=_routed_batch)
+    experts = {op.module_call for op in probe.load(tmp_path / "b").ops(0)
+               if op.module == "experts.0" and op.phase == "forward"}
+    assert experts, "expert 0 was not called in run B: the test's premise"
+    report = probe.compare(tmp_path / "a", tmp_path / "b")
+    assert report.divergence is None, report.conclusion
+    _train(tmp_path / "fault", 2, scale=(1, 0, 1.5), net=Routed, draw=_routed_batch)
+    d = probe.compare(tmp_path / "a", tmp_path / "fault").divergence
+    assert d is not None and d.step == 1 and d.op.module == "act", d and (d.step, d.op.id)

@@ -57,10 +57,26 @@ def _forward_calls(ops: list[OpRecord], rename: Callable[[str], str]) -> dict[st
     return {module: len(indices) for module, indices in calls.items()}
 
 
+def _root_calls(ops: list[OpRecord]) -> int:
+    """How many times the step called the root module (``model=``) in forward (0: no root frame)."""
+    calls = set()
+    for op in ops:
+        if op.phase == "forward" and op.module_stack:
+            frame = module_frame(op.module_stack[0])
+            if frame is not None and frame[0] == "":
+                calls.add(frame[1])
+    return len(calls)
+
+
 def micro_batches(ops_a: list[OpRecord], ops_b: list[OpRecord],
                   rename: Callable[[str], str] = lambda module: module) -> MicroBatches | None:
     """The runs' micro-batches in one step when they differ (None: they call the model alike, or
     no module both call tells). ``rename`` maps run B's module names into run A's."""
+    roots_a, roots_b = _root_calls(ops_a), _root_calls(ops_b)
+    if roots_a and roots_b:
+        # The model's own calls, from its root frames: a submodule may be called a number of times
+        # its data decide (a mixture's expert, only where tokens are routed to it), the model not.
+        return MicroBatches(roots_a, roots_b) if roots_a != roots_b else None
     calls_a = _forward_calls(ops_a, lambda module: module)
     calls_b = _forward_calls(ops_b, rename)
     common = sorted(set(calls_a) & set(calls_b))
