@@ -97,7 +97,8 @@ def writer_share(workload: str, device: str, dtype: str, steps: int) -> str:
     """Where a stats step's wall time goes that the training thread's CPU time does not show: the
     step with its files written on the writer thread (the default) and on the training thread
     (``async_flush=False``), with the training thread's and the whole process's CPU time and the
-    write's own wall and CPU time (the writer thread holds the GIL while it encodes)."""
+    write's own wall and CPU time (what the writer thread does holds the GIL the training thread
+    needs between its torch calls; the op records are encoded before, on the training thread)."""
     import probe
     from probe import session_writer
 

@@ -12,6 +12,7 @@ inputs. An architecture that does not build that naively is kept with the reason
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import warnings
 from collections.abc import Iterator
@@ -316,12 +317,12 @@ class Built:
         """A batch of the task's inputs and labels, drawn from ``gen``."""
         return task_batch(self.arch, self.config, gen, batch)
 
-    @property
+    @functools.cached_property
     def has_batchnorm(self) -> bool:
         """Whether a module normalises over the batch: gradient accumulation then changes the
         computation (its micro-batches' statistics), so that pair does not apply. Read from the
         model's modules, not its config: wav2vec2-conformer's convolution module has a BatchNorm
-        that no config key names."""
+        that no config key names. (Built once per architecture: every case asks.)"""
         if self.config is None:
             return True
         with torch.random.fork_rng(devices=[]):  # (building seeds torch's generator)
